@@ -1,0 +1,480 @@
+"""Capture one training step of an ``nn.Module`` as a functional :class:`~fxpar.program.Program`.
+
+How it works:
+
+1. Parameters, buffers and the batch become fake tensors (shape, dtype and device, no storage),
+   so a model built on the meta device is captured without allocating its weights and a model
+   with real weights is captured without copying them.
+2. ``make_fx`` traces a step function below autograd: the forward through
+   ``torch.func.functional_call``, the loss, then ``torch.autograd.grad`` of the loss with respect
+   to every trainable parameter. Autograd's backward kernels are traced as ordinary ATen ops, so
+   forward and backward land in one joint graph.
+3. Python functionalization (``FunctionalTensorMode``) runs under the tracer, so in-place ops
+   become out-of-place ones and buffer writes (BatchNorm statistics) become extra outputs.
+4. Forward module hooks tag each forward node with the module that ran it; hooks on the
+   autograd graph tag each backward node with the autograd node it belongs to, which links it to
+   the forward op it differentiates. Both become :class:`fxpar.ir.Region` annotations.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import linecache
+import os
+import traceback
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.fx.traceback as fx_traceback
+from torch import nn
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
+from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import (
+    DimDynamic,
+    GuardOnDataDependentSymNode,
+    ShapeEnv,
+    StatelessSymbolicContext,
+)
+
+from fxpar import ir
+from fxpar.errors import CaptureError
+from fxpar.program import Program, Signature
+
+LossFn = Callable[..., torch.Tensor]
+
+# Keys of the ``custom`` node metadata that torch.fx copies onto every node traced while a
+# ``torch.fx.traceback.annotate`` block is open. Capture turns them into Region annotations.
+_PHASE = "fxpar.phase"
+_MODULE = "fxpar.module"
+_GRAD_OF = "fxpar.grad_of"
+
+# Ops that are the identity in a functional graph; capture drops them.
+_IDENTITY_OPS = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
+
+_DATA_DEPENDENT = (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    GuardOnDataDependentSymNode,
+)
+
+
+def capture(
+    model: nn.Module,
+    example_inputs: Sequence[Any] | Mapping[str, Any],
+    loss_fn: LossFn | None = None,
+    *,
+    example_targets: Sequence[torch.Tensor] = (),
+    dynamic: bool = False,
+) -> Program:
+    """Trace one training step of ``model`` into a functional Program of ATen ops.
+
+    Args:
+        model: the module to train. Its parameters may be real or on the meta device; neither
+            is copied or allocated.
+        example_inputs: positional arguments of ``model`` (a tuple) or keyword arguments (a
+            dict). Tensors become batch inputs of the Program; anything else is baked in.
+        loss_fn: called as ``loss_fn(output, *targets)``. When None, the model's output must be
+            the loss, or carry it as ``.loss`` / ``["loss"]`` (Hugging Face style).
+        example_targets: tensors passed to ``loss_fn`` after the model's output.
+        dynamic: trace every batch dimension larger than one as a symbol, so shapes and costs
+            are sympy expressions valid for any batch and sequence size.
+
+    Returns:
+        A Program whose graph maps (parameters, buffers, batch) to (loss, gradients, buffer
+        updates); see :mod:`fxpar.program`.
+
+    Raises:
+        CaptureError: the step cannot be traced (data-dependent control flow, an op fake
+            tensors cannot run, a non-scalar loss, a model that mutates its inputs).
+    """
+    if not isinstance(model, nn.Module):
+        raise CaptureError(f"capture expects an nn.Module, got {type(model).__name__}")
+    if loss_fn is None and example_targets:
+        raise CaptureError("example_targets were given without a loss_fn to receive them")
+
+    batch = _Batch.of(example_inputs, tuple(example_targets))
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    device = _tracing_device([*params.values(), *buffers.values(), *batch.tensors])
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv(duck_shape=False) if dynamic else None)
+    fake_state = [
+        _fake_state_tensor(fake_mode, tensor, device)
+        for tensor in (*params.values(), *buffers.values())
+    ]
+    fake_batch = [_fake_batch_tensor(fake_mode, t, device, dynamic) for t in batch.tensors]
+
+    step = _TrainStep(model, loss_fn, batch, tuple(params), tuple(buffers))
+    try:
+        with _module_regions(model, step.module_stack), fx_traceback.preserve_node_meta():
+            traced = make_fx(
+                step.trace,
+                tracing_mode="symbolic" if dynamic else "fake",
+                _allow_non_fake_inputs=False,
+            )(*fake_state, *fake_batch)
+    except CaptureError:
+        raise
+    except Exception as error:
+        raise _capture_error(model, step.module_stack, error) from error
+
+    signature = Signature(
+        parameters=tuple(params),
+        buffers=tuple(buffers),
+        inputs=batch.names,
+        gradients=tuple(name for name, p in params.items() if p.requires_grad),
+        buffer_updates=step.buffer_updates,
+    )
+    return Program(_clean_graph(traced, signature), signature)
+
+
+@dataclass(frozen=True)
+class _Batch:
+    """Where the batch tensors sit among the model's arguments and the loss targets."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    targets: tuple[torch.Tensor, ...]
+    names: tuple[str, ...]
+
+    @staticmethod
+    def of(inputs: Sequence[Any] | Mapping[str, Any], targets: tuple[torch.Tensor, ...]) -> _Batch:
+        if isinstance(inputs, torch.Tensor):
+            inputs = (inputs,)
+        if isinstance(inputs, Mapping):
+            args: tuple[Any, ...] = ()
+            kwargs = dict(inputs)
+            names = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+        else:
+            args, kwargs = tuple(inputs), {}
+            names = [f"input_{i}" for i, v in enumerate(args) if isinstance(v, torch.Tensor)]
+        for i, target in enumerate(targets):
+            if not isinstance(target, torch.Tensor):
+                raise CaptureError(f"example_targets[{i}] is a {type(target).__name__}, not a tensor")
+        names += [f"target_{i}" for i in range(len(targets))]
+        return _Batch(args, kwargs, targets, tuple(names))
+
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        model_inputs = [*self.args, *self.kwargs.values()]
+        return [t for t in model_inputs if isinstance(t, torch.Tensor)] + list(self.targets)
+
+    def rebuild(self, tensors: Sequence[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any], tuple[torch.Tensor, ...]]:
+        """Model args, kwargs and targets with the batch tensors replaced by ``tensors``."""
+        it = iter(tensors)
+        args = tuple(next(it) if isinstance(a, torch.Tensor) else a for a in self.args)
+        kwargs = {k: next(it) if isinstance(v, torch.Tensor) else v for k, v in self.kwargs.items()}
+        targets = tuple(next(it) for _ in self.targets)
+        return args, kwargs, targets
+
+
+@dataclass
+class _TrainStep:
+    """The function make_fx traces: forward, loss, backward, with functionalization."""
+
+    model: nn.Module
+    loss_fn: LossFn | None
+    batch: _Batch
+    param_names: tuple[str, ...]
+    buffer_names: tuple[str, ...]
+    module_stack: list[tuple[str, str]] = field(default_factory=list)
+    buffer_updates: tuple[str, ...] = ()
+
+    def trace(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        with FunctionalTensorMode():
+            functional = [FunctionalTensor.to_functional(t) for t in flat]
+            outputs = self.step(*functional)
+        num_params, num_buffers = len(self.param_names), len(self.buffer_names)
+        updates = []
+        for index, tensor in enumerate(functional):
+            torch._sync(tensor)
+            if not torch._functionalize_has_data_mutation(tensor.elem):  # type: ignore[attr-defined]
+                continue
+            if num_params <= index < num_params + num_buffers:
+                updates.append(index)
+            elif index < num_params:
+                raise CaptureError(
+                    f"the model writes parameter {self.param_names[index]!r} in place during "
+                    "the step; only buffers may be updated in forward"
+                )
+            else:
+                raise CaptureError(
+                    f"the model writes its input {self.batch.names[index - num_params - num_buffers]!r} "
+                    "in place; clone it inside forward before modifying it"
+                )
+        self.buffer_updates = tuple(self.buffer_names[i - num_params] for i in updates)
+        return tuple(
+            _from_functional(t) for t in (*outputs, *(functional[i] for i in updates))
+        )
+
+    def step(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        num_params, num_buffers = len(self.param_names), len(self.buffer_names)
+        params = dict(zip(self.param_names, flat[:num_params], strict=True))
+        buffers = dict(zip(self.buffer_names, flat[num_params : num_params + num_buffers], strict=True))
+        args, kwargs, targets = self.batch.rebuild(flat[num_params + num_buffers :])
+        with fx_traceback.annotate({_PHASE: ir.Phase.FORWARD.value, _MODULE: ""}):
+            output = torch.func.functional_call(self.model, (params, buffers), args, kwargs)
+            if self.loss_fn is not None:
+                with fx_traceback.annotate({_MODULE: ir.LOSS_REGION}):
+                    loss = self.loss_fn(output, *targets)
+            else:
+                loss = _loss_of(output)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise CaptureError(
+                f"the loss must be a scalar tensor, got {shape}; reduce it (e.g. .mean()) in "
+                "loss_fn or in the model"
+            )
+        if not loss.requires_grad:
+            raise CaptureError(
+                "the loss does not depend on any trainable parameter; check requires_grad "
+                "on the model's parameters"
+            )
+        trainable = [p for p in params.values() if p.requires_grad]
+        _tag_backward_nodes(loss)
+        with fx_traceback.annotate({_PHASE: ir.Phase.BACKWARD.value, _MODULE: ""}):
+            grads = torch.autograd.grad(loss, trainable, allow_unused=True)
+            grads = tuple(
+                torch.zeros_like(p) if g is None else g for g, p in zip(grads, trainable, strict=True)
+            )
+        return (loss, *grads)
+
+
+def _loss_of(output: Any) -> torch.Tensor:
+    if isinstance(output, torch.Tensor):
+        return output
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, Mapping):
+        loss = output.get("loss")
+    if loss is None:
+        raise CaptureError(
+            f"the model returned {type(output).__name__} with no loss; pass loss_fn=... "
+            "(called as loss_fn(output, *targets)) or return the loss from the model"
+        )
+    return loss  # type: ignore[no-any-return]
+
+
+def _from_functional(tensor: torch.Tensor) -> torch.Tensor:
+    if not isinstance(tensor, FunctionalTensor):
+        return tensor
+    torch._sync(tensor)
+    return torch._from_functional_tensor(tensor.elem)  # type: ignore[attr-defined,no-any-return]
+
+
+def _tag_backward_nodes(loss: torch.Tensor) -> None:
+    """Hook every autograd node under ``loss`` so the ops it runs name it as their origin."""
+    open_blocks: list[contextlib.AbstractContextManager[None]] = []
+
+    def enter(seq_nr: int) -> Callable[..., None]:
+        def prehook(grad_outputs: Any) -> None:
+            block = fx_traceback.annotate({_GRAD_OF: seq_nr})
+            block.__enter__()
+            open_blocks.append(block)
+
+        return prehook
+
+    def leave(grad_inputs: Any, grad_outputs: Any) -> None:
+        open_blocks.pop().__exit__(None, None, None)
+
+    seen: set[int] = set()
+    pending = [loss.grad_fn]
+    while pending:
+        node = pending.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        node.register_prehook(enter(node._sequence_nr()))
+        node.register_hook(leave)
+        pending.extend(next_node for next_node, _ in node.next_functions)
+
+
+@contextlib.contextmanager
+def _module_regions(model: nn.Module, stack: list[tuple[str, str]]) -> Iterator[None]:
+    """Tag forward ops with the innermost module running them, and keep that module stack."""
+    names: dict[int, str] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        names.setdefault(id(module), name)
+    open_blocks: list[contextlib.AbstractContextManager[None]] = []
+
+    def pre_hook(module: nn.Module, args: Any) -> None:
+        name = names[id(module)]
+        stack.append((name, type(module).__name__))
+        block = fx_traceback.annotate({_MODULE: name})
+        block.__enter__()
+        open_blocks.append(block)
+
+    def post_hook(module: nn.Module, args: Any, output: Any) -> None:
+        open_blocks.pop().__exit__(None, None, None)
+        stack.pop()
+
+    handles = []
+    for module in {id(m): m for m in model.modules()}.values():
+        handles.append(module.register_forward_pre_hook(pre_hook))
+        handles.append(module.register_forward_hook(post_hook))
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _tracing_device(tensors: Sequence[torch.Tensor]) -> torch.device:
+    """Where the fake tensors claim to live: the model's real device, or the CPU for meta models."""
+    for tensor in tensors:
+        if tensor.device.type != "meta":
+            return tensor.device
+    return torch.device("cpu")
+
+
+def _fake_state_tensor(
+    fake_mode: FakeTensorMode, tensor: torch.Tensor, device: torch.device
+) -> torch.Tensor:
+    # Built from shape and stride only: never reads (or copies) the weights.
+    with fake_mode:
+        fake = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device)
+    return fake.requires_grad_(tensor.requires_grad)
+
+
+def _fake_batch_tensor(
+    fake_mode: FakeTensorMode, tensor: torch.Tensor, device: torch.device, dynamic: bool
+) -> torch.Tensor:
+    if tensor.device.type == "meta":
+        tensor = torch.zeros(tensor.shape, dtype=tensor.dtype, device=device)
+    if not dynamic:
+        return fake_mode.from_tensor(tensor, static_shapes=True)
+    sizes = [DimDynamic.DYNAMIC if s > 1 else DimDynamic.STATIC for s in tensor.shape]
+    context = StatelessSymbolicContext(dynamic_sizes=sizes)  # type: ignore[arg-type]
+    return fake_mode.from_tensor(tensor, symbolic_context=context)
+
+
+def _clean_graph(traced: fx.GraphModule, signature: Signature) -> fx.GraphModule:
+    """Copy the traced graph with named placeholders, identity ops dropped, and annotations."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    names = iter(signature.parameters + signature.buffers + signature.inputs)
+    for node in traced.graph.nodes:
+        if node.op == "placeholder":
+            name = next(names)
+            new = graph.placeholder(_identifier(name))
+            new.meta = dict(node.meta)
+        elif node.op == "call_function" and node.target in _IDENTITY_OPS:
+            env[node] = env[node.args[0]]
+            continue
+        elif node.op == "output":
+            graph.output(fx.node.map_arg(node.args[0], env.__getitem__))
+            continue
+        else:
+            new = graph.node_copy(node, env.__getitem__)
+        env[node] = new
+    graph.eliminate_dead_code()
+    _annotate_values_and_regions(graph, signature)
+    module = fx.GraphModule(traced, graph, class_name="TrainStep")
+    return module
+
+
+def _annotate_values_and_regions(graph: fx.Graph, signature: Signature) -> None:
+    state_names = signature.parameters + signature.buffers
+    forward_module_of: dict[int, str] = {}
+    placeholder_index = 0
+    for node in graph.nodes:
+        if node.op == "output":
+            ir.annotate(node, ir.Region(ir.Phase.OUTPUT, ""))
+            continue
+        ir.annotate(node, ir.ValueMeta.of(node.meta.get("val")))
+        if node.op == "placeholder":
+            # A parameter or buffer belongs to the module that owns it; batch inputs to the root.
+            owner = ""
+            if placeholder_index < len(state_names):
+                owner = state_names[placeholder_index].rpartition(".")[0]
+            placeholder_index += 1
+            ir.annotate(node, ir.Region(ir.Phase.INPUT, owner))
+            continue
+        custom = node.meta.get("custom", {})
+        seq_nr = node.meta.get("seq_nr")
+        if custom.get(_PHASE) == ir.Phase.BACKWARD.value:
+            grad_of = custom.get(_GRAD_OF)
+            module = forward_module_of.get(grad_of) if grad_of is not None else None
+            if module is None:
+                # Seeds and gradient accumulation run outside any autograd node: they belong
+                # with the backward op that produces their input.
+                module = _first_backward_module(node)
+            ir.annotate(node, ir.Region(ir.Phase.BACKWARD, module, grad_of))
+        else:
+            module = custom.get(_MODULE, "")
+            if seq_nr is not None:
+                # The first forward node with a sequence number is the op that created it;
+                # later ones merely inherited a stale counter.
+                forward_module_of.setdefault(seq_nr, module)
+            ir.annotate(node, ir.Region(ir.Phase.FORWARD, module, seq_nr))
+
+
+def _first_backward_module(node: fx.Node) -> str:
+    for arg in node.all_input_nodes:
+        region = ir.get(arg, ir.Region)
+        if region is not None and region.phase is ir.Phase.BACKWARD:
+            return region.module
+    return ""
+
+
+def _identifier(name: str) -> str:
+    cleaned = "".join(c if c.isalnum() else "_" for c in name)
+    return cleaned if cleaned and not cleaned[0].isdigit() else f"_{cleaned}"
+
+
+# --- errors -----------------------------------------------------------------------------------
+
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(mod.__file__) + os.sep
+    for mod in (torch, contextlib)
+    if mod.__file__ is not None
+) + (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
+
+
+def _capture_error(
+    model: nn.Module, module_stack: list[tuple[str, str]], error: Exception
+) -> CaptureError:
+    where = _user_frame(error)
+    module = (
+        f"module {module_stack[-1][0] or '<root>'!r} ({module_stack[-1][1]})"
+        if module_stack
+        else f"{type(model).__name__}"
+    )
+    location = f" at {where}" if where else ""
+    if isinstance(error, _DATA_DEPENDENT):
+        advice = (
+            "the Python control flow or shape depends on tensor values, which a static graph "
+            "cannot capture. Compute both branches and select with torch.where, or move the "
+            "data-dependent decision out of forward"
+        )
+    elif isinstance(error, UnsupportedOperatorException):
+        advice = (
+            f"the op {error.func} has no fake-tensor implementation; register one with "
+            "torch.library.register_fake, or replace the op"
+        )
+    else:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        advice = f"{type(error).__name__}: {first_line}"
+    return CaptureError(
+        f"cannot capture {type(model).__name__}: tracing stopped in {module}{location}: {advice}"
+    )
+
+
+def _user_frame(error: BaseException) -> str | None:
+    """The innermost traceback frame outside torch and fxpar, as 'file:line `source`'."""
+    found = None
+    for frame in traceback.extract_tb(error.__traceback__):
+        if frame.filename.startswith(_LIBRARY_DIRS) or frame.filename.startswith("<"):
+            continue
+        found = frame
+    if found is None:
+        return None
+    source = (found.line or linecache.getline(found.filename, found.lineno or 0)).strip()
+    return f"{found.filename}:{found.lineno} `{source}`"
+

@@ -1,0 +1,37 @@
+"""Typed errors raised by fxpar.
+
+Every error says what went wrong in terms of the user's model and what to do next. They all
+derive from :class:`FxparError`, so ``except fxpar.errors.FxparError`` catches any of them.
+"""
+
+from __future__ import annotations
+
+
+class FxparError(Exception):
+    """Base class of every error fxpar raises on purpose."""
+
+
+class CaptureError(FxparError):
+    """A model could not be captured into a Program.
+
+    Raised for data-dependent Python control flow, operations fake tensors cannot run, models
+    that mutate their inputs, or a loss that is not a scalar. The message names the module and
+    the source line where tracing stopped.
+    """
+
+
+class VerificationError(FxparError):
+    """A Program broke one of the IR's invariants (see :mod:`fxpar.verify`)."""
+
+
+class AnnotationError(FxparError):
+    """A node lacks an annotation that a pass or query needs."""
+
+
+class PassError(FxparError):
+    """A compiler pass failed; the message names the pass and the passes that ran before it."""
+
+    def __init__(self, message: str, *, pass_name: str, completed: tuple[str, ...]) -> None:
+        super().__init__(message)
+        self.pass_name = pass_name
+        self.completed = completed

@@ -1,0 +1,150 @@
+"""The Program: one training step as a functional torch.fx graph, plus its signature.
+
+A Program's graph takes, in this order, every parameter, every buffer and every batch tensor
+(model inputs, then loss targets) as placeholders, and returns a flat tuple::
+
+    (loss, *gradients, *buffer_updates)
+
+``gradients`` has one entry per trainable parameter, in :attr:`Signature.gradients` order;
+``buffer_updates`` holds the new value of each buffer the step writes (BatchNorm running
+statistics, for example). The graph is functional: it mutates nothing, so running it twice on the
+same inputs gives the same outputs, and the caller decides what to do with the new buffers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from fxpar import ir
+from fxpar.errors import FxparError
+
+
+@dataclass(frozen=True)
+class Signature:
+    """Names of a Program's inputs and outputs, in graph order."""
+
+    parameters: tuple[str, ...]
+    buffers: tuple[str, ...]
+    inputs: tuple[str, ...]
+    """Batch tensors: the model's inputs, then the loss function's targets."""
+    gradients: tuple[str, ...]
+    """Parameters that get a gradient (the trainable ones), in output order."""
+    buffer_updates: tuple[str, ...]
+    """Buffers the step writes, in output order."""
+
+    @property
+    def num_placeholders(self) -> int:
+        return len(self.parameters) + len(self.buffers) + len(self.inputs)
+
+    @property
+    def num_outputs(self) -> int:
+        return 1 + len(self.gradients) + len(self.buffer_updates)
+
+    def name_outputs(self, outputs: Sequence[torch.Tensor]) -> StepResult:
+        """Name a flat ``(loss, *gradients, *buffer_updates)`` tuple."""
+        num_grads = len(self.gradients)
+        return StepResult(
+            loss=outputs[0],
+            gradients=dict(zip(self.gradients, outputs[1 : 1 + num_grads], strict=True)),
+            buffers=dict(zip(self.buffer_updates, outputs[1 + num_grads :], strict=True)),
+        )
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one training step computes, by name."""
+
+    loss: torch.Tensor
+    gradients: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+
+
+class Program:
+    """A captured training step: a GraphModule of ATen ops and its :class:`Signature`.
+
+    Passes read and annotate ``program.graph``; :meth:`run` executes it on real tensors.
+    """
+
+    def __init__(self, graph_module: fx.GraphModule, signature: Signature) -> None:
+        self.graph_module = graph_module
+        self.signature = signature
+
+    @property
+    def graph(self) -> fx.Graph:
+        return self.graph_module.graph
+
+    def nodes(self, phase: ir.Phase | None = None) -> Iterator[fx.Node]:
+        """Nodes in graph order, optionally only those of one phase."""
+        for node in self.graph.nodes:
+            if phase is None or ir.require(node, ir.Region).phase is phase:
+                yield node
+
+    def placeholders(self) -> dict[str, fx.Node]:
+        """Placeholder nodes by the parameter, buffer or input name they stand for."""
+        names = self.signature.parameters + self.signature.buffers + self.signature.inputs
+        nodes = [n for n in self.graph.nodes if n.op == "placeholder"]
+        return dict(zip(names, nodes, strict=True))
+
+    def recompile(self) -> None:
+        """Regenerate the Python code after a pass edited the graph."""
+        self.graph_module.recompile()
+
+    def __call__(self, *flat_inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Run on tensors in placeholder order; returns the flat output tuple."""
+        if len(flat_inputs) != self.signature.num_placeholders:
+            raise FxparError(
+                f"Program expects {self.signature.num_placeholders} tensors "
+                f"({len(self.signature.parameters)} parameters, {len(self.signature.buffers)} "
+                f"buffers, {len(self.signature.inputs)} batch tensors), got {len(flat_inputs)}"
+            )
+        return tuple(self.graph_module(*flat_inputs))
+
+    def run(
+        self, state: nn.Module | Mapping[str, torch.Tensor], *batch: torch.Tensor
+    ) -> StepResult:
+        """Run one step on real tensors.
+
+        ``state`` is the model itself or a mapping from parameter and buffer names to tensors;
+        ``batch`` is the model inputs followed by the targets, in :attr:`Signature.inputs` order.
+        Nothing in ``state`` is modified; new buffer values are in the result.
+        """
+        if isinstance(state, nn.Module):
+            state = {
+                **dict(state.named_parameters(remove_duplicate=False)),
+                **dict(state.named_buffers(remove_duplicate=False)),
+            }
+        if len(batch) != len(self.signature.inputs):
+            raise FxparError(
+                f"expected {len(self.signature.inputs)} batch tensors "
+                f"{list(self.signature.inputs)}, got {len(batch)}"
+            )
+        names = self.signature.parameters + self.signature.buffers
+        missing = [name for name in names if name not in state]
+        if missing:
+            raise FxparError(f"state has no tensor for {missing[:5]} ({len(missing)} missing)")
+        with torch.no_grad():
+            values = [state[name].detach() for name in names]
+            outputs = self(*values, *batch)
+        return self.signature.name_outputs(outputs)
+
+    def code(self) -> str:
+        """The graph as readable Python."""
+        return self.graph_module.code
+
+    def __repr__(self) -> str:
+        counts = {phase: 0 for phase in ir.Phase}
+        for node in self.graph.nodes:
+            region = ir.get(node, ir.Region)
+            if region is not None:
+                counts[region.phase] += 1
+        return (
+            f"Program({len(self.signature.parameters)} parameters, "
+            f"{len(self.signature.buffers)} buffers, inputs={list(self.signature.inputs)}, "
+            f"{counts[ir.Phase.FORWARD]} forward and {counts[ir.Phase.BACKWARD]} backward nodes)"
+        )
+
