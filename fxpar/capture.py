@@ -43,6 +43,7 @@ from torch.fx.experimental.symbolic_shapes import (
     GuardOnDataDependentSymNode,
     ShapeEnv,
     StatelessSymbolicContext,
+    free_unbacked_symbols,
 )
 
 from fxpar import ir
@@ -125,6 +126,7 @@ def capture(
     except Exception as error:
         raise _capture_error(model, step.module_stack, error) from error
 
+    _reject_unbacked_shapes(traced)
     signature = Signature(
         parameters=tuple(params),
         buffers=tuple(buffers),
@@ -352,6 +354,18 @@ def _fake_batch_tensor(
     sizes = [DimDynamic.DYNAMIC if s > 1 else DimDynamic.STATIC for s in tensor.shape]
     context = StatelessSymbolicContext(dynamic_sizes=sizes)  # type: ignore[arg-type]
     return fake_mode.from_tensor(tensor, symbolic_context=context)
+
+
+def _reject_unbacked_shapes(traced: fx.GraphModule) -> None:
+    """Refuse graphs whose shapes depend on tensor values (boolean masks, ``nonzero``)."""
+    for node in traced.graph.nodes:
+        if node.op == "call_function" and free_unbacked_symbols(node.meta.get("val")):
+            module = node.meta.get("custom", {}).get(_MODULE, "")
+            raise CaptureError(
+                f"the shape of {node.target} in module {module or '<root>'!r} depends on tensor "
+                "values (boolean-mask indexing, nonzero, unique, ...), which fxpar cannot shard "
+                "or plan; use a fixed-shape formulation such as torch.where or a padded mask"
+            )
 
 
 def _clean_graph(traced: fx.GraphModule, signature: Signature) -> fx.GraphModule:

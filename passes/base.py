@@ -1,0 +1,133 @@
+"""Passes and the pass manager.
+
+A pass is a frozen dataclass: a ``name`` class attribute, its options as fields, and a
+:meth:`Pass.run` that takes a Program and returns a Program (the same object, edited, or a new
+one). A :class:`PassManager` runs an explicit tuple of passes in order; with ``verify=True`` it
+checks the IR's invariants after each one, which is how the tests run it.
+"""
+
+from __future__ import annotations
+
+import abc
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import ClassVar
+
+from fxpar.errors import FxparError, PassError
+from fxpar.program import Program
+from fxpar.verify import verify as verify_program
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Pass(abc.ABC):
+    """One compiler pass. Subclasses set ``name`` and implement :meth:`run`."""
+
+    name: ClassVar[str]
+
+    @abc.abstractmethod
+    def run(self, program: Program) -> Program:
+        """Transform or annotate ``program`` and return the result."""
+
+    def __call__(self, program: Program) -> Program:
+        return self.run(program)
+
+
+@dataclass(frozen=True)
+class PassManager:
+    """Runs ``passes`` in order.
+
+    ``verify`` runs the IR verifier on the input and after every pass (debug mode: on in the
+    tests, off by default since it walks the whole graph each time). A failure raises
+    :class:`~fxpar.errors.PassError` naming the failing pass and those that completed.
+    """
+
+    passes: tuple[Pass, ...]
+    verify: bool = False
+
+    def __post_init__(self) -> None:
+        names = [p.name for p in self.passes]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise FxparError(f"pass names must be unique in a pipeline, repeated: {duplicates}")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(p.name for p in self.passes)
+
+    def run(self, program: Program) -> Program:
+        if self.verify:
+            self._verify(program, after=None, completed=())
+        completed: list[str] = []
+        for current in self.passes:
+            start = time.perf_counter()
+            try:
+                result = current(program)
+            except Exception as error:
+                raise PassError(
+                    f"pass {current.name!r} failed{_after(completed)}: "
+                    f"{type(error).__name__}: {error}",
+                    pass_name=current.name,
+                    completed=tuple(completed),
+                ) from error
+            if not isinstance(result, Program):
+                raise PassError(
+                    f"pass {current.name!r} returned {type(result).__name__}, not a Program",
+                    pass_name=current.name,
+                    completed=tuple(completed),
+                )
+            program = result
+            logger.debug("pass %s took %.3f s", current.name, time.perf_counter() - start)
+            if self.verify:
+                self._verify(program, after=current.name, completed=tuple(completed))
+            completed.append(current.name)
+        return program
+
+    def _verify(self, program: Program, after: str | None, completed: tuple[str, ...]) -> None:
+        try:
+            verify_program(program)
+        except FxparError as error:
+            if after is None:
+                message = f"the input Program is invalid: {error}"
+            else:
+                message = f"pass {after!r} left an invalid Program{_after(completed)}: {error}"
+            raise PassError(message, pass_name=after or "<input>", completed=completed) from error
+
+    # -- editing a pipeline: each returns a new PassManager ---------------------------------
+
+    def insert_after(self, name: str, *new: Pass) -> PassManager:
+        """The pipeline with ``new`` passes right after the pass called ``name``."""
+        index = self._index(name) + 1
+        return self._with(self.passes[:index] + new + self.passes[index:])
+
+    def insert_before(self, name: str, *new: Pass) -> PassManager:
+        """The pipeline with ``new`` passes right before the pass called ``name``."""
+        index = self._index(name)
+        return self._with(self.passes[:index] + new + self.passes[index:])
+
+    def replace(self, name: str, new: Pass) -> PassManager:
+        """The pipeline with the pass called ``name`` swapped for ``new``."""
+        index = self._index(name)
+        return self._with(self.passes[:index] + (new,) + self.passes[index + 1 :])
+
+    def without(self, *names: str) -> PassManager:
+        """The pipeline without the passes called ``names``."""
+        for name in names:
+            self._index(name)
+        return self._with(tuple(p for p in self.passes if p.name not in names))
+
+    def _index(self, name: str) -> int:
+        for index, current in enumerate(self.passes):
+            if current.name == name:
+                return index
+        raise FxparError(f"no pass named {name!r} in the pipeline {list(self.names)}")
+
+    def _with(self, passes: Iterable[Pass]) -> PassManager:
+        return PassManager(tuple(passes), verify=self.verify)
+
+
+def _after(completed: list[str] | tuple[str, ...]) -> str:
+    return f" (after {', '.join(completed)})" if completed else " (no pass ran before it)"

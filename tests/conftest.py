@@ -1,0 +1,76 @@
+"""Shared helpers: eager references to compare captured Programs against."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from torch import nn
+
+import fxpar
+
+settings.register_profile(
+    "ci", derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)
+
+
+def eager_step(
+    model: nn.Module,
+    inputs: Sequence[Any] | Mapping[str, Any],
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    targets: Sequence[torch.Tensor] = (),
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss and gradients of one eager step (``loss.backward()``), by parameter name."""
+    model.zero_grad(set_to_none=True)
+    output = model(**inputs) if isinstance(inputs, Mapping) else model(*inputs)
+    if loss_fn is not None:
+        loss = loss_fn(output, *targets)
+    else:
+        loss = output if isinstance(output, torch.Tensor) else output.loss
+    loss.backward()
+    grads = {
+        name: (p.grad if p.grad is not None else torch.zeros_like(p))
+        for name, p in model.named_parameters()
+        if p.requires_grad
+    }
+    return loss.detach(), grads
+
+
+def batch_of(inputs: Sequence[Any] | Mapping[str, Any], targets: Sequence[torch.Tensor]) -> list:
+    values = inputs.values() if isinstance(inputs, Mapping) else inputs
+    return [v for v in values if isinstance(v, torch.Tensor)] + list(targets)
+
+
+def assert_matches_eager(
+    model: nn.Module,
+    inputs: Sequence[Any] | Mapping[str, Any],
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    targets: Sequence[torch.Tensor] = (),
+    *,
+    rtol: float = 1e-5,
+    atol: float = 1e-7,
+) -> fxpar.Program:
+    """Capture ``model``, run the Program on its real state, and compare with eager training:
+    the loss, every gradient, and every buffer the step updates."""
+    program = fxpar.capture(model, inputs, loss_fn, example_targets=targets)
+    fxpar.verify(program)
+    result = program.run(model, *batch_of(inputs, targets))
+    loss, grads = eager_step(model, inputs, loss_fn, targets)  # updates BatchNorm buffers
+    torch.testing.assert_close(result.loss, loss, rtol=rtol, atol=atol)
+    assert set(result.gradients) == set(grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(result.gradients[name], grad, rtol=rtol, atol=atol, msg=name)
+    buffers = dict(model.named_buffers())
+    for name, value in result.buffers.items():
+        torch.testing.assert_close(value, buffers[name], rtol=rtol, atol=atol, msg=name)
+    return program
