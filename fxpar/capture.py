@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import linecache
 import os
+import sysconfig
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -115,7 +116,11 @@ def capture(
 
     step = _TrainStep(model, loss_fn, batch, tuple(params), tuple(buffers))
     try:
-        with _module_regions(model, step.module_stack), fx_traceback.preserve_node_meta():
+        with (
+            _compiling(),
+            _module_regions(model, step.module_stack),
+            fx_traceback.preserve_node_meta(),
+        ):
             traced = make_fx(
                 step.trace,
                 tracing_mode="symbolic" if dynamic else "fake",
@@ -298,6 +303,21 @@ def _tag_backward_nodes(loss: torch.Tensor) -> None:
 
 
 @contextlib.contextmanager
+def _compiling() -> Iterator[None]:
+    """Report ``torch.compiler.is_compiling()`` while tracing, as torch.export does.
+
+    Libraries check it to skip value-dependent fast paths (Hugging Face skips its "is the
+    attention mask all ones?" test), which a static graph could not capture anyway.
+    """
+    previous = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = previous
+
+
+@contextlib.contextmanager
 def _module_regions(model: nn.Module, stack: list[tuple[str, str]]) -> Iterator[None]:
     """Tag forward ops with the innermost module running them, and keep that module stack."""
     names: dict[int, str] = {}
@@ -444,11 +464,18 @@ def _identifier(name: str) -> str:
 
 # --- errors -----------------------------------------------------------------------------------
 
-_LIBRARY_DIRS = tuple(
-    os.path.dirname(mod.__file__) + os.sep
-    for mod in (torch, contextlib)
-    if mod.__file__ is not None
-) + (os.path.dirname(os.path.abspath(__file__)) + os.sep,)
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_FXPAR_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_STDLIB_DIR = sysconfig.get_paths()["stdlib"] + os.sep
+_SITE_DIRS = (sysconfig.get_paths()["purelib"] + os.sep, sysconfig.get_paths()["platlib"] + os.sep)
+
+
+def _is_library_file(filename: str) -> bool:
+    """Frames of torch, fxpar and the standard library are not where a user's model failed."""
+    filename = os.path.abspath(filename)
+    if filename.startswith((_TORCH_DIR, _FXPAR_DIR)):
+        return True
+    return filename.startswith(_STDLIB_DIR) and not filename.startswith(_SITE_DIRS)
 
 
 def _capture_error(
@@ -484,7 +511,7 @@ def _user_frame(error: BaseException) -> str | None:
     """The innermost traceback frame outside torch and fxpar, as 'file:line `source`'."""
     found = None
     for frame in traceback.extract_tb(error.__traceback__):
-        if frame.filename.startswith(_LIBRARY_DIRS) or frame.filename.startswith("<"):
+        if frame.filename.startswith("<") or _is_library_file(frame.filename):
             continue
         found = frame
     if found is None:

@@ -1,8 +1,8 @@
 """Annotate every node with its :class:`~fxpar.ir.Cost`: FLOPs and bytes moved.
 
-Views (ops whose result aliases an input), ``getitem`` and symbolic-size arithmetic move no data:
-they cost zero FLOPs and zero bytes read or written, though their ``output_bytes`` still give the
-size of the value. Other ops read all their tensor arguments and write all their results; FLOPs
+Views (ops whose result aliases an input), ``getitem`` and symbolic-size arithmetic (nodes that
+produce no tensor) move no data: they cost zero FLOPs and zero bytes read or written, though
+their ``output_bytes`` still give the size of the value. Other ops read all their tensor arguments and write all their results; FLOPs
 come from a :class:`~fxpar.flops.FlopRegistry`. Costs are ints, or sympy expressions when the
 Program was captured with symbolic shapes.
 """
@@ -44,7 +44,7 @@ class AnnotateCost(Pass):
 def node_cost(node: fx.Node, flops: FlopRegistry) -> ir.Cost:
     outputs = ir.require(node, ir.ValueMeta).tensors
     output_bytes = ir.total(t.nbytes for t in outputs)
-    if node.op != "call_function" or _moves_no_data(node.target):
+    if node.op != "call_function" or not outputs or _moves_no_data(node.target):
         return ir.Cost(flops=0, bytes_read=0, bytes_written=0, output_bytes=output_bytes)
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), _tensor_meta)
     inputs = [a for a in _flatten((args, kwargs)) if isinstance(a, ir.TensorMeta)]
@@ -64,11 +64,12 @@ def node_cost(node: fx.Node, flops: FlopRegistry) -> ir.Cost:
 
 
 def _moves_no_data(target: Any) -> bool:
+    """Views and tuple reads only give another name to existing data."""
     if target is operator.getitem:
         return True
     if isinstance(target, torch._ops.OpOverload):
         return any(ret.alias_info is not None for ret in target._schema.returns)
-    return True  # symbolic-size arithmetic
+    return False
 
 
 def _tensor_meta(node: fx.Node) -> object:
