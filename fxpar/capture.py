@@ -164,7 +164,9 @@ class _Batch:
             names = [f"input_{i}" for i, v in enumerate(args) if isinstance(v, torch.Tensor)]
         for i, target in enumerate(targets):
             if not isinstance(target, torch.Tensor):
-                raise CaptureError(f"example_targets[{i}] is a {type(target).__name__}, not a tensor")
+                raise CaptureError(
+                    f"example_targets[{i}] is a {type(target).__name__}, not a tensor"
+                )
         names += [f"target_{i}" for i in range(len(targets))]
         return _Batch(args, kwargs, targets, tuple(names))
 
@@ -173,7 +175,9 @@ class _Batch:
         model_inputs = [*self.args, *self.kwargs.values()]
         return [t for t in model_inputs if isinstance(t, torch.Tensor)] + list(self.targets)
 
-    def rebuild(self, tensors: Sequence[torch.Tensor]) -> tuple[tuple[Any, ...], dict[str, Any], tuple[torch.Tensor, ...]]:
+    def rebuild(
+        self, tensors: Sequence[torch.Tensor]
+    ) -> tuple[tuple[Any, ...], dict[str, Any], tuple[torch.Tensor, ...]]:
         """Model args, kwargs and targets with the batch tensors replaced by ``tensors``."""
         it = iter(tensors)
         args = tuple(next(it) if isinstance(a, torch.Tensor) else a for a in self.args)
@@ -212,19 +216,20 @@ class _TrainStep:
                     "the step; only buffers may be updated in forward"
                 )
             else:
+                name = self.batch.names[index - num_params - num_buffers]
                 raise CaptureError(
-                    f"the model writes its input {self.batch.names[index - num_params - num_buffers]!r} "
-                    "in place; clone it inside forward before modifying it"
+                    f"the model writes its input {name!r} in place; clone it inside forward "
+                    "before modifying it"
                 )
         self.buffer_updates = tuple(self.buffer_names[i - num_params] for i in updates)
-        return tuple(
-            _from_functional(t) for t in (*outputs, *(functional[i] for i in updates))
-        )
+        return tuple(_from_functional(t) for t in (*outputs, *(functional[i] for i in updates)))
 
     def step(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         num_params, num_buffers = len(self.param_names), len(self.buffer_names)
         params = dict(zip(self.param_names, flat[:num_params], strict=True))
-        buffers = dict(zip(self.buffer_names, flat[num_params : num_params + num_buffers], strict=True))
+        buffers = dict(
+            zip(self.buffer_names, flat[num_params : num_params + num_buffers], strict=True)
+        )
         args, kwargs, targets = self.batch.rebuild(flat[num_params + num_buffers :])
         with fx_traceback.annotate({_PHASE: ir.Phase.FORWARD.value, _MODULE: ""}):
             output = torch.func.functional_call(self.model, (params, buffers), args, kwargs)
@@ -249,7 +254,8 @@ class _TrainStep:
         with fx_traceback.annotate({_PHASE: ir.Phase.BACKWARD.value, _MODULE: ""}):
             grads = torch.autograd.grad(loss, trainable, allow_unused=True)
             grads = tuple(
-                torch.zeros_like(p) if g is None else g for g, p in zip(grads, trainable, strict=True)
+                torch.zeros_like(p) if g is None else g
+                for g, p in zip(grads, trainable, strict=True)
             )
         return (loss, *grads)
 
@@ -265,14 +271,14 @@ def _loss_of(output: Any) -> torch.Tensor:
             f"the model returned {type(output).__name__} with no loss; pass loss_fn=... "
             "(called as loss_fn(output, *targets)) or return the loss from the model"
         )
-    return loss  # type: ignore[no-any-return]
+    return loss
 
 
 def _from_functional(tensor: torch.Tensor) -> torch.Tensor:
     if not isinstance(tensor, FunctionalTensor):
         return tensor
     torch._sync(tensor)
-    return torch._from_functional_tensor(tensor.elem)  # type: ignore[attr-defined,no-any-return]
+    return torch._from_functional_tensor(tensor.elem)
 
 
 def _tag_backward_nodes(loss: torch.Tensor) -> None:
@@ -371,8 +377,10 @@ def _fake_batch_tensor(
         tensor = torch.zeros(tensor.shape, dtype=tensor.dtype, device=device)
     if not dynamic:
         return fake_mode.from_tensor(tensor, static_shapes=True)
-    sizes = [DimDynamic.DYNAMIC if s > 1 else DimDynamic.STATIC for s in tensor.shape]
-    context = StatelessSymbolicContext(dynamic_sizes=sizes)  # type: ignore[arg-type]
+    sizes: list[DimDynamic] = [
+        DimDynamic.DYNAMIC if s > 1 else DimDynamic.STATIC for s in tensor.shape
+    ]
+    context: StatelessSymbolicContext[Any, Any] = StatelessSymbolicContext(dynamic_sizes=sizes)
     return fake_mode.from_tensor(tensor, symbolic_context=context)
 
 
@@ -518,4 +526,3 @@ def _user_frame(error: BaseException) -> str | None:
         return None
     source = (found.line or linecache.getline(found.filename, found.lineno or 0)).strip()
     return f"{found.filename}:{found.lineno} `{source}`"
-

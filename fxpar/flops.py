@@ -165,8 +165,7 @@ def _attention(out: Any, q: TensorMeta, k: TensorMeta, v: TensorMeta, *_: Any, *
 
 
 def _attention_backward(
-    out: Any,
-    grad_out: TensorMeta, q: TensorMeta, k: TensorMeta, v: TensorMeta, *_: Any, **__: Any
+    out: Any, grad_out: TensorMeta, q: TensorMeta, k: TensorMeta, v: TensorMeta, *_: Any, **__: Any
 ) -> Size:
     # dV = Pᵀ dO and dP = dO Vᵀ mirror P V; dQ = dS K and dK = dSᵀ Q mirror Q Kᵀ.
     return product((2, _attention(out, q, k, v)))

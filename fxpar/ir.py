@@ -20,7 +20,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TypeVar, Union
+from typing import TypeAlias, TypeVar
 
 import sympy
 import torch
@@ -29,7 +29,7 @@ import torch.fx as fx
 from fxpar.errors import AnnotationError
 
 #: A size is an int, or a sympy expression when the dimension was traced symbolically.
-Size = Union[int, sympy.Expr]
+Size: TypeAlias = int | sympy.Expr
 
 META_KEY = "fxpar"
 
@@ -44,7 +44,7 @@ def annotate(node: fx.Node, value: object) -> None:
 def get(node: fx.Node, kind: type[A]) -> A | None:
     """The annotation of type ``kind`` on ``node``, or None."""
     found = node.meta.get(META_KEY, {}).get(kind)
-    return found  # type: ignore[no-any-return]
+    return found
 
 
 def require(node: fx.Node, kind: type[A]) -> A:
@@ -58,7 +58,7 @@ def require(node: fx.Node, kind: type[A]) -> A:
     return found
 
 
-def annotations(node: fx.Node) -> Mapping[type, object]:
+def all_annotations(node: fx.Node) -> Mapping[type, object]:
     """All annotations on ``node``, read-only."""
     return dict(node.meta.get(META_KEY, {}))
 
@@ -201,4 +201,3 @@ def evaluate(size: Size, bindings: Mapping[sympy.Symbol, int] | None = None) -> 
             raise AnnotationError(f"size {size} still has free symbols {value.free_symbols}")
         return int(value)
     return int(size)
-

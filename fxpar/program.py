@@ -147,4 +147,3 @@ class Program:
             f"{len(self.signature.buffers)} buffers, inputs={list(self.signature.inputs)}, "
             f"{counts[ir.Phase.FORWARD]} forward and {counts[ir.Phase.BACKWARD]} backward nodes)"
         )
-

@@ -60,11 +60,13 @@ def _check_signature(program: Program) -> None:
     loss = _tensor_meta(results[0])
     if loss is None or loss.shape != ():
         raise _fail(output, f"the loss must be a scalar tensor, found {loss}")
-    by_name = dict(zip(
-        signature.parameters + signature.buffers,
-        placeholders[: len(signature.parameters) + len(signature.buffers)],
-        strict=True,
-    ))
+    by_name = dict(
+        zip(
+            signature.parameters + signature.buffers,
+            placeholders[: len(signature.parameters) + len(signature.buffers)],
+            strict=True,
+        )
+    )
     updated = signature.gradients + signature.buffer_updates
     for name, result in zip(updated, results[1:], strict=True):
         expected, found = _tensor_meta(by_name[name]), _tensor_meta(result)

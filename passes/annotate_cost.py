@@ -2,9 +2,9 @@
 
 Views (ops whose result aliases an input), ``getitem`` and symbolic-size arithmetic (nodes that
 produce no tensor) move no data: they cost zero FLOPs and zero bytes read or written, though
-their ``output_bytes`` still give the size of the value. Other ops read all their tensor arguments and write all their results; FLOPs
-come from a :class:`~fxpar.flops.FlopRegistry`. Costs are ints, or sympy expressions when the
-Program was captured with symbolic shapes.
+their ``output_bytes`` still give the size of the value. Other ops read all their tensor
+arguments and write all their results; FLOPs come from a :class:`~fxpar.flops.FlopRegistry`.
+Costs are ints, or sympy expressions when the Program was captured with symbolic shapes.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def node_cost(node: fx.Node, flops: FlopRegistry) -> ir.Cost:
     output_bytes = ir.total(t.nbytes for t in outputs)
     if node.op != "call_function" or not outputs or _moves_no_data(node.target):
         return ir.Cost(flops=0, bytes_read=0, bytes_written=0, output_bytes=output_bytes)
-    args, kwargs = fx.node.map_arg((node.args, node.kwargs), _tensor_meta)
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), _tensor_meta)  # type: ignore[arg-type]
     inputs = [a for a in _flatten((args, kwargs)) if isinstance(a, ir.TensorMeta)]
     formula = flops.formula(node.target)
     if formula is not None:
@@ -92,5 +92,5 @@ def _largest(tensors: tuple[ir.TensorMeta, ...]) -> ir.Size:
         return 0
     sizes = [t.numel for t in tensors]
     if all(isinstance(s, int) for s in sizes):
-        return max(sizes)  # type: ignore[type-var]
+        return max(sizes)
     return ir.as_size(sympy.Max(*sizes))

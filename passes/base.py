@@ -111,7 +111,7 @@ class PassManager:
     def replace(self, name: str, new: Pass) -> PassManager:
         """The pipeline with the pass called ``name`` swapped for ``new``."""
         index = self._index(name)
-        return self._with(self.passes[:index] + (new,) + self.passes[index + 1 :])
+        return self._with((*self.passes[:index], new, *self.passes[index + 1 :]))
 
     def without(self, *names: str) -> PassManager:
         """The pipeline without the passes called ``names``."""

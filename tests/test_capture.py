@@ -64,8 +64,9 @@ def test_keyword_inputs_are_named_by_their_keys() -> None:
 
 def test_dropout_model_captures_and_runs() -> None:
     """Random ops are captured; with p=0 the step is exact, with p>0 it is a valid random step."""
-    assert_matches_eager(MLP(dropout=0.0), (torch.randn(8, 16),), F.cross_entropy,
-                         (torch.randint(0, 10, (8,)),))
+    assert_matches_eager(
+        MLP(dropout=0.0), (torch.randn(8, 16),), F.cross_entropy, (torch.randint(0, 10, (8,)),)
+    )
     model = MLP(dropout=0.5)
     x, y = torch.randn(8, 16), torch.randint(0, 10, (8,))
     program = fxpar.capture(model, (x,), F.cross_entropy, example_targets=(y,))
@@ -76,8 +77,12 @@ def test_dropout_model_captures_and_runs() -> None:
 
 
 def test_graph_is_functional_and_every_node_is_annotated() -> None:
-    program = fxpar.capture(CNN(), (torch.randn(2, 3, 8, 8),), F.cross_entropy,
-                            example_targets=(torch.randint(0, 10, (2,)),))
+    program = fxpar.capture(
+        CNN(),
+        (torch.randn(2, 3, 8, 8),),
+        F.cross_entropy,
+        example_targets=(torch.randint(0, 10, (2,)),),
+    )
     for node in program.graph.nodes:
         if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
             assert not node.target._schema.is_mutable, node.format_node()
@@ -91,12 +96,21 @@ def test_forward_and_backward_regions_name_the_module() -> None:
     tokens = torch.randint(0, 256, (2, 8))
     program = fxpar.capture(model, (tokens,), gpt_loss, example_targets=(tokens,))
     regions = {node: ir.require(node, ir.Region) for node in program.graph.nodes}
-    matmuls = [n for n, r in regions.items() if n.target in (torch.ops.aten.mm.default,
-                                                              torch.ops.aten.addmm.default)]
-    forward_fc = [n for n in matmuls if regions[n].phase is ir.Phase.FORWARD
-                  and regions[n].module == "blocks.1.mlp.fc"]
-    backward_fc = [n for n in matmuls if regions[n].phase is ir.Phase.BACKWARD
-                   and regions[n].module == "blocks.1.mlp.fc"]
+    matmuls = [
+        n
+        for n, r in regions.items()
+        if n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+    ]
+    forward_fc = [
+        n
+        for n in matmuls
+        if regions[n].phase is ir.Phase.FORWARD and regions[n].module == "blocks.1.mlp.fc"
+    ]
+    backward_fc = [
+        n
+        for n in matmuls
+        if regions[n].phase is ir.Phase.BACKWARD and regions[n].module == "blocks.1.mlp.fc"
+    ]
     assert len(forward_fc) == 1  # x @ Wᵀ (+ b)
     assert len(backward_fc) == 2  # input gradient and weight gradient
     # Each backward node differentiates a forward node of the same module.
@@ -130,8 +144,9 @@ def test_real_weights_are_neither_copied_nor_modified() -> None:
     model = MLP()
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     pointers = {name: p.data_ptr() for name, p in model.named_parameters()}
-    program = fxpar.capture(model, (torch.randn(4, 16),), F.cross_entropy,
-                            example_targets=(torch.randint(0, 10, (4,)),))
+    program = fxpar.capture(
+        model, (torch.randn(4, 16),), F.cross_entropy, example_targets=(torch.randint(0, 10, (4,)),)
+    )
     assert not any(t.numel() >= 16 for t in program.graph_module.buffers())
     for name, p in model.named_parameters():
         assert p.data_ptr() == pointers[name]

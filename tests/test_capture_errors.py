@@ -111,7 +111,7 @@ def test_errors_raised_by_the_model_are_wrapped_with_their_location() -> None:
 
 
 def test_bad_arguments_are_rejected() -> None:
-    with pytest.raises(CaptureError, match="expects an nn.Module"):
+    with pytest.raises(CaptureError, match=r"expects an nn\.Module"):
         fxpar.capture(lambda x: x, (torch.randn(2),))  # type: ignore[arg-type]
     with pytest.raises(CaptureError, match="without a loss_fn"):
         fxpar.capture(nn.Linear(2, 2), (torch.randn(2, 2),), example_targets=(torch.randn(2),))

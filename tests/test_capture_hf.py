@@ -18,8 +18,14 @@ def _tokens(vocab: int, batch: int = 2, length: int = 12) -> torch.Tensor:
 
 def test_gpt2_matches_eager() -> None:
     config = transformers.GPT2Config(
-        vocab_size=128, n_positions=32, n_embd=32, n_layer=2, n_head=4,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        vocab_size=128,
+        n_positions=32,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
     )
     model = transformers.GPT2LMHeadModel(config)
     ids = _tokens(128)
@@ -28,9 +34,14 @@ def test_gpt2_matches_eager() -> None:
 
 def test_bert_matches_eager() -> None:
     config = transformers.BertConfig(
-        vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=64, max_position_embeddings=32,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        vocab_size=128,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
     )
     model = transformers.BertForMaskedLM(config)
     ids = _tokens(128)
@@ -44,8 +55,13 @@ def test_bert_matches_eager() -> None:
 
 def test_llama_matches_eager() -> None:
     config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
     )
     model = transformers.LlamaForCausalLM(config)
     ids = _tokens(128)

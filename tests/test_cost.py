@@ -34,14 +34,18 @@ def flops_where(program: fxpar.Program, keep) -> ir.Size:  # type: ignore[no-unt
 def test_linear_forward_and_backward_is_six_b_in_out() -> None:
     batch, width_in, width_out = 8, 24, 40
     model = nn.Sequential(nn.Linear(16, width_in), nn.Linear(width_in, width_out, bias=False))
-    program = annotated(fxpar.capture(model, (torch.randn(batch, 16),), lambda y: y.square().mean()))
+    program = annotated(
+        fxpar.capture(model, (torch.randn(batch, 16),), lambda y: y.square().mean())
+    )
     second = flops_where(program, lambda n: ir.require(n, ir.Region).module == "1")
     assert second == 6 * batch * width_in * width_out
     # The first layer's input is data, so autograd skips its input gradient: 4·B·in·out.
     first_products = flops_where(
         program,
-        lambda n: ir.require(n, ir.Region).module == "0" and n.target in (aten.mm.default,
-                                                                          aten.addmm.default),
+        lambda n: (
+            ir.require(n, ir.Region).module == "0"
+            and n.target in (aten.mm.default, aten.addmm.default)
+        ),
     )
     assert first_products == 4 * batch * 16 * width_in
 
@@ -59,7 +63,11 @@ def test_product_flops_equal_torch_flop_counter(model_name: str) -> None:
     """Independent ground truth: torch.utils.flop_counter on the eager step."""
     if model_name == "conv":
         model = conv_net()
-        inputs, targets, loss_fn = (torch.randn(4, 3, 8, 8),), (torch.randint(0, 10, (4,)),), F.cross_entropy
+        inputs, targets, loss_fn = (
+            (torch.randn(4, 3, 8, 8),),
+            (torch.randint(0, 10, (4,)),),
+            F.cross_entropy,
+        )
     else:
         model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=4))
         tokens = torch.randint(0, 256, (2, 16))
@@ -77,8 +85,11 @@ def test_grouped_convolution_counts_each_gradient_as_one_forward() -> None:
     weight gradient; the bias gradient sums the output gradient."""
     model = nn.Sequential(nn.Conv2d(4, 8, 3), nn.Conv2d(8, 6, 3, padding=1, groups=2))
     program = annotated(fxpar.capture(model, (torch.randn(2, 4, 6, 6),), lambda y: y.sum()))
-    second = {n.target: ir.require(n, ir.Cost).flops for n in program.graph.nodes
-              if ir.require(n, ir.Region).module == "1"}
+    second = {
+        n.target: ir.require(n, ir.Cost).flops
+        for n in program.graph.nodes
+        if ir.require(n, ir.Region).module == "1"
+    }
     forward = 2 * (2 * 6 * 4 * 4) * (8 // 2) * 3 * 3  # output elements × window × 2
     assert second[aten.convolution.default] == forward
     assert second[aten.convolution_backward.default] == 2 * forward + 2 * 6 * 4 * 4
@@ -124,7 +135,9 @@ def test_gpt_flops_are_within_five_percent_of_the_standard_estimate() -> None:
     # 12·layers·tokens·length·width for the attention products, forward and backward.
     params = sum(p.numel() for p in model.parameters()) - model.wpe.weight.numel()
     tokens_count = batch * length
-    estimate = 6 * params * tokens_count + 12 * config.n_layer * tokens_count * length * config.n_embd
+    estimate = (
+        6 * params * tokens_count + 12 * config.n_layer * tokens_count * length * config.n_embd
+    )
     assert abs(total - estimate) / estimate < 0.05, (total, estimate)
 
 
@@ -150,7 +163,9 @@ def test_symbolic_costs_are_sympy_expressions_that_evaluate_to_static_costs() ->
     symbolic = annotated(
         fxpar.capture(model, (tokens,), gpt_loss, example_targets=(tokens,), dynamic=True)
     )
-    batch_symbol, length_symbol = ir.require(symbolic.placeholders()["input_0"], ir.ValueMeta).tensor.shape
+    batch_symbol, length_symbol = ir.require(
+        symbolic.placeholders()["input_0"], ir.ValueMeta
+    ).tensor.shape
     assert isinstance(batch_symbol, sympy.Symbol) and isinstance(length_symbol, sympy.Symbol)
     symbolic_flops = flops_where(symbolic, lambda n: True)
     assert isinstance(symbolic_flops, sympy.Expr) and symbolic_flops.free_symbols
@@ -163,8 +178,11 @@ def test_symbolic_costs_are_sympy_expressions_that_evaluate_to_static_costs() ->
         # the products, which both graphs share.
         for field in ("bytes_read", "bytes_written"):
             totals = [
-                ir.total(getattr(ir.require(n, ir.Cost), field) for n in program.graph.nodes
-                         if n.target in (aten.mm.default, aten.addmm.default))
+                ir.total(
+                    getattr(ir.require(n, ir.Cost), field)
+                    for n in program.graph.nodes
+                    if n.target in (aten.mm.default, aten.addmm.default)
+                )
                 for program in (symbolic, static)
             ]
             assert ir.evaluate(totals[0], bindings) == totals[1], field

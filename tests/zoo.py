@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -11,7 +13,7 @@ class MLP(nn.Module):
     def __init__(self, sizes: tuple[int, ...] = (16, 32, 32, 10), dropout: float = 0.0) -> None:
         super().__init__()
         layers: list[nn.Module] = []
-        for fan_in, fan_out in zip(sizes[:-2], sizes[1:-1], strict=True):
+        for fan_in, fan_out in itertools.pairwise(sizes[:-1]):
             layers += [nn.Linear(fan_in, fan_out), nn.ReLU(inplace=True), nn.Dropout(dropout)]
         layers.append(nn.Linear(sizes[-2], sizes[-1]))
         self.net = nn.Sequential(*layers)
@@ -42,7 +44,7 @@ class CNN(nn.Module):
 
 
 class Regression(nn.Module):
-    """Returns its own loss (no loss_fn), with a frozen parameter and a shared (used twice) layer."""
+    """Returns its own loss (no loss_fn); has frozen, shared (used twice) and unused layers."""
 
     def __init__(self) -> None:
         super().__init__()

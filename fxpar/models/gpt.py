@@ -99,7 +99,9 @@ class GPT(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         length = tokens.shape[1]
         if length > self.config.block_size:
-            raise ValueError(f"sequence of {length} tokens exceeds block_size {self.config.block_size}")
+            raise ValueError(
+                f"sequence of {length} tokens exceeds block_size {self.config.block_size}"
+            )
         positions = torch.arange(length, device=tokens.device)
         x = self.drop(self.wte(tokens) + self.wpe(positions))
         for block in self.blocks:
