@@ -28,6 +28,10 @@ class AnnotationError(FxparError):
     """A node lacks an annotation that a pass or query needs."""
 
 
+class LoweringError(FxparError):
+    """A Program and its chosen strategies cannot be lowered to per-rank programs."""
+
+
 class PassError(FxparError):
     """A compiler pass failed; the message names the pass and the passes that ran before it."""
 

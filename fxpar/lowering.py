@@ -1,0 +1,344 @@
+"""Lowering: a Program whose nodes carry chosen strategies becomes one program per rank.
+
+Every placeholder and compute node of the Program must carry a :class:`~fxpar.sharding.Sharding`
+annotation (``getitem`` follows its producer). For each rank, :func:`lower` walks the graph once:
+
+- each tensor argument is resharded from its producer's spec to the spec the consumer's strategy
+  requires, by the steps of :func:`fxpar.reshard.reshard_steps`: collectives become calls to
+  :mod:`fxpar.runtime.collectives` on the ``comm`` input, local slices become ``aten.slice``;
+- ops whose arguments spell out a shape (``view``, ``expand``, ...) get the local shape;
+- outputs leave in their required specs: the loss replicated, each gradient in its parameter's
+  spec (this is where data parallelism's gradient all-reduce appears), each buffer update in its
+  buffer's spec.
+
+Any valid assignment of strategies lowers to per-rank programs that compute, together, exactly
+what the Program computes (up to floating-point reassociation): the property the tests check.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from fxpar import ir
+from fxpar.cluster import Cluster, Coordinate
+from fxpar.errors import LoweringError
+from fxpar.program import Program, StepResult
+from fxpar.reshard import ReshardStep, reshard_steps
+from fxpar.rules.registry import tensor_inputs
+from fxpar.runtime import collectives
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from fxpar.sharding import (
+    Sharding,
+    Spec,
+    assemble,
+    local_shape,
+    replicated,
+    shard_tensor,
+    spec_str,
+)
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class CollectiveRecord:
+    """One collective in the per-rank programs: what, on which mesh axis, how many bytes each
+    device contributes, and where (the consumer's phase; OUTPUT for gradient synchronisation)."""
+
+    kind: str
+    axis: int
+    bytes: int
+    tensor: str
+    consumer: str
+    phase: ir.Phase
+
+
+@dataclass(frozen=True)
+class RankProgram:
+    rank: int
+    coordinate: Coordinate
+    graph_module: fx.GraphModule
+
+    def code(self) -> str:
+        return self.graph_module.code
+
+
+@dataclass(frozen=True)
+class SPMDProgram:
+    """The per-rank programs of a lowered Program, with the specs of its inputs and outputs."""
+
+    program: Program
+    cluster: Cluster
+    ranks: tuple[RankProgram, ...]
+    input_specs: tuple[Spec, ...]
+    output_specs: tuple[Spec, ...]
+    records: tuple[CollectiveRecord, ...]
+
+    def collectives(self) -> list[CollectiveRecord]:
+        """Every collective the programs run, in order (the same on every rank)."""
+        return list(self.records)
+
+    def for_rank(self, rank: int) -> RankProgram:
+        return self.ranks[rank]
+
+    def local_inputs(
+        self, flat_inputs: Sequence[torch.Tensor], coordinate: Coordinate
+    ) -> list[torch.Tensor]:
+        """This device's pieces of the global placeholders."""
+        mesh = self.cluster.mesh_shape
+        return [
+            shard_tensor(t, spec, mesh, coordinate)
+            for t, spec in zip(flat_inputs, self.input_specs, strict=True)
+        ]
+
+    def assemble_outputs(
+        self, per_rank: Mapping[Coordinate, Sequence[torch.Tensor]]
+    ) -> StepResult:
+        """The global outputs, named, from every device's local outputs."""
+        mesh = self.cluster.mesh_shape
+        outputs = [
+            assemble({c: outs[i] for c, outs in per_rank.items()}, spec, mesh)
+            for i, spec in enumerate(self.output_specs)
+        ]
+        return self.program.signature.name_outputs(outputs)
+
+
+# Ops whose argument at this index spells out the (global) shape of output 0.
+_SHAPE_ARGUMENTS: dict[object, tuple[int, int]] = {
+    aten.view.default: (1, 0),
+    aten._unsafe_view.default: (1, 0),
+    aten.reshape.default: (1, 0),
+    aten.view_copy.default: (1, 0),
+    aten.expand.default: (1, 0),
+    aten.select_backward.default: (1, 0),
+    aten.slice_backward.default: (1, 0),
+    aten.new_zeros.default: (1, 0),
+    aten.new_ones.default: (1, 0),
+    aten.new_empty.default: (1, 0),
+    aten.new_full.default: (1, 0),
+    aten.convolution_backward.default: (3, 2),  # bias_sizes: the bias gradient's shape
+}
+
+
+_VIEWS_AS_RESHAPE = {
+    aten.view.default: aten.reshape.default,
+    aten._unsafe_view.default: aten.reshape.default,
+}
+
+
+def lower(program: Program, cluster: Cluster) -> SPMDProgram:
+    """One GraphModule per rank of ``cluster`` from ``program`` and its chosen strategies."""
+    _check_lowerable(program, cluster)
+    ranks = []
+    records: tuple[CollectiveRecord, ...] = ()
+    for rank, coordinate in enumerate(cluster.coordinates()):
+        lowering = _RankLowering(program, cluster, coordinate)
+        module = lowering.run()
+        if rank == 0:
+            records = tuple(lowering.records)
+        ranks.append(RankProgram(rank, coordinate, module))
+    placeholders = [n for n in program.graph.nodes if n.op == "placeholder"]
+    return SPMDProgram(
+        program=program,
+        cluster=cluster,
+        ranks=tuple(ranks),
+        input_specs=tuple(_placeholder_spec(n) for n in placeholders),
+        output_specs=_output_specs(program, cluster.ndim),
+        records=records,
+    )
+
+
+def _check_lowerable(program: Program, cluster: Cluster) -> None:
+    for node in program.graph.nodes:
+        value = ir.get(node, ir.ValueMeta)
+        if value is not None and any(t.is_symbolic for t in value.tensors):
+            raise LoweringError(
+                f"node {node.name!r} has symbolic shape {value}; capture with dynamic=False to "
+                "lower to per-rank programs"
+            )
+        if node.op == "placeholder" or _needs_strategy(node):
+            sharding = ir.get(node, Sharding)
+            if sharding is None:
+                raise LoweringError(
+                    f"node {node.name!r} ({node.target}) has no chosen strategy; pick a plan "
+                    "(fxpar.plans) or annotate every node with fxpar.sharding.Sharding"
+                )
+            for spec in (*sharding.strategy.outputs, *sharding.strategy.inputs):
+                if spec is not None and len(spec) != cluster.ndim:
+                    raise LoweringError(
+                        f"node {node.name!r}: spec {spec_str(spec)} has {len(spec)} placements "
+                        f"but the mesh has {cluster.ndim} axes"
+                    )
+
+
+def _needs_strategy(node: fx.Node) -> bool:
+    if node.op != "call_function" or node.target is operator.getitem:
+        return False
+    return bool(ir.require(node, ir.ValueMeta).tensors)
+
+
+def _placeholder_spec(node: fx.Node) -> Spec:
+    spec = ir.require(node, Sharding).strategy.outputs[0]
+    assert spec is not None
+    return spec
+
+
+def _output_specs(program: Program, mesh_ndim: int) -> tuple[Spec, ...]:
+    placeholders = program.placeholders()
+    signature = program.signature
+    state = signature.gradients + signature.buffer_updates
+    return (replicated(mesh_ndim), *(_placeholder_spec(placeholders[n]) for n in state))
+
+
+class _RankLowering:
+    def __init__(self, program: Program, cluster: Cluster, coordinate: Coordinate) -> None:
+        self.program = program
+        self.mesh = cluster.mesh_shape
+        self.coordinate = coordinate
+        self.graph = fx.Graph()
+        self.comm = self.graph.placeholder("comm")
+        # Each original node maps to its local node and the spec of each of its outputs.
+        self.env: dict[fx.Node, tuple[fx.Node, tuple[Spec | None, ...]]] = {}
+        self.converted: dict[tuple[fx.Node, Spec], fx.Node] = {}
+        self.records: list[CollectiveRecord] = []
+
+    def run(self) -> fx.GraphModule:
+        output_specs = _output_specs(self.program, len(self.mesh))
+        for node in self.program.graph.nodes:
+            if node.op == "placeholder":
+                local = self.graph.placeholder(node.name)
+                self.env[node] = (local, (_placeholder_spec(node),))
+            elif node.op == "output":
+                results = [
+                    self._convert(result, spec, consumer=node, phase=ir.Phase.OUTPUT)
+                    for result, spec in zip(node.args[0], output_specs, strict=True)
+                ]
+                self.graph.output(tuple(results))
+            elif node.op == "get_attr":
+                self.env[node] = (self.graph.get_attr(node.target), (replicated(len(self.mesh)),))
+            elif node.target is operator.getitem:
+                source, index = node.args
+                local_source, specs = self.env[source]
+                local = self.graph.call_function(operator.getitem, (local_source, index))
+                self.env[node] = (local, (specs[index],))
+            elif _needs_strategy(node):
+                self._lower_op(node)
+            else:
+                raise LoweringError(f"cannot lower node {node.name!r} ({node.target})")
+        module = fx.GraphModule(self.program.graph_module, self.graph, class_name="RankStep")
+        return module
+
+    def _lower_op(self, node: fx.Node) -> None:
+        strategy = ir.require(node, Sharding).strategy
+        arguments = tensor_inputs(node)
+        if len(arguments) != len(strategy.inputs):
+            raise LoweringError(
+                f"node {node.name!r}: strategy {strategy} has {len(strategy.inputs)} input "
+                f"specs but the op has {len(arguments)} tensor inputs"
+            )
+        phase = ir.require(node, ir.Region).phase
+        required = iter(strategy.inputs)
+
+        def replace(arg: fx.Node) -> fx.Node:
+            value = ir.require(arg, ir.ValueMeta)
+            if value.multiple or value.outputs[0] is None:
+                return self.env[arg][0]
+            return self._convert(arg, next(required), consumer=node, phase=phase)
+
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), replace)
+        args = self._localize_shape_arguments(node, tuple(args), strategy.outputs)  # type: ignore[arg-type]
+        # A local piece may be strided where the global tensor was contiguous (a slice, a
+        # transposed shard): views become reshapes, which copy only when they must.
+        target = _VIEWS_AS_RESHAPE.get(node.target, node.target)
+        local = self.graph.call_function(target, args, dict(kwargs))  # type: ignore[arg-type, call-overload]
+        self.env[node] = (local, strategy.outputs)
+
+    def _localize_shape_arguments(
+        self, node: fx.Node, args: tuple[Any, ...], specs: tuple[Spec | None, ...]
+    ) -> tuple[Any, ...]:
+        entry = _SHAPE_ARGUMENTS.get(node.target)
+        if entry is None:
+            return args
+        index, output = entry
+        spec = specs[output]
+        meta = ir.require(node, ir.ValueMeta).outputs[output]
+        if spec is None or meta is None or index >= len(args):
+            return args
+        shape = local_shape(meta.shape, spec, self.mesh)  # type: ignore[arg-type]
+        return (*args[:index], list(shape), *args[index + 1 :])
+
+    def _convert(
+        self, source: object, spec: Spec, consumer: fx.Node, phase: ir.Phase
+    ) -> Any:
+        """The local value of ``source`` laid out as ``spec``, inserting the steps to get there
+        (once per source and spec, however many consumers need it)."""
+        if not isinstance(source, fx.Node):
+            return source
+        local, specs = self.env[source]
+        current = specs[0]
+        assert current is not None
+        key = (source, spec)
+        if current == spec:
+            return local
+        if key in self.converted:
+            return self.converted[key]
+        meta = ir.require(source, ir.ValueMeta).tensor
+        value = local
+        for step in reshard_steps(current, spec, self.mesh):
+            value, current = self._emit(step, value, current, meta, consumer, phase, source)
+        self.converted[key] = value
+        return value
+
+    def _emit(
+        self,
+        step: ReshardStep,
+        value: fx.Node,
+        spec: Spec,
+        meta: ir.TensorMeta,
+        consumer: fx.Node,
+        phase: ir.Phase,
+        source: fx.Node,
+    ) -> tuple[fx.Node, Spec]:
+        shape = local_shape(meta.shape, spec, self.mesh)  # type: ignore[arg-type]
+        placements = list(spec)
+        call: Callable[..., Any]
+        if step.kind == "slice":
+            assert step.dim is not None
+            piece = shape[step.dim] // self.mesh[step.axis]
+            start = self.coordinate[step.axis] * piece
+            node = self.graph.call_function(
+                aten.slice.Tensor, (value, step.dim, start, start + piece)
+            )
+            placements[step.axis] = Shard(step.dim)
+            return node, tuple(placements)
+        if step.kind == "to_partial":
+            placements[step.axis] = Partial()
+            if self.coordinate[step.axis] == 0:
+                return value, tuple(placements)
+            return self.graph.call_function(aten.zeros_like.default, (value,)), tuple(placements)
+        if step.kind == "all_gather":
+            call, args = collectives.all_gather, (self.comm, value, step.dim, step.axis)
+            placements[step.axis] = Replicate()
+        elif step.kind == "all_reduce":
+            call, args = collectives.all_reduce, (self.comm, value, step.axis)
+            placements[step.axis] = Replicate()
+        elif step.kind == "reduce_scatter":
+            call, args = collectives.reduce_scatter, (self.comm, value, step.dim, step.axis)
+            placements[step.axis] = Shard(step.dim)  # type: ignore[arg-type]
+        else:
+            call = collectives.all_to_all
+            args = (self.comm, value, step.to_dim, step.dim, step.axis)
+            placements[step.axis] = Shard(step.to_dim)  # type: ignore[arg-type]
+        nbytes = ir.product((*shape, meta.dtype.itemsize))
+        self.records.append(
+            CollectiveRecord(step.kind, step.axis, int(nbytes), source.name, consumer.name, phase)
+        )
+        return self.graph.call_function(call, args), tuple(placements)
+

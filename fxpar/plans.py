@@ -1,0 +1,210 @@
+"""Manual plans: choose a strategy for every node from a few decisions about the inputs.
+
+A plan fixes the spec of each placeholder (parameters, buffers, batch), and :func:`propagate`
+picks every op's strategy greedily in graph order: the candidate whose inputs need the least
+data moved from their producers' layouts (all-gathers, all-to-alls), then the one leaving the
+fewest partial values, then the earliest. A partial value counts once, where it is made: reducing
+it later is free for the choice, so partial sums are reduced where they are first consumed by
+an op that needs them whole, as Megatron-LM does.
+
+Named plans built on it:
+
+- :func:`data_parallel`: the batch split over every mesh axis, parameters replicated;
+  gradients are all-reduced.
+- :func:`tensor_parallel`: Megatron-style blocks: the first linear of attention and MLP split by
+  output features (columns), the second by input features (rows), on one mesh axis; the batch
+  split over the others.
+- :func:`fully_sharded`: data parallel compute with parameters stored ``Shard(0)``: gathered
+  before use, gradients reduce-scattered (ZeRO-3 / FSDP).
+- :func:`random_plan`: a random valid candidate for every node (for property tests).
+
+Each returns the Program with a :class:`~fxpar.sharding.Sharding` on every node that needs one;
+:func:`fxpar.lowering.lower` turns it into per-rank programs.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import operator
+import random
+from collections.abc import Callable, Mapping, Sequence
+
+import torch.fx as fx
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from fxpar import ir
+from fxpar.cluster import Cluster
+from fxpar.errors import FxparError
+from fxpar.passes.annotate_strategies import AnnotateStrategies
+from fxpar.passes.canonicalize import Canonicalize
+from fxpar.program import Program
+from fxpar.reshard import reshard_steps
+from fxpar.rules import RuleRegistry, default_rules
+from fxpar.rules.registry import tensor_inputs
+from fxpar.sharding import (
+    Sharding,
+    Spec,
+    Strategies,
+    Strategy,
+    is_valid,
+    replicated,
+    spec_str,
+)
+
+SpecChooser = Callable[[str, ir.TensorMeta], Spec]
+
+
+def prepare(program: Program, cluster: Cluster, rules: RuleRegistry | None = None) -> Program:
+    """Canonicalize ``program`` and annotate the candidate strategies of every node."""
+    program = Canonicalize().run(program)
+    return AnnotateStrategies(cluster, rules or default_rules()).run(program)
+
+
+def propagate(program: Program, cluster: Cluster, placeholder_spec: SpecChooser) -> Program:
+    """Fix each placeholder's spec with ``placeholder_spec(name, meta)`` and choose every op's
+    strategy greedily (see the module docstring)."""
+    mesh = cluster.mesh_shape
+    names = dict(zip(
+        (n for n in program.graph.nodes if n.op == "placeholder"),
+        program.signature.parameters + program.signature.buffers + program.signature.inputs,
+        strict=True,
+    ))  # fmt: skip
+    layout: dict[fx.Node, tuple[Spec | None, ...]] = {}
+    for node in program.graph.nodes:
+        if node.op == "placeholder":
+            meta = ir.require(node, ir.ValueMeta).tensor
+            spec = placeholder_spec(names[node], meta)
+            if not is_valid(meta.shape, spec, mesh):  # type: ignore[arg-type]
+                raise FxparError(
+                    f"spec {spec_str(spec)} for {names[node]!r} does not split its shape "
+                    f"{meta.shape} evenly over the mesh {mesh}"
+                )
+            ir.annotate(node, Sharding(Strategy((spec,), ())))
+            layout[node] = (spec,)
+        elif node.target is operator.getitem:
+            layout[node] = (layout[node.args[0]][node.args[1]],)
+        elif ir.get(node, Strategies) is not None:
+            strategy = _cheapest(node, layout, mesh)
+            ir.annotate(node, Sharding(strategy))
+            layout[node] = strategy.outputs
+    return program
+
+
+def _cheapest(
+    node: fx.Node, layout: Mapping[fx.Node, tuple[Spec | None, ...]], mesh: tuple[int, ...]
+) -> Strategy:
+    sources = tensor_inputs(node)
+
+    def key(indexed: tuple[int, Strategy]) -> tuple[float, float, int]:
+        index, strategy = indexed
+        moved = 0.0
+        for source, required in zip(sources, strategy.inputs, strict=True):
+            current = layout[source][0]
+            assert current is not None
+            nbytes = ir.evaluate(ir.require(source, ir.ValueMeta).tensor.nbytes)
+            for step in reshard_steps(current, required, mesh):
+                if step.kind in ("all_gather", "all_to_all"):
+                    moved += nbytes
+        debt = sum(
+            ir.evaluate(meta.nbytes)
+            for spec, meta in zip(strategy.outputs, ir.require(node, ir.ValueMeta).outputs, strict=True)
+            if spec is not None and meta is not None and any(isinstance(p, Partial) for p in spec)
+        )
+        return (moved, debt, index)
+
+    candidates = ir.require(node, Strategies).candidates
+    return min(enumerate(candidates), key=key)[1]
+
+
+def _batch_spec(cluster: Cluster, axes: Sequence[int]) -> SpecChooser:
+    def choose(name: str, meta: ir.TensorMeta) -> Spec:
+        spec = tuple(Shard(0) if a in axes else Replicate() for a in range(cluster.ndim))
+        if not is_valid(meta.shape, spec, cluster.mesh_shape):  # type: ignore[arg-type]
+            devices = 1
+            for a in axes:
+                devices *= cluster.mesh_shape[a]
+            raise FxparError(
+                f"batch input {name!r} of shape {meta.shape}: its first dim must be divisible "
+                f"by the {devices} data-parallel devices; change the batch size or the mesh"
+            )
+        return spec
+
+    return choose
+
+
+def data_parallel(
+    program: Program, cluster: Cluster, rules: RuleRegistry | None = None
+) -> Program:
+    """Split the batch over every mesh axis; replicate parameters and buffers."""
+    program = prepare(program, cluster, rules)
+    state = set(program.signature.parameters + program.signature.buffers)
+    batch = _batch_spec(cluster, range(cluster.ndim))
+
+    def choose(name: str, meta: ir.TensorMeta) -> Spec:
+        return replicated(cluster.ndim) if name in state else batch(name, meta)
+
+    return propagate(program, cluster, choose)
+
+
+def fully_sharded(
+    program: Program, cluster: Cluster, rules: RuleRegistry | None = None
+) -> Program:
+    """Data-parallel compute with parameters (and their gradients) stored split on dim 0 over
+    every mesh axis, where it divides evenly (other parameters stay replicated)."""
+    program = data_parallel(program, cluster, rules)
+    placeholders = program.placeholders()
+    for name in program.signature.parameters:
+        node = placeholders[name]
+        meta = ir.require(node, ir.ValueMeta).tensor
+        spec = (Shard(0),) * cluster.ndim
+        if meta.shape and is_valid(meta.shape, spec, cluster.mesh_shape):  # type: ignore[arg-type]
+            ir.annotate(node, Sharding(Strategy((spec,), ())))
+    return program
+
+
+def tensor_parallel(
+    program: Program,
+    cluster: Cluster,
+    *,
+    axis: int | str = -1,
+    column: Sequence[str] = ("*.qkv", "*.fc"),
+    row: Sequence[str] = ("*.attn.proj", "*.mlp.proj"),
+    rules: RuleRegistry | None = None,
+) -> Program:
+    """Megatron-style tensor parallelism on mesh ``axis``; data parallelism on the others.
+
+    Parameters of modules matching ``column`` are split by output features (weight and bias on
+    dim 0), those of modules matching ``row`` by input features (weight on dim 1, bias
+    replicated); the defaults fit :class:`fxpar.models.GPT`.
+    """
+    tp = cluster.axis_index(axis if not isinstance(axis, int) or axis >= 0 else cluster.ndim + axis)
+    program = prepare(program, cluster, rules)
+    state = set(program.signature.parameters + program.signature.buffers)
+    batch = _batch_spec(cluster, [a for a in range(cluster.ndim) if a != tp])
+
+    def choose(name: str, meta: ir.TensorMeta) -> Spec:
+        if name not in state:
+            return batch(name, meta)
+        module, _, kind = name.rpartition(".")
+        placement = Replicate()
+        if any(fnmatch.fnmatch(module, p) for p in column):
+            placement = Shard(0)
+        elif any(fnmatch.fnmatch(module, p) for p in row) and kind == "weight":
+            placement = Shard(1)
+        spec = tuple(placement if a == tp else Replicate() for a in range(cluster.ndim))
+        return spec if is_valid(meta.shape, spec, cluster.mesh_shape) else replicated(cluster.ndim)  # type: ignore[arg-type]
+
+    return propagate(program, cluster, choose)
+
+
+def random_plan(
+    program: Program, cluster: Cluster, seed: int, rules: RuleRegistry | None = None
+) -> Program:
+    """A uniformly random candidate strategy for every placeholder and op."""
+    program = prepare(program, cluster, rules)
+    generator = random.Random(seed)
+    for node in program.graph.nodes:
+        strategies = ir.get(node, Strategies)
+        if strategies is not None:
+            ir.annotate(node, Sharding(generator.choice(strategies.candidates)))
+    return program

@@ -1,0 +1,98 @@
+"""Resharding: turning a tensor's spec into another, one collective per mesh axis.
+
+Per axis, the table of DESIGN.md: S→R all-gather, P→R all-reduce, P→S reduce-scatter,
+S(i)→S(j) all-to-all, R→S local slice, and R→P keeping the value on the axis's first device
+(zeros elsewhere). :func:`reshard_steps` orders these so that nested shards stay in order:
+
+1. un-shard, innermost axis first, every axis whose shard changes, plus any inner axis that
+   shards a dim an outer changing axis touches (it is re-sliced in step 3);
+2. reduce partials: reduce-scatter when the target is the only shard of its dim, else all-reduce;
+3. shard, outermost axis first: local slices (and R→P).
+
+The same steps drive the lowering (which emits them) and the cost model (which prices them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+
+from fxpar.sharding import Spec
+
+StepKind = Literal["all_gather", "all_reduce", "reduce_scatter", "all_to_all", "slice", "to_partial"]
+COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
+
+
+@dataclass(frozen=True)
+class ReshardStep:
+    """One step on one mesh axis. ``dim`` is the tensor dim gathered, scattered or sliced; for
+    all-to-all, the tensor goes from sharded on ``dim`` to sharded on ``to_dim``."""
+
+    kind: StepKind
+    axis: int
+    dim: int | None = None
+    to_dim: int | None = None
+
+    @property
+    def is_collective(self) -> bool:
+        return self.kind in COLLECTIVES
+
+
+def _shard_dim(placement: object) -> int | None:
+    return placement.dim if isinstance(placement, Shard) else None
+
+
+def reshard_steps(src: Spec, dst: Spec, mesh_shape: Sequence[int]) -> list[ReshardStep]:
+    """The steps that turn a tensor laid out as ``src`` into ``dst``."""
+    if src == dst:
+        return []
+    ndim = len(mesh_shape)
+    current = list(src)
+    changed = [a for a in range(ndim) if src[a] != dst[a] and mesh_shape[a] > 1]
+    unshard = {a for a in changed if isinstance(src[a], Shard)}
+    for a in changed:
+        touched = {d for d in (_shard_dim(src[a]), _shard_dim(dst[a])) if d is not None}
+        for b in range(a + 1, ndim):
+            if _shard_dim(src[b]) in touched:
+                unshard.add(b)
+    steps: list[ReshardStep] = []
+    for b in sorted(unshard, reverse=True):
+        source_dim = _shard_dim(current[b])
+        target_dim = _shard_dim(dst[b])
+        if target_dim is not None and target_dim != source_dim and _alone(b, source_dim, target_dim, src, dst):
+            steps.append(ReshardStep("all_to_all", b, source_dim, target_dim))
+            current[b] = dst[b]
+        else:
+            steps.append(ReshardStep("all_gather", b, source_dim))
+            current[b] = Replicate()
+    for a in range(ndim):
+        if isinstance(current[a], Partial) and not isinstance(dst[a], Partial):
+            target_dim = _shard_dim(dst[a])
+            others = [b for b in range(ndim) if b != a and _shard_dim(dst[b]) == target_dim]
+            if target_dim is not None and not others and mesh_shape[a] > 1:
+                steps.append(ReshardStep("reduce_scatter", a, target_dim))
+                current[a] = dst[a]
+            else:
+                steps.append(ReshardStep("all_reduce", a))
+                current[a] = Replicate()
+    for a in range(ndim):
+        if current[a] == dst[a]:
+            continue
+        if isinstance(dst[a], Shard):
+            steps.append(ReshardStep("slice", a, dst[a].dim))
+        elif isinstance(dst[a], Partial):
+            steps.append(ReshardStep("to_partial", a))
+        current[a] = dst[a]
+    # On an axis of one device every placement is the whole tensor: nothing to do there.
+    return [s for s in steps if mesh_shape[s.axis] > 1]
+
+
+def _alone(axis: int, source_dim: int | None, target_dim: int, src: Spec, dst: Spec) -> bool:
+    """An all-to-all on ``axis`` is exact when no other axis shards either dim."""
+    for b in range(len(src)):
+        if b != axis and {_shard_dim(src[b]), _shard_dim(dst[b])} & {source_dim, target_dim}:
+            return False
+    return source_dim is not None

@@ -1,0 +1,1 @@
+"""Running per-rank programs: collectives over mesh axes, process launch."""

@@ -1,0 +1,134 @@
+"""Run every rank of a lowered plan in one process.
+
+Each rank's GraphModule runs in its own thread with a :class:`SimulatedCommunicator`; the
+collectives meet in an exchange that waits for every device of the mesh axis's group and then
+computes the exact result in coordinate order, the same on every device. A rank that fails stops
+the others at their next collective, and the first error is raised.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from fxpar.cluster import Coordinate
+from fxpar.errors import FxparError
+from fxpar.lowering import SPMDProgram
+from fxpar.program import StepResult
+
+
+class SimulationError(FxparError):
+    """The simulated ranks failed or did not meet at a collective."""
+
+
+class _Exchange:
+    def __init__(self, mesh_shape: tuple[int, ...], timeout: float) -> None:
+        self.mesh_shape = mesh_shape
+        self.timeout = timeout
+        self.condition = threading.Condition()
+        self.slots: dict[tuple[int, Coordinate, int], dict[int, torch.Tensor]] = {}
+        self.failure: BaseException | None = None
+
+    def meet(self, axis: int, coordinate: Coordinate, sequence: int, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every group member's tensor, in coordinate order along ``axis``."""
+        group = coordinate[:axis] + coordinate[axis + 1 :]
+        size = self.mesh_shape[axis]
+        with self.condition:
+            slot = self.slots.setdefault((axis, group, sequence), {})
+            slot[coordinate[axis]] = tensor
+            self.condition.notify_all()
+            met = self.condition.wait_for(
+                lambda: len(slot) == size or self.failure is not None, self.timeout
+            )
+            if self.failure is not None:
+                raise SimulationError("another rank failed") from self.failure
+            if not met:
+                raise SimulationError(
+                    f"rank at {coordinate} waited {self.timeout} s for its group on mesh axis "
+                    f"{axis}: the per-rank programs do not run the same collectives"
+                )
+            return [slot[i] for i in range(size)]
+
+    def fail(self, error: BaseException) -> None:
+        with self.condition:
+            if self.failure is None:
+                self.failure = error
+            self.condition.notify_all()
+
+
+class SimulatedCommunicator:
+    """The communicator of one simulated device."""
+
+    def __init__(self, exchange: _Exchange, coordinate: Coordinate) -> None:
+        self.exchange = exchange
+        self.coordinate = coordinate
+        self.calls = [0] * len(coordinate)
+
+    def _meet(self, tensor: torch.Tensor, axis: int) -> list[torch.Tensor]:
+        sequence = self.calls[axis]
+        self.calls[axis] += 1
+        return self.exchange.meet(axis, self.coordinate, sequence, tensor.detach())
+
+    def all_gather(self, tensor: torch.Tensor, dim: int, axis: int) -> torch.Tensor:
+        return torch.cat(self._meet(tensor, axis), dim=dim)
+
+    def all_reduce(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
+        pieces = self._meet(tensor, axis)
+        total = pieces[0].clone()
+        for piece in pieces[1:]:
+            total = total + piece
+        return total
+
+    def reduce_scatter(self, tensor: torch.Tensor, dim: int, axis: int) -> torch.Tensor:
+        total = self.all_reduce(tensor, axis)
+        size = self.exchange.mesh_shape[axis]
+        return total.chunk(size, dim)[self.coordinate[axis]].contiguous()
+
+    def all_to_all(self, tensor: torch.Tensor, split_dim: int, concat_dim: int, axis: int) -> torch.Tensor:
+        size = self.exchange.mesh_shape[axis]
+        index = self.coordinate[axis]
+        pieces = self._meet(tensor, axis)
+        return torch.cat([p.chunk(size, split_dim)[index] for p in pieces], dim=concat_dim).contiguous()
+
+
+@dataclass(frozen=True)
+class SimulationResult:
+    per_rank: dict[Coordinate, tuple[torch.Tensor, ...]]
+    """Every device's local outputs."""
+    result: StepResult
+    """The outputs reassembled from their specs: loss, gradients and buffer updates."""
+
+
+def simulate(
+    spmd: SPMDProgram, flat_inputs: Sequence[torch.Tensor], *, timeout: float = 60.0
+) -> SimulationResult:
+    """Run all ranks of ``spmd`` on the global placeholders ``flat_inputs`` (parameters,
+    buffers, batch) and reassemble the outputs."""
+    cluster = spmd.cluster
+    exchange = _Exchange(cluster.mesh_shape, timeout)
+    outputs: dict[Coordinate, tuple[torch.Tensor, ...]] = {}
+    errors: list[BaseException] = []
+
+    def run(rank: int) -> None:
+        program = spmd.ranks[rank]
+        try:
+            local = spmd.local_inputs(flat_inputs, program.coordinate)
+            comm = SimulatedCommunicator(exchange, program.coordinate)
+            with torch.no_grad():
+                outputs[program.coordinate] = tuple(program.graph_module(comm, *local))
+        except BaseException as error:  # reported below, after every thread has stopped
+            errors.append(error)
+            exchange.fail(error)
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(cluster.world_size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        first = next((e for e in errors if not isinstance(e, SimulationError)), errors[0])
+        raise SimulationError(f"simulated rank failed: {type(first).__name__}: {first}") from first
+    return SimulationResult(outputs, spmd.assemble_outputs(outputs))
