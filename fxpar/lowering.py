@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from fxpar import ir
 from fxpar.cluster import Cluster, Coordinate
@@ -32,8 +33,6 @@ from fxpar.program import Program, StepResult
 from fxpar.reshard import ReshardStep, reshard_steps
 from fxpar.rules.registry import tensor_inputs
 from fxpar.runtime import collectives
-from torch.distributed.tensor import Partial, Replicate, Shard
-
 from fxpar.sharding import (
     Sharding,
     Spec,
@@ -65,6 +64,8 @@ class RankProgram:
     rank: int
     coordinate: Coordinate
     graph_module: fx.GraphModule
+    values: dict[str, tuple[str, tuple[Spec | None, ...]]]
+    """For each node of the global Program: the local node holding its value, and its specs."""
 
     def code(self) -> str:
         return self.graph_module.code
@@ -98,9 +99,7 @@ class SPMDProgram:
             for t, spec in zip(flat_inputs, self.input_specs, strict=True)
         ]
 
-    def assemble_outputs(
-        self, per_rank: Mapping[Coordinate, Sequence[torch.Tensor]]
-    ) -> StepResult:
+    def assemble_outputs(self, per_rank: Mapping[Coordinate, Sequence[torch.Tensor]]) -> StepResult:
         """The global outputs, named, from every device's local outputs."""
         mesh = self.cluster.mesh_shape
         outputs = [
@@ -143,7 +142,8 @@ def lower(program: Program, cluster: Cluster) -> SPMDProgram:
         module = lowering.run()
         if rank == 0:
             records = tuple(lowering.records)
-        ranks.append(RankProgram(rank, coordinate, module))
+        values = {node.name: (local.name, specs) for node, (local, specs) in lowering.env.items()}
+        ranks.append(RankProgram(rank, coordinate, module, values))
     placeholders = [n for n in program.graph.nodes if n.op == "placeholder"]
     return SPMDProgram(
         program=program,
@@ -274,9 +274,7 @@ class _RankLowering:
         shape = local_shape(meta.shape, spec, self.mesh)  # type: ignore[arg-type]
         return (*args[:index], list(shape), *args[index + 1 :])
 
-    def _convert(
-        self, source: object, spec: Spec, consumer: fx.Node, phase: ir.Phase
-    ) -> Any:
+    def _convert(self, source: object, spec: Spec, consumer: fx.Node, phase: ir.Phase) -> Any:
         """The local value of ``source`` laid out as ``spec``, inserting the steps to get there
         (once per source and spec, however many consumers need it)."""
         if not isinstance(source, fx.Node):
@@ -316,6 +314,11 @@ class _RankLowering:
             node = self.graph.call_function(
                 aten.slice.Tensor, (value, step.dim, start, start + piece)
             )
+            # Some CPU kernels (native_layer_norm_backward among them) misread strided
+            # inputs, and every other producer of a local piece is contiguous: copy the slice.
+            node = self.graph.call_function(
+                aten.clone.default, (node,), {"memory_format": torch.contiguous_format}
+            )
             placements[step.axis] = Shard(step.dim)
             return node, tuple(placements)
         if step.kind == "to_partial":
@@ -341,4 +344,3 @@ class _RankLowering:
             CollectiveRecord(step.kind, step.axis, int(nbytes), source.name, consumer.name, phase)
         )
         return self.graph.call_function(call, args), tuple(placements)
-

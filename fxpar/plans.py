@@ -107,7 +107,9 @@ def _cheapest(
                     moved += nbytes
         debt = sum(
             ir.evaluate(meta.nbytes)
-            for spec, meta in zip(strategy.outputs, ir.require(node, ir.ValueMeta).outputs, strict=True)
+            for spec, meta in zip(
+                strategy.outputs, ir.require(node, ir.ValueMeta).outputs, strict=True
+            )
             if spec is not None and meta is not None and any(isinstance(p, Partial) for p in spec)
         )
         return (moved, debt, index)
@@ -132,9 +134,7 @@ def _batch_spec(cluster: Cluster, axes: Sequence[int]) -> SpecChooser:
     return choose
 
 
-def data_parallel(
-    program: Program, cluster: Cluster, rules: RuleRegistry | None = None
-) -> Program:
+def data_parallel(program: Program, cluster: Cluster, rules: RuleRegistry | None = None) -> Program:
     """Split the batch over every mesh axis; replicate parameters and buffers."""
     program = prepare(program, cluster, rules)
     state = set(program.signature.parameters + program.signature.buffers)
@@ -146,9 +146,7 @@ def data_parallel(
     return propagate(program, cluster, choose)
 
 
-def fully_sharded(
-    program: Program, cluster: Cluster, rules: RuleRegistry | None = None
-) -> Program:
+def fully_sharded(program: Program, cluster: Cluster, rules: RuleRegistry | None = None) -> Program:
     """Data-parallel compute with parameters (and their gradients) stored split on dim 0 over
     every mesh axis, where it divides evenly (other parameters stay replicated)."""
     program = data_parallel(program, cluster, rules)

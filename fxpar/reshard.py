@@ -22,7 +22,9 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from fxpar.sharding import Spec
 
-StepKind = Literal["all_gather", "all_reduce", "reduce_scatter", "all_to_all", "slice", "to_partial"]
+StepKind = Literal[
+    "all_gather", "all_reduce", "reduce_scatter", "all_to_all", "slice", "to_partial"
+]
 COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all")
 
 
@@ -62,7 +64,11 @@ def reshard_steps(src: Spec, dst: Spec, mesh_shape: Sequence[int]) -> list[Resha
     for b in sorted(unshard, reverse=True):
         source_dim = _shard_dim(current[b])
         target_dim = _shard_dim(dst[b])
-        if target_dim is not None and target_dim != source_dim and _alone(b, source_dim, target_dim, src, dst):
+        if (
+            target_dim is not None
+            and target_dim != source_dim
+            and _alone(b, source_dim, target_dim, src, dst)
+        ):
             steps.append(ReshardStep("all_to_all", b, source_dim, target_dim))
             current[b] = dst[b]
         else:

@@ -31,7 +31,7 @@ R = Replicate()
 P = Partial()
 
 
-def S(dim: int) -> Shard:  # noqa: N802 - reads like the notation S(d)
+def S(dim: int) -> Shard:
     return Shard(dim)
 
 

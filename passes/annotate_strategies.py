@@ -29,7 +29,8 @@ class AnnotateStrategies(Pass):
             if node.op == "placeholder":
                 shape = ir.require(node, ir.ValueMeta).tensor.shape
                 candidates = tuple(
-                    Strategy((spec,), ()) for spec in all_specs(shape, mesh)  # type: ignore[arg-type]
+                    Strategy((spec,), ())
+                    for spec in all_specs(shape, mesh)  # type: ignore[arg-type]
                 )
             elif (
                 node.op == "call_function"

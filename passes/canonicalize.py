@@ -53,8 +53,13 @@ def _reduction(node: fx.Node, index: int) -> Any:
     return node.args[index] if len(node.args) > index else node.kwargs.get("reduction", _MEAN)
 
 
-def insert_node(graph: fx.Graph, target: Any, args: tuple[Any, ...], like: fx.Node,
-                kwargs: dict[str, Any] | None = None) -> fx.Node:
+def insert_node(
+    graph: fx.Graph,
+    target: Any,
+    args: tuple[Any, ...],
+    like: fx.Node,
+    kwargs: dict[str, Any] | None = None,
+) -> fx.Node:
     """A new node computing ``target(*args)`` before ``like``, with its traced value, a
     ValueMeta and ``like``'s Region."""
     with graph.inserting_before(like):

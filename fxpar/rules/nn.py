@@ -28,6 +28,7 @@ def _same_dims(call: OpCall, dims: range | list[int]) -> list[AxisOption]:
     reference = call.inputs[0].shape
     options = []
     for d in dims:
+
         def place(shape: tuple[object, ...], d: int = d) -> Placement:
             return Shard(d) if len(shape) > d and shape[d] == reference[d] else R
 
@@ -55,7 +56,9 @@ def _layer_norm(call: OpCall) -> list[AxisOption]:
     for d in range(rank - normalized):
         # input -> (out, mean, rstd); weight and bias replicated.
         inputs = (Shard(d),) + (R,) * (len(call.inputs) - 1)
-        options.append(AxisOption(tuple(None if o is None else Shard(d) for o in call.outputs), inputs))
+        options.append(
+            AxisOption(tuple(None if o is None else Shard(d) for o in call.outputs), inputs)
+        )
     return options
 
 
@@ -130,7 +133,9 @@ def _convolution(call: OpCall) -> list[AxisOption]:
 def _convolution_backward(call: OpCall) -> list[AxisOption]:
     # (grad_out, input, weight, bias_sizes, ..., output_mask) -> (gi, gw, gb)
     def outs(*placements: Placement) -> tuple[Placement | None, ...]:
-        return tuple(None if o is None else p for o, p in zip(call.outputs, placements, strict=True))
+        return tuple(
+            None if o is None else p for o, p in zip(call.outputs, placements, strict=True)
+        )
 
     options = [AxisOption(outs(Shard(0), P, P), (Shard(0), Shard(0), R))]
     if call.arg(9, "groups", 1) == 1 and not call.arg(7, "transposed", False):

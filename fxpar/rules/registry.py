@@ -174,7 +174,9 @@ def tensor_inputs(node: fx.Node) -> list[fx.Node]:
 
 
 def all_replicated(call: OpCall) -> AxisOption:
-    return AxisOption(tuple(None if o is None else R_ for o in call.outputs), (R_,) * len(call.inputs))
+    return AxisOption(
+        tuple(None if o is None else R_ for o in call.outputs), (R_,) * len(call.inputs)
+    )
 
 
 __all__ = [

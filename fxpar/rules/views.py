@@ -42,8 +42,10 @@ def reshape_groups(
                 j += 1
             else:
                 break
-            if src_size == dst_size and (i == len(source) or source[i] != 1) and (
-                j == len(target) or target[j] != 1
+            if (
+                src_size == dst_size
+                and (i == len(source) or source[i] != 1)
+                and (j == len(target) or target[j] != 1)
             ):
                 break
         groups.append((src, dst))
@@ -67,9 +69,7 @@ def reshape_spec(
         if target[first_dst] % counts[first_src] or source[first_src] % counts[first_src]:
             return None
         mapping[first_src] = first_dst
-    return tuple(
-        Shard(mapping[p.dim]) if isinstance(p, Shard) else p for p in spec
-    )
+    return tuple(Shard(mapping[p.dim]) if isinstance(p, Shard) else p for p in spec)
 
 
 def _reshape(call: OpCall) -> list[Strategy]:
@@ -139,7 +139,9 @@ def _squeeze(call: OpCall) -> list[AxisOption]:
     source, out = call.inputs[0], call.outputs[0]
     assert out is not None
     kept = [d for d in range(len(source.shape)) if not _squeezed(call, d)]
-    mapping: dict[int, int | None] = {d: kept.index(d) if d in kept else None for d in range(len(source.shape))}
+    mapping: dict[int, int | None] = {
+        d: kept.index(d) if d in kept else None for d in range(len(source.shape))
+    }
     return _moved(call, mapping, len(source.shape))
 
 
@@ -263,4 +265,3 @@ def register(rules: RuleRegistry) -> None:
     rules.register(aten.cat)(_cat)
     rules.register(aten.stack)(_stack)
     rules.register(aten.gather)(_gather)
-

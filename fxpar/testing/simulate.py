@@ -32,7 +32,9 @@ class _Exchange:
         self.slots: dict[tuple[int, Coordinate, int], dict[int, torch.Tensor]] = {}
         self.failure: BaseException | None = None
 
-    def meet(self, axis: int, coordinate: Coordinate, sequence: int, tensor: torch.Tensor) -> list[torch.Tensor]:
+    def meet(
+        self, axis: int, coordinate: Coordinate, sequence: int, tensor: torch.Tensor
+    ) -> list[torch.Tensor]:
         """Every group member's tensor, in coordinate order along ``axis``."""
         group = coordinate[:axis] + coordinate[axis + 1 :]
         size = self.mesh_shape[axis]
@@ -87,11 +89,15 @@ class SimulatedCommunicator:
         size = self.exchange.mesh_shape[axis]
         return total.chunk(size, dim)[self.coordinate[axis]].contiguous()
 
-    def all_to_all(self, tensor: torch.Tensor, split_dim: int, concat_dim: int, axis: int) -> torch.Tensor:
+    def all_to_all(
+        self, tensor: torch.Tensor, split_dim: int, concat_dim: int, axis: int
+    ) -> torch.Tensor:
         size = self.exchange.mesh_shape[axis]
         index = self.coordinate[axis]
         pieces = self._meet(tensor, axis)
-        return torch.cat([p.chunk(size, split_dim)[index] for p in pieces], dim=concat_dim).contiguous()
+        return torch.cat(
+            [p.chunk(size, split_dim)[index] for p in pieces], dim=concat_dim
+        ).contiguous()
 
 
 @dataclass(frozen=True)

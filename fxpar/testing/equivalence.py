@@ -1,0 +1,125 @@
+"""Equivalence checks between a Program and its per-rank programs."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from fxpar.cluster import Coordinate
+from fxpar.errors import FxparError
+from fxpar.lowering import SPMDProgram
+from fxpar.sharding import assemble, spec_str
+from fxpar.testing.simulate import SimulatedCommunicator, _Exchange, simulate
+
+
+class EquivalenceError(FxparError, AssertionError):
+    """The per-rank programs do not compute what the Program computes."""
+
+
+def assert_equivalent(
+    spmd: SPMDProgram,
+    flat_inputs: Sequence[torch.Tensor],
+    *,
+    rtol: float = 1e-4,
+    atol: float = 1e-6,
+) -> None:
+    """Simulate ``spmd`` and compare the loss, gradients and buffer updates with the Program run
+    on one device. On a mismatch the error names the first node whose reassembled value differs
+    (see :func:`first_divergence`)."""
+    expected = spmd.program.signature.name_outputs(spmd.program(*flat_inputs))
+    found = simulate(spmd, flat_inputs).result
+    pairs = [("loss", expected.loss, found.loss)]
+    pairs += [(f"gradient of {k}", v, found.gradients[k]) for k, v in expected.gradients.items()]
+    pairs += [(f"buffer {k}", v, found.buffers[k]) for k, v in expected.buffers.items()]
+    for what, want, got in pairs:
+        if not torch.allclose(got, want, rtol=rtol, atol=atol):
+            divergence = first_divergence(spmd, flat_inputs, rtol=rtol, atol=atol)
+            raise EquivalenceError(
+                f"{what} differs (max abs error {(got - want).abs().max().item():.3g}); "
+                f"{divergence or 'no intermediate value differs'}"
+            )
+
+
+@dataclass(frozen=True)
+class Divergence:
+    node: str
+    target: str
+    specs: str
+    error: float
+
+    def __str__(self) -> str:
+        return (
+            f"first divergent node {self.node!r} ({self.target}) laid out as {self.specs}: "
+            f"max abs error {self.error:.3g}"
+        )
+
+
+def first_divergence(
+    spmd: SPMDProgram,
+    flat_inputs: Sequence[torch.Tensor],
+    *,
+    rtol: float = 1e-4,
+    atol: float = 1e-6,
+) -> Divergence | None:
+    """Run every rank recording each local value, reassemble every node of the Program from its
+    pieces, and return the first one (in graph order) that differs from one-device execution."""
+    expected = _record(spmd.program.graph_module, list(flat_inputs))
+    exchange = _Exchange(spmd.cluster.mesh_shape, timeout=60.0)
+    local_values: dict[Coordinate, dict[str, object]] = {}
+
+    def run(rank: int) -> None:
+        program = spmd.ranks[rank]
+        comm = SimulatedCommunicator(exchange, program.coordinate)
+        try:
+            local = spmd.local_inputs(flat_inputs, program.coordinate)
+            local_values[program.coordinate] = _record(program.graph_module, [comm, *local])
+        except BaseException as error:
+            exchange.fail(error)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(spmd.cluster.world_size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if len(local_values) != spmd.cluster.world_size:
+        return None
+    mesh = spmd.cluster.mesh_shape
+    for node in spmd.program.graph.nodes:
+        if node.op in ("placeholder", "output") or node.name not in spmd.ranks[0].values:
+            continue
+        local_name, specs = spmd.ranks[0].values[node.name]
+        value = expected[node.name]
+        outputs = value if isinstance(value, (tuple, list)) else (value,)
+        for index, spec in enumerate(specs):
+            if spec is None or not isinstance(outputs[index], torch.Tensor):
+                continue
+            pieces = {}
+            for program in spmd.ranks:
+                local = local_values[program.coordinate][program.values[node.name][0]]
+                local = local[index] if isinstance(local, (tuple, list)) else local
+                pieces[program.coordinate] = local
+            got = assemble(pieces, spec, mesh)
+            want = outputs[index]
+            if got.shape != want.shape or not torch.allclose(got, want, rtol=rtol, atol=atol):
+                error = (got - want).abs().max().item() if got.shape == want.shape else float("inf")
+                shown = ", ".join(spec_str(s) for s in specs)
+                return Divergence(node.name, str(node.target), shown, error)
+    return None
+
+
+def _record(module: fx.GraphModule, inputs: list[object]) -> dict[str, object]:
+    values: dict[str, object] = {}
+
+    class Recorder(fx.Interpreter):
+        def run_node(self, node: fx.Node) -> object:
+            result = super().run_node(node)
+            values[node.name] = result
+            return result
+
+    with torch.no_grad():
+        Recorder(module).run(*inputs)
+    return values
