@@ -77,7 +77,7 @@ def _layer_norm_backward(call: OpCall) -> list[AxisOption]:
 
 
 def _embedding(call: OpCall) -> list[AxisOption]:
-    weight, indices = call.inputs
+    indices = call.inputs[1]
     options = [AxisOption((Shard(d),), (R, Shard(d))) for d in range(len(indices.shape))]
     options.append(AxisOption((Shard(len(indices.shape)),), (Shard(1), R)))
     return options

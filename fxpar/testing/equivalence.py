@@ -91,7 +91,7 @@ def first_divergence(
     for node in spmd.program.graph.nodes:
         if node.op in ("placeholder", "output") or node.name not in spmd.ranks[0].values:
             continue
-        local_name, specs = spmd.ranks[0].values[node.name]
+        specs = spmd.ranks[0].values[node.name][1]
         value = expected[node.name]
         outputs = value if isinstance(value, (tuple, list)) else (value,)
         for index, spec in enumerate(specs):
