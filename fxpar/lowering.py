@@ -197,6 +197,23 @@ def _output_specs(program: Program, mesh_ndim: int) -> tuple[Spec, ...]:
     return (replicated(mesh_ndim), *(_placeholder_spec(placeholders[n]) for n in state))
 
 
+def localize_shape_arguments(
+    node: fx.Node, args: tuple[Any, ...], specs: tuple[Spec | None, ...], mesh: tuple[int, ...]
+) -> tuple[Any, ...]:
+    """``args`` of ``node`` with any argument that spells out an output's global shape
+    replaced by that output's local shape under ``specs``."""
+    entry = _SHAPE_ARGUMENTS.get(node.target)
+    if entry is None:
+        return args
+    index, output = entry
+    spec = specs[output]
+    meta = ir.require(node, ir.ValueMeta).outputs[output]
+    if spec is None or meta is None or index >= len(args):
+        return args
+    shape = local_shape(meta.shape, spec, mesh)  # type: ignore[arg-type]
+    return (*args[:index], list(shape), *args[index + 1 :])
+
+
 class _RankLowering:
     def __init__(self, program: Program, cluster: Cluster, coordinate: Coordinate) -> None:
         self.program = program
@@ -253,26 +270,12 @@ class _RankLowering:
             return self._convert(arg, next(required), consumer=node, phase=phase)
 
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), replace)
-        args = self._localize_shape_arguments(node, tuple(args), strategy.outputs)  # type: ignore[arg-type]
+        args = localize_shape_arguments(node, tuple(args), strategy.outputs, self.mesh)  # type: ignore[arg-type]
         # A local piece may be strided where the global tensor was contiguous (a slice, a
         # transposed shard): views become reshapes, which copy only when they must.
         target = _VIEWS_AS_RESHAPE.get(node.target, node.target)
         local = self.graph.call_function(target, args, dict(kwargs))  # type: ignore[arg-type, call-overload]
         self.env[node] = (local, strategy.outputs)
-
-    def _localize_shape_arguments(
-        self, node: fx.Node, args: tuple[Any, ...], specs: tuple[Spec | None, ...]
-    ) -> tuple[Any, ...]:
-        entry = _SHAPE_ARGUMENTS.get(node.target)
-        if entry is None:
-            return args
-        index, output = entry
-        spec = specs[output]
-        meta = ir.require(node, ir.ValueMeta).outputs[output]
-        if spec is None or meta is None or index >= len(args):
-            return args
-        shape = local_shape(meta.shape, spec, self.mesh)  # type: ignore[arg-type]
-        return (*args[:index], list(shape), *args[index + 1 :])
 
     def _convert(self, source: object, spec: Spec, consumer: fx.Node, phase: ir.Phase) -> Any:
         """The local value of ``source`` laid out as ``spec``, inserting the steps to get there

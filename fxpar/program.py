@@ -104,15 +104,12 @@ class Program:
             )
         return tuple(self.graph_module(*flat_inputs))
 
-    def run(
+    def flat_inputs(
         self, state: nn.Module | Mapping[str, torch.Tensor], *batch: torch.Tensor
-    ) -> StepResult:
-        """Run one step on real tensors.
-
-        ``state`` is the model itself or a mapping from parameter and buffer names to tensors;
-        ``batch`` is the model inputs followed by the targets, in :attr:`Signature.inputs` order.
-        Nothing in ``state`` is modified; new buffer values are in the result.
-        """
+    ) -> list[torch.Tensor]:
+        """The placeholders' tensors in order: parameters and buffers taken by name from
+        ``state`` (the model itself, or a mapping), then ``batch`` (model inputs, then targets,
+        in :attr:`Signature.inputs` order)."""
         if isinstance(state, nn.Module):
             state = {
                 **dict(state.named_parameters(remove_duplicate=False)),
@@ -127,9 +124,17 @@ class Program:
         missing = [name for name in names if name not in state]
         if missing:
             raise FxparError(f"state has no tensor for {missing[:5]} ({len(missing)} missing)")
+        return [state[name].detach() for name in names] + list(batch)
+
+    def run(
+        self, state: nn.Module | Mapping[str, torch.Tensor], *batch: torch.Tensor
+    ) -> StepResult:
+        """Run one step on real tensors (arguments as for :meth:`flat_inputs`).
+
+        Nothing in ``state`` is modified; new buffer values are in the result.
+        """
         with torch.no_grad():
-            values = [state[name].detach() for name in names]
-            outputs = self(*values, *batch)
+            outputs = self(*self.flat_inputs(state, *batch))
         return self.signature.name_outputs(outputs)
 
     def code(self) -> str:

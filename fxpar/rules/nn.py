@@ -175,9 +175,29 @@ def _pooling(call: OpCall) -> list[AxisOption]:
 
 
 def _attention(call: OpCall) -> list[AxisOption]:
-    # (q, k, v, ..., attn_mask?) -> (out, logsumexp, ...): batch and heads are independent.
-    options = _same_dims(call, range(len(call.inputs[0].shape) - 2))
-    if call.target in _ATTENTION_BACKWARD:
+    """(q, k, v, ..., attn_mask?) -> (out, logsumexp, ...), and the backward, whose tensor
+    inputs are (grad_out, q, k, v, out, logsumexp, attn_mask?).
+
+    Batch and heads are independent. With grouped-query attention k and v have fewer heads;
+    splitting every head dim in the same number of pieces keeps each query head with its key
+    and value head. A mask that broadcasts along a dim stays whole there."""
+    backward = call.target in _ATTENTION_BACKWARD
+    query = call.inputs[1] if backward else call.inputs[0]
+    per_head = 6 if backward else 3  # inputs laid out by (batch, head, ...)
+    options = []
+    for d in range(len(query.shape) - 2):
+        inputs: list[Placement] = []
+        for index, meta in enumerate(call.inputs):
+            if index < per_head or meta.shape[d] == query.shape[d]:
+                inputs.append(Shard(d))
+            elif meta.shape[d] == 1:
+                inputs.append(R)
+            else:
+                break
+        else:
+            outputs = tuple(None if o is None else Shard(d) for o in call.outputs)
+            options.append(AxisOption(outputs, tuple(inputs)))
+    if backward:
         options.append(_linear_in_first(call))
     return options
 

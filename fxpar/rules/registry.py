@@ -23,7 +23,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Placement
 
 from fxpar import ir
-from fxpar.sharding import Spec, Strategy, is_valid, replicated
+from fxpar.sharding import Spec, Strategy, has_partial, is_valid, replicated
 
 R_ = torch.distributed.tensor.Replicate()
 
@@ -129,10 +129,14 @@ def _fits(strategy: Strategy, call: OpCall) -> bool:
     for spec, meta in zip(strategy.inputs, call.inputs, strict=True):
         if not is_valid(meta.shape, spec, call.mesh_shape):  # type: ignore[arg-type]
             return False
+        if meta.dtype == torch.bool and has_partial(spec):
+            return False  # booleans have no sum
     for out_spec, out_meta in zip(strategy.outputs, call.outputs, strict=True):
         if (out_spec is None) != (out_meta is None):
             return False
         if out_spec is not None and not is_valid(out_meta.shape, out_spec, call.mesh_shape):  # type: ignore[union-attr]
+            return False
+        if out_meta is not None and out_meta.dtype == torch.bool and has_partial(out_spec):
             return False
     return True
 

@@ -57,9 +57,10 @@ def reshape_spec(
 ) -> Spec | None:
     """The output spec of reshaping a tensor with ``spec``, or None if shards would scatter."""
     counts = shards_per_dim(spec, mesh_shape, len(source))
+    sharded_dims = {p.dim for p in spec if isinstance(p, Shard)}
     mapping: dict[int, int] = {}
     for src, dst in reshape_groups(source, target):
-        sharded = [d for d in src if counts[d] > 1]
+        sharded = [d for d in src if d in sharded_dims]
         if not sharded:
             continue
         first_src = next((d for d in src if source[d] != 1), None)

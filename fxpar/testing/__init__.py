@@ -1,0 +1,56 @@
+"""Testing kit: simulate per-rank programs in one process, check them against the Program, check
+sharding rules against ground truth, and hypothesis strategies for property tests.
+
+For a user writing a pass or a rule, :func:`assert_plan_equivalent` is the property in one call:
+capture a model, pick a random valid plan, lower it, simulate every rank, and compare the loss,
+gradients and buffer updates with one device.
+"""
+
+from __future__ import annotations
+
+from fxpar.capture import capture
+from fxpar.cluster import Cluster
+from fxpar.lowering import SPMDProgram, lower
+from fxpar.plans import random_plan
+from fxpar.rules import RuleRegistry
+from fxpar.testing.equivalence import (
+    Divergence,
+    EquivalenceError,
+    assert_equivalent,
+    first_divergence,
+)
+from fxpar.testing.rules import RuleViolation, validate_rules
+from fxpar.testing.simulate import SimulationError, SimulationResult, simulate
+from fxpar.testing.strategies import ModelCase
+
+__all__ = [
+    "Divergence",
+    "EquivalenceError",
+    "ModelCase",
+    "RuleViolation",
+    "SimulationError",
+    "SimulationResult",
+    "assert_equivalent",
+    "assert_plan_equivalent",
+    "first_divergence",
+    "simulate",
+    "validate_rules",
+]
+
+
+def assert_plan_equivalent(
+    case: ModelCase,
+    cluster: Cluster,
+    seed: int,
+    *,
+    rules: RuleRegistry | None = None,
+    rtol: float = 1e-4,
+    atol: float = 1e-6,
+) -> SPMDProgram:
+    """Capture ``case``, choose a random valid plan on ``cluster``, lower it and check that the
+    simulated ranks train exactly like one device. Returns the lowered programs."""
+    program = capture(case.model, case.inputs, case.loss_fn, example_targets=case.targets)
+    flat = program.flat_inputs(case.model, *case.inputs, *case.targets)
+    spmd = lower(random_plan(program, cluster, seed, rules), cluster)
+    assert_equivalent(spmd, flat, rtol=rtol, atol=atol)
+    return spmd
