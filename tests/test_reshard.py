@@ -23,7 +23,7 @@ def apply_steps(pieces: dict, steps: list[ReshardStep], mesh: tuple[int, ...]) -
         updated = {}
         for coordinate, piece in pieces.items():
             group = [
-                pieces[coordinate[: step.axis] + (k,) + coordinate[step.axis + 1 :]]
+                pieces[(*coordinate[: step.axis], k, *coordinate[step.axis + 1 :])]
                 for k in range(n)
             ]
             index = coordinate[step.axis]

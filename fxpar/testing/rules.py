@@ -11,7 +11,7 @@ is caught here, whatever plan would have chosen it.
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -130,7 +130,11 @@ def _check(
     for coordinate in cluster.coordinates():
         counter = iter(range(len(order)))
 
-        def local(arg: fx.Node, coordinate: Coordinate = coordinate) -> object:
+        def local(
+            arg: fx.Node,
+            coordinate: Coordinate = coordinate,
+            counter: Iterator[int] = counter,
+        ) -> object:
             value = ir.require(arg, ir.ValueMeta)
             if value.multiple or value.outputs[0] is None:
                 return values[arg]
