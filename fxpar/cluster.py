@@ -72,7 +72,7 @@ class Cluster:
             raise FxparError(f"mesh axis {axis} out of range for a {self.ndim}-D mesh")
         return axis
 
-    def device_mesh(self):  # type: ignore[no-untyped-def]
+    def device_mesh(self):
         """The DeviceMesh for this cluster; needs an initialized default process group whose
         world size equals the mesh's."""
         import torch.distributed as dist

@@ -160,9 +160,10 @@ def _check_lowerable(program: Program, cluster: Cluster) -> None:
         value = ir.get(node, ir.ValueMeta)
         if value is not None and any(t.is_symbolic for t in value.tensors):
             raise LoweringError(
-                f"node {node.name!r} has symbolic shape {value}; capture with dynamic=False to "
-                "lower to per-rank programs"
+                f"node {node.name!r} has a symbolic shape ({', '.join(map(str, value.tensors))})"
+                "; capture with dynamic=False to lower to per-rank programs"
             )
+    for node in program.graph.nodes:
         if node.op == "placeholder" or _needs_strategy(node):
             sharding = ir.get(node, Sharding)
             if sharding is None:
@@ -210,7 +211,7 @@ def localize_shape_arguments(
     meta = ir.require(node, ir.ValueMeta).outputs[output]
     if spec is None or meta is None or index >= len(args):
         return args
-    shape = local_shape(meta.shape, spec, mesh)  # type: ignore[arg-type]
+    shape = local_shape(meta.shape, spec, mesh)
     return (*args[:index], list(shape), *args[index + 1 :])
 
 
@@ -270,11 +271,11 @@ class _RankLowering:
             return self._convert(arg, next(required), consumer=node, phase=phase)
 
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), replace)
-        args = localize_shape_arguments(node, tuple(args), strategy.outputs, self.mesh)  # type: ignore[arg-type]
+        args = localize_shape_arguments(node, tuple(args), strategy.outputs, self.mesh)
         # A local piece may be strided where the global tensor was contiguous (a slice, a
         # transposed shard): views become reshapes, which copy only when they must.
-        target = _VIEWS_AS_RESHAPE.get(node.target, node.target)
-        local = self.graph.call_function(target, args, dict(kwargs))  # type: ignore[arg-type, call-overload]
+        target: Any = _VIEWS_AS_RESHAPE.get(node.target, node.target)  # type: ignore[call-overload]
+        local = self.graph.call_function(target, args, dict(kwargs))
         self.env[node] = (local, strategy.outputs)
 
     def _convert(self, source: object, spec: Spec, consumer: fx.Node, phase: ir.Phase) -> Any:
@@ -307,9 +308,10 @@ class _RankLowering:
         phase: ir.Phase,
         source: fx.Node,
     ) -> tuple[fx.Node, Spec]:
-        shape = local_shape(meta.shape, spec, self.mesh)  # type: ignore[arg-type]
+        shape = local_shape(meta.shape, spec, self.mesh)
         placements = list(spec)
         call: Callable[..., Any]
+        args: tuple[Any, ...]
         if step.kind == "slice":
             assert step.dim is not None
             piece = shape[step.dim] // self.mesh[step.axis]

@@ -1,11 +1,17 @@
 """Manual plans: choose a strategy for every node from a few decisions about the inputs.
 
 A plan fixes the spec of each placeholder (parameters, buffers, batch), and :func:`propagate`
-picks every op's strategy greedily in graph order: the candidate whose inputs need the least
-data moved from their producers' layouts (all-gathers, all-to-alls), then the one leaving the
-fewest partial values, then the earliest. A partial value counts once, where it is made: reducing
-it later is free for the choice, so partial sums are reduced where they are first consumed by
-an op that needs them whole, as Megatron-LM does.
+picks every op's strategy greedily in graph order, comparing candidates by
+
+1. the bytes their inputs must gather (all-gathers, all-to-alls) from the producers' layouts;
+2. the bytes of partial sums they leave to reduce: partial outputs, and inputs they reduce or
+   turn partial (a whole value made partial must be reduced again later);
+3. the number of collectives they need now (so a partial sum travels on to where it must be
+   reduced anyway: one all-reduce per data-parallel gradient);
+4. their order among the candidates (the replicated strategy first).
+
+These choices reproduce the textbook plans: data parallelism reduces each gradient once, and
+Megatron-LM's blocks reduce each row-parallel output where the residual stream needs it whole.
 
 Named plans built on it:
 
@@ -30,7 +36,7 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 
 import torch.fx as fx
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from fxpar import ir
 from fxpar.cluster import Cluster
@@ -74,7 +80,7 @@ def propagate(program: Program, cluster: Cluster, placeholder_spec: SpecChooser)
         if node.op == "placeholder":
             meta = ir.require(node, ir.ValueMeta).tensor
             spec = placeholder_spec(names[node], meta)
-            if not is_valid(meta.shape, spec, mesh):  # type: ignore[arg-type]
+            if not is_valid(meta.shape, spec, mesh):
                 raise FxparError(
                     f"spec {spec_str(spec)} for {names[node]!r} does not split its shape "
                     f"{meta.shape} evenly over the mesh {mesh}"
@@ -94,25 +100,25 @@ def _cheapest(
     node: fx.Node, layout: Mapping[fx.Node, tuple[Spec | None, ...]], mesh: tuple[int, ...]
 ) -> Strategy:
     sources = tensor_inputs(node)
+    outputs = ir.require(node, ir.ValueMeta).outputs
 
-    def key(indexed: tuple[int, Strategy]) -> tuple[float, float, int]:
+    def key(indexed: tuple[int, Strategy]) -> tuple[int, int, int, int]:
         index, strategy = indexed
-        moved = 0.0
+        moved = pending = collectives = 0
         for source, required in zip(sources, strategy.inputs, strict=True):
             current = layout[source][0]
             assert current is not None
             nbytes = ir.evaluate(ir.require(source, ir.ValueMeta).tensor.nbytes)
             for step in reshard_steps(current, required, mesh):
+                collectives += step.is_collective
                 if step.kind in ("all_gather", "all_to_all"):
                     moved += nbytes
-        debt = sum(
-            ir.evaluate(meta.nbytes)
-            for spec, meta in zip(
-                strategy.outputs, ir.require(node, ir.ValueMeta).outputs, strict=True
-            )
-            if spec is not None and meta is not None and any(isinstance(p, Partial) for p in spec)
-        )
-        return (moved, debt, index)
+                elif step.kind in ("all_reduce", "reduce_scatter", "to_partial"):
+                    pending += nbytes
+        for spec, meta in zip(strategy.outputs, outputs, strict=True):
+            if spec is not None and meta is not None and any(isinstance(p, Partial) for p in spec):
+                pending += ir.evaluate(meta.nbytes)
+        return (moved, pending, collectives, index)
 
     candidates = ir.require(node, Strategies).candidates
     return min(enumerate(candidates), key=key)[1]
@@ -121,7 +127,7 @@ def _cheapest(
 def _batch_spec(cluster: Cluster, axes: Sequence[int]) -> SpecChooser:
     def choose(name: str, meta: ir.TensorMeta) -> Spec:
         spec = tuple(Shard(0) if a in axes else Replicate() for a in range(cluster.ndim))
-        if not is_valid(meta.shape, spec, cluster.mesh_shape):  # type: ignore[arg-type]
+        if not is_valid(meta.shape, spec, cluster.mesh_shape):
             devices = 1
             for a in axes:
                 devices *= cluster.mesh_shape[a]
@@ -155,7 +161,7 @@ def fully_sharded(program: Program, cluster: Cluster, rules: RuleRegistry | None
         node = placeholders[name]
         meta = ir.require(node, ir.ValueMeta).tensor
         spec = (Shard(0),) * cluster.ndim
-        if meta.shape and is_valid(meta.shape, spec, cluster.mesh_shape):  # type: ignore[arg-type]
+        if meta.shape and is_valid(meta.shape, spec, cluster.mesh_shape):
             ir.annotate(node, Sharding(Strategy((spec,), ())))
     return program
 
@@ -184,13 +190,13 @@ def tensor_parallel(
         if name not in state:
             return batch(name, meta)
         module, _, kind = name.rpartition(".")
-        placement = Replicate()
+        placement: Placement = Replicate()
         if any(fnmatch.fnmatch(module, p) for p in column):
             placement = Shard(0)
         elif any(fnmatch.fnmatch(module, p) for p in row) and kind == "weight":
             placement = Shard(1)
         spec = tuple(placement if a == tp else Replicate() for a in range(cluster.ndim))
-        return spec if is_valid(meta.shape, spec, cluster.mesh_shape) else replicated(cluster.ndim)  # type: ignore[arg-type]
+        return spec if is_valid(meta.shape, spec, cluster.mesh_shape) else replicated(cluster.ndim)
 
     return propagate(program, cluster, choose)
 

@@ -87,9 +87,10 @@ def reshard_steps(src: Spec, dst: Spec, mesh_shape: Sequence[int]) -> list[Resha
     for a in range(ndim):
         if current[a] == dst[a]:
             continue
-        if isinstance(dst[a], Shard):
-            steps.append(ReshardStep("slice", a, dst[a].dim))
-        elif isinstance(dst[a], Partial):
+        target = dst[a]
+        if isinstance(target, Shard):
+            steps.append(ReshardStep("slice", a, target.dim))
+        elif isinstance(target, Partial):
             steps.append(ReshardStep("to_partial", a))
         current[a] = dst[a]
     # On an axis of one device every placement is the whole tensor: nothing to do there.

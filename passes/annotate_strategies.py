@@ -28,10 +28,7 @@ class AnnotateStrategies(Pass):
         for node in program.graph.nodes:
             if node.op == "placeholder":
                 shape = ir.require(node, ir.ValueMeta).tensor.shape
-                candidates = tuple(
-                    Strategy((spec,), ())
-                    for spec in all_specs(shape, mesh)  # type: ignore[arg-type]
-                )
+                candidates = tuple(Strategy((spec,), ()) for spec in all_specs(shape, mesh))
             elif (
                 node.op == "call_function"
                 and node.target is not operator.getitem

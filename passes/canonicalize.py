@@ -78,12 +78,12 @@ def _mean_to_sum(graph: fx.Graph, node: fx.Node) -> None:
     if node.target is aten.mean.default:
         dims, keepdim = list(range(len(shape))), False
     else:
-        dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-        dims = list(range(len(shape))) if not dims else list(dims)  # type: ignore[arg-type]
-        keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+        given: Any = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+        dims = list(range(len(shape))) if not given else list(given)
+        keepdim = bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
     if any(not isinstance(shape[d], int) for d in dims):
         return  # a symbolic count: keep the mean
-    count = math.prod(shape[d] for d in dims)  # type: ignore[misc]
+    count = math.prod(shape[d] for d in dims)
     dtype = node.kwargs.get("dtype")
     total = insert_node(graph, aten.sum.dim_IntList, (source, dims, keepdim), node,
                         {"dtype": dtype} if dtype is not None else None)  # fmt: skip

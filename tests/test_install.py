@@ -23,7 +23,8 @@ def test_plain_install_has_the_three_parts(tmp_path: Path) -> None:
     assert {p.name for p in target.iterdir() if not p.name.endswith("-info")} >= {"fxpar"}
     assert not (target / "passes").exists() and not (target / "solvers").exists()
     check = (
-        "import fxpar, fxpar.passes, fxpar.solvers, fxpar.models;"
+        "import fxpar, fxpar.passes, fxpar.solvers, fxpar.models, fxpar.rules;"
+        "import fxpar.runtime.launch, fxpar.testing, fxpar.lowering;"
         f"assert fxpar.__file__.startswith({str(target)!r}), fxpar.__file__;"
         "from fxpar.passes import default_pipeline; print(default_pipeline().names)"
     )

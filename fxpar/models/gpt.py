@@ -39,8 +39,11 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, width = x.shape
-        q, k, v = self.qkv(x).split(width, dim=2)
-        q, k, v = (t.view(batch, length, self.n_head, -1).transpose(1, 2) for t in (q, k, v))
+        # Head-major layout: the projection's output features are (head, q|k|v, head_dim), so
+        # splitting them by heads keeps each head's query, key and value together (what
+        # Megatron-style tensor parallelism needs).
+        q, k, v = self.qkv(x).view(batch, length, self.n_head, 3, -1).unbind(3)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
         attended = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )

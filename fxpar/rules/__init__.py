@@ -73,5 +73,5 @@ def coverage(program: Program, rules: RuleRegistry | None = None) -> Coverage:
         sizes = [t.numel for t in value.tensors] + [
             t.numel for arg in node.all_input_nodes for t in ir.require(arg, ir.ValueMeta).tensors
         ]
-        largest[name] = max([largest.get(name, 0), *sizes])  # type: ignore[type-var]
+        largest[name] = max([largest.get(name, 0), *sizes])
     return Coverage({op: (counts[op], largest[op]) for op in counts}, covered)

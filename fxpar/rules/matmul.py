@@ -62,6 +62,10 @@ def _with_bias(
     return result
 
 
+def _fixed(options: list[AxisOption]) -> Callable[[OpCall], list[AxisOption]]:
+    return lambda call: options
+
+
 def register(rules: RuleRegistry) -> None:
     for op, equation in (
         (aten.mm, "mk,kn->mn"),
@@ -69,14 +73,13 @@ def register(rules: RuleRegistry) -> None:
         (aten.mv, "mk,k->m"),
         (aten.dot, "k,k->"),
     ):
-        options = einsum_options(equation)
-        rules.register(op)(lambda call, options=options: options)
+        rules.register(op)(_fixed(einsum_options(equation)))
 
     def biased(equation: str) -> Callable[[OpCall], list[AxisOption]]:
         def rule(call: OpCall) -> list[AxisOption]:
             out = call.outputs[0]
             assert out is not None
-            return _with_bias(einsum_options(equation), call.inputs[0].shape, out.shape)  # type: ignore[arg-type]
+            return _with_bias(einsum_options(equation), call.inputs[0].shape, out.shape)
 
         return rule
 

@@ -127,7 +127,7 @@ def _fits(strategy: Strategy, call: OpCall) -> bool:
     if len(strategy.inputs) != len(call.inputs) or len(strategy.outputs) != len(call.outputs):
         return False
     for spec, meta in zip(strategy.inputs, call.inputs, strict=True):
-        if not is_valid(meta.shape, spec, call.mesh_shape):  # type: ignore[arg-type]
+        if not is_valid(meta.shape, spec, call.mesh_shape):
             return False
         if meta.dtype == torch.bool and has_partial(spec):
             return False  # booleans have no sum
@@ -152,11 +152,11 @@ def op_call(node: fx.Node, mesh_shape: tuple[int, ...]) -> OpCall:
         inputs.append(value.outputs[0])
         return value.outputs[0]
 
-    args, kwargs = fx.node.map_arg((node.args, node.kwargs), replace)  # type: ignore[arg-type]
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), replace)
     return OpCall(
         target=node.target,
-        args=tuple(args),  # type: ignore[arg-type]
-        kwargs=dict(kwargs),  # type: ignore[call-overload]
+        args=tuple(args),
+        kwargs=dict(kwargs),
         inputs=tuple(inputs),
         outputs=ir.require(node, ir.ValueMeta).outputs,
         mesh_shape=mesh_shape,

@@ -65,7 +65,7 @@ def reshape_spec(
             continue
         first_src = next((d for d in src if source[d] != 1), None)
         first_dst = next((d for d in dst if target[d] != 1), None)
-        if sharded != [first_src] or first_dst is None:
+        if first_src is None or sharded != [first_src] or first_dst is None:
             return None
         if target[first_dst] % counts[first_src] or source[first_src] % counts[first_src]:
             return None
@@ -77,8 +77,8 @@ def _reshape(call: OpCall) -> list[Strategy]:
     source, out = call.inputs[0], call.outputs[0]
     assert out is not None
     strategies = []
-    for spec in all_specs(source.shape, call.mesh_shape, partial=True):  # type: ignore[arg-type]
-        mapped = reshape_spec(source.shape, out.shape, spec, call.mesh_shape)  # type: ignore[arg-type]
+    for spec in all_specs(source.shape, call.mesh_shape, partial=True):
+        mapped = reshape_spec(source.shape, out.shape, spec, call.mesh_shape)
         if mapped is not None:
             strategies.append(Strategy((mapped,), (spec, *[spec] * (len(call.inputs) - 1))))
     return strategies
@@ -96,10 +96,10 @@ def _moved(call: OpCall, mapping: dict[int, int | None], rank_in: int) -> list[A
         target = mapping.get(d, d)
         if target is None:
             continue
-        outputs = tuple(None if o is None else Shard(target) for o in call.outputs)
-        options.append(AxisOption(outputs, (Shard(d),) * len(call.inputs)))
-    outputs = tuple(None if o is None else P for o in call.outputs)
-    options.append(AxisOption(outputs, (P,) * len(call.inputs)))
+        shard = tuple(None if o is None else Shard(target) for o in call.outputs)
+        options.append(AxisOption(shard, (Shard(d),) * len(call.inputs)))
+    partial = tuple(None if o is None else P for o in call.outputs)
+    options.append(AxisOption(partial, (P,) * len(call.inputs)))
     return options
 
 

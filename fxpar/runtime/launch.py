@@ -6,12 +6,15 @@ each ``fn`` returned, by rank. Inside a process, :func:`run_rank` runs one rank 
 :class:`~fxpar.lowering.SPMDProgram` with collectives on the process groups of a DeviceMesh::
 
     def step(rank: int, world_size: int, mesh_shape: tuple[int, ...]) -> tuple[Tensor, ...]:
-        model, batch = build()  # seeded: every process builds the same weights and batch
+        model, tokens, targets = build()  # seeded: the same weights and batch in every process
+        program = capture(model, (tokens,), gpt_loss, example_targets=(targets,))
         cluster = Cluster(mesh_shape)
-        spmd = lower(data_parallel(capture(model, ...), cluster), cluster)
+        spmd = lower(data_parallel(program, cluster), cluster)
+        flat_inputs = [p.detach() for p in model.parameters()] + [tokens, targets]
         return run_rank(spmd, rank, flat_inputs, cluster.device_mesh())
 
     local_outputs = spawn(step, 4, (2, 2))  # local_outputs[r]: rank r's outputs
+    # lowering is deterministic: the parent lowers too, then spmd.assemble_outputs(...)
 
 ``fn`` must be picklable (a module-level function), and so must its arguments. Its return value
 travels back through a ``torch.save`` file in a temporary directory of the parent, which is

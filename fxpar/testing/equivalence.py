@@ -97,13 +97,14 @@ def first_divergence(
         for index, spec in enumerate(specs):
             if spec is None or not isinstance(outputs[index], torch.Tensor):
                 continue
-            pieces = {}
+            pieces: dict[Coordinate, torch.Tensor] = {}
             for program in spmd.ranks:
                 local = local_values[program.coordinate][program.values[node.name][0]]
                 local = local[index] if isinstance(local, (tuple, list)) else local
-                pieces[program.coordinate] = local
+                pieces[program.coordinate] = local  # type: ignore[assignment]
             got = assemble(pieces, spec, mesh)
             want = outputs[index]
+            assert isinstance(want, torch.Tensor)
             if got.shape != want.shape or not torch.allclose(got, want, rtol=rtol, atol=atol):
                 error = (got - want).abs().max().item() if got.shape == want.shape else float("inf")
                 shown = ", ".join(spec_str(s) for s in specs)

@@ -140,8 +140,8 @@ def _check(
                 return values[arg]
             return distributed[next(counter)][coordinate]
 
-        args, kwargs = fx.node.map_arg((node.args, node.kwargs), local)
-        args = localize_shape_arguments(node, tuple(args), strategy.outputs, mesh)  # type: ignore[arg-type]
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), local)  # type: ignore[arg-type]
+        args = localize_shape_arguments(node, tuple(args), strategy.outputs, mesh)
         try:
             result = node.target(*args, **kwargs)  # type: ignore[operator]
         except Exception as error:
@@ -169,8 +169,8 @@ def _check(
         else:
             ok = torch.equal(got, want)
         if not ok:
-            error = (got.double() - want.double()).abs().max().item()
-            return f"output {index} ({spec_str(spec)}) differs by up to {error:.3g}"
+            worst = (got.double() - want.double()).abs().max().item()
+            return f"output {index} ({spec_str(spec)}) differs by up to {worst:.3g}"
     return None
 
 
