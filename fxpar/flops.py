@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from fxpar.aten_ops import ATTENTION_BACKWARD, ATTENTION_FORWARD
 from fxpar.ir import Size, TensorMeta, product, total
 
 aten = torch.ops.aten
@@ -182,18 +183,8 @@ def default_flop_registry() -> FlopRegistry:
     registry.register(aten.dot)(_dot)
     registry.register(aten.convolution)(_convolution)
     registry.register(aten.convolution_backward)(_convolution_backward)
-    registry.register(
-        aten._scaled_dot_product_flash_attention_for_cpu,
-        aten._scaled_dot_product_flash_attention,
-        aten._scaled_dot_product_efficient_attention,
-        aten._scaled_dot_product_cudnn_attention,
-    )(_attention)
-    registry.register(
-        aten._scaled_dot_product_flash_attention_for_cpu_backward,
-        aten._scaled_dot_product_flash_attention_backward,
-        aten._scaled_dot_product_efficient_attention_backward,
-        aten._scaled_dot_product_cudnn_attention_backward,
-    )(_attention_backward)
+    registry.register(*ATTENTION_FORWARD)(_attention)
+    registry.register(*ATTENTION_BACKWARD)(_attention_backward)
     registry.register_free(
         # copies and layout changes
         aten.clone, aten._to_copy, aten.copy, aten.contiguous, aten.cat, aten.stack,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
+from fxpar.aten_ops import ATTENTION_BACKWARD, ATTENTION_FORWARD
 from fxpar.rules.registry import AxisOption, OpCall, RuleRegistry
 
 aten = torch.ops.aten
@@ -181,7 +182,7 @@ def _attention(call: OpCall) -> list[AxisOption]:
     Batch and heads are independent. With grouped-query attention k and v have fewer heads;
     splitting every head dim in the same number of pieces keeps each query head with its key
     and value head. A mask that broadcasts along a dim stays whole there."""
-    backward = call.target in _ATTENTION_BACKWARD
+    backward = call.target in ATTENTION_BACKWARD
     query = call.inputs[1] if backward else call.inputs[0]
     per_head = 6 if backward else 3  # inputs laid out by (batch, head, ...)
     options = []
@@ -207,11 +208,6 @@ _POOL_BACKWARD = (
     aten.avg_pool2d_backward.default,
     aten._adaptive_avg_pool2d_backward.default,
 )
-_ATTENTION_BACKWARD = (
-    aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
-    aten._scaled_dot_product_flash_attention_backward.default,
-    aten._scaled_dot_product_efficient_attention_backward.default,
-)
 
 
 def register(rules: RuleRegistry) -> None:
@@ -229,9 +225,4 @@ def register(rules: RuleRegistry) -> None:
     rules.register(aten.native_batch_norm_backward)(_batch_norm_backward)
     rules.register(aten.max_pool2d_with_indices, aten.avg_pool2d, aten._adaptive_avg_pool2d,
                    *_POOL_BACKWARD)(_pooling)  # fmt: skip
-    rules.register(
-        aten._scaled_dot_product_flash_attention_for_cpu,
-        aten._scaled_dot_product_flash_attention,
-        aten._scaled_dot_product_efficient_attention,
-        *_ATTENTION_BACKWARD,
-    )(_attention)
+    rules.register(*ATTENTION_FORWARD, *ATTENTION_BACKWARD)(_attention)
