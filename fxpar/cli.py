@@ -1,7 +1,8 @@
 """The ``fxpar`` command line.
 
-fxpar demo      capture a small GPT's training step, annotate it, report its costs, and train
-                it through the captured Program beside eager PyTorch
+fxpar demo      capture a small GPT's training step, annotate it, report its costs, train
+                it through the captured Program beside eager PyTorch, then split the step
+                over a simulated mesh with each named plan and check it against one device
 """
 
 from __future__ import annotations
@@ -10,15 +11,26 @@ import argparse
 import copy
 import sys
 import time
+from collections import Counter
 from collections.abc import Sequence
 
 import torch
 
 import fxpar
+from fxpar import plans
+from fxpar.cluster import Cluster
+from fxpar.lowering import lower
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.models.corpus import batches, corpus_tokens
 from fxpar.passes import default_pipeline
 from fxpar.report import cost_table
+from fxpar.testing import simulate
+
+PLANS = {
+    "data parallel": plans.data_parallel,
+    "tensor parallel": plans.tensor_parallel,
+    "fully sharded": plans.fully_sharded,
+}
 
 
 def demo(args: argparse.Namespace) -> int:
@@ -64,7 +76,36 @@ def demo(args: argparse.Namespace) -> int:
         for a, b in zip(eager_model.parameters(), program_model.parameters(), strict=True)
     )
     print(f"\nlargest parameter difference after {args.steps} steps: {drift:.2e}")
-    return 0 if drift < 1e-4 else 1
+    worst = _spmd_report(program, eager_model, inputs, targets, Cluster((args.devices,)))
+    return 0 if drift < 1e-4 and worst < 1e-4 else 1
+
+
+def _spmd_report(
+    program: fxpar.Program,
+    model: torch.nn.Module,
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    cluster: Cluster,
+) -> float:
+    """Lower the step with each named plan, run every rank in one process, and compare."""
+    flat = program.flat_inputs(model, inputs, targets)
+    expected = program.signature.name_outputs(program(*flat))
+    print(f"\none step split over a simulated {cluster}, per plan:")
+    print(f"{'plan':<16}  {'collectives':<46}  {'MB/device':>9}  {'max |grad error|':>16}")
+    worst = 0.0
+    for name, plan in PLANS.items():
+        spmd = lower(plan(program, cluster), cluster)
+        result = simulate(spmd, flat).result
+        error = max(
+            (result.gradients[k] - v).abs().max().item() for k, v in expected.gradients.items()
+        )
+        error = max(error, (result.loss - expected.loss).abs().item())
+        worst = max(worst, error)
+        kinds = Counter(r.kind for r in spmd.collectives())
+        summary = ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items()))
+        megabytes = sum(r.bytes for r in spmd.collectives()) / 1e6
+        print(f"{name:<16}  {summary:<46}  {megabytes:>9.3f}  {error:>16.2e}")
+    return worst
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -79,6 +120,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo_parser.add_argument("--every", type=int, default=25, help="print the loss every N steps")
     demo_parser.add_argument("--lr", type=float, default=0.5)
     demo_parser.add_argument("--seed", type=int, default=0)
+    demo_parser.add_argument("--devices", type=int, default=4, help="simulated mesh size")
     demo_parser.set_defaults(run=demo)
     args = parser.parse_args(argv)
     return int(args.run(args))

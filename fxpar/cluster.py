@@ -92,4 +92,5 @@ class Cluster:
         return init_device_mesh(self.device_type, self.mesh_shape, mesh_dim_names=self.axis_names)
 
     def __str__(self) -> str:
-        return "x".join(map(str, self.mesh_shape)) + f" mesh ({', '.join(self.axis_names)})"
+        shape = "x".join(map(str, self.mesh_shape))
+        return f"{shape} mesh of {self.world_size} devices (axes {', '.join(self.axis_names)})"

@@ -24,6 +24,12 @@ def test_demo_trains_the_program_exactly_like_eager(capsys: pytest.CaptureFixtur
     assert all(eager == program for _, eager, program in rows)
     assert float(rows[-1][1]) < float(rows[0][1])  # it learns
     assert "largest parameter difference after 6 steps: 0.00e+00" in out
+    # Then one step per named plan on a simulated 4-device mesh, checked against one device.
+    row = r"^(data parallel|tensor parallel|fully sharded)\s+(.*?)\s+([\d.]+)\s+([\d.e+-]+)$"
+    plans = re.findall(row, out, flags=re.MULTILINE)
+    assert [p[0] for p in plans] == ["data parallel", "tensor parallel", "fully sharded"]
+    assert all(float(error) < 1e-4 for *_, error in plans)
+    assert "8 all_reduce" in plans[1][1]  # Megatron: 2 forward + 2 backward per block, 2 blocks
 
 
 def test_cost_table_totals_match_the_annotations() -> None:
