@@ -1,5 +1,11 @@
 """fxpar's solvers: they take plain data (cost arrays, resharding matrices) and return plain data.
 
-The intra-op ILP, the stage DP and the reference solvers arrive with the planning work; this
-package is installed now so that ``fxpar.solvers`` is importable from every install.
+:mod:`fxpar.solvers.problem` defines the intra-operator problem and solution; the HiGHS ILP,
+exhaustive and greedy solvers implement :class:`~fxpar.solvers.problem.IntraOpSolver`.
 """
+
+from __future__ import annotations
+
+from fxpar.solvers.problem import Edge, IntraOpProblem, IntraOpSolution, IntraOpSolver
+
+__all__ = ["Edge", "IntraOpProblem", "IntraOpSolution", "IntraOpSolver"]

@@ -1,0 +1,77 @@
+"""The intra-operator sharding problem as plain data, and what a solver returns.
+
+Solvers never see fx graphs: a builder (``fxpar.planning``) turns a Program and a Cluster into
+an :class:`IntraOpProblem`, and any solver that maps it to an :class:`IntraOpSolution` can plan.
+
+The problem: nodes ``v = 0..n-1``, each with strategies ``s = 0..k_v-1``. Choosing strategy ``s``
+for node ``v`` costs ``node_costs[v][s]`` seconds (compute and the communication inside the node)
+and keeps ``node_memory[v][s]`` bytes alive on each device. An edge ``(u, v)`` costs
+``edge.costs[s][t]`` seconds when ``u`` takes ``s`` and ``v`` takes ``t`` (resharding ``u``'s
+output into the layout ``v`` needs). Minimize the total cost subject to the total memory being at
+most ``memory_limit`` bytes per device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+Status = Literal["optimal", "feasible", "time_limit", "infeasible"]
+
+
+@dataclass(frozen=True)
+class Edge:
+    """A producer -> consumer pair and its resharding costs, ``costs[s_source][s_target]``."""
+
+    source: int
+    target: int
+    costs: tuple[tuple[float, ...], ...]
+
+
+@dataclass(frozen=True)
+class IntraOpProblem:
+    node_costs: tuple[tuple[float, ...], ...]
+    node_memory: tuple[tuple[float, ...], ...]
+    edges: tuple[Edge, ...] = ()
+    memory_limit: float | None = None
+    names: tuple[str, ...] = field(default=(), compare=False)
+    """Node names, for messages only."""
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.node_costs)
+
+    def objective(self, choice: tuple[int, ...] | list[int]) -> float:
+        """The total cost of a choice of one strategy per node."""
+        total = sum(costs[s] for costs, s in zip(self.node_costs, choice, strict=True))
+        total += sum(edge.costs[choice[edge.source]][choice[edge.target]] for edge in self.edges)
+        return float(total)
+
+    def memory(self, choice: tuple[int, ...] | list[int]) -> float:
+        """Bytes per device kept alive by a choice."""
+        return float(sum(m[s] for m, s in zip(self.node_memory, choice, strict=True)))
+
+    def least_memory(self) -> float:
+        """The memory of the most memory-frugal choice (memory is additive over nodes)."""
+        return float(sum(min(m) for m in self.node_memory))
+
+
+@dataclass(frozen=True)
+class IntraOpSolution:
+    choice: tuple[int, ...]
+    """One strategy index per node."""
+    objective: float
+    status: Status
+    gap: float
+    """Relative optimality gap the solver proved (0 when optimal)."""
+    solver: str
+    seconds: float
+
+
+class IntraOpSolver(Protocol):
+    """Anything that solves the problem: the HiGHS ILP, exhaustive search, a greedy pass, a
+    manual plan."""
+
+    name: str
+
+    def solve(self, problem: IntraOpProblem) -> IntraOpSolution: ...
