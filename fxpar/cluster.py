@@ -12,19 +12,46 @@ import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from fxpar.errors import FxparError
 
 Coordinate = tuple[int, ...]
 
 
+GiB = 2**30
+
+# (bandwidth in bytes/s per device, latency in s) inside a node and between nodes; FLOP/s at the
+# precision training uses (bf16 dense for GPUs), memory bandwidth and capacity per device.
+_PRESETS: dict[str, dict[str, Any]] = {
+    "cpu": {"intra": (5e9, 50e-6), "inter": (5e9, 50e-6), "flops": 5e10,
+            "memory_bandwidth": 10e9, "memory": 8 * GiB, "device_type": "cpu"},
+    "a100": {"intra": (300e9, 5e-6), "inter": (25e9, 15e-6), "flops": 250e12,
+             "memory_bandwidth": 2.0e12, "memory": 80 * GiB, "device_type": "cuda"},
+    "h100": {"intra": (450e9, 5e-6), "inter": (50e9, 15e-6), "flops": 600e12,
+             "memory_bandwidth": 3.35e12, "memory": 80 * GiB, "device_type": "cuda"},
+}  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Cluster:
-    """A logical device mesh. Rank ``r`` sits at the row-major coordinate of ``r`` in the mesh."""
+    """A logical device mesh and what its devices and links can do.
+
+    Rank ``r`` sits at the row-major coordinate of ``r`` in the mesh. The cost model reads:
+    ``bandwidth`` and ``latency`` per mesh axis (bytes/s each device sends along that axis, and
+    seconds per collective), ``flops`` and ``memory_bandwidth`` per device, and ``memory``, the
+    bytes a device may hold. Axes without a bandwidth or latency take the first one given (or
+    the defaults). :meth:`preset` builds common machines.
+    """
 
     mesh_shape: tuple[int, ...]
     axis_names: tuple[str, ...] = ()
     device_type: str = "cpu"
+    bandwidth: tuple[float, ...] = (10e9,)
+    latency: tuple[float, ...] = (20e-6,)
+    flops: float = 1e11
+    memory_bandwidth: float = 20e9
+    memory: float = 16 * GiB
 
     def __post_init__(self) -> None:
         shape = tuple(self.mesh_shape)
@@ -35,6 +62,39 @@ class Cluster:
         if len(names) != len(shape) or len(set(names)) != len(names):
             raise FxparError(f"need {len(shape)} distinct axis names for mesh {shape}, got {names}")
         object.__setattr__(self, "axis_names", names)
+        for field_name in ("bandwidth", "latency"):
+            values = tuple(getattr(self, field_name))
+            if not values or any(v <= 0 for v in values) or len(values) > len(shape):
+                raise FxparError(
+                    f"{field_name} needs 1 to {len(shape)} positive values (one per mesh axis), "
+                    f"got {values}"
+                )
+            object.__setattr__(self, field_name, values + (values[0],) * (len(shape) - len(values)))
+        if self.flops <= 0 or self.memory <= 0 or self.memory_bandwidth <= 0:
+            raise FxparError("flops, memory_bandwidth and memory must be positive")
+
+    @staticmethod
+    def preset(name: str, mesh_shape: tuple[int, ...], **overrides: Any) -> Cluster:
+        """A cluster of a known kind, with any field overridden by keyword.
+
+        ``"cpu"``: local CPU processes on gloo. ``"h100"`` / ``"a100"``: nodes of 8 GPUs, NVLink
+        inside a node and InfiniBand between nodes; the last mesh axis is taken to lie inside a
+        node and the others to span nodes.
+        """
+        if name not in _PRESETS:
+            raise FxparError(f"unknown cluster preset {name!r}; choose from {sorted(_PRESETS)}")
+        preset = _PRESETS[name]
+        inner, outer = preset["intra"], preset["inter"]
+        fields: dict[str, Any] = {
+            "bandwidth": (*(outer[0] for _ in mesh_shape[:-1]), inner[0]),
+            "latency": (*(outer[1] for _ in mesh_shape[:-1]), inner[1]),
+            "flops": preset["flops"],
+            "memory_bandwidth": preset["memory_bandwidth"],
+            "memory": preset["memory"],
+            "device_type": preset["device_type"],
+        }
+        fields.update(overrides)
+        return Cluster(tuple(mesh_shape), **fields)
 
     @property
     def ndim(self) -> int:

@@ -1,0 +1,463 @@
+"""From a Program with candidate strategies to the plain-data intra-op problem, and back.
+
+:func:`build_problem` turns the annotated graph into an
+:class:`~fxpar.solvers.problem.IntraOpProblem`:
+
+1. **Units.** Every placeholder and op with candidate strategies is a node of the problem,
+   except *followers* when coarsening: an op with a single tensor input (views, transposes,
+   unary pointwise ops, copies) joins its producer's unit and takes, for each strategy of the
+   unit, its cheapest response (its own cost plus the resharding of its input). Only units are
+   decisions.
+2. **Repeated layers.** Units under module paths that differ only by a layer index
+   (``blocks.0``, ``blocks.1``, ...) are compared structurally; identical layers share one set of
+   decisions, so the problem is solved once per distinct layer. Their costs and memory add up on
+   the shared decisions.
+3. **Costs.** A unit's cost for a strategy is the compute time of its nodes (and the
+   resharding inside it); an edge's matrix is the resharding time from the producer unit's layout
+   to the layout the consumer's strategy requires (:mod:`fxpar.costmodel`). The loss must end
+   replicated and each gradient in its parameter's layout: those are costs too.
+4. **Memory** per device: every parameter with its gradient and optimizer state
+   (``2 + optimizer_states`` copies of its local piece), the batch, and the forward activations
+   the backward reads.
+
+:func:`apply_solution` writes the chosen strategies back as Sharding annotations.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import operator
+import re
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch.fx as fx
+
+from fxpar import ir
+from fxpar.cluster import Cluster
+from fxpar.costmodel import compute_seconds, local_bytes, reshard_seconds
+from fxpar.errors import FxparError
+from fxpar.program import Program
+from fxpar.rules.registry import tensor_inputs
+from fxpar.sharding import Sharding, Spec, Strategies, Strategy, replicated, spec_str
+from fxpar.solvers.problem import Edge, IntraOpProblem
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """Options of the planner.
+
+    ``pins`` maps a name pattern (fnmatch) to the spec its tensor must have: parameter, buffer
+    and input names (``"blocks.*.mlp.fc.weight"``) or node names of the Program (``"addmm_3"``).
+    """
+
+    optimizer_states: int = 2
+    coarsen: bool = True
+    dedup_layers: bool = True
+    memory_limit: float | None = None
+    pins: Mapping[str, Spec] = field(default_factory=dict)
+
+
+@dataclass
+class _Unit:
+    root: fx.Node
+    allowed: list[int]
+    """Candidate indices of the root this unit may take (all, unless pinned)."""
+    members: list[fx.Node] = field(default_factory=list)
+    follow: dict[fx.Node, list[int]] = field(default_factory=dict)
+    """For each member, its candidate index for each allowed root choice."""
+
+
+@dataclass
+class Layout:
+    """How problem nodes map back to graph nodes (the inverse of :func:`build_problem`)."""
+
+    units: list[_Unit]
+    unit_of: dict[fx.Node, int]
+    representative: list[int]
+    """For each unit, the problem node it shares decisions with."""
+    stats: dict[str, int]
+
+    def problem_node(self, node: fx.Node) -> int:
+        return self.representative[self.unit_of[node]]
+
+
+def candidates(node: fx.Node) -> tuple[Strategy, ...]:
+    return ir.require(node, Strategies).candidates
+
+
+def build_problem(
+    program: Program, cluster: Cluster, options: PlanOptions = PlanOptions()
+) -> tuple[IntraOpProblem, Layout]:
+    """The intra-op problem of ``program`` (annotated with Strategies and Cost) on ``cluster``."""
+    builder = _Builder(program, cluster, options)
+    return builder.build()
+
+
+class _Builder:
+    def __init__(self, program: Program, cluster: Cluster, options: PlanOptions) -> None:
+        self.program = program
+        self.cluster = cluster
+        self.options = options
+        self.units: list[_Unit] = []
+        self.unit_of: dict[fx.Node, int] = {}
+        self.names = _placeholder_names(program)
+
+    # -- units ----------------------------------------------------------------------------------
+
+    def _pinned(self, node: fx.Node) -> list[int] | None:
+        name = self.names.get(node, node.name)
+        for pattern, spec in self.options.pins.items():
+            if fnmatch.fnmatchcase(name, pattern):
+                allowed = [i for i, s in enumerate(candidates(node)) if s.outputs[0] == spec]
+                if not allowed:
+                    found = sorted({spec_str(s.outputs[0]) for s in candidates(node)})
+                    raise FxparError(
+                        f"pin {pattern!r} -> {spec_str(spec)} matches {name!r}, which cannot be "
+                        f"laid out that way on {self.cluster}; its valid specs are {found}"
+                    )
+                return allowed
+        return None
+
+    def _source(self, node: fx.Node) -> tuple[fx.Node, int]:
+        """The node producing ``node``'s value and which of its outputs it is."""
+        if node.target is operator.getitem:
+            return node.args[0], node.args[1]  # type: ignore[return-value]
+        return node, 0
+
+    def out_spec(self, node: fx.Node, choice: int) -> Spec:
+        """The spec of ``node``'s value when its unit takes allowed choice ``choice``."""
+        source, index = self._source(node)
+        unit = self.units[self.unit_of[source]]
+        if source is unit.root:
+            strategy = candidates(source)[unit.allowed[choice]]
+        else:
+            strategy = candidates(source)[unit.follow[source][choice]]
+        spec = strategy.outputs[index]
+        assert spec is not None
+        return spec
+
+    def _make_units(self) -> None:
+        for node in self.program.graph.nodes:
+            if ir.get(node, Strategies) is None:
+                continue
+            pinned = self._pinned(node)
+            inputs = tensor_inputs(node) if node.op != "placeholder" else []
+            sources = [self._source(i)[0] for i in inputs]
+            if (
+                self.options.coarsen
+                and pinned is None
+                and len(inputs) == 1
+                and sources[0] in self.unit_of
+            ):
+                unit_index = self.unit_of[sources[0]]
+                unit = self.units[unit_index]
+                responses = [
+                    self._best_response(node, inputs[0], choice)
+                    for choice in range(len(unit.allowed))
+                ]
+                unit.members.append(node)
+                unit.follow[node] = responses
+                self.unit_of[node] = unit_index
+                continue
+            allowed = pinned if pinned is not None else list(range(len(candidates(node))))
+            self.unit_of[node] = len(self.units)
+            self.units.append(_Unit(node, allowed))
+
+    def _best_response(self, node: fx.Node, incoming: fx.Node, choice: int) -> int:
+        """The follower's cheapest strategy when its input arrives as under ``choice``."""
+        spec = self.out_spec(incoming, choice)
+        meta = ir.require(incoming, ir.ValueMeta).tensor
+        options = candidates(node)
+
+        def cost(t: int) -> tuple[float, int]:
+            moved = reshard_seconds(spec, options[t].inputs[0], meta, self.cluster)
+            return (moved + self._compute(node, t), t)
+
+        return min(range(len(options)), key=cost)
+
+    def _compute(self, node: fx.Node, index: int) -> float:
+        cost = ir.get(node, ir.Cost)
+        if cost is None or node.op == "placeholder":
+            return 0.0
+        return compute_seconds(cost, candidates(node)[index], self.cluster)
+
+    # -- repeated layers -----------------------------------------------------------------------
+
+    def _representatives(self) -> list[int]:
+        representative = list(range(len(self.units)))
+        if not self.options.dedup_layers:
+            return representative
+        instances: dict[tuple[str, str], list[int]] = defaultdict(list)
+        for index, unit in enumerate(self.units):
+            key = _layer_of(ir.require(unit.root, ir.Region).module)
+            if key is not None:
+                instances[key].append(index)
+        by_class: dict[str, list[tuple[str, list[int]]]] = defaultdict(list)
+        for (layer_class, layer_index), members in instances.items():
+            by_class[layer_class].append((layer_index, members))
+        for layers in by_class.values():
+            signatures: dict[tuple[object, ...], list[int]] = {}
+            for _, members in layers:
+                signature = tuple(self._signature(self.units[i]) for i in members)
+                first = signatures.setdefault(signature, members)
+                if first is not members:
+                    for mine, theirs in zip(members, first, strict=True):
+                        representative[mine] = theirs
+        return representative
+
+    def _signature(self, unit: _Unit) -> tuple[object, ...]:
+        def describe(node: fx.Node) -> tuple[object, ...]:
+            value = ir.require(node, ir.ValueMeta)
+            target = "" if node.op == "placeholder" else str(node.target)
+            return (node.op, target, value, ir.require(node, ir.Region).phase)
+
+        return (
+            describe(unit.root),
+            tuple(unit.allowed),
+            len(candidates(unit.root)),
+            tuple((*describe(m), tuple(unit.follow[m])) for m in unit.members),
+        )
+
+    # -- costs -----------------------------------------------------------------------------------
+
+    def build(self) -> tuple[IntraOpProblem, Layout]:
+        self._make_units()
+        representative = self._representatives()
+        problem_of = {rep: i for i, rep in enumerate(sorted(set(representative)))}
+        node_of_unit = [problem_of[representative[u]] for u in range(len(self.units))]
+        count = len(problem_of)
+        reps = sorted(problem_of)
+        sizes = [len(self.units[r].allowed) for r in reps]
+        node_costs = [[0.0] * n for n in sizes]
+        node_memory = [[0.0] * n for n in sizes]
+        saved = self._saved_for_backward()
+        unit_cost_cache: dict[int, tuple[list[float], list[float]]] = {}
+        for u in range(len(self.units)):
+            rep = representative[u]
+            if rep not in unit_cost_cache:
+                unit_cost_cache[rep] = self._unit_costs(self.units[rep], saved)
+            costs, memory = unit_cost_cache[rep]
+            target = node_of_unit[u]
+            for s in range(sizes[target]):
+                node_costs[target][s] += costs[s]
+                node_memory[target][s] += memory[s]
+        edge_sums: dict[tuple[int, int], list[list[float]]] = {}
+        matrix_cache: dict[tuple[object, ...], list[list[float]]] = {}
+        for source, consumer_unit, spec_of_choice, meta, key in self._dependencies(representative):
+            v = node_of_unit[consumer_unit]
+            if self._source(source)[0] not in self.unit_of:
+                # A constant of the graph (get_attr): replicated, not a decision.
+                if consumer_unit == representative[consumer_unit]:
+                    for t in range(sizes[v]):
+                        node_costs[v][t] += reshard_seconds(
+                            replicated(self.cluster.ndim), spec_of_choice(t), meta, self.cluster
+                        )
+                continue
+            u = node_of_unit[self.unit_of[self._source(source)[0]]]
+            if key not in matrix_cache:
+                matrix_cache[key] = [
+                    [
+                        reshard_seconds(
+                            self.out_spec(source, s), spec_of_choice(t), meta, self.cluster
+                        )
+                        for t in range(sizes[v])
+                    ]
+                    for s in range(sizes[u])
+                ]
+            matrix = matrix_cache[key]
+            if u == v:
+                for s in range(sizes[u]):
+                    node_costs[u][s] += matrix[s][s]
+                continue
+            total = edge_sums.setdefault((u, v), [[0.0] * sizes[v] for _ in range(sizes[u])])
+            for s in range(sizes[u]):
+                row = total[s]
+                for t in range(sizes[v]):
+                    row[t] += matrix[s][t]
+        loss = self.program.graph.output_node().args[0][0]  # type: ignore[index]
+        loss_unit = node_of_unit[self.unit_of[self._source(loss)[0]]]
+        loss_meta = ir.require(loss, ir.ValueMeta).tensor
+        for s in range(sizes[loss_unit]):
+            node_costs[loss_unit][s] += reshard_seconds(
+                self.out_spec(loss, s), replicated(self.cluster.ndim), loss_meta, self.cluster
+            )
+        edges = tuple(
+            Edge(u, v, tuple(tuple(row) for row in matrix))
+            for (u, v), matrix in sorted(edge_sums.items())
+            if any(any(x for x in row) for row in matrix)
+        )
+        memory_limit = self.options.memory_limit
+        problem = IntraOpProblem(
+            node_costs=tuple(tuple(c) for c in node_costs),
+            node_memory=tuple(tuple(m) for m in node_memory),
+            edges=edges,
+            memory_limit=self.cluster.memory if memory_limit is None else memory_limit,
+            names=tuple(self.units[r].root.name for r in reps),
+        )
+        graph_nodes = sum(1 for _ in self.program.graph.nodes)
+        stats = {
+            "graph_nodes": graph_nodes,
+            "units": len(self.units),
+            "decision_nodes": count,
+            "layers_merged": len(self.units) - count,
+            "edges": len(edges),
+        }
+        layout = Layout(self.units, self.unit_of, node_of_unit, stats)
+        return problem, layout
+
+    def _unit_costs(self, unit: _Unit, saved: set[fx.Node]) -> tuple[list[float], list[float]]:
+        costs, memory = [], []
+        root = unit.root
+        for choice, index in enumerate(unit.allowed):
+            cost = self._compute(root, index)
+            bytes_kept = self._memory(root, candidates(root)[index], saved)
+            for member in unit.members:
+                member_index = unit.follow[member][choice]
+                strategy = candidates(member)[member_index]
+                incoming = tensor_inputs(member)[0]
+                meta = ir.require(incoming, ir.ValueMeta).tensor
+                cost += self._compute(member, member_index)
+                cost += reshard_seconds(
+                    self.out_spec(incoming, choice), strategy.inputs[0], meta, self.cluster
+                )
+                bytes_kept += self._memory(member, strategy, saved)
+            costs.append(cost)
+            memory.append(bytes_kept)
+        return costs, memory
+
+    def _memory(self, node: fx.Node, strategy: Strategy, saved: set[fx.Node]) -> float:
+        value = ir.require(node, ir.ValueMeta)
+        if node.op == "placeholder":
+            spec = strategy.outputs[0]
+            assert spec is not None
+            copies = 1
+            if self.names.get(node) in self.program.signature.gradients:
+                copies = 2 + self.options.optimizer_states
+            return copies * local_bytes(value.tensor, spec, self.cluster)
+        if node not in saved:
+            return 0.0
+        return float(
+            sum(
+                local_bytes(meta, spec, self.cluster)
+                for meta, spec in zip(value.outputs, strategy.outputs, strict=True)
+                if meta is not None and spec is not None
+            )
+        )
+
+    def _saved_for_backward(self) -> set[fx.Node]:
+        saved = set()
+        for node in self.program.graph.nodes:
+            region = ir.get(node, ir.Region)
+            if region is None or region.phase is not ir.Phase.FORWARD:
+                continue
+            readers = [ir.get(user, ir.Region) for user in node.users]
+            if any(r is not None and r.phase is ir.Phase.BACKWARD for r in readers):
+                saved.add(self._source(node)[0])
+        return saved
+
+    def _dependencies(self, representative: list[int]):  # type: ignore[no-untyped-def]
+        """(source node, consumer unit, spec required per consumer choice, meta, cache key) for
+        every tensor a unit root reads from another unit, and every output requirement."""
+        for u, unit in enumerate(self.units):
+            root = unit.root
+            if root.op == "placeholder":
+                continue
+            for position, source in enumerate(tensor_inputs(root)):
+                producer, _ = self._source(source)
+                meta = ir.require(source, ir.ValueMeta).tensor
+
+                def required(t: int, unit: _Unit = unit, position: int = position) -> Spec:
+                    return candidates(unit.root)[unit.allowed[t]].inputs[position]
+
+                key = (
+                    representative[self.unit_of[producer]] if producer in self.unit_of else None,
+                    self._position(source) if producer in self.unit_of else None,
+                    representative[u],
+                    position,
+                )
+                yield source, u, required, meta, key
+        output = self.program.graph.output_node()
+        placeholders = self.program.placeholders()
+        state = self.program.signature.gradients + self.program.signature.buffer_updates
+        for name, result in zip(state, output.args[0][1:], strict=True):  # type: ignore[index]
+            target_unit = self.unit_of[placeholders[name]]
+            meta = ir.require(result, ir.ValueMeta).tensor
+
+            def required_layout(t: int, unit: _Unit = self.units[target_unit]) -> Spec:
+                spec = candidates(unit.root)[unit.allowed[t]].outputs[0]
+                assert spec is not None
+                return spec
+
+            producer, _ = self._source(result)
+            key = (
+                "output",
+                representative[self.unit_of[producer]],
+                self._position(result),
+                representative[target_unit],
+            )
+            yield result, target_unit, required_layout, meta, key
+
+    def _position(self, node: fx.Node) -> tuple[int, int]:
+        """Where a value sits inside its unit: (member index, output index)."""
+        source, index = self._source(node)
+        unit = self.units[self.unit_of[source]]
+        member = -1 if source is unit.root else unit.members.index(source)
+        return member, index
+
+
+_LAYER = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
+
+
+def _layer_of(module: str) -> tuple[str, str] | None:
+    """``("blocks.*", "3")`` for a module path under ``blocks.3``; None outside numbered layers."""
+    match = _LAYER.match(module)
+    if match is None:
+        return None
+    return f"{match.group(1)}.*", match.group(2)
+
+
+def _placeholder_names(program: Program) -> dict[fx.Node, str]:
+    signature = program.signature
+    names = signature.parameters + signature.buffers + signature.inputs
+    nodes = [n for n in program.graph.nodes if n.op == "placeholder"]
+    return dict(zip(nodes, names, strict=True))
+
+
+def apply_solution(program: Program, layout: Layout, choice: tuple[int, ...]) -> Program:
+    """Annotate every node of every unit with the strategy ``choice`` implies."""
+    for u, unit in enumerate(layout.units):
+        picked = choice[layout.representative[u]]
+        ir.annotate(unit.root, Sharding(candidates(unit.root)[unit.allowed[picked]]))
+        for member in unit.members:
+            ir.annotate(member, Sharding(candidates(member)[unit.follow[member][picked]]))
+    return program
+
+
+def assignment_of(program: Program, layout: Layout) -> tuple[int, ...] | None:
+    """The problem choice matching the Sharding annotations of ``program`` (for comparing a
+    manual plan under the same cost model), or None if some unit's annotations are not one of
+    its choices."""
+    choice: dict[int, int] = {}
+    for u, unit in enumerate(layout.units):
+        sharding = ir.get(unit.root, Sharding)
+        if sharding is None:
+            return None
+        options = [
+            i for i, c in enumerate(unit.allowed) if candidates(unit.root)[c] == sharding.strategy
+        ]
+        options = [
+            i
+            for i in options
+            if all(
+                ir.get(m, Sharding) == Sharding(candidates(m)[unit.follow[m][i]])
+                for m in unit.members
+            )
+        ]
+        if not options:
+            return None
+        node = layout.representative[u]
+        if choice.setdefault(node, options[0]) not in options:
+            return None
+    return tuple(choice[i] for i in range(len(choice)))
