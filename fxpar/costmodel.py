@@ -39,10 +39,13 @@ def collective_seconds(kind: str, local_bytes: float, devices: int, bandwidth: f
     return latency + volume / bandwidth
 
 
-@functools.lru_cache(maxsize=1 << 18)
-def _reshard_seconds(
-    src: Spec, dst: Spec, shape: tuple[int, ...], itemsize: int, cluster: Cluster
-) -> float:
+@functools.lru_cache(maxsize=1 << 20)
+def reshard_seconds(src: Spec, dst: Spec, meta: ir.TensorMeta, cluster: Cluster) -> float:
+    """Time to turn a tensor laid out as ``src`` into ``dst``."""
+    if src == dst:
+        return 0.0
+    shape = tuple(ir.evaluate(s) for s in meta.shape)
+    itemsize = meta.dtype.itemsize
     seconds = 0.0
     current = src
     for step in reshard_steps(src, dst, cluster.mesh_shape):
@@ -67,14 +70,6 @@ def _after(spec: Spec, step: ReshardStep) -> Spec:
     else:
         placements[step.axis] = Partial()
     return tuple(placements)
-
-
-def reshard_seconds(src: Spec, dst: Spec, meta: ir.TensorMeta, cluster: Cluster) -> float:
-    """Time to turn a tensor laid out as ``src`` into ``dst``."""
-    if src == dst:
-        return 0.0
-    shape = tuple(ir.evaluate(s) for s in meta.shape)
-    return _reshard_seconds(src, dst, shape, meta.dtype.itemsize, cluster)
 
 
 def split_factor(strategy: Strategy, mesh_shape: tuple[int, ...]) -> int:

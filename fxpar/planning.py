@@ -103,6 +103,13 @@ class _Builder:
         self.units: list[_Unit] = []
         self.unit_of: dict[fx.Node, int] = {}
         self.names = _placeholder_names(program)
+        # Identical nodes (the same op on the same shapes, in every repeated layer) share
+        # their candidates, compute times and follower responses: computed once.
+        self._interned: dict[tuple[Strategy, ...], int] = {}
+        self._compute_times: dict[tuple[object, ...], list[float]] = {}
+        self._responses: dict[tuple[object, ...], int] = {}
+        self._identities: dict[fx.Node, tuple[object, ...]] = {}
+        self._reshard_times: dict[tuple[Spec, Spec, ir.TensorMeta], float] = {}
 
     # -- units ----------------------------------------------------------------------------------
 
@@ -165,23 +172,49 @@ class _Builder:
             self.unit_of[node] = len(self.units)
             self.units.append(_Unit(node, allowed))
 
+    def _identity(self, node: fx.Node) -> tuple[object, ...]:
+        if node not in self._identities:
+            options = candidates(node)
+            interned = self._interned.setdefault(options, len(self._interned))
+            self._identities[node] = (str(node.target), ir.get(node, ir.Cost), interned)
+        return self._identities[node]
+
     def _best_response(self, node: fx.Node, incoming: fx.Node, choice: int) -> int:
         """The follower's cheapest strategy when its input arrives as under ``choice``."""
         spec = self.out_spec(incoming, choice)
         meta = ir.require(incoming, ir.ValueMeta).tensor
-        options = candidates(node)
+        key = (self._identity(node), spec, meta)
+        if key not in self._responses:
+            options = candidates(node)
+            times = self._compute_vector(node)
 
-        def cost(t: int) -> tuple[float, int]:
-            moved = reshard_seconds(spec, options[t].inputs[0], meta, self.cluster)
-            return (moved + self._compute(node, t), t)
+            def cost(t: int) -> tuple[float, int]:
+                moved = self._moved(spec, options[t].inputs[0], meta)
+                return (moved + times[t], t)
 
-        return min(range(len(options)), key=cost)
+            self._responses[key] = min(range(len(options)), key=cost)
+        return self._responses[key]
+
+    def _moved(self, have: Spec, want: Spec, meta: ir.TensorMeta) -> float:
+        key = (have, want, meta)
+        seconds = self._reshard_times.get(key)
+        if seconds is None:
+            seconds = self._reshard_times[key] = reshard_seconds(have, want, meta, self.cluster)
+        return seconds
+
+    def _compute_vector(self, node: fx.Node) -> list[float]:
+        key = self._identity(node)
+        if key not in self._compute_times:
+            cost = ir.get(node, ir.Cost)
+            options = candidates(node)
+            if cost is None or node.op == "placeholder":
+                self._compute_times[key] = [0.0] * len(options)
+            else:
+                self._compute_times[key] = [compute_seconds(cost, s, self.cluster) for s in options]
+        return self._compute_times[key]
 
     def _compute(self, node: fx.Node, index: int) -> float:
-        cost = ir.get(node, ir.Cost)
-        if cost is None or node.op == "placeholder":
-            return 0.0
-        return compute_seconds(cost, candidates(node)[index], self.cluster)
+        return self._compute_vector(node)[index]
 
     # -- repeated layers -----------------------------------------------------------------------
 
@@ -257,14 +290,10 @@ class _Builder:
                 continue
             u = node_of_unit[self.unit_of[self._source(source)[0]]]
             if key not in matrix_cache:
+                produced = [self.out_spec(source, s) for s in range(sizes[u])]
+                required = [spec_of_choice(t) for t in range(sizes[v])]
                 matrix_cache[key] = [
-                    [
-                        reshard_seconds(
-                            self.out_spec(source, s), spec_of_choice(t), meta, self.cluster
-                        )
-                        for t in range(sizes[v])
-                    ]
-                    for s in range(sizes[u])
+                    [self._moved(have, want, meta) for want in required] for have in produced
                 ]
             matrix = matrix_cache[key]
             if u == v:
