@@ -5,16 +5,35 @@ The pipeline, as in DESIGN.md::
     capture -> Program -> passes (annotate cost, ...) -> plan -> per-rank programs -> runtime
 
 What exists today: :func:`capture` (one training step as a functional ATen graph), the IR
-(:mod:`fxpar.ir`, :class:`Program`), the pass infrastructure (:mod:`fxpar.passes`) and cost
-annotation.
+(:mod:`fxpar.ir`, :class:`Program`), the pass infrastructure (:mod:`fxpar.passes`), cost
+annotation, sharding rules (:mod:`fxpar.rules`), manual plans (:mod:`fxpar.plans`), automatic
+intra-op planning (:func:`plan`, solvers in :mod:`fxpar.solvers`), lowering to per-rank programs
+(:func:`lower`), and running them simulated (:mod:`fxpar.testing`) or on gloo processes
+(:mod:`fxpar.runtime`).
 """
 
 from __future__ import annotations
 
 from fxpar import errors, ir
 from fxpar.capture import capture
+from fxpar.cluster import Cluster
+from fxpar.lowering import lower
+from fxpar.planner import Plan, PlanOptions, plan
 from fxpar.program import Program, Signature, StepResult
 from fxpar.verify import verify
 
-__all__ = ["Program", "Signature", "StepResult", "capture", "errors", "ir", "verify"]
+__all__ = [
+    "Cluster",
+    "Plan",
+    "PlanOptions",
+    "Program",
+    "Signature",
+    "StepResult",
+    "capture",
+    "errors",
+    "ir",
+    "lower",
+    "plan",
+    "verify",
+]
 __version__ = "0.1.0"

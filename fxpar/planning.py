@@ -110,6 +110,7 @@ class _Builder:
         self._responses: dict[tuple[object, ...], int] = {}
         self._identities: dict[fx.Node, tuple[object, ...]] = {}
         self._reshard_times: dict[tuple[Spec, Spec, ir.TensorMeta], float] = {}
+        self._used_pins: set[str] = set()
 
     # -- units ----------------------------------------------------------------------------------
 
@@ -117,6 +118,7 @@ class _Builder:
         name = self.names.get(node, node.name)
         for pattern, spec in self.options.pins.items():
             if fnmatch.fnmatchcase(name, pattern):
+                self._used_pins.add(pattern)
                 allowed = [i for i, s in enumerate(candidates(node)) if s.outputs[0] == spec]
                 if not allowed:
                     found = sorted({spec_str(s.outputs[0]) for s in candidates(node)})
@@ -257,6 +259,12 @@ class _Builder:
 
     def build(self) -> tuple[IntraOpProblem, Layout]:
         self._make_units()
+        unused = sorted(set(self.options.pins) - self._used_pins)
+        if unused:
+            raise FxparError(
+                f"pins {unused} match no parameter, buffer, input or node name; names look like "
+                f"{list(self.names.values())[:3]} or node names such as 'addmm_1'"
+            )
         representative = self._representatives()
         problem_of = {rep: i for i, rep in enumerate(sorted(set(representative)))}
         node_of_unit = [problem_of[representative[u]] for u in range(len(self.units))]

@@ -6,6 +6,19 @@ exhaustive and greedy solvers implement :class:`~fxpar.solvers.problem.IntraOpSo
 
 from __future__ import annotations
 
+from fxpar.solvers.errors import InfeasiblePlanError
+from fxpar.solvers.exhaustive import ExhaustiveSolver
+from fxpar.solvers.greedy import GreedySolver
+from fxpar.solvers.ilp import ILPSolver
 from fxpar.solvers.problem import Edge, IntraOpProblem, IntraOpSolution, IntraOpSolver
 
-__all__ = ["Edge", "IntraOpProblem", "IntraOpSolution", "IntraOpSolver"]
+__all__ = [
+    "Edge",
+    "ExhaustiveSolver",
+    "GreedySolver",
+    "ILPSolver",
+    "InfeasiblePlanError",
+    "IntraOpProblem",
+    "IntraOpSolution",
+    "IntraOpSolver",
+]

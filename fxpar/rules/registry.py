@@ -115,6 +115,10 @@ class RuleRegistry:
         if rule is not None:
             options = list(rule(call))
             axis_options = [o for o in options if isinstance(o, AxisOption)]
+            if axis_options:
+                # Replicating along an axis is always valid, so mixed strategies such as
+                # (Shard(0), Replicate()) exist even when a rule does not list the option.
+                axis_options.insert(0, all_replicated(call))
             candidates = expand(axis_options, ndim) if axis_options else []
             candidates += [o for o in options if isinstance(o, Strategy)]
             for strategy in candidates:

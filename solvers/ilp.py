@@ -1,0 +1,465 @@
+"""The exact intra-operator solver: the problem as an integer linear program, solved by HiGHS.
+
+Formulation (Alpa's, with the tight linearization of the edge terms). For every node v and
+strategy s of v, a binary x[v,s] = 1 when v takes s; for every edge (u,v) whose cost matrix R[uv]
+survives the reductions below, a continuous e[uv,s,t] ∈ [0,1] standing for x[u,s]·x[v,t]:
+
+    minimize    Σ_v Σ_s c[v,s]·x[v,s]  +  Σ_(u,v) Σ_s Σ_t R[uv,s,t]·e[uv,s,t]      (objective)
+
+    subject to  Σ_s x[v,s] = 1                      for every node v        (one strategy per node)
+                Σ_t e[uv,s,t] = x[u,s]              for every edge, every s    (edge consistency)
+                Σ_s e[uv,s,t] = x[v,t]              for every edge, every t    (edge consistency)
+                Σ_v Σ_s m[v,s]·x[v,s] ≤ M                                          (memory limit)
+                x[v,s] ∈ {0,1},  e[uv,s,t] ∈ [0,1]
+
+The two consistency families make e[uv,·,·] a joint distribution whose marginals are x[u,·] and
+x[v,·]; with one-hot marginals the only such distribution is the product, so e is integral as
+soon as x is, and its LP relaxation is at least as tight as the usual e ≥ x[u,s] + x[v,t] − 1.
+
+Reductions, applied before the model is built (each keeps the optimum; the reported objective is
+always recomputed with :meth:`IntraOpProblem.objective`, so it is exact):
+
+1. **Memory pruning.** Memory is additive, so with m_min[v] = min_s m[v,s] every plan needs at
+   least L = Σ_v m_min[v]. If L > M no plan fits and :class:`InfeasiblePlanError` is raised
+   without calling HiGHS. A strategy with m[v,s] − m_min[v] > M − L can never fit: it gets no
+   variable. The memory row is written over the excess m[v,s] − m_min[v] against the budget
+   M − L, scaled to 1, and dropped when even the hungriest plan fits.
+2. **Fixed nodes.** A node left with one strategy is decided: it gets no variable, its cost is a
+   constant of the objective.
+3. **Edge merging.** Self-loops (u = v) add their diagonal to the node's costs; parallel and
+   opposite edges between the same two nodes add up into one matrix, one set of e variables.
+4. **Separable edges.** An edge matrix that splits as R[s,t] = a[s] + b[t] (constant and all-zero
+   matrices, and every edge touching a fixed node, are such) adds a to u's costs and b to v's
+   and gets no e variables.
+5. **Scaling.** Costs are divided by the largest one, so HiGHS's tolerances are relative to the
+   problem's own magnitudes (costs in seconds are tiny); the optimality gap is purely relative
+   (``mip_abs_gap`` = 0), measured on the whole objective, constants included.
+
+HiGHS accepts a row violated by up to its feasibility tolerance, but a memory limit is hard: a
+plan HiGHS returns over the limit by a rounding error is refused and the model solved once more
+with the budget tightened by that tolerance.
+
+Warm start: the :class:`~fxpar.solvers.greedy.GreedySolver` plan, given to HiGHS as a MIP start.
+When HiGHS stops on its time limit, the best plan it has (at worst the warm start) is returned
+with status ``"time_limit"`` and HiGHS's gap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from typing import ClassVar, NamedTuple
+
+import highspy
+import numpy as np
+import numpy.typing as npt
+
+from fxpar.errors import FxparError
+from fxpar.solvers.errors import (
+    InfeasiblePlanError,
+    NoPlanFoundError,
+    check_memory_feasible,
+    format_bytes,
+)
+from fxpar.solvers.greedy import GreedySolver
+from fxpar.solvers.problem import IntraOpProblem, IntraOpSolution, Status
+
+logger = logging.getLogger(__name__)
+
+_Vector = npt.NDArray[np.float64]
+_Matrix = npt.NDArray[np.float64]
+
+_SEPARABLE_TOLERANCE = 1e-12
+"""Relative to an edge matrix's largest entry: how far it may be from a[s] + b[t] to be folded."""
+_MEMORY_SLACK = 1e-9
+"""Relative to the memory limit: the rounding margin under which pruning stays conservative."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ILPSolver:
+    """Solve the intra-op problem exactly with HiGHS (formulation in the module docstring).
+
+    ``time_limit`` in seconds; ``mip_gap`` the relative optimality gap at which HiGHS may stop
+    and call the plan optimal; ``warm_start`` gives HiGHS the greedy plan to start from;
+    ``threads`` the size of HiGHS's thread pool (None: HiGHS's default). HiGHS's pool is global
+    to the process, so choosing ``threads`` restarts it: do not run other HiGHS solves in other
+    threads at the same time.
+    """
+
+    name: ClassVar[str] = "ilp"
+    time_limit: float = 30.0
+    mip_gap: float = 1e-6
+    warm_start: bool = True
+    threads: int | None = None
+
+    def solve(self, problem: IntraOpProblem) -> IntraOpSolution:
+        start = time.perf_counter()
+        check_memory_feasible(problem)
+        reduced = _reduce(problem)
+        if not reduced.free:
+            choice = reduced.plan(np.zeros(0))
+            return self._solution(problem, choice, "optimal", 0.0, start)
+        warm = GreedySolver().solve(problem).choice if self.warm_start else None
+        tightening = 0.0
+        while True:
+            model = _build_model(reduced, tightening)
+            remaining = self.time_limit - (time.perf_counter() - start)
+            status, choice, gap = self._run(problem, reduced, model, warm, remaining)
+            excess = _memory_over(problem, choice)
+            if excess <= 0:
+                return self._solution(problem, choice, status, gap, start)
+            if tightening > 0:
+                raise FxparError(
+                    f"HiGHS returned a plan {excess:.0f} bytes over the memory limit twice; "
+                    f"the memory figures may be too large for double precision"
+                )
+            logger.info(
+                "HiGHS's plan is %.0f bytes over the memory limit (within its feasibility "
+                "tolerance); solving again with the budget tightened",
+                excess,
+            )
+            tightening = 4 * _MIP_FEASIBILITY_TOLERANCE
+            reduced = dataclasses.replace(reduced, memory_row=True)
+
+    def _run(
+        self,
+        problem: IntraOpProblem,
+        reduced: _Reduced,
+        model: highspy.HighsLp,
+        warm: tuple[int, ...] | None,
+        seconds: float,
+    ) -> tuple[Status, tuple[int, ...], float]:
+        highs = highspy.Highs()
+        highs.setOptionValue("output_flag", False)
+        highs.setOptionValue("time_limit", max(seconds, 1e-3))
+        highs.setOptionValue("mip_rel_gap", self.mip_gap)
+        highs.setOptionValue("mip_abs_gap", 0.0)
+        highs.setOptionValue("mip_feasibility_tolerance", _MIP_FEASIBILITY_TOLERANCE)
+        if self.threads is not None:
+            highs.setOptionValue("threads", self.threads)
+            # The pool is built once per process; a different size is refused until it is reset.
+            highspy.Highs.resetGlobalScheduler(True)
+        _check(highs.passModel(model), "passing the model to HiGHS")
+        start_values = reduced.start_values(warm) if warm is not None else None
+        if start_values is not None:
+            start = highspy.HighsSolution()
+            start.col_value = start_values
+            _check(highs.setSolution(start), "setting the warm start")
+        _check(highs.run(), "solving")
+        model_status = highs.getModelStatus()
+        info = highs.getInfo()
+        has_plan = info.primal_solution_status == highspy.kSolutionStatusFeasible
+        if model_status == highspy.HighsModelStatus.kOptimal:
+            values = np.asarray(highs.getSolution().col_value, dtype=np.float64)
+            return "optimal", reduced.plan(values), _clean_gap(info.mip_gap)
+        if model_status == highspy.HighsModelStatus.kTimeLimit:
+            # HiGHS may stop before it has read the warm start: the start is a plan too.
+            plans = [] if warm is None else [warm]
+            if has_plan:
+                plans.insert(0, reduced.plan(np.asarray(highs.getSolution().col_value)))
+            if not plans:
+                raise NoPlanFoundError(
+                    f"HiGHS found no plan within time_limit={self.time_limit}s; raise the time "
+                    f"limit, or keep warm_start=True (the greedy plan is always a valid start)"
+                )
+            best = min(plans, key=problem.objective)
+            bound = info.mip_dual_bound * reduced.cost_scale
+            return "time_limit", best, _relative_gap(problem.objective(best), bound)
+        if model_status == highspy.HighsModelStatus.kInfeasible:
+            # The most frugal plan fits (checked before), so only rounding can get here.
+            limit = problem.memory_limit if problem.memory_limit is not None else math.inf
+            raise InfeasiblePlanError(
+                f"HiGHS found no plan under the memory limit of "
+                f"{format_bytes(limit)}, though the most memory-frugal plan "
+                f"needs {format_bytes(problem.least_memory())} by the problem's figures: the "
+                f"margin is below HiGHS's feasibility tolerance. Raise the memory limit a little, "
+                f"or use more devices.",
+                least_memory=problem.least_memory(),
+                memory_limit=limit,
+            )
+        raise FxparError(
+            f"HiGHS stopped without a plan: model status "
+            f"{highs.modelStatusToString(model_status)!r}"
+        )
+
+    def _solution(
+        self,
+        problem: IntraOpProblem,
+        choice: tuple[int, ...],
+        status: Status,
+        gap: float,
+        start: float,
+    ) -> IntraOpSolution:
+        return IntraOpSolution(
+            choice=choice,
+            objective=problem.objective(choice),
+            status=status,
+            gap=gap,
+            solver=self.name,
+            seconds=time.perf_counter() - start,
+        )
+
+
+_MIP_FEASIBILITY_TOLERANCE = 1e-6
+"""HiGHS's default, set explicitly because the memory re-solve depends on it."""
+
+
+# --- Reductions -------------------------------------------------------------------------------
+
+
+class _Pair(NamedTuple):
+    """The merged, non-separable edges between nodes ``u < v``: costs[i, j] for the i-th
+    candidate of u and the j-th of v."""
+
+    u: int
+    v: int
+    costs: _Matrix
+
+
+@dataclasses.dataclass(frozen=True)
+class _Reduced:
+    """The problem after the reductions, over each node's candidate strategies."""
+
+    candidates: list[list[int]]
+    """Per node, the strategies it may take (its variables x[v, ·])."""
+    costs: list[_Vector]
+    """Per node and candidate: its cost plus the separable parts of its edges."""
+    pairs: list[_Pair]
+    excess: list[_Vector] | None
+    """Per node and candidate: memory above the node's least, over the budget (None: no limit)."""
+    memory_row: bool
+    """Whether the memory row is written (False when even the hungriest plan fits)."""
+    memory_budget: float
+    """The row's right-hand side: the budget M − L in the units of ``excess``."""
+    cost_scale: float
+
+    @property
+    def free(self) -> list[int]:
+        """Nodes with more than one candidate: the decisions."""
+        return [v for v, candidates in enumerate(self.candidates) if len(candidates) > 1]
+
+    def node_columns(self) -> dict[int, int]:
+        """The first column of each free node's x variables."""
+        first, column = {}, 0
+        for v in self.free:
+            first[v] = column
+            column += len(self.candidates[v])
+        return first
+
+    @property
+    def num_node_columns(self) -> int:
+        return sum(len(self.candidates[v]) for v in self.free)
+
+    def pair_columns(self) -> list[int]:
+        """The first column of each pair's e variables (after all x columns)."""
+        first, column = [], self.num_node_columns
+        for pair in self.pairs:
+            first.append(column)
+            column += pair.costs.size
+        return first
+
+    @property
+    def num_columns(self) -> int:
+        return self.num_node_columns + sum(pair.costs.size for pair in self.pairs)
+
+    def plan(self, values: _Vector) -> tuple[int, ...]:
+        """The strategy of every node from HiGHS's column values."""
+        position = [0] * len(self.candidates)
+        for v, column in self.node_columns().items():
+            position[v] = int(np.argmax(values[column : column + len(self.candidates[v])]))
+        return tuple(self.candidates[v][p] for v, p in enumerate(position))
+
+    def start_values(self, choice: tuple[int, ...]) -> _Vector | None:
+        """Column values of ``choice`` (None if it uses a pruned strategy)."""
+        if any(s not in self.candidates[v] for v, s in enumerate(choice)):
+            return None
+        position = [self.candidates[v].index(s) for v, s in enumerate(choice)]
+        values = np.zeros(self.num_columns)
+        for v, column in self.node_columns().items():
+            values[column + position[v]] = 1.0
+        for pair, column in zip(self.pairs, self.pair_columns(), strict=True):
+            width = pair.costs.shape[1]
+            values[column + position[pair.u] * width + position[pair.v]] = 1.0
+        return values
+
+
+def _reduce(problem: IntraOpProblem) -> _Reduced:
+    candidates, excess, memory_row, memory_budget = _prune_by_memory(problem)
+    costs = [
+        np.asarray(node_costs, dtype=np.float64)[node_candidates]
+        for node_costs, node_candidates in zip(problem.node_costs, candidates, strict=True)
+    ]
+    pairs = []
+    for (u, v), matrix in _merge_edges(problem, candidates, costs).items():
+        if _is_separable(matrix):
+            costs[u] += matrix[:, 0]
+            costs[v] += matrix[0, :] - matrix[0, 0]
+        else:
+            pairs.append(_Pair(u, v, matrix))
+    magnitudes = [np.abs(costs[v]).max() for v, c in enumerate(candidates) if len(c) > 1]
+    magnitudes += [np.abs(pair.costs).max() for pair in pairs]
+    largest = float(max(magnitudes, default=0.0))
+    cost_scale = largest if largest > 0 and math.isfinite(largest) else 1.0
+    return _Reduced(candidates, costs, pairs, excess, memory_row, memory_budget, cost_scale)
+
+
+def _prune_by_memory(
+    problem: IntraOpProblem,
+) -> tuple[list[list[int]], list[_Vector] | None, bool, float]:
+    """Each node's candidates (the strategies that can fit), their excess memory, whether the
+    memory row is needed, and its budget (reduction 1). Memory is scaled so that the budget is 1,
+    or 0 when there is none to spare."""
+    memory = [np.asarray(m, dtype=np.float64) for m in problem.node_memory]
+    if problem.memory_limit is None:
+        return [list(range(len(m))) for m in memory], None, False, math.inf
+    budget = problem.memory_limit - problem.least_memory()
+    # Rounding in the sums above must neither prune a plan that fits nor drop a row that binds.
+    slack = _MEMORY_SLACK * max(abs(problem.memory_limit), 1.0)
+    excess_bytes = [m - m.min() for m in memory]
+    candidates = [[int(s) for s in np.flatnonzero(e <= budget + slack)] for e in excess_bytes]
+    hungriest = sum(float(e[c].max()) for e, c in zip(excess_bytes, candidates, strict=True))
+    scale = max(budget, slack)
+    excess = [e[c] / scale for e, c in zip(excess_bytes, candidates, strict=True)]
+    return candidates, excess, hungriest > budget - slack, max(budget, 0.0) / scale
+
+
+def _merge_edges(
+    problem: IntraOpProblem, candidates: list[list[int]], costs: list[_Vector]
+) -> dict[tuple[int, int], _Matrix]:
+    """One matrix per pair of nodes ``u < v`` over their candidates; self-loops go into
+    ``costs`` (reduction 3)."""
+    merged: dict[tuple[int, int], _Matrix] = {}
+    for edge in problem.edges:
+        u, v = edge.source, edge.target
+        matrix = np.asarray(edge.costs, dtype=np.float64)
+        if u == v:
+            costs[u] += matrix[candidates[u], candidates[u]]
+            continue
+        if u > v:
+            u, v, matrix = v, u, matrix.T
+        restricted = matrix[np.ix_(candidates[u], candidates[v])]
+        merged[u, v] = merged[u, v] + restricted if (u, v) in merged else restricted.copy()
+    return merged
+
+
+def _is_separable(matrix: _Matrix) -> bool:
+    """Whether ``matrix[s, t] == a[s] + b[t]`` (reduction 4)."""
+    residual = matrix - matrix[:, :1] - matrix[:1, :] + matrix[0, 0]
+    return bool(np.abs(residual).max() <= _SEPARABLE_TOLERANCE * np.abs(matrix).max())
+
+
+# --- The model --------------------------------------------------------------------------------
+
+
+class _Row(NamedTuple):
+    columns: list[int]
+    values: list[float]
+    lower: float
+    upper: float
+
+
+def _build_model(reduced: _Reduced, tightening: float) -> highspy.HighsLp:
+    rows = [
+        *_one_strategy_per_node(reduced),
+        *_edge_consistency(reduced),
+        *_memory_limit(reduced, tightening),
+    ]
+    costs, offset = _objective(reduced)
+    num_binaries = reduced.num_node_columns
+    lp = highspy.HighsLp()
+    lp.num_col_ = len(costs)
+    lp.num_row_ = len(rows)
+    lp.col_cost_ = costs
+    lp.offset_ = offset
+    lp.col_lower_ = np.zeros(len(costs))
+    lp.col_upper_ = np.ones(len(costs))
+    lp.row_lower_ = np.array([row.lower for row in rows], dtype=np.float64)
+    lp.row_upper_ = np.array([row.upper for row in rows], dtype=np.float64)
+    lp.integrality_ = [highspy.HighsVarType.kInteger] * num_binaries + [
+        highspy.HighsVarType.kContinuous
+    ] * (len(costs) - num_binaries)
+    matrix = lp.a_matrix_
+    matrix.format_ = highspy.MatrixFormat.kRowwise
+    matrix.num_col_ = len(costs)
+    matrix.num_row_ = len(rows)
+    matrix.start_ = np.cumsum([0] + [len(row.columns) for row in rows], dtype=np.int32)
+    matrix.index_ = np.array([c for row in rows for c in row.columns], dtype=np.int32)
+    matrix.value_ = np.array([x for row in rows for x in row.values], dtype=np.float64)
+    return lp
+
+
+def _one_strategy_per_node(reduced: _Reduced) -> list[_Row]:
+    """Σ_s x[v,s] = 1 for every free node."""
+    rows = []
+    for v, column in reduced.node_columns().items():
+        count = len(reduced.candidates[v])
+        rows.append(_Row(list(range(column, column + count)), [1.0] * count, 1.0, 1.0))
+    return rows
+
+
+def _edge_consistency(reduced: _Reduced) -> list[_Row]:
+    """Σ_t e[uv,s,t] − x[u,s] = 0 and Σ_s e[uv,s,t] − x[v,t] = 0 for every kept edge."""
+    node_column = reduced.node_columns()
+    rows = []
+    for pair, first in zip(reduced.pairs, reduced.pair_columns(), strict=True):
+        height, width = pair.costs.shape
+        for s in range(height):
+            columns = [first + s * width + t for t in range(width)] + [node_column[pair.u] + s]
+            rows.append(_Row(columns, [1.0] * width + [-1.0], 0.0, 0.0))
+        for t in range(width):
+            columns = [first + s * width + t for s in range(height)] + [node_column[pair.v] + t]
+            rows.append(_Row(columns, [1.0] * height + [-1.0], 0.0, 0.0))
+    return rows
+
+
+def _memory_limit(reduced: _Reduced, tightening: float) -> list[_Row]:
+    """Σ_v Σ_s (m[v,s] − m_min[v]) / (M − L) · x[v,s] ≤ 1 − ``tightening``, if needed (the
+    budget is 0 instead of 1 when M = L)."""
+    if reduced.excess is None or not reduced.memory_row:
+        return []
+    columns: list[int] = []
+    values: list[float] = []
+    for v, column in reduced.node_columns().items():
+        for position, excess in enumerate(reduced.excess[v]):
+            if excess > 0:
+                columns.append(column + position)
+                values.append(float(excess))
+    upper = reduced.memory_budget * (1.0 - tightening)
+    return [_Row(columns, values, -math.inf, upper)] if columns else []
+
+
+def _objective(reduced: _Reduced) -> tuple[_Vector, float]:
+    """Column costs (x then e) and the constant of fixed nodes, divided by the cost scale."""
+    fixed = sum(float(reduced.costs[v][0]) for v, c in enumerate(reduced.candidates) if len(c) == 1)
+    parts = [reduced.costs[v] for v in reduced.free] + [p.costs.ravel() for p in reduced.pairs]
+    costs = np.concatenate(parts) if parts else np.zeros(0)
+    return costs / reduced.cost_scale, fixed / reduced.cost_scale
+
+
+# --- Helpers ----------------------------------------------------------------------------------
+
+
+def _check(status: highspy.HighsStatus, doing: str) -> None:
+    if status == highspy.HighsStatus.kError:
+        raise FxparError(f"HiGHS failed {doing}")
+
+
+def _memory_over(problem: IntraOpProblem, choice: tuple[int, ...]) -> float:
+    if problem.memory_limit is None:
+        return 0.0
+    return problem.memory(choice) - problem.memory_limit
+
+
+def _clean_gap(gap: float) -> float:
+    return max(gap, 0.0) if math.isfinite(gap) else math.inf
+
+
+def _relative_gap(objective: float, bound: float) -> float:
+    """HiGHS's definition: |primal − dual| / |primal|, 0 when both are 0."""
+    if not math.isfinite(bound):
+        return math.inf
+    if objective == 0:
+        return 0.0 if bound == 0 else math.inf
+    return max(objective - bound, 0.0) / abs(objective)

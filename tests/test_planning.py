@@ -1,0 +1,161 @@
+"""Automatic intra-op planning: the problem builder, the regimes a plan must recognise, pins,
+explanations, and ILP plans that lower and train like one device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+import fxpar
+from fxpar import ir, plans
+from fxpar.cluster import GiB, Cluster
+from fxpar.errors import FxparError
+from fxpar.models import GPT, GPTConfig, gpt_loss
+from fxpar.planner import Plan, plan_program, score
+from fxpar.planning import PlanOptions, build_problem
+from fxpar.sharding import Sharding
+from fxpar.solvers.errors import InfeasiblePlanError
+from fxpar.solvers.exhaustive import ExhaustiveSolver
+from fxpar.solvers.greedy import GreedySolver
+from fxpar.solvers.ilp import ILPSolver
+from fxpar.testing import assert_equivalent
+
+CONFIG = GPTConfig(n_layer=2, n_embd=64, n_head=4, vocab_size=128, block_size=32)
+
+
+def gpt_program(batch: int, length: int = 16) -> tuple[GPT, fxpar.Program, torch.Tensor]:
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    tokens = torch.randint(0, CONFIG.vocab_size, (batch, length))
+    return model, fxpar.capture(model, (tokens,), gpt_loss, example_targets=(tokens,)), tokens
+
+
+def parameter_specs(plan: Plan) -> dict[str, object]:
+    placeholders = plan.program.placeholders()
+    return {
+        name: ir.require(placeholders[name], Sharding).strategy.outputs[0]
+        for name in plan.program.signature.parameters
+    }
+
+
+def test_ilp_plan_lowers_and_trains_like_one_device() -> None:
+    model, program, tokens = gpt_program(batch=8)
+    cluster = Cluster((2, 2))
+    chosen = plan_program(program, cluster)
+    assert chosen.solution.status == "optimal"
+    flat = chosen.program.flat_inputs(model, tokens, tokens)
+    assert_equivalent(chosen.lower(), flat)
+
+
+# Bandwidth- and compute-bound: on tiny models a realistic per-collective latency dominates,
+# and the cheapest plan is the one with the fewest collectives, whatever their size.
+THROUGHPUT_BOUND = Cluster((4,), bandwidth=(10e9,), latency=(1e-9,), flops=1e12)
+
+
+def test_large_batch_with_ample_memory_is_data_parallel() -> None:
+    _, program, _ = gpt_program(batch=64, length=32)
+    cluster = THROUGHPUT_BOUND
+    chosen = plan_program(program, cluster)
+    # Every block's weights replicated, the batch split: data parallel. (The ILP may still
+    # split a small table such as the position embeddings when that saves a little.)
+    blocks = {k: v for k, v in parameter_specs(chosen).items() if k.startswith("blocks.")}
+    assert blocks and all(spec == (Replicate(),) for spec in blocks.values())
+    # The activations are split by batch (the token ids themselves may arrive in any layout).
+    matmuls = [n for n in chosen.program.graph.nodes if n.target is torch.ops.aten.addmm.default]
+    assert all(ir.require(n, Sharding).strategy.outputs[0] == (Shard(0),) for n in matmuls)
+    activation_bytes = 64 * 32 * CONFIG.n_embd * 4 // 4
+    assert all(r.bytes < activation_bytes for r in chosen.lower().collectives())
+    dp = plan_program(gpt_program(batch=64, length=32)[1], cluster, plans.data_parallel)
+    assert score(chosen) <= score(dp) * (1 + 1e-9)
+
+
+def test_tight_memory_gives_megatron_or_something_cheaper() -> None:
+    cluster = THROUGHPUT_BOUND
+    megatron = plan_program(gpt_program(batch=4)[1], cluster, plans.tensor_parallel)
+    replicated = plan_program(gpt_program(batch=4)[1], cluster, plans.data_parallel)
+    megatron_memory = megatron.problem.memory(megatron.solution.choice)
+    assert replicated.problem.memory(replicated.solution.choice) > megatron_memory
+    limit = megatron_memory * 1.0001
+    chosen = plan_program(gpt_program(batch=4)[1], cluster, options=PlanOptions(memory_limit=limit))
+    assert chosen.problem.memory(chosen.solution.choice) <= limit
+    # Replicated weights do not fit: the plan shards them, and costs no more than Megatron.
+    assert any(spec != (Replicate(),) for spec in parameter_specs(chosen).values())
+    assert score(chosen) <= score(megatron) * (1 + 1e-6)
+
+
+def test_pinned_specs_are_respected() -> None:
+    _, program, _ = gpt_program(batch=8)
+    pins = {"blocks.*.mlp.fc.weight": (Shard(1),), "input_0": (Replicate(),)}
+    chosen = plan_program(program, Cluster((4,)), options=PlanOptions(pins=pins))
+    specs = parameter_specs(chosen)
+    assert specs["blocks.0.mlp.fc.weight"] == specs["blocks.1.mlp.fc.weight"] == (Shard(1),)
+    assert ir.require(chosen.program.placeholders()["input_0"], Sharding).strategy.outputs[0] == (
+        Replicate(),
+    )
+    with pytest.raises(FxparError, match="match no parameter"):
+        plan_program(gpt_program(batch=8)[1], Cluster((4,)),
+                     options=PlanOptions(pins={"nothing.*": (Shard(0),)}))  # fmt: skip
+    with pytest.raises(FxparError, match="cannot be laid out that way"):
+        plan_program(gpt_program(batch=8)[1], Cluster((4,)),
+                     options=PlanOptions(pins={"wpe.weight": (Shard(3),)}))  # fmt: skip
+
+
+def test_repeated_layers_are_solved_once_and_coarsening_shrinks_the_problem() -> None:
+    _, program, _ = gpt_program(batch=8)
+    cluster = Cluster((4,))
+    prepared = fxpar.planner.prepare_for_planning(program, cluster)
+    full, full_layout = build_problem(
+        prepared, cluster, PlanOptions(coarsen=False, dedup_layers=False)
+    )
+    coarse, coarse_layout = build_problem(prepared, cluster, PlanOptions(dedup_layers=False))
+    deduped, layout = build_problem(prepared, cluster)
+    assert full.num_nodes > coarse.num_nodes > deduped.num_nodes
+    assert layout.stats["layers_merged"] > 0
+    # The same data-parallel choice costs the same in all three problems.
+    plans.data_parallel(prepared, cluster)
+    from fxpar.planning import assignment_of
+
+    costs = [
+        problem.objective(assignment_of(prepared, lay))  # type: ignore[arg-type]
+        for problem, lay in ((full, full_layout), (coarse, coarse_layout), (deduped, layout))
+    ]
+    assert costs[0] == pytest.approx(costs[1]) == pytest.approx(costs[2])
+
+
+def test_solvers_are_interchangeable_and_agree_on_a_small_graph() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4, bias=False), torch.nn.Tanh())
+    x = torch.randn(8, 8)
+    results = {}
+    for solver in (ILPSolver(), ExhaustiveSolver(max_combinations=10**7), GreedySolver()):
+        program = fxpar.capture(model, (x,), lambda y: y.square().mean())
+        results[solver.name] = plan_program(program, Cluster((2,)), solver)
+    assert results["ilp"].solution.objective == pytest.approx(
+        results["exhaustive"].solution.objective
+    )
+    assert results["greedy"].solution.objective >= results["ilp"].solution.objective - 1e-12
+
+
+def test_infeasible_memory_says_what_the_smallest_plan_needs() -> None:
+    _, program, _ = gpt_program(batch=4)
+    with pytest.raises(InfeasiblePlanError, match="needs"):
+        plan_program(program, Cluster((2,)), options=PlanOptions(memory_limit=1024))
+
+
+def test_plan_explains_its_choices() -> None:
+    _, program, _ = gpt_program(batch=8)
+    chosen = plan_program(program, Cluster((4,)))
+    node = next(n for n in chosen.program.graph.nodes if n.target is torch.ops.aten.addmm.default)
+    text = chosen.explain(node.name)
+    assert node.name in text and "next best" in text and "more in total" in text
+    assert "estimated step" in chosen.summary()
+
+
+def test_fxpar_plan_captures_and_plans_in_one_call() -> None:
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    tokens = torch.randint(0, CONFIG.vocab_size, (8, 16))
+    chosen = fxpar.plan(model, Cluster((2,)), (tokens,), gpt_loss, example_targets=(tokens,),
+                        pins={"wte.weight": (Replicate(),)})  # fmt: skip
+    assert chosen.solution.solver == "ilp"
+    assert chosen.cluster.memory == 16 * GiB

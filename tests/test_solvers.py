@@ -1,0 +1,296 @@
+"""The intra-op solvers: the HiGHS ILP against exhaustive search, the greedy heuristic, errors."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from unittest import mock
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fxpar.errors import FxparError
+from fxpar.solvers import exhaustive
+from fxpar.solvers.errors import InfeasiblePlanError, NoPlanFoundError, ProblemTooLargeError
+from fxpar.solvers.exhaustive import ExhaustiveSolver
+from fxpar.solvers.greedy import GreedySolver
+from fxpar.solvers.ilp import ILPSolver
+from fxpar.solvers.problem import Edge, IntraOpProblem
+
+GiB = 2**30
+
+
+def fits(problem: IntraOpProblem, choice: tuple[int, ...]) -> bool:
+    return problem.memory_limit is None or problem.memory(choice) <= problem.memory_limit
+
+
+def same_objective(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)
+
+
+@st.composite
+def problems(draw: st.DrawFn, any_direction: bool = False) -> IntraOpProblem:
+    """2-6 nodes with 1-4 strategies; edges from lower to higher index (``any_direction``: also
+    reversed, parallel and self-loops) with random, all-zero or constant matrices; integral
+    memory (bytes) under no limit, a loose one, a binding one or one nothing fits."""
+    counts = draw(st.lists(st.integers(1, 4), min_size=2, max_size=6))
+    cost = st.one_of(
+        st.integers(0, 20).map(float),
+        st.floats(0, 10, allow_nan=False, allow_infinity=False, allow_subnormal=False),
+    )
+    node_costs = tuple(tuple(draw(cost) for _ in range(k)) for k in counts)
+    node_memory = tuple(tuple(float(draw(st.integers(0, 50))) for _ in range(k)) for k in counts)
+    forward = [(u, v) for v in range(len(counts)) for u in range(v)]
+    chosen = [pair for pair in forward if draw(st.booleans())]
+    if any_direction:
+        others = forward + [(v, u) for u, v in forward] + [(v, v) for v in range(len(counts))]
+        chosen += draw(st.lists(st.sampled_from(others), max_size=len(counts)))
+    edges = []
+    for u, v in chosen:
+        kind = draw(st.sampled_from(["random", "random", "zero", "constant"]))
+        constant = draw(cost)
+        matrix = tuple(
+            tuple(
+                draw(cost) if kind == "random" else constant if kind == "constant" else 0.0
+                for _ in range(counts[v])
+            )
+            for _ in range(counts[u])
+        )
+        edges.append(Edge(u, v, matrix))
+    least = int(sum(min(m) for m in node_memory))
+    most = int(sum(max(m) for m in node_memory))
+    limit: float | None = None
+    match draw(st.sampled_from(["binding", "binding", "loose", "none", "infeasible"])):
+        case "binding":
+            limit = float(draw(st.integers(least, most)))
+        case "loose":
+            limit = float(most + draw(st.integers(0, 5)))
+        case "infeasible":
+            limit = float(least - draw(st.integers(1, 10)))
+    return IntraOpProblem(node_costs, node_memory, tuple(edges), limit)
+
+
+@settings(max_examples=200, deadline=None)
+@given(problems())
+def test_ilp_objective_equals_the_exhaustive_optimum(problem: IntraOpProblem) -> None:
+    """The ILP is exact: same optimum as trying every plan, within memory, and infeasible
+    exactly when no plan fits."""
+    try:
+        reference = ExhaustiveSolver().solve(problem)
+    except InfeasiblePlanError:
+        with pytest.raises(InfeasiblePlanError):
+            ILPSolver().solve(problem)
+        return
+    solution = ILPSolver().solve(problem)
+    assert solution.status == "optimal"
+    assert fits(problem, solution.choice) and fits(problem, reference.choice)
+    assert solution.objective == problem.objective(solution.choice)
+    assert same_objective(solution.objective, reference.objective)
+
+
+@settings(max_examples=100, deadline=None)
+@given(problems(any_direction=True))
+def test_ilp_merges_parallel_opposite_and_self_loop_edges(problem: IntraOpProblem) -> None:
+    """Edges in any direction, several between the same nodes, and self-loops (as shared
+    layers produce) are merged without changing the optimum."""
+    try:
+        reference = ExhaustiveSolver().solve(problem)
+    except InfeasiblePlanError:
+        with pytest.raises(InfeasiblePlanError):
+            ILPSolver().solve(problem)
+        return
+    solution = ILPSolver().solve(problem)
+    assert fits(problem, solution.choice)
+    assert same_objective(solution.objective, reference.objective)
+
+
+@settings(max_examples=200, deadline=None)
+@given(problems(any_direction=True))
+def test_greedy_is_feasible_and_never_beats_the_optimum(problem: IntraOpProblem) -> None:
+    """Greedy finds a plan whenever one exists, it fits, and it costs at least the optimum."""
+    try:
+        reference = ExhaustiveSolver().solve(problem)
+    except InfeasiblePlanError:
+        with pytest.raises(InfeasiblePlanError):
+            GreedySolver().solve(problem)
+        return
+    solution = GreedySolver().solve(problem)
+    assert solution.status == "feasible" and math.isnan(solution.gap)
+    assert fits(problem, solution.choice)
+    assert solution.objective == problem.objective(solution.choice)
+    assert solution.objective >= reference.objective or same_objective(
+        solution.objective, reference.objective
+    )
+
+
+@settings(max_examples=50, deadline=None)
+@given(problems(any_direction=True), st.sampled_from([1, 3, 8, 1 << 16]))
+def test_exhaustive_is_the_first_cheapest_plan_in_lexicographic_order(
+    problem: IntraOpProblem, block: int
+) -> None:
+    """The vectorized search (over blocks of any size) finds what a plain loop over
+    itertools.product finds: the lexicographically first plan of least cost that fits."""
+    counts = [len(costs) for costs in problem.node_costs]
+    best: tuple[int, ...] | None = None
+    for choice in itertools.product(*(range(k) for k in counts)):
+        if fits(problem, choice) and (
+            best is None or problem.objective(choice) < problem.objective(best)
+        ):
+            best = choice
+    with mock.patch.object(exhaustive, "_BLOCK", block):
+        if best is None:
+            with pytest.raises(InfeasiblePlanError):
+                ExhaustiveSolver().solve(problem)
+        else:
+            assert ExhaustiveSolver().solve(problem).choice == best
+
+
+def test_infeasible_memory_names_the_need_and_the_limit_without_calling_highs() -> None:
+    """When even the most frugal plan is over the limit, every solver says by how much and
+    what to do; the ILP does not build a model."""
+    problem = IntraOpProblem(
+        node_costs=((1.0, 2.0), (1.0,)),
+        node_memory=((2 * GiB, 1 * GiB), (2 * GiB,)),
+        memory_limit=2 * GiB,
+        names=("weight", "activation"),
+    )
+    with mock.patch("fxpar.solvers.ilp.highspy.Highs", side_effect=AssertionError("called")):
+        for solver in (ILPSolver(), ExhaustiveSolver(), GreedySolver()):
+            with pytest.raises(InfeasiblePlanError) as caught:
+                solver.solve(problem)
+            message = str(caught.value)
+            assert "3.00 GiB" in message and str(3 * GiB) in message
+            assert "2.00 GiB" in message and str(2 * GiB) in message
+            assert "activation 2.00 GiB" in message
+            assert "more devices" in message and "micro-batches" in message
+            assert caught.value.least_memory == 3 * GiB
+            assert isinstance(caught.value, FxparError)
+
+
+def test_single_strategy_nodes_are_fixed_and_their_edges_still_count() -> None:
+    """A node with one strategy is decided, but its edges' costs still steer its neighbours."""
+    problem = IntraOpProblem(
+        node_costs=((0.0,), (1.0, 1.0, 1.0), (2.0,)),
+        node_memory=((1.0,), (1.0, 1.0, 1.0), (1.0,)),
+        edges=(
+            Edge(0, 1, ((5.0, 0.0, 5.0),)),
+            Edge(1, 2, ((1.0,), (4.0,), (0.0,))),
+        ),
+    )
+    solution = ILPSolver().solve(problem)
+    assert solution.choice == (0, 1, 0)
+    assert solution.objective == 0.0 + 1.0 + 2.0 + 0.0 + 4.0
+    all_fixed = IntraOpProblem(((3.0,), (4.0,)), ((1.0,), (2.0,)), (Edge(0, 1, ((1.0,),)),))
+    with mock.patch("fxpar.solvers.ilp.highspy.Highs", side_effect=AssertionError("called")):
+        solution = ILPSolver().solve(all_fixed)
+    assert (solution.choice, solution.objective, solution.status) == ((0, 0), 8.0, "optimal")
+
+
+def test_edges_alone_decide_when_node_costs_are_zero() -> None:
+    """With zero node costs the ILP must weigh the edge terms: the only free plan is all ones,
+    which greedy (ties to strategy 0, then following its predecessors) misses."""
+    agree = ((0.0, 1.0), (1.0, 0.0))
+    problem = IntraOpProblem(
+        node_costs=((0.0, 0.0),) * 3,
+        node_memory=((0.0, 0.0),) * 3,
+        edges=(Edge(0, 1, agree), Edge(1, 2, agree), Edge(0, 2, ((3.0, 3.0), (3.0, 0.0)))),
+    )
+    solution = ILPSolver().solve(problem)
+    assert (solution.choice, solution.objective) == ((1, 1, 1), 0.0)
+    assert GreedySolver().solve(problem).objective == 3.0
+
+
+def random_problem(num_nodes: int, seed: int, memory_fraction: float = 0.3) -> IntraOpProblem:
+    """A chain with one extra random edge per node, 4 strategies, a binding memory limit."""
+    rng = random.Random(seed)
+    strategies = range(4)
+    node_costs = tuple(tuple(rng.uniform(0, 1) for _ in strategies) for _ in range(num_nodes))
+    memory = tuple(tuple(float(rng.randint(1, 100)) for _ in strategies) for _ in range(num_nodes))
+    edges = []
+    for v in range(1, num_nodes):
+        for u in sorted({v - 1, rng.randrange(v)}):
+            matrix = tuple(
+                tuple(0.0 if s == t else rng.uniform(0, 2) for t in strategies) for s in strategies
+            )
+            edges.append(Edge(u, v, matrix))
+    least = sum(min(m) for m in memory)
+    most = sum(max(m) for m in memory)
+    limit = least + memory_fraction * (most - least)
+    return IntraOpProblem(node_costs, memory, tuple(edges), limit)
+
+
+def test_a_tiny_time_limit_still_returns_a_plan() -> None:
+    """Stopped on its time limit, the ILP returns the best plan it has (at worst the warm
+    start), which fits and is no worse than greedy."""
+    problem = random_problem(200, seed=0)
+    solution = ILPSolver(time_limit=1e-3).solve(problem)
+    assert solution.status in ("optimal", "time_limit")
+    assert fits(problem, solution.choice)
+    assert solution.objective == problem.objective(solution.choice)
+    assert solution.objective <= GreedySolver().solve(problem).objective
+    assert solution.gap >= 0
+    if solution.status == "optimal":
+        assert solution.gap <= 1e-6
+
+
+def test_without_warm_start_a_tiny_time_limit_finds_a_plan_or_says_so() -> None:
+    """Without the greedy start HiGHS may stop with nothing: that is a typed error naming the
+    time limit, never a plan that does not fit."""
+    problem = random_problem(200, seed=0)
+    try:
+        solution = ILPSolver(time_limit=1e-3, warm_start=False).solve(problem)
+    except NoPlanFoundError as error:
+        assert "time_limit=0.001" in str(error)
+    else:
+        assert fits(problem, solution.choice)
+
+
+def test_warm_start_and_threads_do_not_change_the_optimum() -> None:
+    """The greedy start and the thread count only change how the optimum is found."""
+    problem = random_problem(30, seed=1)
+    plain = ILPSolver(warm_start=False).solve(problem)
+    warm = ILPSolver(warm_start=True).solve(problem)
+    single = ILPSolver(threads=1).solve(problem)
+    assert plain.status == warm.status == single.status == "optimal"
+    assert same_objective(plain.objective, warm.objective)
+    assert same_objective(plain.objective, single.objective)
+    assert warm.objective <= GreedySolver().solve(problem).objective
+
+
+def test_a_plan_highs_accepts_within_its_tolerance_is_refused_over_the_limit() -> None:
+    """HiGHS accepts rows violated by ~1e-6 relative: here both big strategies together are
+    600 bytes over a 1e9-byte budget; the ILP must not return that plan."""
+    problem = IntraOpProblem(
+        node_costs=((1.0, 0.0), (1.0, 0.0)),
+        node_memory=((0.0, 5e8 + 600), (0.0, 5e8)),
+        memory_limit=1e9,
+    )
+    solution = ILPSolver().solve(problem)
+    assert fits(problem, solution.choice)
+    assert solution.objective == 1.0
+
+
+def test_greedy_repairs_memory_by_least_cost_per_byte_saved() -> None:
+    """Over the limit, greedy takes the switch with the best cost per byte saved (node 0: 0.1 a
+    byte) even where a cheaper one (node 1: 0.6 for the 5 bytes needed) would do; the ILP
+    finds the cheaper one."""
+    problem = IntraOpProblem(
+        node_costs=((0.0, 1.0), (0.0, 0.6)),
+        node_memory=((10.0, 0.0), (10.0, 5.0)),
+        memory_limit=15.0,
+    )
+    assert GreedySolver().solve(problem).choice == (1, 0)
+    assert ILPSolver().solve(problem).choice == (0, 1)
+
+
+def test_exhaustive_refuses_problems_with_too_many_plans() -> None:
+    """The reference solver stops before enumerating more than max_combinations plans."""
+    problem = IntraOpProblem(((0.0, 1.0),) * 21, ((0.0, 0.0),) * 21)
+    with pytest.raises(ProblemTooLargeError, match=r"2,097,152 plans.*max_combinations=1,000,000"):
+        ExhaustiveSolver().solve(problem)
+    small = IntraOpProblem(((0.0, 1.0),) * 3, ((0.0, 0.0),) * 3)
+    with pytest.raises(ProblemTooLargeError):
+        ExhaustiveSolver(max_combinations=7).solve(small)
+    assert ExhaustiveSolver(max_combinations=8).solve(small).choice == (0, 0, 0)
