@@ -12,7 +12,7 @@ import copy
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -26,7 +26,7 @@ from fxpar.passes import default_pipeline
 from fxpar.report import cost_table
 from fxpar.testing import simulate
 
-PLANS = {
+PLANS: dict[str, Callable[[fxpar.Program, Cluster], fxpar.Program]] = {
     "data parallel": plans.data_parallel,
     "tensor parallel": plans.tensor_parallel,
     "fully sharded": plans.fully_sharded,

@@ -131,7 +131,7 @@ def plan_program(
     options = options or PlanOptions()
     program = prepare_for_planning(program, cluster, rules)
     if solver is not None and not hasattr(solver, "solve"):
-        return _manual(program, cluster, solver, options)  # type: ignore[arg-type]
+        return _manual(program, cluster, solver, options)
     if solver is None:
         from fxpar.solvers.ilp import ILPSolver
 

@@ -29,7 +29,7 @@ import fnmatch
 import operator
 import re
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch.fx as fx
@@ -313,7 +313,7 @@ class _Builder:
                 row = total[s]
                 for t in range(sizes[v]):
                     row[t] += matrix[s][t]
-        loss = self.program.graph.output_node().args[0][0]  # type: ignore[index]
+        loss = _results(self.program)[0]
         loss_unit = node_of_unit[self.unit_of[self._source(loss)[0]]]
         loss_meta = ir.require(loss, ir.ValueMeta).tensor
         for s in range(sizes[loss_unit]):
@@ -394,7 +394,9 @@ class _Builder:
                 saved.add(self._source(node)[0])
         return saved
 
-    def _dependencies(self, representative: list[int]):  # type: ignore[no-untyped-def]
+    def _dependencies(
+        self, representative: list[int]
+    ) -> Iterator[tuple[fx.Node, int, Callable[[int], Spec], ir.TensorMeta, tuple[object, ...]]]:
         """(source node, consumer unit, spec required per consumer choice, meta, cache key) for
         every tensor a unit root reads from another unit, and every output requirement."""
         for u, unit in enumerate(self.units):
@@ -408,17 +410,16 @@ class _Builder:
                 def required(t: int, unit: _Unit = unit, position: int = position) -> Spec:
                     return candidates(unit.root)[unit.allowed[t]].inputs[position]
 
-                key = (
+                key: tuple[object, ...] = (
                     representative[self.unit_of[producer]] if producer in self.unit_of else None,
                     self._position(source) if producer in self.unit_of else None,
                     representative[u],
                     position,
                 )
                 yield source, u, required, meta, key
-        output = self.program.graph.output_node()
         placeholders = self.program.placeholders()
         state = self.program.signature.gradients + self.program.signature.buffer_updates
-        for name, result in zip(state, output.args[0][1:], strict=True):  # type: ignore[index]
+        for name, result in zip(state, _results(self.program)[1:], strict=True):
             target_unit = self.unit_of[placeholders[name]]
             meta = ir.require(result, ir.ValueMeta).tensor
 
@@ -453,6 +454,11 @@ def _layer_of(module: str) -> tuple[str, str] | None:
     if match is None:
         return None
     return f"{match.group(1)}.*", match.group(2)
+
+
+def _results(program: Program) -> list[fx.Node]:
+    """The output node's values: loss, gradients, buffer updates."""
+    return list(program.graph.output_node().args[0])  # type: ignore[arg-type]
 
 
 def _placeholder_names(program: Program) -> dict[fx.Node, str]:

@@ -9,7 +9,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 import fxpar
 from fxpar import ir, plans
-from fxpar.cluster import GiB, Cluster
+from fxpar.cluster import Cluster, GiB
 from fxpar.errors import FxparError
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.planner import Plan, plan_program, score
