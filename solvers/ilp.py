@@ -463,3 +463,10 @@ def _relative_gap(objective: float, bound: float) -> float:
     if objective == 0:
         return 0.0 if bound == 0 else math.inf
     return max(objective - bound, 0.0) / abs(objective)
+
+
+def model_size(problem: IntraOpProblem) -> tuple[int, int]:
+    """(variables, constraints) of the ILP :class:`ILPSolver` builds for ``problem``, after its
+    reductions: what the benchmarks report."""
+    model = _build_model(_reduce(problem), tightening=0.0)
+    return model.num_col_, model.num_row_
