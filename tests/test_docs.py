@@ -35,3 +35,10 @@ def test_writing_a_pass_example_runs_in_the_default_pipeline() -> None:
     program = pipeline.run(program)
     marked = [n for n in program.graph.nodes if ir.get(n, heavy)]  # type: ignore[arg-type]
     assert marked and all(n.target is not torch.ops.aten.t.default for n in marked)
+
+
+def test_planning_guide_runs() -> None:
+    namespace: dict[str, object] = {}
+    for block in python_blocks(ROOT / "docs" / "planning.md"):
+        exec(block, namespace)
+    assert namespace["mine"].solution.solver == "cheapest-nodes"  # type: ignore[attr-defined]
