@@ -1,13 +1,17 @@
 """The central promise, as a property: for random small models, random meshes of 1-4 devices
-(1-D and 2-D) and ANY random valid choice of strategies, the simulated per-rank programs give
-the single-device loss, gradients and buffer updates (fp32, rtol 1e-4)."""
+(1-D and 2-D) and ANY random valid choice of strategies (and whatever the ILP picks), the
+simulated per-rank programs give the single-device loss, gradients and buffer updates (fp32,
+rtol 1e-4)."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 
+from fxpar.capture import capture
 from fxpar.cluster import Cluster
-from fxpar.testing import ModelCase, assert_plan_equivalent
+from fxpar.planner import plan_program
+from fxpar.solvers.ilp import ILPSolver
+from fxpar.testing import ModelCase, assert_equivalent, assert_plan_equivalent
 from fxpar.testing import strategies as fst
 
 
@@ -15,3 +19,14 @@ from fxpar.testing import strategies as fst
 @given(case=fst.models(), cluster=fst.clusters(), seed=fst.plan_seeds())
 def test_random_plans_train_like_one_device(case: ModelCase, cluster: Cluster, seed: int) -> None:
     assert_plan_equivalent(case, cluster, seed)
+
+
+@settings(max_examples=30)
+@given(case=fst.models(), cluster=fst.clusters())
+def test_ilp_plans_train_like_one_device(case: ModelCase, cluster: Cluster) -> None:
+    """Whatever the solver picks from the cost model, the plan lowers and trains exactly."""
+    program = capture(case.model, case.inputs, case.loss_fn, example_targets=case.targets)
+    flat = program.flat_inputs(case.model, *case.inputs, *case.targets)
+    chosen = plan_program(program, cluster, ILPSolver(time_limit=10.0))
+    assert chosen.solution.status in ("optimal", "time_limit")
+    assert_equivalent(chosen.lower(), flat)
