@@ -26,6 +26,7 @@ import torch
 
 from fxpar.aten_ops import ATTENTION_BACKWARD, ATTENTION_FORWARD
 from fxpar.ir import Size, TensorMeta, product, total
+from fxpar.op_table import OpTable
 
 aten = torch.ops.aten
 
@@ -38,40 +39,27 @@ class FlopRegistry:
     """FLOP formulas by ATen overload or overload packet (which covers all its overloads)."""
 
     def __init__(self) -> None:
-        self._formulas: dict[object, FlopFormula] = {}
-        self._free: set[object] = set()
+        self._formulas: OpTable[FlopFormula] = OpTable()
+        self._free: OpTable[bool] = OpTable()
 
     def register(self, *ops: object) -> Callable[[FlopFormula], FlopFormula]:
         """Decorator: ``formula`` counts the FLOPs of each of ``ops``."""
-
-        def decorate(formula: FlopFormula) -> FlopFormula:
-            for op in ops:
-                self._formulas[op] = formula
-            return formula
-
-        return decorate
+        return self._formulas.register(*ops)
 
     def register_free(self, *ops: object) -> None:
         """Declare ``ops`` to do no arithmetic (data movement, creation)."""
-        self._free.update(ops)
-
-    def _key(self, target: object, table: dict[object, Any] | set[object]) -> object | None:
-        if target in table:
-            return target
-        packet = getattr(target, "overloadpacket", None)
-        return packet if packet in table else None
+        self._free.register(*ops)(True)
 
     def formula(self, target: object) -> FlopFormula | None:
-        key = self._key(target, self._formulas)
-        return None if key is None else self._formulas[key]
+        return self._formulas.lookup(target)
 
     def is_free(self, target: object) -> bool:
-        return self._key(target, self._free) is not None
+        return bool(self._free.lookup(target))
 
     def copy(self) -> FlopRegistry:
         other = FlopRegistry()
-        other._formulas = dict(self._formulas)
-        other._free = set(self._free)
+        other._formulas = self._formulas.copy()
+        other._free = self._free.copy()
         return other
 
 

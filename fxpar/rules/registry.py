@@ -23,6 +23,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Placement
 
 from fxpar import ir
+from fxpar.op_table import OpTable
 from fxpar.sharding import Spec, Strategy, has_partial, is_valid, replicated
 
 R_ = torch.distributed.tensor.Replicate()
@@ -77,30 +78,21 @@ class RuleRegistry:
     :func:`fxpar.rules.default_rules` and register your own rules on it."""
 
     def __init__(self) -> None:
-        self._rules: dict[object, Rule] = {}
+        self._rules: OpTable[Rule] = OpTable()
 
     def register(self, *ops: object) -> Callable[[Rule], Rule]:
         """Decorator: ``rule`` lists the strategies of each of ``ops``."""
-
-        def decorate(rule: Rule) -> Rule:
-            for op in ops:
-                self._rules[op] = rule
-            return rule
-
-        return decorate
+        return self._rules.register(*ops)
 
     def rule(self, target: object) -> Rule | None:
-        if target in self._rules:
-            return self._rules[target]
-        packet = getattr(target, "overloadpacket", None)
-        return self._rules.get(packet)
+        return self._rules.lookup(target)
 
     def has_rule(self, target: object) -> bool:
         return self.rule(target) is not None
 
     def copy(self) -> RuleRegistry:
         other = RuleRegistry()
-        other._rules = dict(self._rules)
+        other._rules = self._rules.copy()
         return other
 
     def strategies(self, call: OpCall) -> list[Strategy]:
