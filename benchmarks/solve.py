@@ -53,6 +53,7 @@ def main() -> None:
     import fxpar
     from fxpar.planner import prepare_for_planning
     from fxpar.planning import build_problem
+    from fxpar.solvers.errors import InfeasiblePlanError
     from fxpar.solvers.ilp import ILPSolver, model_size
 
     header = ("model", "mesh", "graph nodes", "decisions", "ILP vars", "ILP rows", "build s",
@@ -70,8 +71,14 @@ def main() -> None:
             prepared = prepare_for_planning(program, cluster)
             problem, layout = build_problem(prepared, cluster)
             built = time.perf_counter() - start
+            try:
+                solution = ILPSolver(time_limit=args.time_limit).solve(problem)
+            except InfeasiblePlanError:
+                needed = problem.least_memory() / 2**30
+                print(f"{name} | {'x'.join(map(str, mesh))} | infeasible: the most frugal plan "
+                      f"needs {needed:.1f} GiB per device", flush=True)  # fmt: skip
+                continue
             variables, constraints = model_size(problem)
-            solution = ILPSolver(time_limit=args.time_limit).solve(problem)
             print(" | ".join((
                 name, "x".join(map(str, mesh)), str(layout.stats["graph_nodes"]),
                 str(layout.stats["decision_nodes"]), str(variables), str(constraints),
