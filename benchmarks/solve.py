@@ -19,7 +19,6 @@ import time
 
 import torch
 
-MESHES = ((8,), (2, 4))
 BATCH, LENGTH = 8, 1024
 
 
@@ -48,6 +47,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="*", default=list(MODELS))
     parser.add_argument("--time-limit", type=float, default=60.0)
+    parser.add_argument("--memory-gib", type=float, default=None,
+                        help="device memory instead of the preset's 80 GiB")  # fmt: skip
+    parser.add_argument("--meshes", nargs="*", default=["8", "2x4"])
     args = parser.parse_args()
 
     import fxpar
@@ -65,8 +67,9 @@ def main() -> None:
             model = build(name)
         tokens = torch.zeros(BATCH, LENGTH, dtype=torch.long)
         program = fxpar.capture(model, {"input_ids": tokens, "labels": tokens})
-        for mesh in MESHES:
-            cluster = fxpar.Cluster.preset("h100", mesh)
+        for mesh in (tuple(int(n) for n in m.split("x")) for m in args.meshes):
+            overrides = {} if args.memory_gib is None else {"memory": args.memory_gib * 2**30}
+            cluster = fxpar.Cluster.preset("h100", mesh, **overrides)
             start = time.perf_counter()
             prepared = prepare_for_planning(program, cluster)
             problem, layout = build_problem(prepared, cluster)

@@ -424,6 +424,7 @@ def _clean_graph(traced: fx.GraphModule, signature: Signature) -> fx.GraphModule
 def _annotate_values_and_regions(graph: fx.Graph, signature: Signature) -> None:
     state_names = signature.parameters + signature.buffers
     forward_module_of: dict[int, str] = {}
+    position = {node: index for index, node in enumerate(graph.nodes)}
     placeholder_index = 0
     for node in graph.nodes:
         if node.op == "output":
@@ -444,9 +445,10 @@ def _annotate_values_and_regions(graph: fx.Graph, signature: Signature) -> None:
             grad_of = custom.get(_GRAD_OF)
             module = forward_module_of.get(grad_of) if grad_of is not None else None
             if module is None:
-                # Seeds and gradient accumulation run outside any autograd node: they belong
-                # with the backward op that produces their input.
-                module = _first_backward_module(node)
+                # Seeds and gradient accumulation run outside any autograd node. An
+                # accumulation adds the gradient arriving from later layers to the one just
+                # computed here: it belongs with the most recent of its backward inputs.
+                module = _latest_backward_module(node, position)
             ir.annotate(node, ir.Region(ir.Phase.BACKWARD, module, grad_of))
         else:
             module = custom.get(_MODULE, "")
@@ -457,12 +459,15 @@ def _annotate_values_and_regions(graph: fx.Graph, signature: Signature) -> None:
             ir.annotate(node, ir.Region(ir.Phase.FORWARD, module, seq_nr))
 
 
-def _first_backward_module(node: fx.Node) -> str:
-    for arg in node.all_input_nodes:
-        region = ir.get(arg, ir.Region)
-        if region is not None and region.phase is ir.Phase.BACKWARD:
-            return region.module
-    return ""
+def _latest_backward_module(node: fx.Node, position: dict[fx.Node, int]) -> str:
+    backward = [
+        arg
+        for arg in node.all_input_nodes
+        if (region := ir.get(arg, ir.Region)) is not None and region.phase is ir.Phase.BACKWARD
+    ]
+    if not backward:
+        return ""
+    return ir.require(max(backward, key=position.__getitem__), ir.Region).module
 
 
 def _identifier(name: str) -> str:

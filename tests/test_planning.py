@@ -102,7 +102,12 @@ def test_pinned_specs_are_respected() -> None:
 
 
 def test_repeated_layers_are_solved_once_and_coarsening_shrinks_the_problem() -> None:
-    _, program, _ = gpt_program(batch=8)
+    # Three blocks: the last one differs at its boundary (no gradient arrives from above), the
+    # first two are identical and share their decisions.
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=3, n_embd=64, n_head=4, vocab_size=128, block_size=32))
+    tokens = torch.randint(0, 128, (8, 16))
+    program = fxpar.capture(model, (tokens,), gpt_loss, example_targets=(tokens,))
     cluster = Cluster((4,))
     prepared = fxpar.planner.prepare_for_planning(program, cluster)
     full, full_layout = build_problem(
