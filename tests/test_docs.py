@@ -42,3 +42,10 @@ def test_planning_guide_runs() -> None:
     for block in python_blocks(ROOT / "docs" / "planning.md"):
         exec(block, namespace)
     assert namespace["mine"].solution.solver == "cheapest-nodes"  # type: ignore[attr-defined]
+
+
+def test_example_runs_and_matches_one_device() -> None:
+    import runpy
+
+    example = runpy.run_path(str(ROOT / "examples" / "plan_and_simulate.py"))
+    assert example["main"]() < 1e-4
