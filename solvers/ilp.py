@@ -24,6 +24,9 @@ always recomputed with :meth:`IntraOpProblem.objective`, so it is exact):
    without calling HiGHS. A strategy with m[v,s] − m_min[v] > M − L can never fit: it gets no
    variable. The memory row is written over the excess m[v,s] − m_min[v] against the budget
    M − L, scaled to 1, and dropped when even the hungriest plan fits.
+1b. **Dominance.** A strategy that another strategy of the same node matches or beats on its
+   cost, its memory and every edge (against the neighbour's remaining strategies) is dropped;
+   repeated until nothing changes.
 2. **Fixed nodes.** A node left with one strategy is decided: it gets no variable, its cost is a
    constant of the objective.
 3. **Edge merging.** Self-loops (u = v) add their diagonal to the node's costs; parallel and
@@ -31,7 +34,11 @@ always recomputed with :meth:`IntraOpProblem.objective`, so it is exact):
 4. **Separable edges.** An edge matrix that splits as R[s,t] = a[s] + b[t] (constant and all-zero
    matrices, and every edge touching a fixed node, are such) adds a to u's costs and b to v's
    and gets no e variables.
-5. **Scaling.** Costs are divided by the largest one, so HiGHS's tolerances are relative to the
+5. **Edge classes.** On one edge, candidates of u with identical cost rows (of v, identical
+   columns) are interchangeable: e gets one variable per pair of classes, and the consistency
+   rows equate e's marginals with the class sums of x. On 2-D meshes this halves the edge
+   variables (many strategies produce, or read, the same layout).
+6. **Scaling.** Costs are divided by the largest one, so HiGHS's tolerances are relative to the
    problem's own magnitudes (costs in seconds are tiny); the optimality gap is purely relative
    (``mip_abs_gap`` = 0), measured on the whole objective, constants included.
 
@@ -210,12 +217,22 @@ _MIP_FEASIBILITY_TOLERANCE = 1e-6
 
 
 class _Pair(NamedTuple):
-    """The merged, non-separable edges between nodes ``u < v``: costs[i, j] for the i-th
-    candidate of u and the j-th of v."""
+    """The merged, non-separable edges between nodes ``u < v``, with candidates grouped into
+    classes of identical rows (of u) and identical columns (of v): ``costs[a, b]`` is the cost
+    for any candidate of row class ``a`` and any of column class ``b``; ``row_class[i]`` and
+    ``column_class[j]`` give the classes of u's i-th and v's j-th candidates."""
 
     u: int
     v: int
     costs: _Matrix
+    row_class: npt.NDArray[np.intp]
+    column_class: npt.NDArray[np.intp]
+
+    @staticmethod
+    def grouped(u: int, v: int, matrix: _Matrix) -> _Pair:
+        rows, row_class = np.unique(matrix, axis=0, return_inverse=True)
+        columns, column_class = np.unique(rows, axis=1, return_inverse=True)
+        return _Pair(u, v, columns, row_class.ravel(), column_class.ravel())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,12 +298,20 @@ class _Reduced:
             values[column + position[v]] = 1.0
         for pair, column in zip(self.pairs, self.pair_columns(), strict=True):
             width = pair.costs.shape[1]
-            values[column + position[pair.u] * width + position[pair.v]] = 1.0
+            row, col = pair.row_class[position[pair.u]], pair.column_class[position[pair.v]]
+            values[column + row * width + col] = 1.0
         return values
 
 
 def _reduce(problem: IntraOpProblem) -> _Reduced:
     candidates, excess, memory_row, memory_budget = _prune_by_memory(problem)
+    kept = _prune_dominated(problem, candidates)
+    if excess is not None:
+        excess = [
+            e[[old.index(s) for s in new]]
+            for e, old, new in zip(excess, candidates, kept, strict=True)
+        ]
+    candidates = kept
     costs = [
         np.asarray(node_costs, dtype=np.float64)[node_candidates]
         for node_costs, node_candidates in zip(problem.node_costs, candidates, strict=True)
@@ -297,12 +322,53 @@ def _reduce(problem: IntraOpProblem) -> _Reduced:
             costs[u] += matrix[:, 0]
             costs[v] += matrix[0, :] - matrix[0, 0]
         else:
-            pairs.append(_Pair(u, v, matrix))
+            pairs.append(_Pair.grouped(u, v, matrix))
     magnitudes = [np.abs(costs[v]).max() for v, c in enumerate(candidates) if len(c) > 1]
     magnitudes += [np.abs(pair.costs).max() for pair in pairs]
     largest = float(max(magnitudes, default=0.0))
     cost_scale = largest if largest > 0 and math.isfinite(largest) else 1.0
     return _Reduced(candidates, costs, pairs, excess, memory_row, memory_budget, cost_scale)
+
+
+def _prune_dominated(problem: IntraOpProblem, candidates: list[list[int]]) -> list[list[int]]:
+    """Drop strategies another strategy of the same node beats or ties everywhere: no more
+    cost, no more memory, and no more on any edge against any remaining strategy of the
+    neighbour (reduction 1b). Repeated until nothing changes; among equals the first stays."""
+    node_costs = [np.asarray(c, dtype=np.float64) for c in problem.node_costs]
+    for edge in problem.edges:
+        if edge.source == edge.target:
+            node_costs[edge.source] = node_costs[edge.source] + np.diag(np.asarray(edge.costs))
+    matrices = [np.asarray(edge.costs, dtype=np.float64) for edge in problem.edges]
+    incident: list[list[tuple[int, bool]]] = [[] for _ in candidates]
+    for index, edge in enumerate(problem.edges):
+        if edge.source != edge.target:
+            incident[edge.source].append((index, True))
+            incident[edge.target].append((index, False))
+    kept = [list(c) for c in candidates]
+    changed = True
+    while changed:
+        changed = False
+        for v, alive in enumerate(kept):
+            if len(alive) < 2:
+                continue
+            parts = [node_costs[v][alive, None], np.asarray(problem.node_memory[v])[alive, None]]
+            for index, outgoing in incident[v]:
+                edge = problem.edges[index]
+                if outgoing:
+                    parts.append(matrices[index][np.ix_(alive, kept[edge.target])])
+                else:
+                    parts.append(matrices[index][np.ix_(kept[edge.source], alive)].T)
+            profile = np.concatenate(parts, axis=1)
+            # no_worse[a, b]: b is at least as good as a everywhere.
+            no_worse = np.all(profile[None, :, :] <= profile[:, None, :], axis=2)
+            equal = no_worse & no_worse.T
+            order = np.arange(len(alive))
+            earlier_equal = equal & (order[None, :] < order[:, None])
+            beaten = np.any((no_worse & ~equal) | earlier_equal, axis=1)
+            if beaten.any():
+                kept[v] = [s for s, gone in zip(alive, beaten, strict=True) if not gone]
+                changed = True
+    return kept
 
 
 def _prune_by_memory(
@@ -400,17 +466,25 @@ def _one_strategy_per_node(reduced: _Reduced) -> list[_Row]:
 
 
 def _edge_consistency(reduced: _Reduced) -> list[_Row]:
-    """Σ_t e[uv,s,t] − x[u,s] = 0 and Σ_s e[uv,s,t] − x[v,t] = 0 for every kept edge."""
+    """Σ_b e[uv,a,b] − Σ_(s∈a) x[u,s] = 0 for every row class a, and
+    Σ_a e[uv,a,b] − Σ_(t∈b) x[v,t] = 0 for every column class b, for every kept edge.
+
+    Candidates with identical cost rows (columns) are interchangeable on that edge, so e needs
+    one variable per pair of classes: with one-hot x the class sums are one-hot too, and e is
+    still their product.
+    """
     node_column = reduced.node_columns()
     rows = []
     for pair, first in zip(reduced.pairs, reduced.pair_columns(), strict=True):
         height, width = pair.costs.shape
-        for s in range(height):
-            columns = [first + s * width + t for t in range(width)] + [node_column[pair.u] + s]
-            rows.append(_Row(columns, [1.0] * width + [-1.0], 0.0, 0.0))
-        for t in range(width):
-            columns = [first + s * width + t for s in range(height)] + [node_column[pair.v] + t]
-            rows.append(_Row(columns, [1.0] * height + [-1.0], 0.0, 0.0))
+        for a in range(height):
+            members = [node_column[pair.u] + s for s in np.flatnonzero(pair.row_class == a)]
+            columns = [first + a * width + b for b in range(width)] + members
+            rows.append(_Row(columns, [1.0] * width + [-1.0] * len(members), 0.0, 0.0))
+        for b in range(width):
+            members = [node_column[pair.v] + t for t in np.flatnonzero(pair.column_class == b)]
+            columns = [first + a * width + b for a in range(height)] + members
+            rows.append(_Row(columns, [1.0] * height + [-1.0] * len(members), 0.0, 0.0))
     return rows
 
 

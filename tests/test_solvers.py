@@ -16,7 +16,7 @@ from fxpar.solvers import exhaustive
 from fxpar.solvers.errors import InfeasiblePlanError, NoPlanFoundError, ProblemTooLargeError
 from fxpar.solvers.exhaustive import ExhaustiveSolver
 from fxpar.solvers.greedy import GreedySolver
-from fxpar.solvers.ilp import ILPSolver
+from fxpar.solvers.ilp import ILPSolver, model_size
 from fxpar.solvers.problem import Edge, IntraOpProblem
 
 GiB = 2**30
@@ -294,3 +294,40 @@ def test_exhaustive_refuses_problems_with_too_many_plans() -> None:
     with pytest.raises(ProblemTooLargeError):
         ExhaustiveSolver(max_combinations=7).solve(small)
     assert ExhaustiveSolver(max_combinations=8).solve(small).choice == (0, 0, 0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(data=st.data())
+def test_identical_rows_and_columns_share_edge_variables(data: st.DataObject) -> None:
+    """Edges whose candidates repeat the same cost rows or columns (as layouts do on 2-D
+    meshes) are solved exactly with one edge variable per pair of classes."""
+    sizes = data.draw(st.lists(st.integers(2, 5), min_size=2, max_size=4), label="sizes")
+    edges = []
+    for u in range(len(sizes) - 1):
+        classes_u = data.draw(st.lists(st.integers(0, 1), min_size=sizes[u], max_size=sizes[u]))
+        classes_v = data.draw(
+            st.lists(st.integers(0, 1), min_size=sizes[u + 1], max_size=sizes[u + 1])
+        )
+        base = data.draw(st.lists(st.floats(0, 10), min_size=4, max_size=4))
+        costs = tuple(tuple(base[2 * a + b] for b in classes_v) for a in classes_u)
+        edges.append(Edge(u, u + 1, costs))
+    node_costs = tuple(tuple(data.draw(st.floats(0, 10)) for _ in range(k)) for k in sizes)
+    problem = IntraOpProblem(node_costs, tuple((0.0,) * k for k in sizes), tuple(edges))
+    exact = ExhaustiveSolver().solve(problem)
+    ilp = ILPSolver().solve(problem)
+    assert math.isclose(ilp.objective, exact.objective, rel_tol=1e-6, abs_tol=1e-9)
+    variables, _ = model_size(problem)
+    assert variables <= sum(sizes) + 4 * len(edges)  # at most 2x2 classes per edge
+
+
+def test_dominated_strategies_get_no_variables() -> None:
+    # Strategy 1 of node 0 costs more, needs more memory and is worse on the edge than 0.
+    problem = IntraOpProblem(
+        node_costs=((1.0, 2.0, 0.5), (0.0, 0.0)),
+        node_memory=((1.0, 1.0, 1.0), (1.0, 1.0)),
+        edges=(Edge(0, 1, ((0.0, 3.0), (1.0, 4.0), (3.0, 0.0))),),
+        memory_limit=10.0,
+    )
+    variables, _ = model_size(problem)
+    assert variables < 3 + 2 + 6
+    assert ILPSolver().solve(problem).choice == ExhaustiveSolver().solve(problem).choice == (2, 1)
