@@ -152,5 +152,7 @@ class Cluster:
         return init_device_mesh(self.device_type, self.mesh_shape, mesh_dim_names=self.axis_names)
 
     def __str__(self) -> str:
-        shape = "x".join(map(str, self.mesh_shape))
-        return f"{shape} mesh of {self.world_size} devices (axes {', '.join(self.axis_names)})"
+        axes = ", ".join(
+            f"{name}={size}" for name, size in zip(self.axis_names, self.mesh_shape, strict=True)
+        )
+        return f"mesh of {self.world_size} devices ({axes})"
