@@ -224,7 +224,7 @@ class _RankLowering:
         self.comm = self.graph.placeholder("comm")
         # Each original node maps to its local node and the spec of each of its outputs.
         self.env: dict[fx.Node, tuple[fx.Node, tuple[Spec | None, ...]]] = {}
-        self.converted: dict[tuple[fx.Node, Spec], fx.Node] = {}
+        self.converted: dict[tuple[fx.Node, Spec, ir.Phase | None], fx.Node] = {}
         self.records: list[CollectiveRecord] = []
 
     def run(self) -> fx.GraphModule:
@@ -286,7 +286,10 @@ class _RankLowering:
         local, specs = self.env[source]
         current = specs[0]
         assert current is not None
-        key = (source, spec)
+        # A parameter laid out differently from its use is converted again in each phase
+        # (ZeRO-3: gathered before the forward and again before the backward), so that the
+        # gathered copy need not live from one to the other. Other values convert once.
+        key = (source, spec, phase if source.op == "placeholder" else None)
         if current == spec:
             return local
         if key in self.converted:
