@@ -16,12 +16,11 @@ from __future__ import annotations
 import functools
 import math
 
-import torch
 from torch.distributed.tensor import Partial, Shard
 
 from fxpar import ir
 from fxpar.cluster import Cluster
-from fxpar.reshard import ReshardStep, reshard_steps
+from fxpar.reshard import reshard_steps
 from fxpar.sharding import Spec, Strategy, local_shape
 
 
@@ -55,21 +54,8 @@ def reshard_seconds(src: Spec, dst: Spec, meta: ir.TensorMeta, cluster: Cluster)
             step.kind, nbytes, cluster.mesh_shape[step.axis],
             cluster.bandwidth[step.axis], cluster.latency[step.axis],
         )  # fmt: skip
-        current = _after(current, step)
+        current = step.apply(current)
     return seconds
-
-
-def _after(spec: Spec, step: ReshardStep) -> Spec:
-    placements = list(spec)
-    if step.kind in ("all_gather", "all_reduce"):
-        placements[step.axis] = torch.distributed.tensor.Replicate()
-    elif step.kind in ("reduce_scatter", "slice"):
-        placements[step.axis] = Shard(step.dim)  # type: ignore[arg-type]
-    elif step.kind == "all_to_all":
-        placements[step.axis] = Shard(step.to_dim)  # type: ignore[arg-type]
-    else:
-        placements[step.axis] = Partial()
-    return tuple(placements)
 
 
 def split_factor(strategy: Strategy, mesh_shape: tuple[int, ...]) -> int:

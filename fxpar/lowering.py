@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Partial, Replicate, Shard
 
 from fxpar import ir
 from fxpar.cluster import Cluster, Coordinate
@@ -312,7 +311,7 @@ class _RankLowering:
         source: fx.Node,
     ) -> tuple[fx.Node, Spec]:
         shape = local_shape(meta.shape, spec, self.mesh)
-        placements = list(spec)
+        after = step.apply(spec)
         call: Callable[..., Any]
         args: tuple[Any, ...]
         if step.kind == "slice":
@@ -327,28 +326,22 @@ class _RankLowering:
             node = self.graph.call_function(
                 aten.clone.default, (node,), {"memory_format": torch.contiguous_format}
             )
-            placements[step.axis] = Shard(step.dim)
-            return node, tuple(placements)
+            return node, after
         if step.kind == "to_partial":
-            placements[step.axis] = Partial()
             if self.coordinate[step.axis] == 0:
-                return value, tuple(placements)
-            return self.graph.call_function(aten.zeros_like.default, (value,)), tuple(placements)
+                return value, after
+            return self.graph.call_function(aten.zeros_like.default, (value,)), after
         if step.kind == "all_gather":
             call, args = collectives.all_gather, (self.comm, value, step.dim, step.axis)
-            placements[step.axis] = Replicate()
         elif step.kind == "all_reduce":
             call, args = collectives.all_reduce, (self.comm, value, step.axis)
-            placements[step.axis] = Replicate()
         elif step.kind == "reduce_scatter":
             call, args = collectives.reduce_scatter, (self.comm, value, step.dim, step.axis)
-            placements[step.axis] = Shard(step.dim)  # type: ignore[arg-type]
         else:
             call = collectives.all_to_all
             args = (self.comm, value, step.to_dim, step.dim, step.axis)
-            placements[step.axis] = Shard(step.to_dim)  # type: ignore[arg-type]
         nbytes = ir.product((*shape, meta.dtype.itemsize))
         self.records.append(
             CollectiveRecord(step.kind, step.axis, int(nbytes), source.name, consumer.name, phase)
         )
-        return self.graph.call_function(call, args), tuple(placements)
+        return self.graph.call_function(call, args), after

@@ -102,7 +102,7 @@ class _Builder:
         self.options = options
         self.units: list[_Unit] = []
         self.unit_of: dict[fx.Node, int] = {}
-        self.names = _placeholder_names(program)
+        self.names = {node: name for name, node in program.placeholders().items()}
         # Identical nodes (the same op on the same shapes, in every repeated layer) share
         # their candidates, compute times and follower responses: computed once.
         self._interned: dict[tuple[Strategy, ...], int] = {}
@@ -459,13 +459,6 @@ def _layer_of(module: str) -> tuple[str, str] | None:
 def _results(program: Program) -> list[fx.Node]:
     """The output node's values: loss, gradients, buffer updates."""
     return list(program.graph.output_node().args[0])  # type: ignore[arg-type]
-
-
-def _placeholder_names(program: Program) -> dict[fx.Node, str]:
-    signature = program.signature
-    names = signature.parameters + signature.buffers + signature.inputs
-    nodes = [n for n in program.graph.nodes if n.op == "placeholder"]
-    return dict(zip(nodes, names, strict=True))
 
 
 def apply_solution(program: Program, layout: Layout, choice: tuple[int, ...]) -> Program:

@@ -70,11 +70,7 @@ def propagate(program: Program, cluster: Cluster, placeholder_spec: SpecChooser)
     """Fix each placeholder's spec with ``placeholder_spec(name, meta)`` and choose every op's
     strategy greedily (see the module docstring)."""
     mesh = cluster.mesh_shape
-    names = dict(zip(
-        (n for n in program.graph.nodes if n.op == "placeholder"),
-        program.signature.parameters + program.signature.buffers + program.signature.inputs,
-        strict=True,
-    ))  # fmt: skip
+    names = {node: name for name, node in program.placeholders().items()}
     layout: dict[fx.Node, tuple[Spec | None, ...]] = {}
     for node in program.graph.nodes:
         if node.op == "placeholder":

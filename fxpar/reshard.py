@@ -42,6 +42,19 @@ class ReshardStep:
     def is_collective(self) -> bool:
         return self.kind in COLLECTIVES
 
+    def apply(self, spec: Spec) -> Spec:
+        """The spec of the tensor after this step."""
+        placements = list(spec)
+        if self.kind in ("all_gather", "all_reduce"):
+            placements[self.axis] = Replicate()
+        elif self.kind in ("reduce_scatter", "slice"):
+            placements[self.axis] = Shard(self.dim)  # type: ignore[arg-type]
+        elif self.kind == "all_to_all":
+            placements[self.axis] = Shard(self.to_dim)  # type: ignore[arg-type]
+        else:
+            placements[self.axis] = Partial()
+        return tuple(placements)
+
 
 def _shard_dim(placement: object) -> int | None:
     return placement.dim if isinstance(placement, Shard) else None
