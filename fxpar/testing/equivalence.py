@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.fx as fx
 
 from fxpar.cluster import Coordinate
 from fxpar.errors import FxparError
 from fxpar.lowering import SPMDProgram
 from fxpar.sharding import assemble, spec_str
-from fxpar.testing.simulate import SimulatedCommunicator, _Exchange, simulate
+from fxpar.testing.simulate import record_values, run_ranks, simulate
 
 
 class EquivalenceError(FxparError, AssertionError):
@@ -66,27 +64,12 @@ def first_divergence(
     atol: float = 1e-6,
 ) -> Divergence | None:
     """Run every rank recording each local value, reassemble every node of the Program from its
-    pieces, and return the first one (in graph order) that differs from one-device execution."""
-    expected = _record(spmd.program.graph_module, list(flat_inputs))
-    exchange = _Exchange(spmd.cluster.mesh_shape, timeout=60.0)
-    local_values: dict[Coordinate, dict[str, object]] = {}
-
-    def run(rank: int) -> None:
-        program = spmd.ranks[rank]
-        comm = SimulatedCommunicator(exchange, program.coordinate)
-        try:
-            local = spmd.local_inputs(flat_inputs, program.coordinate)
-            local_values[program.coordinate] = _record(program.graph_module, [comm, *local])
-        except BaseException as error:
-            exchange.fail(error)
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(spmd.cluster.world_size)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if len(local_values) != spmd.cluster.world_size:
-        return None
+    pieces, and return the first one (in graph order) that differs from one-device execution.
+    A rank that fails raises :class:`SimulationError`, as in :func:`simulate`."""
+    expected = record_values(spmd.program.graph_module, flat_inputs)
+    local_values = run_ranks(
+        spmd, flat_inputs, lambda module, comm, local: record_values(module, [comm, *local])
+    )
     mesh = spmd.cluster.mesh_shape
     for node in spmd.program.graph.nodes:
         if node.op in ("placeholder", "output") or node.name not in spmd.ranks[0].values:
@@ -110,17 +93,3 @@ def first_divergence(
                 shown = ", ".join(spec_str(s) for s in specs)
                 return Divergence(node.name, str(node.target), shown, error)
     return None
-
-
-def _record(module: fx.GraphModule, inputs: list[object]) -> dict[str, object]:
-    values: dict[str, object] = {}
-
-    class Recorder(fx.Interpreter):
-        def run_node(self, node: fx.Node) -> object:
-            result = super().run_node(node)
-            values[node.name] = result
-            return result
-
-    with torch.no_grad():
-        Recorder(module).run(*inputs)
-    return values

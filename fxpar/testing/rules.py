@@ -24,6 +24,7 @@ from fxpar.lowering import localize_shape_arguments
 from fxpar.program import Program
 from fxpar.rules import RuleRegistry, default_rules, op_call
 from fxpar.sharding import Spec, Strategy, assemble, spec_str
+from fxpar.testing.simulate import record_values
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,7 @@ def validate_rules(
     """Every strategy of every ruled node of ``program`` on ``cluster``'s mesh, checked against
     the op on whole tensors (the real values of a run on ``flat_inputs``)."""
     rules = rules or default_rules()
-    values = _values(program.graph_module, flat_inputs)
+    values = record_values(program.graph_module, flat_inputs)
     generator = torch.Generator().manual_seed(seed)
     mesh = cluster.mesh_shape
     violations = []
@@ -107,7 +108,7 @@ def validate_rules(
 def _check(
     node: fx.Node,
     strategy: Strategy,
-    values: dict[fx.Node, object],
+    values: dict[str, object],
     cluster: Cluster,
     generator: torch.Generator,
     rtol: float,
@@ -121,7 +122,7 @@ def _check(
     def collect(arg: fx.Node) -> fx.Node:
         value = ir.require(arg, ir.ValueMeta)
         if not value.multiple and value.outputs[0] is not None:
-            distributed[len(order)] = distribute(values[arg], next(required), mesh, generator)  # type: ignore[arg-type]
+            distributed[len(order)] = distribute(values[arg.name], next(required), mesh, generator)  # type: ignore[arg-type]
             order.append(arg)
         return arg
 
@@ -137,7 +138,7 @@ def _check(
         ) -> object:
             value = ir.require(arg, ir.ValueMeta)
             if value.multiple or value.outputs[0] is None:
-                return values[arg]
+                return values[arg.name]
             return distributed[next(counter)][coordinate]
 
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), local)  # type: ignore[arg-type]
@@ -147,7 +148,7 @@ def _check(
         except Exception as error:
             return f"the op fails on local pieces: {type(error).__name__}: {error}"
         outputs[coordinate] = tuple(result) if isinstance(result, (tuple, list)) else (result,)
-    expected = values[node]
+    expected = values[node.name]
     expected_outputs = tuple(expected) if isinstance(expected, (tuple, list)) else (expected,)
     for index, spec in enumerate(strategy.outputs):
         want = expected_outputs[index]
@@ -172,16 +173,3 @@ def _check(
             worst = (got.double() - want.double()).abs().max().item()
             return f"output {index} ({spec_str(spec)}) differs by up to {worst:.3g}"
     return None
-
-
-def _values(module: fx.GraphModule, inputs: Sequence[torch.Tensor]) -> dict[fx.Node, object]:
-    values: dict[fx.Node, object] = {}
-
-    class Recorder(fx.Interpreter):
-        def run_node(self, node: fx.Node) -> object:
-            values[node] = super().run_node(node)
-            return values[node]
-
-    with torch.no_grad():
-        Recorder(module).run(*inputs)
-    return values

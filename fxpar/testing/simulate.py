@@ -9,15 +9,19 @@ the others at their next collective, and the first error is raised.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
+import torch.fx as fx
 
 from fxpar.cluster import Coordinate
 from fxpar.errors import FxparError
 from fxpar.lowering import SPMDProgram
 from fxpar.program import StepResult
+
+R = TypeVar("R")
 
 
 class SimulationError(FxparError):
@@ -108,14 +112,17 @@ class SimulationResult:
     """The outputs reassembled from their specs: loss, gradients and buffer updates."""
 
 
-def simulate(
-    spmd: SPMDProgram, flat_inputs: Sequence[torch.Tensor], *, timeout: float = 60.0
-) -> SimulationResult:
-    """Run all ranks of ``spmd`` on the global placeholders ``flat_inputs`` (parameters,
-    buffers, batch) and reassemble the outputs."""
-    cluster = spmd.cluster
-    exchange = _Exchange(cluster.mesh_shape, timeout)
-    outputs: dict[Coordinate, tuple[torch.Tensor, ...]] = {}
+def run_ranks(
+    spmd: SPMDProgram,
+    flat_inputs: Sequence[torch.Tensor],
+    body: Callable[[fx.GraphModule, SimulatedCommunicator, list[torch.Tensor]], R],
+    *,
+    timeout: float = 60.0,
+) -> dict[Coordinate, R]:
+    """Call ``body(rank_module, comm, local_inputs)`` for every rank, each in its own thread
+    with simulated collectives; the results by coordinate. The first rank error is raised."""
+    exchange = _Exchange(spmd.cluster.mesh_shape, timeout)
+    results: dict[Coordinate, R] = {}
     errors: list[BaseException] = []
 
     def run(rank: int) -> None:
@@ -124,12 +131,12 @@ def simulate(
             local = spmd.local_inputs(flat_inputs, program.coordinate)
             comm = SimulatedCommunicator(exchange, program.coordinate)
             with torch.no_grad():
-                outputs[program.coordinate] = tuple(program.graph_module(comm, *local))
+                results[program.coordinate] = body(program.graph_module, comm, local)
         except BaseException as error:  # reported below, after every thread has stopped
             errors.append(error)
             exchange.fail(error)
 
-    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(cluster.world_size)]
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(spmd.cluster.world_size)]
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -137,4 +144,29 @@ def simulate(
     if errors:
         first = next((e for e in errors if not isinstance(e, SimulationError)), errors[0])
         raise SimulationError(f"simulated rank failed: {type(first).__name__}: {first}") from first
+    return results
+
+
+def simulate(
+    spmd: SPMDProgram, flat_inputs: Sequence[torch.Tensor], *, timeout: float = 60.0
+) -> SimulationResult:
+    """Run all ranks of ``spmd`` on the global placeholders ``flat_inputs`` (parameters,
+    buffers, batch) and reassemble the outputs."""
+    outputs = run_ranks(
+        spmd, flat_inputs, lambda module, comm, local: tuple(module(comm, *local)), timeout=timeout
+    )
     return SimulationResult(outputs, spmd.assemble_outputs(outputs))
+
+
+def record_values(module: fx.GraphModule, inputs: Sequence[object]) -> dict[str, object]:
+    """Run ``module`` and keep the value of every node, by node name."""
+    values: dict[str, object] = {}
+
+    class Recorder(fx.Interpreter):
+        def run_node(self, node: fx.Node) -> object:
+            values[node.name] = super().run_node(node)
+            return values[node.name]
+
+    with torch.no_grad():
+        Recorder(module).run(*inputs)
+    return values
