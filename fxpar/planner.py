@@ -5,6 +5,10 @@ build the intra-op problem (coarsening, repeated layers) → solve → write the
 solver is pluggable: anything with ``solve(IntraOpProblem) -> IntraOpSolution`` (the HiGHS ILP
 by default, or the exhaustive or greedy solvers), or a manual plan from :mod:`fxpar.plans`, which
 is scored by the same cost model so plans can be compared.
+
+A Plan reads itself out (:meth:`Plan.report`, :meth:`Plan.to_dict`, :meth:`Plan.plot`, see
+:mod:`fxpar.plan_report`) and is saved as an editable JSON file and loaded back without solving
+(:meth:`Plan.save`, :func:`load_plan`, see :mod:`fxpar.plan_io`).
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,6 +32,8 @@ from fxpar.passes.annotate_cost import AnnotateCost
 from fxpar.passes.annotate_strategies import AnnotateStrategies
 from fxpar.passes.base import PassManager
 from fxpar.passes.canonicalize import Canonicalize
+from fxpar.plan_report import plot as plot_report
+from fxpar.plan_report import render_text, report_data
 from fxpar.planning import (
     Layout,
     PlanOptions,
@@ -46,13 +53,15 @@ ManualPlan = Callable[[Program, Cluster], Program]
 @dataclass(frozen=True)
 class Plan:
     """A Program whose every node carries its chosen strategy, with the problem it was chosen
-    from and the solver's answer."""
+    from and the solver's answer (and the options and rules that made the problem)."""
 
     program: Program
     cluster: Cluster
     problem: IntraOpProblem
     solution: IntraOpSolution
     layout: Layout
+    options: PlanOptions = field(default_factory=PlanOptions)
+    rules: RuleRegistry | None = field(default=None, compare=False)
 
     def lower(self) -> SPMDProgram:
         """The per-rank programs of this plan."""
@@ -73,6 +82,30 @@ class Plan:
             f"{self.stats['decision_nodes']} decisions ({self.stats['layers_merged']} merged "
             f"with repeated layers), solved in {s.seconds:.2f} s"
         )
+
+    def to_dict(self) -> dict[str, Any]:
+        """The plan as plain data: what :meth:`save` writes, with the plan report under
+        ``"report"`` (the data :meth:`report` and :meth:`plot` draw)."""
+        from fxpar.plan_io import plan_document
+
+        return plan_document(self)
+
+    def report(self) -> str:
+        """The plan report: step time, memory and collectives, layer by layer
+        (docs/plan_report.md explains the columns)."""
+        return render_text(report_data(self))
+
+    def plot(self, path: str | Path) -> Path:
+        """Draw memory per device and communication per layer as a PNG at ``path``; needs
+        matplotlib (``pip install "fxpar[plot]"``)."""
+        return plot_report(report_data(self), path)
+
+    def save(self, path: str | Path) -> Path:
+        """Write the plan as editable JSON (see :mod:`fxpar.plan_io`); :func:`load_plan` reads
+        it back onto a captured Program without solving."""
+        from fxpar.plan_io import save_plan
+
+        return save_plan(self, path)
 
     def explain(self, node_name: str) -> str:
         """Which strategy ``node_name`` got, what it costs, and what the next-best choice for
@@ -131,7 +164,7 @@ def plan_program(
     options = options or PlanOptions()
     program = prepare_for_planning(program, cluster, rules)
     if solver is not None and not hasattr(solver, "solve"):
-        return _manual(program, cluster, solver, options)
+        return _manual(program, cluster, solver, options, rules)
     if solver is None:
         from fxpar.solvers.ilp import ILPSolver
 
@@ -139,10 +172,16 @@ def plan_program(
     problem, layout = build_problem(program, cluster, options)
     solution = solver.solve(problem)  # type: ignore[union-attr]
     apply_solution(program, layout, solution.choice)
-    return Plan(program, cluster, problem, solution, layout)
+    return Plan(program, cluster, problem, solution, layout, options=options, rules=rules)
 
 
-def _manual(program: Program, cluster: Cluster, manual: ManualPlan, options: PlanOptions) -> Plan:
+def _manual(
+    program: Program,
+    cluster: Cluster,
+    manual: ManualPlan,
+    options: PlanOptions,
+    rules: RuleRegistry | None,
+) -> Plan:
     start = time.perf_counter()
     program = manual(program, cluster)
     # Scored without coarsening or merged layers, so that any assignment is representable.
@@ -157,7 +196,7 @@ def _manual(program: Program, cluster: Cluster, manual: ManualPlan, options: Pla
     solution = IntraOpSolution(
         choice, problem.objective(choice), "feasible", math.nan, name, time.perf_counter() - start
     )
-    return Plan(program, cluster, problem, solution, layout)
+    return Plan(program, cluster, problem, solution, layout, options=exact, rules=rules)
 
 
 def score(plan: Plan) -> float:
@@ -168,6 +207,20 @@ def score(plan: Plan) -> float:
     choice = assignment_of(plan.program, layout)
     assert choice is not None
     return problem.objective(choice)
+
+
+def load_plan(
+    path: str | Path,
+    program: Program,
+    cluster: Cluster | None = None,
+    rules: RuleRegistry | None = None,
+) -> Plan:
+    """The plan saved by :meth:`Plan.save` at ``path``, applied to ``program`` (a capture of the
+    same model) and scored by the cost model, without solving. ``cluster`` defaults to the saved
+    one; see :func:`fxpar.plan_io.load_plan` for what is checked."""
+    from fxpar.plan_io import load_plan as load
+
+    return load(path, program, cluster, rules)
 
 
 def plan(
@@ -196,4 +249,12 @@ def plan(
     return plan_program(program, cluster, solver, options=options, rules=rules)
 
 
-__all__ = ["Plan", "PlanOptions", "plan", "plan_program", "prepare_for_planning", "score"]
+__all__ = [
+    "Plan",
+    "PlanOptions",
+    "load_plan",
+    "plan",
+    "plan_program",
+    "prepare_for_planning",
+    "score",
+]

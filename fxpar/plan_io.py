@@ -1,0 +1,355 @@
+"""Plan files: save a plan as JSON a person can read and edit, and load it back without solving.
+
+The file (format ``fxpar-plan``, version 1)::
+
+    {
+      "format": "fxpar-plan", "version": 1,
+      "cluster": {"mesh_shape": [2, 2], "axis_names": ["axis0", "axis1"], ...},
+      "options": {"optimizer_states": 2, "memory_limit": null},
+      "solution": {"solver": "ilp", "status": "optimal", "objective": 0.00102, "gap": 0.0},
+      "placements": {"wte.weight": "RR", "blocks.0.attn.qkv.weight": "S(0)S(0)", ...},
+      "strategies": {"addmm": {"op": "aten.addmm.default",
+                               "inputs": ["S(0)S(0)", "S(0)R", "S(1)R"], "outputs": ["S(0)P"]}},
+      "report": {...}
+    }
+
+``placements`` gives every input of the step (parameters, buffers, batch) by its name;
+``strategies`` gives every op node of the captured Program by node name. Specs are written one
+token per mesh axis: ``S(d)`` shard on dim d, ``R`` replicate, ``P`` partial sum (``(S(0), R)``
+is read too). ``report`` is the plan report of the saved plan, for reading; loading ignores it.
+
+Editing a placement changes where that tensor lives and nothing else: the ops reading it keep
+their strategies, so the lowering reshards the tensor into the layout each of them reads (and the
+gradient back into the new placement), and the loaded plan is scored with that resharding.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import time
+from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+from fxpar import ir
+from fxpar.cluster import Cluster
+from fxpar.errors import FxparError
+from fxpar.plan_report import compact_spec, report_data
+from fxpar.planner import Plan, prepare_for_planning
+from fxpar.planning import PlanOptions, assignment_of, build_problem, candidates
+from fxpar.program import Program
+from fxpar.rules import RuleRegistry
+from fxpar.sharding import Sharding, Spec, Strategies, Strategy
+from fxpar.solvers.problem import IntraOpSolution
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "fxpar-plan"
+VERSION = 1
+_CLUSTER_FIELDS = (
+    "mesh_shape", "axis_names", "device_type", "bandwidth", "latency", "flops",
+    "memory_bandwidth", "memory",
+)  # fmt: skip
+
+
+class PlanFileError(FxparError):
+    """A plan file cannot be applied to this Program: wrong format or version, another mesh, a
+    node or input the Program does not have, or a strategy the node cannot take."""
+
+
+# -- specs --------------------------------------------------------------------------------------
+
+_TOKEN = re.compile(r"S\((\d+)\)|R|P")
+_SPEC = re.compile(r"\(?\s*(?:(?:S\(\d+\)|R|P)\s*,?\s*)+\)?")
+
+
+def parse_spec(text: str, mesh_ndim: int, where: str = "spec") -> Spec:
+    """A spec from ``S(0)R`` or ``(S(0), R)``: one placement per mesh axis."""
+    if not isinstance(text, str) or not _SPEC.fullmatch(text.strip()):
+        raise PlanFileError(
+            f"{where}: cannot read spec {text!r}; write one token per mesh axis, S(d) to shard "
+            "dim d, R to replicate, P for a partial sum, e.g. 'S(0)R'"
+        )
+    placements: list[Placement] = []
+    for match in _TOKEN.finditer(text):
+        token = match.group(0)
+        if token == "R":
+            placements.append(Replicate())
+        elif token == "P":
+            placements.append(Partial())
+        else:
+            placements.append(Shard(int(match.group(1))))
+    if len(placements) != mesh_ndim:
+        raise PlanFileError(
+            f"{where}: spec {text!r} has {len(placements)} placements but the mesh has "
+            f"{mesh_ndim} axes"
+        )
+    return tuple(placements)
+
+
+# -- saving -------------------------------------------------------------------------------------
+
+
+def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
+    return {
+        name: list(value) if isinstance(value, tuple) else value
+        for name in _CLUSTER_FIELDS
+        for value in (getattr(cluster, name),)
+    }
+
+
+def cluster_from_dict(data: Mapping[str, Any]) -> Cluster:
+    try:
+        fields: dict[str, Any] = {
+            name: tuple(data[name]) if isinstance(data[name], list) else data[name]
+            for name in _CLUSTER_FIELDS
+            if name in data
+        }
+        return Cluster(**fields)
+    except (TypeError, KeyError) as error:
+        raise PlanFileError(
+            f"the plan file's cluster {dict(data)} is not readable: {error}"
+        ) from error
+
+
+def plan_document(plan: Plan) -> dict[str, Any]:
+    """The JSON document of ``plan`` (what :func:`save_plan` writes)."""
+    program = plan.program
+    placements = {}
+    for name, node in program.placeholders().items():
+        placements[name] = compact_spec(ir.require(node, Sharding).strategy.outputs[0])
+    strategies = {}
+    for node in program.graph.nodes:
+        if node.op == "placeholder":
+            continue
+        sharding = ir.get(node, Sharding)
+        if sharding is None:
+            continue
+        strategies[node.name] = {
+            "op": str(node.target),
+            "inputs": [compact_spec(s) for s in sharding.strategy.inputs],
+            "outputs": [None if s is None else compact_spec(s) for s in sharding.strategy.outputs],
+        }
+    solution = plan.solution
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "cluster": cluster_to_dict(plan.cluster),
+        "options": {
+            "optimizer_states": plan.options.optimizer_states,
+            "memory_limit": plan.options.memory_limit,
+        },
+        "solution": {
+            "solver": solution.solver,
+            "status": solution.status,
+            "objective": solution.objective,
+            "gap": None if math.isnan(solution.gap) else solution.gap,
+        },
+        "placements": placements,
+        "strategies": strategies,
+        "report": report_data(plan),
+    }
+
+
+def save_plan(plan: Plan, path: str | Path) -> Path:
+    """Write ``plan`` as JSON to ``path``; returns the path."""
+    target = Path(path)
+    target.write_text(json.dumps(plan_document(plan), indent=1) + "\n")
+    return target
+
+
+# -- loading ------------------------------------------------------------------------------------
+
+
+def load_plan(
+    path: str | Path,
+    program: Program,
+    cluster: Cluster | None = None,
+    rules: RuleRegistry | None = None,
+) -> Plan:
+    """The plan saved at ``path`` applied to ``program`` (captured from the same model with the
+    same example shapes), scored by the cost model without running a solver.
+
+    ``cluster`` defaults to the one saved in the file; another cluster must have the same mesh
+    shape (the plan is then priced on it). ``rules`` must give the nodes the candidates they had
+    when the plan was made. Raises :class:`PlanFileError` naming the node or input that does
+    not fit.
+    """
+    start = time.perf_counter()
+    document = _read(Path(path))
+    saved_cluster = cluster_from_dict(_section(document, "cluster", dict))
+    if cluster is None:
+        cluster = saved_cluster
+    elif cluster.mesh_shape != saved_cluster.mesh_shape:
+        raise PlanFileError(
+            f"the plan in {path} is for a mesh of shape {saved_cluster.mesh_shape}, but the "
+            f"cluster given has mesh {cluster.mesh_shape}; pass a cluster with mesh "
+            f"{saved_cluster.mesh_shape}, or plan again for this one"
+        )
+    saved_options = _section(document, "options", dict)
+    options = PlanOptions(
+        optimizer_states=int(saved_options.get("optimizer_states", 2)),
+        memory_limit=saved_options.get("memory_limit"),
+    )
+    program = prepare_for_planning(program, cluster, rules)
+    _apply(program, cluster, document)
+    # Scored like a manual plan. The exact problem (no coarsening, no merged layers) fits any
+    # assignment but is slow to build on large graphs; an unedited plan from the solver fits
+    # the reduced problems, whose objective for the same assignment is the same.
+    for coarsen, dedup_layers in ((True, True), (True, False), (False, False)):
+        options = replace(options, coarsen=coarsen, dedup_layers=dedup_layers)
+        problem, layout = build_problem(program, cluster, options)
+        choice = assignment_of(program, layout)
+        if choice is not None:
+            break
+    if choice is None:  # every strategy was checked against the candidates above
+        raise PlanFileError(f"the plan in {path} does not give every node one of its strategies")
+    saved_solution = _section(document, "solution", dict)
+    solution = IntraOpSolution(
+        choice,
+        problem.objective(choice),
+        "feasible",
+        math.nan,
+        f"{saved_solution.get('solver', 'plan file')} (loaded)",
+        time.perf_counter() - start,
+    )
+    memory = problem.memory(choice)
+    if problem.memory_limit is not None and memory > problem.memory_limit:
+        logger.warning(
+            "the plan loaded from %s needs %.1f MiB per device, over the limit of %.1f MiB",
+            path, memory / 2**20, problem.memory_limit / 2**20,
+        )  # fmt: skip
+    return Plan(program, cluster, problem, solution, layout, options=options, rules=rules)
+
+
+def _read(path: Path) -> dict[str, Any]:
+    try:
+        document = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise PlanFileError(f"cannot read the plan file {path}: {error}") from error
+    if not isinstance(document, dict) or document.get("format") != FORMAT:
+        raise PlanFileError(
+            f'{path} is not an fxpar plan file (no "format": "{FORMAT}"); write one with '
+            "Plan.save(path)"
+        )
+    version = document.get("version")
+    if version != VERSION:
+        raise PlanFileError(
+            f"{path} has plan format version {version!r}, but this fxpar reads version "
+            f"{VERSION}; save the plan again with this fxpar version"
+        )
+    return document
+
+
+def _section(document: Mapping[str, Any], name: str, kind: type) -> Any:
+    value = document.get(name)
+    if not isinstance(value, kind):
+        raise PlanFileError(f"the plan file has no {name!r} {kind.__name__}")
+    return value
+
+
+def _apply(program: Program, cluster: Cluster, document: Mapping[str, Any]) -> None:
+    """Annotate every placeholder and op of ``program`` with its strategy from the file."""
+    ndim = cluster.ndim
+    placements = _section(document, "placements", dict)
+    strategies = _section(document, "strategies", dict)
+    placeholders = program.placeholders()
+    unknown = sorted(set(placements) - set(placeholders))
+    if unknown:
+        raise PlanFileError(
+            f"placement of {unknown[0]!r}: the Program has no parameter, buffer or input of that "
+            f"name ({len(unknown)} unknown); its inputs look like {list(placeholders)[:3]}"
+        )
+    for name, node in placeholders.items():
+        if name not in placements:
+            raise PlanFileError(
+                f'the plan file has no placement for {name!r}; add it under "placements" '
+                '(e.g. "RR" to replicate it) or save the plan again from this model'
+            )
+        where = f"placement of {name!r}"
+        spec = parse_spec(placements[name], ndim, where)
+        strategy = Strategy((spec,), ())
+        if strategy not in candidates(node):
+            shape = ir.require(node, ir.ValueMeta).tensor.shape
+            valid = sorted({compact_spec(s.outputs[0]) for s in candidates(node)})
+            raise PlanFileError(
+                f"{where}: {placements[name]} is not a placement of its shape {list(shape)} on "
+                f"mesh {cluster.mesh_shape} (shards must split evenly); valid placements are "
+                f"{valid}"
+            )
+        ir.annotate(node, Sharding(strategy))
+    nodes = {node.name: node for node in program.graph.nodes}
+    for name in strategies:
+        named = nodes.get(name)
+        if named is None:
+            raise PlanFileError(
+                f"the plan file has a strategy for node {name!r}, which the Program does not "
+                "have; capture the same model with the same example shapes (node names follow "
+                "the graph), or delete that entry"
+            )
+        if named.op == "placeholder":
+            raise PlanFileError(
+                f'node {name!r} is an input of the step; set its spec under "placements" by '
+                'its parameter or input name, not under "strategies"'
+            )
+    for node in program.graph.nodes:
+        if node.op == "placeholder" or ir.get(node, Strategies) is None:
+            continue
+        entry = strategies.get(node.name)
+        if entry is None:
+            raise PlanFileError(
+                f"the plan file has no strategy for node {node.name!r} ({node.target}); it was "
+                "saved from another capture of the model, or the entry was deleted"
+            )
+        ir.annotate(node, Sharding(_strategy(node, entry, ndim)))
+
+
+def _strategy(node: Any, entry: Any, ndim: int) -> Strategy:
+    where = f"node {node.name!r} ({node.target})"
+    if not isinstance(entry, dict) or not {"inputs", "outputs"} <= set(entry):
+        raise PlanFileError(f'{where}: its strategy needs "inputs" and "outputs" lists')
+    if "op" in entry and entry["op"] != str(node.target):
+        raise PlanFileError(
+            f"{where}: the plan file says this node runs {entry['op']}; it was saved from "
+            "another model or capture"
+        )
+    inputs = tuple(parse_spec(s, ndim, f"{where} input {i}") for i, s in enumerate(entry["inputs"]))
+    outputs = tuple(
+        None if s is None else parse_spec(s, ndim, f"{where} output {i}")
+        for i, s in enumerate(entry["outputs"])
+    )
+    strategy = Strategy(outputs, inputs)
+    options = candidates(node)
+    if strategy not in options:
+        shown = ", ".join(_written(s) for s in options[:6])
+        more = f" and {len(options) - 6} more" if len(options) > 6 else ""
+        raise PlanFileError(
+            f"{where}: strategy {_written(strategy)} is not one of its {len(options)} "
+            f"candidates on this mesh: {shown}{more}"
+        )
+    return strategy
+
+
+def _written(strategy: Strategy) -> str:
+    ins = ", ".join(compact_spec(s) for s in strategy.inputs)
+    outs = ", ".join(compact_spec(s) for s in strategy.outputs)
+    return f"[{ins}] -> [{outs}]"
+
+
+__all__ = [
+    "FORMAT",
+    "VERSION",
+    "PlanFileError",
+    "cluster_from_dict",
+    "cluster_to_dict",
+    "load_plan",
+    "parse_spec",
+    "plan_document",
+    "save_plan",
+]

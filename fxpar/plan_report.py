@@ -1,0 +1,651 @@
+"""The plan report: where a plan spends its step time and its memory, layer by layer.
+
+:func:`report_data` reads a :class:`~fxpar.planner.Plan` into plain data (dicts, lists, strings
+and numbers, JSON-ready); :func:`render_text` turns that into the table of ``Plan.report()`` and
+:func:`plot` into the picture of ``Plan.plot(path)``. docs/plan_report.md explains the columns.
+
+Nothing here lowers the plan. One walk over the graph, in the lowering's order, replays what
+:func:`fxpar.lowering.lower` does at every edge (:func:`plan_collectives`): the producer's spec is
+resharded into the spec the consumer's strategy reads by :func:`fxpar.reshard.reshard_steps`, a
+value converted once per target spec is reused (a parameter once per phase), and the outputs
+leave in their required specs. So the collectives listed are exactly those of
+``plan.lower().collectives()``, at the cost of one graph walk instead of one lowering per rank.
+The same walk prices every edge as the cost model does, per consumer and without reuse, which
+is the header's communication time: compute plus that is the solver's objective. The difference
+between the two communication figures is what the lowering saves by reusing conversions.
+
+Layers are module path prefixes: ``blocks.3``, ``transformer.h.3``, ``model.layers.3`` for
+numbered layers; other modules are cut at the depth just below the layer container
+(``wte``, ``transformer.ln_f``, ``model.embed_tokens``, ``lm_head``). ``<inputs>`` holds the
+batch, ``<root>`` the model's own top-level ops and ``<loss>`` a separate loss function.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import re
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch.fx as fx
+from torch.distributed.tensor import Partial, Shard
+
+from fxpar import ir
+from fxpar.cluster import Cluster
+from fxpar.costmodel import collective_seconds, compute_seconds, local_bytes, reshard_seconds
+from fxpar.errors import FxparError
+from fxpar.lowering import CollectiveRecord
+from fxpar.program import Program
+from fxpar.reshard import reshard_steps
+from fxpar.rules import coverage
+from fxpar.rules.registry import tensor_inputs
+from fxpar.sharding import Sharding, Spec, local_shape, replicated
+
+if TYPE_CHECKING:
+    from fxpar.planner import Plan
+
+MEMORY_KINDS = ("params", "grads", "optimizer", "activations")
+SHORT_KIND = {"all_gather": "AG", "all_reduce": "AR", "reduce_scatter": "RS", "all_to_all": "A2A"}
+INPUTS_ROW = "<inputs>"
+ROOT_ROW = "<root>"
+
+
+def compact_spec(spec: Spec | None) -> str:
+    """``S(0)R`` for ``(Shard(0), Replicate())``: one token per mesh axis, as plan files and the
+    report write specs (:func:`fxpar.plan_io.parse_spec` reads it back)."""
+    if spec is None:
+        return "-"
+    tokens = []
+    for placement in spec:
+        if isinstance(placement, Shard):
+            tokens.append(f"S({placement.dim})")
+        elif isinstance(placement, Partial):
+            tokens.append("P")
+        else:
+            tokens.append("R")
+    return "".join(tokens)
+
+
+# -- the walk: collectives as lowered, communication as priced ----------------------------------
+
+
+@dataclass
+class Walk:
+    """What one pass over a planned graph finds (see the module docstring)."""
+
+    records: list[CollectiveRecord] = field(default_factory=list)
+    record_seconds: list[float] = field(default_factory=list)
+    """Alpha-beta seconds of each record, by :func:`fxpar.costmodel.collective_seconds`."""
+    compute: dict[fx.Node, float] = field(default_factory=dict)
+    """Roofline seconds of each op under its chosen strategy."""
+    edge_seconds: float = 0.0
+    """Resharding seconds summed per consumer, as the cost model charges them."""
+    specs: dict[fx.Node, tuple[Spec | None, ...]] = field(default_factory=dict)
+    """The layout of every value: what each node produces under its strategy."""
+
+
+def _needs_strategy(node: fx.Node) -> bool:
+    if node.op != "call_function" or node.target is operator.getitem:
+        return False
+    return bool(ir.require(node, ir.ValueMeta).tensors)
+
+
+def _chosen(node: fx.Node) -> Sharding:
+    sharding = ir.get(node, Sharding)
+    if sharding is None:
+        raise FxparError(
+            f"node {node.name!r} ({node.target}) has no chosen strategy; report on a Plan "
+            "(fxpar.plan, fxpar.planner.load_plan) or annotate every node with a Sharding"
+        )
+    return sharding
+
+
+def _output_specs(program: Program, mesh_ndim: int) -> list[Spec]:
+    placeholders = program.placeholders()
+    state = program.signature.gradients + program.signature.buffer_updates
+    specs = [replicated(mesh_ndim)]
+    for name in state:
+        spec = _chosen(placeholders[name]).strategy.outputs[0]
+        assert spec is not None
+        specs.append(spec)
+    return specs
+
+
+def walk(program: Program, cluster: Cluster) -> Walk:
+    """Replay the lowering's conversions on ``program``'s chosen strategies (no per-rank
+    graphs are built)."""
+    mesh = cluster.mesh_shape
+    found = Walk()
+    converted: set[tuple[fx.Node, Spec, ir.Phase | None]] = set()
+
+    def convert(source: fx.Node, want: Spec, consumer: fx.Node, phase: ir.Phase) -> None:
+        current = found.specs[source][0]
+        assert current is not None
+        meta = ir.require(source, ir.ValueMeta).tensor
+        found.edge_seconds += reshard_seconds(current, want, meta, cluster)
+        # The lowering's reuse rule (fxpar.lowering._RankLowering._convert).
+        key = (source, want, phase if source.op == "placeholder" else None)
+        if current == want or key in converted:
+            return
+        converted.add(key)
+        shape = tuple(ir.evaluate(s) for s in meta.shape)
+        spec = current
+        for step in reshard_steps(current, want, mesh):
+            if step.is_collective:
+                nbytes = math.prod(local_shape(shape, spec, mesh)) * meta.dtype.itemsize
+                found.records.append(
+                    CollectiveRecord(
+                        step.kind, step.axis, nbytes, source.name, consumer.name, phase
+                    )
+                )
+                axis = step.axis
+                seconds = collective_seconds(
+                    step.kind, nbytes, mesh[axis], cluster.bandwidth[axis], cluster.latency[axis]
+                )
+                found.record_seconds.append(seconds)
+            spec = step.apply(spec)
+
+    for node in program.graph.nodes:
+        if node.op == "placeholder":
+            found.specs[node] = _chosen(node).strategy.outputs
+        elif node.op == "get_attr":
+            found.specs[node] = (replicated(cluster.ndim),)
+        elif node.op == "output":
+            results = node.args[0]
+            assert isinstance(results, (tuple, list))
+            for result, spec in zip(results, _output_specs(program, cluster.ndim), strict=True):
+                if isinstance(result, fx.Node):
+                    convert(result, spec, node, ir.Phase.OUTPUT)
+        elif node.target is operator.getitem:
+            source, index = node.args
+            assert isinstance(source, fx.Node) and isinstance(index, int)
+            found.specs[node] = (found.specs[source][index],)
+        elif _needs_strategy(node):
+            strategy = _chosen(node).strategy
+            phase = ir.require(node, ir.Region).phase
+            for source, want in zip(tensor_inputs(node), strategy.inputs, strict=True):
+                convert(source, want, node, phase)
+            found.specs[node] = strategy.outputs
+            cost = ir.get(node, ir.Cost)
+            if cost is not None:
+                found.compute[node] = compute_seconds(cost, strategy, cluster)
+    return found
+
+
+def plan_collectives(program: Program, cluster: Cluster) -> list[CollectiveRecord]:
+    """The collectives ``lower(program, cluster).collectives()`` would list, in the same order,
+    without lowering."""
+    return walk(program, cluster).records
+
+
+# -- layers -------------------------------------------------------------------------------------
+
+_NUMBERED = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
+
+
+def layer_namer(modules: Iterable[str]) -> Callable[[str], str]:
+    """A function from a module path to its layer's name (see the module docstring)."""
+    containers = [m.group(1) for m in map(_NUMBERED.match, modules) if m is not None]
+    depth = 1 + min((c.count(".") + 1 for c in containers), default=0)
+
+    def name(module: str) -> str:
+        if not module:
+            return ROOT_ROW
+        if module.startswith("<"):
+            return module
+        match = _NUMBERED.match(module)
+        if match is not None:
+            return f"{match.group(1)}.{match.group(2)}"
+        return ".".join(module.split(".")[:depth])
+
+    return name
+
+
+def _layer_class(name: str) -> str:
+    """``blocks.*`` for ``blocks.3``: layers that may be collapsed into one row."""
+    match = _NUMBERED.match(name)
+    return name if match is None else f"{match.group(1)}.*"
+
+
+def _saved_for_backward(program: Program) -> set[fx.Node]:
+    """Forward values a backward node reads: the activations the memory model keeps."""
+    saved = set()
+    for node in program.graph.nodes:
+        region = ir.get(node, ir.Region)
+        if region is None or region.phase is not ir.Phase.FORWARD:
+            continue
+        readers = [ir.get(user, ir.Region) for user in node.users]
+        if any(r is not None and r.phase is ir.Phase.BACKWARD for r in readers):
+            source = node.args[0] if node.target is operator.getitem else node
+            assert isinstance(source, fx.Node)
+            saved.add(source)
+    return saved
+
+
+@dataclass
+class _Layer:
+    name: str
+    first: int
+    weights: dict[str, str] = field(default_factory=dict)
+    output: fx.Node | None = None
+    compute: float = 0.0
+    collectives: Counter[tuple[str, int]] = field(default_factory=Counter)
+    collective_bytes: Counter[tuple[str, int]] = field(default_factory=Counter)
+    collective_seconds: defaultdict[tuple[str, int], float] = field(
+        default_factory=lambda: defaultdict(float)
+    )
+    memory: dict[str, float] = field(default_factory=lambda: dict.fromkeys(MEMORY_KINDS, 0.0))
+
+
+def report_data(plan: Plan) -> dict[str, Any]:
+    """The plan report as plain data: ``header``, ``layers`` (one entry per layer, in model
+    order), ``devices`` (memory per rank) and ``no_rule`` (ops without a sharding rule, which
+    run replicated, with their node counts). Every number is per device."""
+    program, cluster = plan.program, plan.cluster
+    found = walk(program, cluster)
+    names = {node: name for name, node in program.placeholders().items()}
+    inputs = set(program.signature.inputs)
+    gradients = set(program.signature.gradients)
+    optimizer_states = plan.options.optimizer_states
+    regions = {node: ir.require(node, ir.Region) for node in program.graph.nodes}
+    layer_of_module = layer_namer({r.module for r in regions.values()})
+    layers: dict[str, _Layer] = {}
+    layer_of: dict[fx.Node, _Layer] = {}
+    for index, node in enumerate(program.graph.nodes):
+        if node.op == "output":
+            continue
+        name = INPUTS_ROW if names.get(node) in inputs else layer_of_module(regions[node].module)
+        # Model order: a layer sits where its forward starts (its weights come earlier), the
+        # batch first; a layer without forward ops after all others.
+        first = index if regions[node].phase is ir.Phase.FORWARD else index + (1 << 40)
+        if name == INPUTS_ROW:
+            first = -1
+        layer = layers.setdefault(name, _Layer(name, first))
+        layer.first = min(layer.first, first)
+        layer_of[node] = layer
+
+    saved = _saved_for_backward(program)
+    for node, layer in layer_of.items():
+        if node.op == "placeholder":
+            spec = found.specs[node][0]
+            assert spec is not None
+            nbytes = float(local_bytes(ir.require(node, ir.ValueMeta).tensor, spec, cluster))
+            name = names[node]
+            if name in inputs:
+                layer.memory["activations"] += nbytes
+                continue
+            prefix = layer.name + "."
+            layer.weights[name.removeprefix(prefix) if name.startswith(prefix) else name] = (
+                compact_spec(spec)
+            )
+            layer.memory["params"] += nbytes
+            if name in gradients:
+                layer.memory["grads"] += nbytes
+                layer.memory["optimizer"] += optimizer_states * nbytes
+            continue
+        layer.compute += found.compute.get(node, 0.0)
+        if node in saved and ir.get(node, Sharding) is not None:
+            value = ir.require(node, ir.ValueMeta)
+            layer.memory["activations"] += sum(
+                local_bytes(meta, spec, cluster)
+                for meta, spec in zip(value.outputs, found.specs[node], strict=True)
+                if meta is not None and spec is not None
+            )
+        if regions[node].phase is ir.Phase.FORWARD and any(
+            user.op == "output"
+            or (regions[user].phase is ir.Phase.FORWARD and layer_of[user] is not layer)
+            for user in node.users
+        ):
+            layer.output = node  # the last such node in graph order: the layer's result
+
+    nodes = {node.name: node for node in program.graph.nodes}
+    for record, seconds in zip(found.records, found.record_seconds, strict=True):
+        # A collective belongs to the layer that runs it; the synchronisation of an output
+        # (a gradient) to the layer that computed it.
+        where = record.tensor if record.phase is ir.Phase.OUTPUT else record.consumer
+        layer = layer_of[nodes[where]]
+        key = (record.kind, record.axis)
+        layer.collectives[key] += 1
+        layer.collective_bytes[key] += record.bytes
+        layer.collective_seconds[key] += seconds
+
+    ordered = sorted(layers.values(), key=lambda layer: layer.first)
+    layer_rows = [_layer_row(layer, found, cluster) for layer in ordered]
+    compute = sum(found.compute.values())
+    memory_total = {kind: sum(row["memory"][kind] for row in layer_rows) for kind in MEMORY_KINDS}
+    solution = plan.solution
+    header = {
+        "solver": solution.solver,
+        "status": solution.status,
+        "gap": None if math.isnan(solution.gap) else solution.gap,
+        "solve_seconds": solution.seconds,
+        "cluster": str(cluster),
+        "mesh_shape": list(cluster.mesh_shape),
+        "axis_names": list(cluster.axis_names),
+        "objective_seconds": solution.objective,
+        "compute_seconds": compute,
+        "communication_seconds": found.edge_seconds,
+        "collectives": len(found.records),
+        "collective_bytes": sum(r.bytes for r in found.records),
+        "collective_seconds": sum(found.record_seconds),
+        "memory_bytes": sum(memory_total.values()),
+        "memory": memory_total,
+        "memory_limit_bytes": plan.problem.memory_limit,
+        "device_memory_bytes": cluster.memory,
+        "graph_nodes": plan.stats.get("graph_nodes", 0),
+        "decision_nodes": plan.stats.get("decision_nodes", 0),
+        "layers_merged": plan.stats.get("layers_merged", 0),
+    }
+    # Every split is even, so every rank holds the same bytes; one entry per rank all the same
+    # keeps the picture honest about the mesh (pipeline stages will make them differ).
+    devices = [
+        {"rank": rank, "coordinate": list(coordinate), "memory": dict(memory_total)}
+        for rank, coordinate in enumerate(cluster.coordinates())
+    ]
+    # DESIGN.md: an op without a sharding rule runs replicated, and the plan report says so.
+    fallback = coverage(program, plan.rules).fallback
+    unruled = {op: count for op, (count, _) in sorted(fallback.items())}
+    return {"header": header, "layers": layer_rows, "devices": devices, "no_rule": unruled}
+
+
+def _layer_row(layer: _Layer, found: Walk, cluster: Cluster) -> dict[str, Any]:
+    output: dict[str, Any] | None = None
+    if layer.output is not None:
+        meta = ir.require(layer.output, ir.ValueMeta).outputs[0]
+        output = {
+            "node": layer.output.name,
+            "spec": compact_spec(found.specs[layer.output][0]),
+            "shape": None if meta is None else [ir.evaluate(s) for s in meta.shape],
+        }
+    collectives = [
+        {
+            "kind": kind,
+            "axis": axis,
+            "axis_name": cluster.axis_names[axis],
+            "count": count,
+            "bytes": layer.collective_bytes[(kind, axis)],
+            "seconds": layer.collective_seconds[(kind, axis)],
+        }
+        for (kind, axis), count in sorted(layer.collectives.items())
+    ]
+    return {
+        "name": layer.name,
+        "weights": dict(layer.weights),
+        "output": output,
+        "compute_seconds": layer.compute,
+        "collectives": collectives,
+        "memory": dict(layer.memory),
+    }
+
+
+# -- text ---------------------------------------------------------------------------------------
+
+_COLUMNS = ("layer", "compute ms", "collectives", "comm", "comm ms", "memory", "output")
+_LEFT = {0, 6}
+_INDENT = "    "
+
+
+def _size(nbytes: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f}"
+
+
+def _collapse(rows: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """Runs of consecutive identical numbered layers as one row each, with its label."""
+    groups: list[list[dict[str, Any]]] = []
+    for row in rows:
+        previous = groups[-1][-1] if groups else None
+        if (
+            previous is not None
+            and _layer_class(row["name"]) == _layer_class(previous["name"]) != row["name"]
+            and _same_layer(row, previous)
+        ):
+            groups[-1].append(row)
+        else:
+            groups.append([row])
+    labelled = []
+    for group in groups:
+        first, last = group[0]["name"], group[-1]["name"]
+        if len(group) == 1:
+            labelled.append((first, group[0]))
+        else:
+            span = f"{first}-{last.rsplit('.', 1)[1]}"
+            labelled.append((f"{span} (x{len(group)}, identical)", group[0]))
+    return labelled
+
+
+def _same_layer(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    def shape(row: Mapping[str, Any]) -> tuple[object, ...]:
+        output = row["output"] or {}
+        return (
+            row["weights"], output.get("spec"), output.get("shape"), row["compute_seconds"],
+            row["collectives"], row["memory"],
+        )  # fmt: skip
+
+    return shape(a) == shape(b)
+
+
+def render_text(data: Mapping[str, Any], width: int = 100) -> str:
+    """``Plan.report()``: the header, then one row per layer (identical consecutive layers
+    collapsed) with its collectives by kind and its weights' placements underneath, then the
+    totals."""
+    header = data["header"]
+    axis_names = header["axis_names"]
+    gap = "" if header["gap"] is None else f", gap {header['gap']:.2g}"
+    limit = header["memory_limit_bytes"]
+    memory = header["memory"]
+    used = header["memory_bytes"]
+    share = f" ({100 * used / limit:.1f}%)" if limit else ""
+    pad = " " * 16
+    lines = [
+        f"plan: {header['solver']}, {header['status']}{gap}, on {header['cluster']}",
+        f"estimated step  {_ms(header['objective_seconds'])} ms: compute "
+        f"{_ms(header['compute_seconds'])} ms + communication "
+        f"{_ms(header['communication_seconds'])} ms",
+        f"collectives     {header['collectives']} as lowered, {_size(header['collective_bytes'])}"
+        f" and {_ms(header['collective_seconds'])} ms per device",
+        f"memory          {_size(used)} per device of {_size(limit or 0)} allowed{share}:",
+        pad + ", ".join(f"{kind} {_size(memory[kind])}" for kind in MEMORY_KINDS),
+        f"graph           {header['graph_nodes']} nodes, {header['decision_nodes']} decisions, "
+        f"{header['layers_merged']} merged with repeated layers",
+        "",
+    ]
+    body: list[tuple[str, ...]] = []
+    details: list[list[str]] = []
+    for label, row in _collapse(list(data["layers"])):
+        body.append(_cells(label, row))
+        details.append(_details(row, axis_names, width))
+    totals = _merged_collectives(data["layers"])
+    total: dict[str, Any] = {
+        "compute_seconds": header["compute_seconds"],
+        "collectives": totals,
+        "memory": memory,
+        "output": None,
+    }
+    footer = _cells("total", total)
+    widths = [max(len(c) for c in column) for column in zip(_COLUMNS, *body, footer, strict=True)]
+
+    def render(cells: tuple[str, ...]) -> str:
+        parts = [
+            cell.ljust(w) if i in _LEFT else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(cells, widths, strict=True))
+        ]
+        return "  ".join(parts).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    lines += [render(_COLUMNS), rule]
+    for cells, extra in zip(body, details, strict=True):
+        lines.append(render(cells))
+        lines += extra
+    lines += [rule, render(footer)]
+    lines += _wrap(["collectives:", *_kinds(totals, axis_names)], width, _INDENT)
+    lines += [
+        "",
+        "Per device. A collapsed row shows one of its layers; the total counts all of them.",
+        "AG all-gather, AR all-reduce, RS reduce-scatter, A2A all-to-all, (mesh axis).",
+    ]
+    if data.get("no_rule"):
+        ops = [f"{op} x{count}" for op, count in data["no_rule"].items()]
+        lines += _wrap(["run replicated (no sharding rule):", *ops], width, "")
+    return "\n".join(lines)
+
+
+def _kinds(collectives: Iterable[Mapping[str, Any]], axis_names: list[str]) -> list[str]:
+    return [
+        f"{c['count']} {SHORT_KIND.get(c['kind'], c['kind'])}({axis_names[c['axis']]})"
+        for c in collectives
+    ]
+
+
+def _details(row: Mapping[str, Any], axis_names: list[str], width: int) -> list[str]:
+    """The lines under a row: its collectives by kind and axis, its weights' placements."""
+    lines = []
+    if row["collectives"]:
+        lines += _wrap(["collectives:", *_kinds(row["collectives"], axis_names)], width, _INDENT)
+    if row["weights"]:
+        weights = [f"{name} {spec}" for name, spec in row["weights"].items()]
+        lines += _wrap(["weights:", *weights], width, _INDENT)
+    return lines
+
+
+def _merged_collectives(rows: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    merged: dict[tuple[str, int], dict[str, Any]] = {}
+    for row in rows:
+        for entry in row["collectives"]:
+            key = (entry["kind"], entry["axis"])
+            into = merged.setdefault(key, {**entry, "count": 0, "bytes": 0, "seconds": 0.0})
+            into["count"] += entry["count"]
+            into["bytes"] += entry["bytes"]
+            into["seconds"] += entry["seconds"]
+    return [merged[key] for key in sorted(merged)]
+
+
+def _cells(label: str, row: Mapping[str, Any]) -> tuple[str, ...]:
+    collectives = row["collectives"]
+    output = row["output"]
+    shown = "-" if output is None else f"{output['spec']} {output['shape']}"
+    return (
+        label,
+        _ms(row["compute_seconds"]),
+        str(sum(c["count"] for c in collectives)) if collectives else "-",
+        _size(sum(c["bytes"] for c in collectives)) if collectives else "-",
+        _ms(sum(c["seconds"] for c in collectives)) if collectives else "-",
+        _size(sum(row["memory"].values())),
+        shown,
+    )
+
+
+def _wrap(items: list[str], width: int, indent: str) -> list[str]:
+    """``items`` on lines of at most ``width`` columns; continuation lines indent further."""
+    lines: list[str] = []
+    current = ""
+    for item in items:
+        candidate = f"{current}  {item}" if current else indent + item
+        if current and len(candidate) > width:
+            lines.append(current)
+            candidate = indent * 2 + item
+        current = candidate
+    if current:
+        lines.append(current)
+    return lines
+
+
+# -- picture ------------------------------------------------------------------------------------
+
+
+def plot(data: Mapping[str, Any], path: str | Path) -> Path:
+    """A PNG: memory per rank by kind against the limit, and communication time per layer by
+    collective kind and mesh axis. Needs matplotlib (``pip install "fxpar[plot]"``)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg", force=False)
+        import matplotlib.pyplot as plt
+    except ImportError as error:
+        raise FxparError(
+            'Plan.plot needs matplotlib: pip install "fxpar[plot]" (or use Plan.report() for '
+            "the same numbers as text)"
+        ) from error
+    header = data["header"]
+    devices = data["devices"]
+    layers = list(data["layers"])
+    figure, (memory_axes, comm_axes) = plt.subplots(
+        1, 2, figsize=(6 + 0.25 * len(layers), 4.5), width_ratios=(1, 2.5)
+    )
+    try:
+        ranks = [str(tuple(device["coordinate"])) for device in devices]
+        most = max((sum(device["memory"].values()) for device in devices), default=0.0)
+        unit, scale = next(
+            ((u, f) for u, f in (("GiB", 2**30), ("MiB", 2**20)) if most >= f), ("KiB", 2**10)
+        )
+        bottom = [0.0] * len(devices)
+        for kind in MEMORY_KINDS:
+            values = [device["memory"][kind] / scale for device in devices]
+            memory_axes.bar(ranks, values, bottom=bottom, label=kind)
+            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+        limit = header["memory_limit_bytes"]
+        if limit and limit <= 4 * most:
+            memory_axes.axhline(limit / scale, color="black", linestyle="--", label="limit")
+        title = "memory per device"
+        if limit and limit > 4 * most:
+            # A limit far above the bars would squash them flat: say it instead of drawing it.
+            title += f"\n(limit {_size(limit)}, off scale)"
+        memory_axes.set_title(title)
+        memory_axes.set_xlabel("device (mesh coordinate)")
+        memory_axes.set_ylabel(unit)
+        memory_axes.tick_params(axis="x", labelrotation=90)
+        memory_axes.legend(fontsize="small")
+
+        names = [layer["name"] for layer in layers]
+        keys = sorted({(c["kind"], c["axis"]) for layer in layers for c in layer["collectives"]})
+        bottom = [0.0] * len(layers)
+        for kind, axis in keys:
+            values = [
+                sum(
+                    c["seconds"] * 1e3
+                    for c in layer["collectives"]
+                    if (c["kind"], c["axis"]) == (kind, axis)
+                )
+                for layer in layers
+            ]
+            label = f"{SHORT_KIND.get(kind, kind)} ({header['axis_names'][axis]})"
+            comm_axes.bar(names, values, bottom=bottom, label=label)
+            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+        if not keys:
+            comm_axes.bar(names, [0.0] * len(names))
+            comm_axes.text(0.5, 0.5, "no collectives", ha="center", transform=comm_axes.transAxes)
+        else:
+            comm_axes.legend(fontsize="small")
+        comm_axes.set_title("communication per layer (estimated, per device)")
+        comm_axes.set_ylabel("ms")
+        comm_axes.tick_params(axis="x", labelrotation=90)
+        figure.suptitle(f"{header['solver']} plan on {header['cluster']}", fontsize="medium")
+        figure.tight_layout()
+        target = Path(path)
+        figure.savefig(target, format="png", dpi=100)
+    finally:
+        plt.close(figure)
+    return target
+
+
+__all__ = [
+    "MEMORY_KINDS",
+    "Walk",
+    "compact_spec",
+    "layer_namer",
+    "plan_collectives",
+    "plot",
+    "render_text",
+    "report_data",
+    "walk",
+]
