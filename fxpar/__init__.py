@@ -8,31 +8,36 @@ What exists today: :func:`capture` (one training step as a functional ATen graph
 (:mod:`fxpar.ir`, :class:`Program`), the pass infrastructure (:mod:`fxpar.passes`), cost
 annotation, sharding rules (:mod:`fxpar.rules`), manual plans (:mod:`fxpar.plans`), automatic
 intra-op planning (:func:`plan`, solvers in :mod:`fxpar.solvers`), lowering to per-rank programs
-(:func:`lower`), and running them simulated (:mod:`fxpar.testing`) or on gloo processes
-(:mod:`fxpar.runtime`).
+(:func:`lower`), running them simulated (:mod:`fxpar.testing`) or on gloo processes
+(:mod:`fxpar.runtime`), and training end to end with :func:`compile` (:class:`ParallelModel`,
+sharded optimizers in :mod:`fxpar.optim`, sharded checkpoints).
 """
 
 from __future__ import annotations
 
-from fxpar import errors, ir
+from fxpar import errors, ir, optim
 from fxpar.capture import capture
 from fxpar.cluster import Cluster
 from fxpar.lowering import lower
+from fxpar.parallel import ParallelModel, compile
 from fxpar.planner import Plan, PlanOptions, plan
 from fxpar.program import Program, Signature, StepResult
 from fxpar.verify import verify
 
 __all__ = [
     "Cluster",
+    "ParallelModel",
     "Plan",
     "PlanOptions",
     "Program",
     "Signature",
     "StepResult",
     "capture",
+    "compile",
     "errors",
     "ir",
     "lower",
+    "optim",
     "plan",
     "verify",
 ]

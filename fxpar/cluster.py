@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -96,6 +97,43 @@ class Cluster:
         fields.update(overrides)
         return Cluster(tuple(mesh_shape), **fields)
 
+    @staticmethod
+    def from_env(preset: str = "cpu", **overrides: Any) -> Cluster:
+        """The cluster of the processes ``torchrun`` started, read from its environment.
+
+        ``WORLD_SIZE`` processes, ``LOCAL_WORLD_SIZE`` of them per node: a mesh of
+        ``(nodes, local)`` when they span several nodes, ``(world,)`` on one node. The links and
+        devices are those of ``preset`` (see :meth:`preset`); keyword arguments override any
+        field, ``mesh_shape`` included (it must still hold exactly ``WORLD_SIZE`` devices).
+        """
+        world = _env_int("WORLD_SIZE")
+        local = _env_int("LOCAL_WORLD_SIZE", default=world)
+        if local < 1 or world % local:
+            raise FxparError(
+                f"WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={local}: every node "
+                "must run the same number of processes (torchrun --nproc-per-node)"
+            )
+        nodes = world // local
+        default_mesh = (nodes, local) if nodes > 1 else (world,)
+        mesh_shape = tuple(overrides.pop("mesh_shape", default_mesh))
+        if math.prod(mesh_shape) != world:
+            raise FxparError(
+                f"mesh {mesh_shape} has {math.prod(mesh_shape)} devices but torchrun started "
+                f"WORLD_SIZE={world} processes; choose a mesh whose sizes multiply to {world}"
+            )
+        return Cluster.preset(preset, mesh_shape, **overrides)
+
+    @staticmethod
+    def parse_mesh(text: str) -> tuple[int, ...]:
+        """``"2x4"`` -> ``(2, 4)``; ``"8"`` -> ``(8,)``."""
+        try:
+            shape = tuple(int(size) for size in text.lower().split("x"))
+        except ValueError:
+            shape = ()
+        if not shape or any(size < 1 for size in shape):
+            raise FxparError(f"cannot read a mesh shape from {text!r}; write it like 8 or 2x4")
+        return shape
+
     @property
     def ndim(self) -> int:
         return len(self.mesh_shape)
@@ -156,3 +194,19 @@ class Cluster:
             f"{name}={size}" for name, size in zip(self.axis_names, self.mesh_shape, strict=True)
         )
         return f"mesh of {self.world_size} devices ({axes})"
+
+
+def _env_int(name: str, default: int | None = None) -> int:
+    text = os.environ.get(name)
+    if text is None:
+        if default is not None:
+            return default
+        raise FxparError(
+            f"{name} is not set: Cluster.from_env() reads the environment torchrun sets up; "
+            "launch with `torchrun --nproc-per-node N script.py`, or build a Cluster(mesh_shape) "
+            "yourself"
+        )
+    try:
+        return int(text)
+    except ValueError:
+        raise FxparError(f"environment variable {name}={text!r} is not an integer") from None

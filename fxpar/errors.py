@@ -39,3 +39,16 @@ class PassError(FxparError):
         super().__init__(message)
         self.pass_name = pass_name
         self.completed = completed
+
+
+class DistributedError(FxparError):
+    """The processes do not match the plan: no process group, a world size or device mesh other
+    than the cluster's, ranks that disagree."""
+
+
+class BatchError(FxparError):
+    """A batch passed to a compiled model does not match the one it was compiled for."""
+
+
+class CheckpointError(FxparError):
+    """A checkpoint cannot be saved or loaded into this model."""

@@ -1,0 +1,502 @@
+"""``fxpar.compile``: a model, a cluster and an optimizer in; a model that trains in parallel out.
+
+It reads like the diagram in DESIGN.md::
+
+    capture(model) -> plan (passes + solver, solved once on rank 0) -> lower -> ParallelModel
+
+Every process of the job calls :func:`compile` with the same arguments (SPMD, as under
+``torchrun``) and gets a :class:`ParallelModel` that holds only its own pieces of the
+parameters, buffers and optimizer state, and runs only its own program. Nothing about which
+solver chose the plan reaches the runtime: it sees per-rank programs and the specs of their
+inputs and outputs.
+
+What a step does on each rank: take this rank's piece of the global batch, run the rank's
+program (forward, loss, backward, with the collectives the plan needs; gradients come out in
+their parameters' layouts), hand the local gradients to a ``torch.optim`` optimizer over the
+local pieces (see :mod:`fxpar.optim` for why that is exact), and store the new buffers.
+
+Checkpoints are ``torch.distributed.checkpoint`` directories of DTensors, so a checkpoint saved
+under one mesh and plan loads under any other: each rank reads just the pieces its new layout
+needs.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch import nn
+
+from fxpar import ir
+from fxpar.capture import LossFn, capture
+from fxpar.cluster import Cluster, Coordinate
+from fxpar.errors import BatchError, CheckpointError, DistributedError, FxparError
+from fxpar.lowering import SPMDProgram
+from fxpar.optim import AdamW, Optimizer, check_optimizer
+from fxpar.planner import ManualPlan, Plan, PlanOptions, plan_program
+from fxpar.rules import RuleRegistry
+from fxpar.runtime.collectives import ProcessGroupCommunicator
+from fxpar.sharding import Spec, shard_tensor
+from fxpar.solvers.problem import IntraOpProblem, IntraOpSolution, IntraOpSolver
+
+logger = logging.getLogger(__name__)
+
+
+def compile(
+    model: nn.Module,
+    cluster: Cluster,
+    example_inputs: Sequence[Any] | Mapping[str, Any],
+    loss_fn: LossFn | None = None,
+    *,
+    example_targets: Sequence[torch.Tensor] = (),
+    optimizer: Optimizer | None = None,
+    solver: IntraOpSolver | ManualPlan | None = None,
+    pins: Mapping[str, Spec] | None = None,
+    options: PlanOptions | None = None,
+    rules: RuleRegistry | None = None,
+    check_batches: bool = True,
+) -> ParallelModel:
+    """Plan ``model``'s training step for ``cluster`` and build this process's share of it.
+
+    Call it on every rank with the same arguments, after ``torch.distributed`` is initialized
+    (``torchrun`` plus ``init_process_group``, or :func:`fxpar.runtime.launch.spawn`); a
+    single-device cluster needs no process group. The weights of rank 0's ``model`` are the
+    ones trained: they are broadcast, as DistributedDataParallel does, so every rank starts
+    from the same state even if the models were initialized differently.
+
+    Args:
+        model: the module to train, with real weights. Its parameters are copied; the model
+            itself is left as it is.
+        cluster: the device mesh and what its devices can do; its size must equal the world
+            size.
+        example_inputs, loss_fn, example_targets: as for :func:`fxpar.capture`. Batches given
+            to :meth:`ParallelModel.step` must have the same shapes.
+        optimizer: :class:`fxpar.optim.AdamW` (the default) or :class:`fxpar.optim.SGD`.
+        solver: how to choose the plan (see :func:`fxpar.plan`); it runs on rank 0 only and
+            its answer is broadcast, so every rank lowers the same plan.
+        pins, options, rules: as for :func:`fxpar.plan`.
+        check_batches: compare a checksum of every batch across ranks before each step (one
+            small all-gather), so a rank fed a different batch fails loudly instead of
+            training on a mixture.
+    """
+    optimizer = check_optimizer(optimizer if optimizer is not None else AdamW())
+    device_mesh = _device_mesh(cluster)
+    _check_materialized(model)
+    program = capture(model, example_inputs, loss_fn, example_targets=example_targets)
+    options = replace(options or PlanOptions(), optimizer_states=optimizer.state_copies)
+    if pins:
+        options = replace(options, pins=dict(pins))
+    if solver is None or hasattr(solver, "solve"):  # manual plans are deterministic as they are
+        solver = _SolvedOnRankZero(cast("IntraOpSolver | None", solver))
+    plan = plan_program(program, cluster, solver, options=options, rules=rules)
+    return ParallelModel(plan, model, optimizer, device_mesh, check_batches=check_batches)
+
+
+@dataclass(frozen=True)
+class _SolvedOnRankZero:
+    """Solve on rank 0 and broadcast the answer. Solvers with time limits (or floating-point
+    ties) could answer differently on different ranks, and ranks lowering different plans
+    would exchange mismatched pieces or wait forever; one answer for all rules that out."""
+
+    solver: IntraOpSolver | None
+
+    @property
+    def name(self) -> str:
+        return getattr(self.solver, "name", "ilp")
+
+    def solve(self, problem: IntraOpProblem) -> IntraOpSolution:
+        solver = self.solver
+        if solver is None:
+            from fxpar.solvers.ilp import ILPSolver
+
+            solver = ILPSolver()
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return solver.solve(problem)
+        answer: list[object] = [None]
+        if dist.get_rank() == 0:
+            try:
+                answer[0] = (len(problem.node_costs), solver.solve(problem))
+            except Exception as error:  # re-raised on every rank below, rank 0 included
+                answer[0] = error
+        dist.broadcast_object_list(answer, src=0)
+        if isinstance(answer[0], Exception):
+            raise answer[0]
+        size: int
+        solution: IntraOpSolution
+        size, solution = answer[0]  # type: ignore[misc]
+        if size != len(problem.node_costs):
+            raise DistributedError(
+                f"rank 0 planned a problem of {size} decisions, this rank "
+                f"({dist.get_rank()}) one of {len(problem.node_costs)}: the ranks captured "
+                "different models or example inputs; call fxpar.compile with the same arguments "
+                "on every rank"
+            )
+        return solution
+
+
+class ParallelModel:
+    """This rank's share of a model compiled by :func:`compile`.
+
+    Attributes:
+        plan: the chosen plan (the same on every rank): strategies, costs, solver's answer.
+        spmd: the per-rank programs and the specs of their inputs and outputs.
+        rank, coordinate: this process's rank and its place in the mesh.
+        program: this rank's GraphModule; its code is ``program.code``.
+    """
+
+    def __init__(
+        self,
+        plan: Plan,
+        model: nn.Module,
+        optimizer: Optimizer,
+        device_mesh: Any,
+        *,
+        check_batches: bool = True,
+    ) -> None:
+        self.plan = plan
+        self.cluster = plan.cluster
+        self.spmd: SPMDProgram = plan.lower()
+        self.signature = plan.program.signature
+        self.optimizer_spec = optimizer
+        self.check_batches = check_batches
+        self._device_mesh = device_mesh
+        self.rank = dist.get_rank() if device_mesh is not None else 0
+        self.coordinate: Coordinate = self.cluster.coordinate(self.rank)
+        self.program: fx.GraphModule = self.spmd.ranks[self.rank].graph_module
+        self._communicator = (
+            ProcessGroupCommunicator(device_mesh) if device_mesh is not None else _OneDevice()
+        )
+        placeholders = plan.program.placeholders()
+        self._specs = dict(zip(placeholders, self.spmd.input_specs, strict=True))
+        self._metas = {name: ir.require(n, ir.ValueMeta).tensor for name, n in placeholders.items()}
+
+        state = {
+            **dict(model.named_parameters(remove_duplicate=False)),
+            **dict(model.named_buffers(remove_duplicate=False)),
+        }
+        self._aliases = _aliases(model, self.signature.parameters + self.signature.buffers)
+        self.parameters: dict[str, torch.Tensor] = {}
+        self.buffers: dict[str, torch.Tensor] = {}
+        for name in self.signature.parameters + self.signature.buffers:
+            full = self._broadcast(state[name].detach().clone())
+            piece = self._local(name, full).clone()
+            target = self.parameters if name in self.signature.parameters else self.buffers
+            target[name] = piece
+        self.trainable = [self.parameters[name] for name in self.signature.gradients]
+        self.optimizer = optimizer.build(self.trainable)
+        self.steps = 0
+
+    @property
+    def programs(self) -> tuple[fx.GraphModule, ...]:
+        """Every rank's GraphModule, by rank."""
+        return tuple(rank.graph_module for rank in self.spmd.ranks)
+
+    # -- training ---------------------------------------------------------------------------
+
+    def step(self, *batch: torch.Tensor, **named_batch: torch.Tensor) -> torch.Tensor:
+        """One training step on the global batch: forward, backward, optimizer update.
+
+        The batch is given whole and identically on every rank (model inputs, then loss
+        targets, positionally or by name), shaped like the example it was compiled with; each
+        rank takes its own piece. Returns the loss, a scalar, the same on every rank.
+        """
+        outputs = self._run(self._batch(batch, named_batch))
+        gradients = outputs[1 : 1 + len(self.trainable)]
+        for parameter, gradient in zip(self.trainable, gradients, strict=True):
+            parameter.grad = gradient
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        updates = outputs[1 + len(self.trainable) :]
+        for name, value in zip(self.signature.buffer_updates, updates, strict=True):
+            self.buffers[name].copy_(value)
+        self.steps += 1
+        return outputs[0]
+
+    def loss(self, *batch: torch.Tensor, **named_batch: torch.Tensor) -> torch.Tensor:
+        """The loss of the current weights on a batch, changing nothing."""
+        return self._run(self._batch(batch, named_batch))[0]
+
+    def _run(self, batch: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        inputs = [self.parameters[n] for n in self.signature.parameters]
+        inputs += [self.buffers[n] for n in self.signature.buffers]
+        inputs += [self._local(n, t) for n, t in zip(self.signature.inputs, batch, strict=True)]
+        with torch.no_grad():
+            return tuple(self.program(self._communicator, *inputs))
+
+    def _batch(
+        self, batch: tuple[torch.Tensor, ...], named: Mapping[str, torch.Tensor]
+    ) -> list[torch.Tensor]:
+        names = self.signature.inputs
+        if len(batch) + len(named) != len(names) or len(batch) > len(names):
+            raise BatchError(
+                f"step takes {len(names)} batch tensors {list(names)} (model inputs, then loss "
+                f"targets), got {len(batch)} positional and {sorted(named)} by name"
+            )
+        by_name = dict(zip(names, batch, strict=False))
+        for name, tensor in named.items():
+            if name not in names or name in by_name:
+                raise BatchError(f"unexpected or repeated batch tensor {name!r}; expected {names}")
+            by_name[name] = tensor
+        tensors = [by_name[name] for name in names]
+        for name, tensor in zip(names, tensors, strict=True):
+            meta = self._metas[name]
+            if not isinstance(tensor, torch.Tensor):
+                raise BatchError(f"batch tensor {name!r} is a {type(tensor).__name__}")
+            if tuple(tensor.shape) != tuple(meta.shape) or tensor.dtype != meta.dtype:
+                raise BatchError(
+                    f"batch tensor {name!r} is {tensor.dtype}{list(tensor.shape)} but the model "
+                    f"was compiled for {meta}: the plan is specialised to the example's shapes; "
+                    "pass batches of that shape (drop or pad a short last batch), or compile "
+                    "again for the new shape"
+                )
+        if self.check_batches and self._device_mesh is not None:
+            self._check_same_batch(tensors)
+        return tensors
+
+    def _check_same_batch(self, tensors: list[torch.Tensor]) -> None:
+        # Sums in float64 of the values and of the values weighted by position: equal batches
+        # give bitwise equal checksums, and a different batch almost surely differs.
+        checks = []
+        for tensor in tensors:
+            flat = tensor.detach().reshape(-1).to(torch.float64)
+            weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64)
+            checks += [flat.sum(), (flat * weights).sum()]
+        mine = torch.stack(checks)
+        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, mine)
+        differing = [r for r, theirs in enumerate(everyone) if not torch.equal(theirs, mine)]
+        if differing:
+            raise BatchError(
+                f"rank {self.rank} got a different batch than ranks {differing}: fxpar.compile "
+                "expects the same global batch on every rank (each takes its own piece); seed "
+                "the data loader identically, or pass check_batches=False if you mean it"
+            )
+
+    # -- state --------------------------------------------------------------------------------
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer, whole, under the model's own state_dict names (tied
+        weights under each of their names). A collective: call it on every rank."""
+        state = {}
+        for name in self.signature.parameters + self.signature.buffers:
+            full = self._full(name)
+            for alias in self._aliases.get(name, (name,)):
+                state[alias] = full
+        return state
+
+    def _full(self, name: str) -> torch.Tensor:
+        local = self.parameters.get(name, self.buffers.get(name))
+        assert local is not None
+        if self._device_mesh is None:
+            return local.clone()
+        return self._dtensor(name, local).full_tensor()
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write a sharded checkpoint (a ``torch.distributed.checkpoint`` directory): the
+        parameters, buffers and optimizer state, each rank writing its own pieces. A
+        collective: call it on every rank."""
+        from torch.distributed import checkpoint as dcp
+
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.save(self._checkpoint_state(include_missing=False), checkpoint_id=os.fspath(path))
+
+    def load(self, path: str | os.PathLike[str]) -> None:
+        """Read a checkpoint written by :meth:`save`, under this model's mesh and plan, which
+        may differ from those it was saved with. A collective: call it on every rank."""
+        from torch.distributed import checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemReader
+
+        try:
+            metadata = FileSystemReader(os.fspath(path)).read_metadata()
+        except Exception as error:
+            raise CheckpointError(f"cannot read a checkpoint at {path}: {error}") from error
+        saved = metadata.state_dict_metadata
+        state = self._checkpoint_state(include_missing=True)
+        missing = [k for k in state if k not in saved and not k.startswith("optimizer/")]
+        if missing:
+            raise CheckpointError(
+                f"the checkpoint at {path} lacks {missing[:5]} ({len(missing)} entries): it was "
+                "saved from a different model"
+            )
+        for key, value in state.items():
+            size = getattr(saved.get(key), "size", None)
+            if size is not None and tuple(size) != tuple(value.shape):
+                raise CheckpointError(
+                    f"{key} is {list(size)} in the checkpoint at {path} but {list(value.shape)} "
+                    "in this model"
+                )
+        wanted = {key: value for key, value in state.items() if key in saved}
+        with warnings.catch_warnings():
+            # A one-device model loads without a process group, which is what torch warns of.
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.load(wanted, checkpoint_id=os.fspath(path))
+        # Loads land in place in the local pieces (DTensors share their storage), except for
+        # the plain tensors, which are copied back here.
+        self.steps = int(wanted["steps"].item())
+        if self._device_mesh is None:
+            for key, value in wanted.items():
+                if key != "steps":
+                    self._checkpoint_tensor(key).copy_(value)
+
+    def _checkpoint_state(self, *, include_missing: bool) -> dict[str, Any]:
+        state: dict[str, Any] = {"steps": torch.tensor(self.steps, dtype=torch.int64)}
+        for name in self.signature.parameters + self.signature.buffers:
+            state[f"model/{name}"] = self._dtensor(name, self._checkpoint_tensor(f"model/{name}"))
+        for name, parameter in zip(self.signature.gradients, self.trainable, strict=True):
+            slots = self.optimizer.state.get(parameter)
+            if not slots and include_missing:
+                slots = self._fresh_optimizer_state(parameter)
+            for key, value in (slots or {}).items():
+                if key in self.optimizer_spec.state_keys:
+                    state[f"optimizer/{name}/{key}"] = self._dtensor(name, value)
+                elif isinstance(value, torch.Tensor):  # a per-parameter step count
+                    state[f"optimizer/{name}/{key}"] = value
+        if self._device_mesh is None:
+            state = {
+                key: v.clone() if isinstance(v, torch.Tensor) else v for key, v in state.items()
+            }
+        return state
+
+    def _checkpoint_tensor(self, key: str) -> torch.Tensor:
+        kind, _, rest = key.partition("/")
+        if kind == "model":
+            return self.parameters.get(rest, self.buffers.get(rest))  # type: ignore[return-value]
+        if kind == "optimizer":
+            name, _, slot = rest.rpartition("/")
+            parameter = self.trainable[self.signature.gradients.index(name)]
+            return self.optimizer.state[parameter][slot]
+        raise CheckpointError(f"unexpected checkpoint entry {key!r}")
+
+    def _fresh_optimizer_state(self, parameter: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Zero state for ``parameter``, registered with the optimizer, for a checkpoint that
+        holds optimizer state to load into before this model has taken a step."""
+        slots = {key: torch.zeros_like(parameter) for key in self.optimizer_spec.state_keys}
+        if isinstance(self.optimizer, torch.optim.Adam | torch.optim.AdamW):
+            slots["step"] = torch.tensor(0.0, dtype=torch.float32)
+        self.optimizer.state[parameter] = slots
+        return slots
+
+    # -- layouts ------------------------------------------------------------------------------
+
+    def _local(self, name: str, full: torch.Tensor) -> torch.Tensor:
+        return shard_tensor(full, self._specs[name], self.cluster.mesh_shape, self.coordinate)
+
+    def _dtensor(self, name: str, local: torch.Tensor) -> Any:
+        if self._device_mesh is None:
+            return local
+        from torch.distributed.tensor import DTensor
+
+        meta = self._metas[name]
+        return DTensor.from_local(
+            local,
+            self._device_mesh,
+            self._specs[name],
+            run_check=False,
+            shape=torch.Size(int(size) for size in meta.shape),
+            stride=_contiguous_strides(meta.shape),
+        )
+
+    def _broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self._device_mesh is not None:
+            dist.broadcast(tensor, src=0)
+        return tensor
+
+    def __repr__(self) -> str:
+        return (
+            f"ParallelModel(rank {self.rank} at {self.coordinate} of {self.cluster}; "
+            f"{len(self.parameters)} parameters, {self.steps} steps; {self.plan.summary()})"
+        )
+
+
+class _OneDevice:
+    """The communicator of a one-device mesh: every collective over an axis of size 1 is the
+    identity."""
+
+    def all_gather(self, tensor: torch.Tensor, dim: int, axis: int) -> torch.Tensor:
+        return tensor
+
+    def all_reduce(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
+        return tensor
+
+    def reduce_scatter(self, tensor: torch.Tensor, dim: int, axis: int) -> torch.Tensor:
+        return tensor
+
+    def all_to_all(
+        self, tensor: torch.Tensor, split_dim: int, concat_dim: int, axis: int
+    ) -> torch.Tensor:
+        return tensor
+
+
+def _device_mesh(cluster: Cluster) -> Any:
+    if not dist.is_initialized():
+        if cluster.world_size == 1:
+            return None
+        if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+            raise DistributedError(
+                "this process was started by torchrun (WORLD_SIZE is set) but torch.distributed "
+                "is not initialized: call torch.distributed.init_process_group('gloo') (or "
+                "'nccl') before fxpar.compile"
+            )
+        raise DistributedError(
+            f"{cluster} needs {cluster.world_size} processes, but torch.distributed is not "
+            "initialized: launch with `torchrun --nproc-per-node N` and call "
+            "torch.distributed.init_process_group, or use fxpar.runtime.launch.spawn"
+        )
+    world = dist.get_world_size()
+    if world != cluster.world_size:
+        raise DistributedError(
+            f"the process group has {world} ranks but the cluster's mesh {cluster.mesh_shape} "
+            f"has {cluster.world_size} devices: launch {cluster.world_size} processes, or choose "
+            f"a mesh of {world} devices (e.g. Cluster.from_env())"
+        )
+    if cluster.device_type != "cpu":
+        raise DistributedError(
+            f"fxpar.compile runs per-rank programs on CPU processes (gloo) in this release; the "
+            f"cluster says {cluster.device_type!r}. Plan for GPUs with fxpar.plan, or pass "
+            "device_type='cpu' to run"
+        )
+    return cluster.device_mesh()
+
+
+def _check_materialized(model: nn.Module) -> None:
+    on_meta = [n for n, p in model.named_parameters() if p.is_meta]
+    if on_meta:
+        raise FxparError(
+            f"{type(model).__name__} has parameters on the meta device ({on_meta[0]!r}, ...): "
+            "fxpar.compile trains real weights. Plan without weights with fxpar.plan, or "
+            "materialize the model (model.to_empty(device='cpu') and initialize, or load a "
+            "checkpoint) first"
+        )
+
+
+def _aliases(model: nn.Module, names: Sequence[str]) -> dict[str, tuple[str, ...]]:
+    """For each tracked tensor, every state_dict key that refers to it (tied weights)."""
+    state = model.state_dict(keep_vars=True)
+    ids: dict[int, str] = {}
+    for name in names:
+        if name in state:
+            ids.setdefault(id(state[name]), name)
+    aliases: dict[str, list[str]] = {}
+    for key, tensor in state.items():
+        if id(tensor) in ids:
+            aliases.setdefault(ids[id(tensor)], []).append(key)
+    return {name: tuple(keys) for name, keys in aliases.items()}
+
+
+def _contiguous_strides(shape: Sequence[ir.Size]) -> tuple[int, ...]:
+    strides, running = [], 1
+    for size in reversed(shape):
+        strides.append(running)
+        running *= int(size)
+    return tuple(reversed(strides))
+
+
+__all__ = ["ParallelModel", "compile"]
