@@ -1,129 +1,339 @@
 """The ``fxpar`` command line.
 
-fxpar demo      capture a small GPT's training step, annotate it, report its costs, train
-                it through the captured Program beside eager PyTorch, then split the step
-                over a simulated mesh with each named plan and check it against one device
+fxpar demo   plan a small GPT for a mesh of local CPU processes, train it there (fxpar starts
+             the gloo processes itself) and beside it on one device, and compare the losses
+fxpar plan   plan a model, small or large (built on the meta device, no weights allocated), for
+             a mesh of a cluster preset, and print the plan report
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
+import importlib
 import sys
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TextIO
 
 import torch
+from torch import nn
 
 import fxpar
 from fxpar import plans
-from fxpar.cluster import Cluster
-from fxpar.lowering import lower
+from fxpar.errors import FxparError
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.models.corpus import batches, corpus_tokens
-from fxpar.passes import default_pipeline
-from fxpar.report import cost_table
-from fxpar.testing import simulate
 
-PLANS: dict[str, Callable[[fxpar.Program, Cluster], fxpar.Program]] = {
-    "data parallel": plans.data_parallel,
-    "tensor parallel": plans.tensor_parallel,
-    "fully sharded": plans.fully_sharded,
+MANUAL_PLANS: dict[str, Callable[..., fxpar.Program]] = {
+    "data_parallel": plans.data_parallel,
+    "tensor_parallel": plans.tensor_parallel,
+    "fully_sharded": plans.fully_sharded,
 }
 
 
-def demo(args: argparse.Namespace) -> int:
-    torch.manual_seed(args.seed)
-    config = GPTConfig(
-        vocab_size=256, block_size=args.length, n_layer=args.layers, n_head=4, n_embd=args.width
-    )
-    model = GPT(config)
-    data = batches(corpus_tokens(), args.batch, args.length, seed=args.seed)
-    inputs, targets = next(data)
+class ProgressBar:
+    """A one-line progress bar on a terminal stream (redrawn in place; plain lines otherwise)."""
 
-    start = time.perf_counter()
-    program = fxpar.capture(model, (inputs,), gpt_loss, example_targets=(targets,))
-    captured = time.perf_counter() - start
-    program = default_pipeline(verify=True).run(program)
-    print(
-        f"fxpar {fxpar.__version__}: captured one training step of a {args.layers}-layer GPT "
-        f"(width {args.width}, batch {args.batch}x{args.length}) in {captured:.2f} s"
-    )
-    print(f"{program}\n")
-    print(cost_table(program))
+    def __init__(self, total: int, label: str, stream: TextIO | None = None) -> None:
+        self.total, self.label = total, label
+        self.stream = stream or sys.stderr
+        self.start = time.perf_counter()
+        self.interactive = self.stream.isatty()
 
-    # Train two identical copies: one eagerly, one by running the captured Program.
-    eager_model, program_model = model, copy.deepcopy(model)
-    eager_opt = torch.optim.SGD(eager_model.parameters(), lr=args.lr)
-    params = dict(program_model.named_parameters())
-    print(f"\ntraining {args.steps} steps of SGD (lr {args.lr}) on fxpar's built-in corpus")
-    print(f"{'step':>6}  {'eager loss':>10}  {'program loss':>12}")
-    for step in range(1, args.steps + 1):
-        eager_opt.zero_grad()
-        eager_loss = gpt_loss(eager_model(inputs), targets)
-        eager_loss.backward()
-        eager_opt.step()
-        result = program.run(program_model, inputs, targets)
-        with torch.no_grad():
-            for name, grad in result.gradients.items():
-                params[name].sub_(args.lr * grad)
-        if step == 1 or step % args.every == 0 or step == args.steps:
-            print(f"{step:>6}  {eager_loss.item():>10.4f}  {result.loss.item():>12.4f}")
-        inputs, targets = next(data)
-    drift = max(
-        (a - b).abs().max().item()
-        for a, b in zip(eager_model.parameters(), program_model.parameters(), strict=True)
-    )
-    print(f"\nlargest parameter difference after {args.steps} steps: {drift:.2e}")
-    worst = _spmd_report(program, eager_model, inputs, targets, Cluster((args.devices,)))
-    return 0 if drift < 1e-4 and worst < 1e-4 else 1
-
-
-def _spmd_report(
-    program: fxpar.Program,
-    model: torch.nn.Module,
-    inputs: torch.Tensor,
-    targets: torch.Tensor,
-    cluster: Cluster,
-) -> float:
-    """Lower the step with each named plan, run every rank in one process, and compare."""
-    flat = program.flat_inputs(model, inputs, targets)
-    expected = program.signature.name_outputs(program(*flat))
-    print(f"\none step split over a simulated {cluster}, per plan:")
-    print(f"{'plan':<16}  {'collectives':<46}  {'MB/device':>9}  {'max |grad error|':>16}")
-    worst = 0.0
-    for name, plan in PLANS.items():
-        spmd = lower(plan(program, cluster), cluster)
-        result = simulate(spmd, flat).result
-        error = max(
-            (result.gradients[k] - v).abs().max().item() for k, v in expected.gradients.items()
+    def update(self, done: int, note: str = "") -> None:
+        if not self.interactive and done not in (1, self.total) and done % max(1, self.total // 4):
+            return
+        width = 30
+        filled = round(width * done / self.total)
+        elapsed = time.perf_counter() - self.start
+        line = (
+            f"{self.label} [{'#' * filled}{'.' * (width - filled)}] {done}/{self.total} "
+            f"{elapsed:5.1f}s {note}"
         )
-        error = max(error, (result.loss - expected.loss).abs().item())
-        worst = max(worst, error)
-        kinds = Counter(r.kind for r in spmd.collectives())
-        summary = ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items()))
-        megabytes = sum(r.bytes for r in spmd.collectives()) / 1e6
-        print(f"{name:<16}  {summary:<46}  {megabytes:>9.3f}  {error:>16.2e}")
-    return worst
+        end = "" if self.interactive and done < self.total else "\n"
+        self.stream.write(("\r" if self.interactive else "") + line + end)
+        self.stream.flush()
+
+
+# -- fxpar demo ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    layers: int = 2
+    width: int = 64
+    heads: int = 4
+    batch: int = 8
+    length: int = 32
+    steps: int = 300
+    lr: float = 3e-3
+    devices: int = 4
+    seed: int = 0
+    solver: str = "ilp"
+
+    @property
+    def config(self) -> GPTConfig:
+        return GPTConfig(
+            vocab_size=256,
+            block_size=self.length,
+            n_layer=self.layers,
+            n_head=self.heads,
+            n_embd=self.width,
+            bias=False,
+        )
+
+    def model(self) -> GPT:
+        # float64: over hundreds of steps, training amplifies the rounding of any two summation
+        # orders (one device vs. a sum over ranks) until float32 curves drift apart visibly;
+        # in float64 what remains to compare is the plan's arithmetic.
+        torch.manual_seed(self.seed)
+        return GPT(self.config).double()
+
+    def data(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        stream = batches(corpus_tokens(), self.batch, self.length, seed=self.seed)
+        return [next(stream) for _ in range(self.steps)]
+
+    @property
+    def optimizer(self) -> fxpar.optim.AdamW:
+        return fxpar.optim.AdamW(lr=self.lr, weight_decay=0.0)
+
+
+def demo(args: argparse.Namespace) -> int:
+    settings = DemoSettings(
+        layers=args.layers, width=args.width, batch=args.batch, length=args.length,
+        steps=args.steps, lr=args.lr, devices=args.devices, seed=args.seed, solver=args.solver,
+    )  # fmt: skip
+    from fxpar.runtime.launch import spawn
+
+    print(
+        f"fxpar {fxpar.__version__} demo: a {settings.layers}-layer GPT (width {settings.width}, "
+        f"batch {settings.batch}x{settings.length} bytes of fxpar's built-in corpus), planned "
+        f"by the {settings.solver} solver for {settings.devices} CPU processes on gloo, trained "
+        f"{settings.steps} steps of AdamW (lr {settings.lr}) in float64\n",
+        flush=True,
+    )
+    start = time.perf_counter()
+    parallel_losses = spawn(_demo_rank, settings.devices, settings)[0]
+    parallel_seconds = time.perf_counter() - start
+
+    model = settings.model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.0)
+    bar = ProgressBar(settings.steps, "single device   ")
+    single_losses = []
+    start = time.perf_counter()
+    for step, (tokens, targets) in enumerate(settings.data(), 1):
+        optimizer.zero_grad()
+        loss = gpt_loss(model(tokens), targets)
+        loss.backward()
+        optimizer.step()
+        single_losses.append(loss.item())
+        bar.update(step, f"loss {loss.item():.3f}")
+    single_seconds = time.perf_counter() - start
+
+    print(
+        f"\n{'step':>6}  {'single device':>13}  {'fxpar, ' + str(settings.devices) + ' ranks':>14}"
+    )
+    every = max(1, settings.steps // 10)
+    for step in range(settings.steps):
+        if step % every == 0 or step == settings.steps - 1:
+            print(f"{step + 1:>6}  {single_losses[step]:>13.4f}  {parallel_losses[step]:>14.4f}")
+    worst = max(abs(a - b) / abs(b) for a, b in zip(parallel_losses, single_losses, strict=True))
+    agree = worst < 1e-6
+    print(
+        f"\nlargest relative loss difference over {settings.steps} steps: {worst:.1e} "
+        f"({'the curves agree' if agree else 'THE CURVES DIVERGE'}); loss "
+        f"{single_losses[0]:.2f} -> {single_losses[-1]:.2f}. Wall time: {parallel_seconds:.1f} s "
+        f"on {settings.devices} processes (start-up included), {single_seconds:.1f} s on one "
+        "device; on a machine with fewer cores than processes the ranks take turns."
+    )
+    return 0 if agree else 1
+
+
+def _demo_rank(rank: int, world_size: int, settings: DemoSettings) -> list[float]:
+    torch.set_num_threads(1)  # the processes share the machine's cores
+    data = settings.data()
+    cluster = fxpar.Cluster.preset("cpu", (world_size,))
+    tokens, targets = data[0]
+    solver = MANUAL_PLANS.get(settings.solver) or _solver(settings.solver)
+    parallel = fxpar.compile(
+        settings.model(), cluster, (tokens,), gpt_loss, example_targets=(targets,),
+        optimizer=settings.optimizer, solver=solver,
+    )  # fmt: skip
+    if rank == 0:
+        print(parallel.plan.report(), flush=True)
+        collectives = len(parallel.spmd.collectives())
+        print(f"\nrank 0's program runs {collectives} collectives per step\n", flush=True)
+    bar = ProgressBar(settings.steps, f"fxpar, {world_size} ranks") if rank == 0 else None
+    losses = []
+    for step, batch in enumerate(data, 1):
+        losses.append(parallel.step(*batch).item())
+        if bar is not None:
+            bar.update(step, f"loss {losses[-1]:.3f}")
+    return losses
+
+
+def _solver(name: str) -> Any:
+    from fxpar.solvers import ExhaustiveSolver, GreedySolver, ILPSolver
+
+    solvers = {"ilp": ILPSolver, "greedy": GreedySolver, "exhaustive": ExhaustiveSolver}
+    if name not in solvers:
+        choices = sorted([*solvers, *MANUAL_PLANS])
+        raise FxparError(f"unknown solver {name!r}; choose from {choices}")
+    return solvers[name]()
+
+
+# -- fxpar plan ------------------------------------------------------------------------------
+
+_GPT2_SHAPES = {
+    "gpt2-small": (12, 768, 12),
+    "gpt2-medium": (24, 1024, 16),
+    "gpt2-large": (36, 1280, 20),
+    "gpt2-xl": (48, 1600, 25),
+}
+_LLAMA_LAYERS = {"llama-8b": 32, "llama-8b-96": 96}
+MODEL_NAMES = (*_GPT2_SHAPES, *_LLAMA_LAYERS)
+
+
+@dataclass(frozen=True)
+class Target:
+    """What to plan: a model and its example batch (and loss, when the model has none)."""
+
+    model: nn.Module
+    example_inputs: Sequence[Any] | dict[str, Any]
+    loss_fn: Callable[..., torch.Tensor] | None = None
+    example_targets: Sequence[torch.Tensor] = ()
+
+
+def build_target(spec: str, batch: int, length: int) -> Target:
+    """A named model shape, or ``module:attr`` naming a function that returns an nn.Module
+    or a tuple ``(model, example_inputs[, loss_fn[, example_targets]])``, built on meta."""
+    tokens = torch.zeros(batch, length, dtype=torch.long)
+    with torch.device("meta"):
+        if spec in _GPT2_SHAPES:
+            layers, width, heads = _GPT2_SHAPES[spec]
+            config = GPTConfig(50257, max(1024, length), layers, heads, width)
+            return Target(GPT(config), (tokens,), gpt_loss, (tokens,))
+        if spec in _LLAMA_LAYERS:
+            return Target(_llama(_LLAMA_LAYERS[spec]), {"input_ids": tokens, "labels": tokens})
+        if ":" not in spec:
+            raise FxparError(
+                f"unknown model {spec!r}: name one of {list(MODEL_NAMES)}, or give module:attr "
+                "for a function returning a model (or (model, example_inputs, loss_fn, "
+                "example_targets))"
+            )
+        module_name, _, attr = spec.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as error:
+            raise FxparError(f"cannot load {spec!r}: {error}") from error
+        built = factory()
+    if isinstance(built, nn.Module):
+        if not hasattr(getattr(built, "config", None), "vocab_size"):
+            raise FxparError(
+                f"{spec} returned a {type(built).__name__} but fxpar cannot guess its inputs: "
+                "return (model, example_inputs, loss_fn, example_targets) instead"
+            )
+        return Target(built, {"input_ids": tokens, "labels": tokens})
+    if isinstance(built, tuple) and built and isinstance(built[0], nn.Module):
+        return Target(*built)
+    raise FxparError(f"{spec} returned {type(built).__name__}, not a model or a tuple")
+
+
+def _llama(layers: int) -> nn.Module:
+    try:
+        import transformers
+    except ImportError as error:
+        raise FxparError(
+            "the llama shapes are built with Hugging Face transformers: pip install transformers"
+        ) from error
+    config = transformers.LlamaConfig(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
+        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+        max_position_embeddings=8192,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    from fxpar.planner import plan_program
+
+    mesh = fxpar.Cluster.parse_mesh(args.mesh)
+    overrides = {} if args.memory_gib is None else {"memory": args.memory_gib * 2**30}
+    cluster = fxpar.Cluster.preset(args.cluster, mesh, **overrides)
+    target = build_target(args.model, args.batch, args.length)
+    params = sum(p.numel() for p in target.model.parameters())
+    print(f"planning {args.model} ({params / 1e9:.2f}B parameters, on meta) for {cluster}")
+    start = time.perf_counter()
+    program = fxpar.capture(
+        target.model, target.example_inputs, target.loss_fn, example_targets=target.example_targets
+    )
+    captured = time.perf_counter() - start
+    if args.solver in MANUAL_PLANS:
+        solver: Any = MANUAL_PLANS[args.solver]
+    elif args.solver == "ilp":
+        from fxpar.solvers import ILPSolver
+
+        solver = ILPSolver(time_limit=args.time_limit)
+    else:
+        solver = _solver(args.solver)
+    plan = plan_program(program, cluster, solver)
+    print(
+        f"captured in {captured:.1f} s, planned in {time.perf_counter() - start - captured:.1f} s\n"
+    )
+    print(plan.report())
+    if args.save:
+        print(f"\nplan written to {plan.save(args.save)}")
+    if args.plot:
+        print(f"picture written to {plan.plot(args.plot)}")
+    return 0
+
+
+# -- entry point -----------------------------------------------------------------------------
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fxpar", description="fxpar command line")
     commands = parser.add_subparsers(dest="command", required=True)
-    demo_parser = commands.add_parser("demo", help="capture, annotate and train a small GPT")
-    demo_parser.add_argument("--layers", type=int, default=2)
-    demo_parser.add_argument("--width", type=int, default=64)
-    demo_parser.add_argument("--batch", type=int, default=8)
-    demo_parser.add_argument("--length", type=int, default=32)
-    demo_parser.add_argument("--steps", type=int, default=200)
-    demo_parser.add_argument("--every", type=int, default=25, help="print the loss every N steps")
-    demo_parser.add_argument("--lr", type=float, default=0.5)
-    demo_parser.add_argument("--seed", type=int, default=0)
-    demo_parser.add_argument("--devices", type=int, default=4, help="simulated mesh size")
+
+    demo_parser = commands.add_parser(
+        "demo", help="plan a small GPT, train it on local gloo processes and on one device"
+    )
+    defaults = DemoSettings()
+    demo_parser.add_argument("--layers", type=int, default=defaults.layers)
+    demo_parser.add_argument("--width", type=int, default=defaults.width)
+    demo_parser.add_argument("--batch", type=int, default=defaults.batch)
+    demo_parser.add_argument("--length", type=int, default=defaults.length)
+    demo_parser.add_argument("--steps", type=int, default=defaults.steps)
+    demo_parser.add_argument("--lr", type=float, default=defaults.lr)
+    demo_parser.add_argument("--seed", type=int, default=defaults.seed)
+    demo_parser.add_argument("--devices", type=int, default=defaults.devices,
+                             help="gloo processes to start")  # fmt: skip
+    solvers = "ilp, greedy, or a manual plan: " + ", ".join(MANUAL_PLANS)
+    demo_parser.add_argument("--solver", default=defaults.solver, help=solvers)
     demo_parser.set_defaults(run=demo)
+
+    plan_parser = commands.add_parser("plan", help="plan a model for a mesh and print the report")
+    plan_parser.add_argument("--model", required=True,
+                             help=f"one of {', '.join(MODEL_NAMES)}, or module:attr")  # fmt: skip
+    plan_parser.add_argument("--mesh", required=True, help="mesh shape, e.g. 8 or 2x4")
+    plan_parser.add_argument("--cluster", default="h100", help="preset: cpu, a100, h100")
+    plan_parser.add_argument("--batch", type=int, default=8)
+    plan_parser.add_argument("--length", type=int, default=1024)
+    plan_parser.add_argument("--memory-gib", type=float, default=None,
+                             help="device memory instead of the preset's")  # fmt: skip
+    plan_parser.add_argument("--solver", default="ilp")
+    plan_parser.add_argument("--time-limit", type=float, default=60.0)
+    plan_parser.add_argument("--save", help="write the plan as JSON here")
+    plan_parser.add_argument("--plot", help="write a PNG of memory and communication here")
+    plan_parser.set_defaults(run=plan_command)
+
     args = parser.parse_args(argv)
-    return int(args.run(args))
+    try:
+        return int(args.run(args))
+    except FxparError as error:
+        print(f"fxpar {args.command}: error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import torch
 
 import fxpar
 from fxpar import plans
-from fxpar.errors import BatchError, DistributedError
+from fxpar.errors import BatchError, DistributedError, FxparError
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.runtime.launch import spawn
 
@@ -93,6 +93,13 @@ def _four_ranks(rank: int, world_size: int, checkpoint: str) -> dict[str, object
         _compile((2,), plans.data_parallel)
     except DistributedError as error:
         results["mesh_error"] = str(error)
+    try:  # 3 samples cannot be split over 4 data-parallel ranks
+        fxpar.compile(
+            GPT(CONFIG), fxpar.Cluster((world_size,)), (tokens[:3],), gpt_loss,
+            example_targets=(targets[:3],), solver=plans.data_parallel,
+        )  # fmt: skip
+    except FxparError as error:
+        results["divisible_error"] = str(error)
     return results
 
 
@@ -130,4 +137,7 @@ def test_compile_trains_like_one_device_and_checkpoints_move_between_meshes(tmp_
 
     assert all("got a different batch" in str(r["batch_error"]) for r in four)
     assert all("has 4 ranks but the cluster's mesh (2,)" in str(r["mesh_error"]) for r in four)
+    assert all(
+        "divisible by the 4 data-parallel devices" in str(r["divisible_error"]) for r in four
+    )
     assert math.isfinite(expected_losses[-1])

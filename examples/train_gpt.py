@@ -1,0 +1,65 @@
+"""Train a small GPT with fxpar, launched the usual way, by torchrun:
+
+    torchrun --nproc-per-node 4 examples/train_gpt.py --steps 200
+    torchrun --nproc-per-node 4 examples/train_gpt.py --mesh 2x2 --checkpoint /tmp/gpt-ckpt
+
+Every process runs this same script (SPMD). fxpar reads the world from torchrun's environment
+(``fxpar.Cluster.from_env``), plans on rank 0 and shares the plan, and each process trains its
+own piece of the model. With ``--checkpoint`` the run resumes from the directory if it holds a
+checkpoint (saved under any mesh) and saves there at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+
+import fxpar
+from fxpar.models import GPT, GPTConfig, gpt_loss
+from fxpar.models.corpus import batches, corpus_tokens
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--mesh", default=None, help="e.g. 2x2; default: from torchrun")
+    parser.add_argument("--checkpoint", default=None, help="directory to resume from / save to")
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)  # several processes share this machine's cores
+    overrides = {} if args.mesh is None else {"mesh_shape": fxpar.Cluster.parse_mesh(args.mesh)}
+    cluster = fxpar.Cluster.from_env("cpu", **overrides)
+    rank = dist.get_rank()
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=2, n_head=4, n_embd=64))
+    data = batches(corpus_tokens(), batch_size=8, length=32, seed=0)  # same stream on every rank
+    tokens, targets = next(data)
+    parallel = fxpar.compile(
+        model, cluster, (tokens,), gpt_loss, example_targets=(targets,),
+        optimizer=fxpar.optim.AdamW(lr=3e-3, weight_decay=0.0),
+    )  # fmt: skip
+    if rank == 0:
+        print(parallel.plan.report(), flush=True)
+    if args.checkpoint and os.path.exists(os.path.join(args.checkpoint, ".metadata")):
+        parallel.load(args.checkpoint)
+        if rank == 0:
+            print(f"resumed from {args.checkpoint} at step {parallel.steps}", flush=True)
+
+    for _ in range(args.steps):
+        loss = parallel.step(tokens, targets)
+        if rank == 0 and (parallel.steps % 20 == 0 or parallel.steps == 1):
+            print(f"step {parallel.steps:5d}  loss {loss.item():.4f}", flush=True)
+        tokens, targets = next(data)
+
+    if args.checkpoint:
+        parallel.save(args.checkpoint)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
