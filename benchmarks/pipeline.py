@@ -1,0 +1,234 @@
+"""Pipeline parallelism on CPU gloo: bubble, throughput, activation memory, and fxpar beside
+``torch.distributed.pipelining``.
+
+For K in {2, 4} stages (one process per stage) and M in {1, 4, 8, 32} micro-batches of a fixed
+global batch, one run prints:
+
+- the measured idle (bubble) fraction of every device during a 1F1B step, beside the ideal
+  ``(K-1)/(M+K-1)``;
+- throughput normalized to K=1 (one process running the same M micro-batches one after the
+  other), i.e. the pipeline's speedup;
+- the peak bytes of saved activations on the busiest stage, without and with remat;
+- fxpar's step time and ``torch.distributed.pipelining``'s (same model, stages, micro-batches,
+  schedule, on the same processes), and their ratio.
+
+It also writes a Gantt chart of one 1F1B step (K=4, M=8) as a PNG.
+
+Steps are forward+backward+gradient reduction without the optimizer update, for both
+runtimes. Every process uses one thread; with more processes than cores (K=4 on a 2-core
+machine) stages share cores, which shows as extra idle time and caps the speedup.
+
+    python benchmarks/pipeline.py [--steps 3] [--timeline pipeline_1f1b.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fxpar.models import GPT, GPTConfig, gpt_loss
+from fxpar.optim import SGD
+from fxpar.pipeline import Pipeline, PipelineModel, bubble_fractions, ideal_bubble, plot_timeline
+from fxpar.pipeline.executor import StageTrace
+from fxpar.runtime.launch import spawn
+
+CONFIG = GPTConfig(
+    n_layer=8, n_embd=128, n_head=4, vocab_size=256, block_size=32, tie_weights=False
+)
+BATCH, LENGTH = 32, 32
+MICROBATCHES = (1, 4, 8, 32)
+STAGES = (2, 4)
+TIMELINE_CASE = (4, 8)
+
+
+@dataclass
+class RankRow:
+    """One rank's measurements for one (K, M)."""
+
+    fxpar_seconds: float
+    torch_seconds: float
+    peak_stash: int
+    peak_stash_remat: int
+    trace: StageTrace
+
+
+def _build() -> tuple[GPT, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, CONFIG.vocab_size, (BATCH, LENGTH), generator=generator)
+    targets = torch.randint(0, CONFIG.vocab_size, (BATCH, LENGTH), generator=generator)
+    return model, tokens, targets
+
+
+def _split_points(num_stages: int) -> tuple[str, ...]:
+    per_stage = CONFIG.n_layer // num_stages
+    return tuple(f"blocks.{k * per_stage}" for k in range(1, num_stages))
+
+
+class _TorchStage(nn.Module):
+    """The same cut of GPT as fxpar's split points, as a module for torch's pipelining."""
+
+    def __init__(self, model: GPT, stage: int, num_stages: int) -> None:
+        super().__init__()
+        per_stage = CONFIG.n_layer // num_stages
+        self.first, self.last = stage == 0, stage == num_stages - 1
+        self.wte = copy.deepcopy(model.wte) if self.first else None
+        self.wpe = copy.deepcopy(model.wpe) if self.first else None
+        blocks = model.blocks[stage * per_stage : (stage + 1) * per_stage]
+        self.blocks = nn.ModuleList(copy.deepcopy(b) for b in blocks)
+        self.ln_f = copy.deepcopy(model.ln_f) if self.last else None
+        self.head = copy.deepcopy(model.head) if self.last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.wte is not None and self.wpe is not None:
+            positions = torch.arange(x.shape[1])
+            x = self.wte(x) + self.wpe(positions)
+        for block in self.blocks:
+            x = block(x)
+        if self.ln_f is not None and self.head is not None:
+            x = self.head(self.ln_f(x))
+        return x
+
+
+def _timed(step: Any, steps: int) -> float:
+    step()  # warm-up: first-call allocations and lazy initialization
+    times = []
+    for _ in range(steps):
+        if dist.is_initialized():
+            dist.barrier()
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _fxpar_model(num_stages: int, count: int, remat: bool) -> tuple[PipelineModel, Any]:
+    model, tokens, targets = _build()
+    pipeline = Pipeline(
+        stages=_split_points(num_stages), microbatches=count, schedule="1f1b", remat=remat
+    )
+    pipelined = PipelineModel(
+        model, pipeline, (tokens,), gpt_loss, example_targets=(targets,), optimizer=SGD()
+    )
+    return pipelined, lambda: pipelined.compute_gradients(tokens, targets)
+
+
+def _measure(rank: int, world_size: int, steps: int) -> list[RankRow]:
+    torch.set_num_threads(1)
+    rows = []
+    for count in MICROBATCHES:
+        pipelined, step = _fxpar_model(world_size, count, remat=False)
+        fxpar_seconds = _timed(step, steps)
+        trace = pipelined.trace
+        assert trace is not None
+        remat, remat_step = _fxpar_model(world_size, count, remat=True)
+        remat_step()
+        assert remat.trace is not None
+        rows.append(
+            RankRow(
+                fxpar_seconds=fxpar_seconds,
+                torch_seconds=_torch_seconds(rank, world_size, count, steps),
+                peak_stash=trace.peak_stash_bytes,
+                peak_stash_remat=remat.trace.peak_stash_bytes,
+                trace=trace,
+            )
+        )
+    return rows
+
+
+def _torch_seconds(rank: int, world_size: int, count: int, steps: int) -> float:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    model, tokens, targets = _build()
+    module = _TorchStage(model, rank, world_size)
+    stage = PipelineStage(module, rank, world_size, torch.device("cpu"))
+    # torch's 1F1B refuses M < K; with a single micro-batch both schedules are the same order.
+    kind = Schedule1F1B if count >= world_size else ScheduleGPipe
+    schedule = kind(stage, count, loss_fn=gpt_loss)
+
+    def step() -> None:
+        module.zero_grad(set_to_none=True)
+        if rank == 0:
+            schedule.step(tokens)
+        elif rank == world_size - 1:
+            schedule.step(target=targets, losses=[])
+        else:
+            schedule.step()
+
+    return _timed(step, steps)
+
+
+def _single_device_seconds(count: int, steps: int) -> float:
+    torch.set_num_threads(1)
+    model, tokens, targets = _build()
+    pipelined = PipelineModel(
+        model,
+        Pipeline(stages=1, microbatches=count),
+        (tokens,),
+        gpt_loss,
+        example_targets=(targets,),
+        optimizer=SGD(),
+    )
+    return _timed(lambda: pipelined.compute_gradients(tokens, targets), steps)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per case (median)")
+    parser.add_argument("--timeline", default="pipeline_1f1b.png", help="PNG path")
+    args = parser.parse_args()
+
+    single = {count: _single_device_seconds(count, args.steps) for count in MICROBATCHES}
+    print(
+        f"GPT {CONFIG.n_layer} layers, width {CONFIG.n_embd}, batch {BATCH}x{LENGTH} tokens, "
+        f"1F1B, CPU gloo, 1 thread per process, {args.steps} timed steps (median)"
+    )
+    header = (
+        f"{'K':>2} {'M':>3} | {'bubble per device (measured)':<30} {'mean':>5} {'ideal':>5} | "
+        f"{'speedup':>7} | {'stash KiB':>9} {'remat KiB':>9} | {'fxpar ms':>8} "
+        f"{'torch ms':>8} {'ratio':>5}"
+    )
+    print(header)
+    print("-" * len(header))
+    for num_stages in STAGES:
+        per_rank = spawn(_measure, num_stages, args.steps)
+        for index, count in enumerate(MICROBATCHES):
+            rows = [ranks[index] for ranks in per_rank]
+            bubbles = bubble_fractions([row.trace for row in rows])
+            fxpar_seconds = max(row.fxpar_seconds for row in rows)
+            torch_seconds = max(row.torch_seconds for row in rows)
+            print(
+                f"{num_stages:>2} {count:>3} | {' '.join(f'{b:.2f}' for b in bubbles):<30} "
+                f"{statistics.mean(bubbles):>5.2f} {ideal_bubble(num_stages, count):>5.2f} | "
+                f"{single[count] / fxpar_seconds:>6.2f}x | "
+                f"{max(r.peak_stash for r in rows) / 1024:>9.0f} "
+                f"{max(r.peak_stash_remat for r in rows) / 1024:>9.0f} | "
+                f"{fxpar_seconds * 1e3:>8.1f} {torch_seconds * 1e3:>8.1f} "
+                f"{fxpar_seconds / torch_seconds:>5.2f}"
+            )
+            if (num_stages, count) == TIMELINE_CASE:
+                plot_timeline(
+                    [row.trace for row in rows],
+                    args.timeline,
+                    title=f"fxpar 1F1B, K={num_stages} stages, M={count} micro-batches",
+                )
+    print(
+        "\nbubble: idle share of the step's wall time per device (ideal (K-1)/(M+K-1)); "
+        "speedup: K=1 step time at the same M / this step time; stash: peak saved-activation "
+        "bytes on the busiest stage; ratio: fxpar / torch.distributed.pipelining step time "
+        "(torch's ScheduleGPipe where M < K, which its Schedule1F1B refuses)"
+    )
+    print(f"timeline of a 1F1B step (K={TIMELINE_CASE[0]}, M={TIMELINE_CASE[1]}): {args.timeline}")
+
+
+if __name__ == "__main__":
+    main()

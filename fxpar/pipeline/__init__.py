@@ -1,0 +1,46 @@
+"""Pipeline parallelism: a captured step cut into stages, run by a static schedule per rank.
+
+- :class:`Pipeline` says how (stages, micro-batches, schedule, remat, devices per stage).
+- :func:`partition` and :func:`split_program` cut a Program into per-stage forward and backward
+  programs (:class:`SplitProgram`).
+- :func:`build_schedule` turns GPipe or 1F1B into an instruction list per stage.
+- :class:`PipelineModel` trains on ``torch.distributed`` processes, one stage replica each.
+
+See docs/pipelines.md.
+"""
+
+from __future__ import annotations
+
+from fxpar.pipeline.executor import Event, StageTrace, StageWorker
+from fxpar.pipeline.model import PipelineModel, compile_pipeline
+from fxpar.pipeline.options import Pipeline, PipelineError
+from fxpar.pipeline.partition import Half, Partition, Unit, even_split_points, partition
+from fxpar.pipeline.schedule import Instruction, Op, build_schedule, max_in_flight, simulate
+from fxpar.pipeline.split import SplitProgram, StageProgram, split_program
+from fxpar.pipeline.timeline import bubble_fractions, ideal_bubble, plot_timeline
+
+__all__ = [
+    "Event",
+    "Half",
+    "Instruction",
+    "Op",
+    "Partition",
+    "Pipeline",
+    "PipelineError",
+    "PipelineModel",
+    "SplitProgram",
+    "StageProgram",
+    "StageTrace",
+    "StageWorker",
+    "Unit",
+    "bubble_fractions",
+    "build_schedule",
+    "compile_pipeline",
+    "even_split_points",
+    "ideal_bubble",
+    "max_in_flight",
+    "partition",
+    "plot_timeline",
+    "simulate",
+    "split_program",
+]

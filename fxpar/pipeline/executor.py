@@ -1,0 +1,229 @@
+"""Run one stage's instruction list on one rank, with point-to-point messages between ranks.
+
+The worker keeps what the list needs between instructions: activations received but not yet
+consumed, each micro-batch's stash (what its forward kept for its backward), outputs waiting
+to be sent, and the running sums of the stage's gradients and losses. Sends are posted with
+``isend`` and only waited for at the end of the step, so a rank never blocks on a peer that is
+busy computing; receives block. Together with :func:`fxpar.pipeline.schedule.simulate`'s check
+of the lists, that rules out deadlock.
+
+Every message carries one tensor per :class:`~fxpar.pipeline.split.Value` of the channel, in
+the channel's order, with a tag made of the micro-batch, the direction and the index, so
+messages cannot be confused even if the transport reorders them. The receiver allocates from
+the shapes recorded at capture time: nothing but the data travels.
+
+Each instruction's start and end (``time.perf_counter``, which is one clock for all processes
+of a machine) are recorded, for the bubble fraction and the timeline of :mod:`.timeline`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fxpar.pipeline.options import PipelineError
+from fxpar.pipeline.schedule import Instruction, Op
+from fxpar.pipeline.split import StageProgram, Value
+
+_MAX_VALUES = 1024
+_ACTIVATION, _GRADIENT = 0, 1
+
+
+@dataclass(frozen=True)
+class Event:
+    """One instruction as it ran: what, on which micro-batch, and when (seconds)."""
+
+    op: str
+    microbatch: int
+    start: float
+    end: float
+
+
+@dataclass
+class StageTrace:
+    """What one rank did during one step."""
+
+    rank: int
+    stage: int
+    start: float
+    end: float = 0.0
+    events: list[Event] = field(default_factory=list)
+    peak_stash_bytes: int = 0
+    """The most bytes the stashes of micro-batches in flight held at once (tensors that share
+    storage with parameters are not counted)."""
+
+    @property
+    def compute_seconds(self) -> float:
+        return sum(e.end - e.start for e in self.events if e.op in ("forward", "backward"))
+
+    def idle_fraction(self, start: float | None = None, end: float | None = None) -> float:
+        """The part of ``[start, end]`` (default: this rank's step) spent not computing."""
+        start = self.start if start is None else start
+        end = self.end if end is None else end
+        return 1.0 - self.compute_seconds / max(end - start, 1e-12)
+
+
+@dataclass
+class StageResult:
+    """A stage's sums over the micro-batches of one step."""
+
+    loss_sum: torch.Tensor | None
+    gradient_sums: dict[str, torch.Tensor]
+    buffers: dict[str, torch.Tensor]
+    trace: StageTrace
+
+
+class _Channel:
+    """The tensors one unit sends to, or receives from, a neighbouring rank."""
+
+    def __init__(self, values: Sequence[Value], peer: int | None, direction: int) -> None:
+        if len(values) > _MAX_VALUES:
+            raise PipelineError(
+                f"{len(values)} tensors cross one stage boundary; at most {_MAX_VALUES} are "
+                "supported: move the split point to where fewer values are live"
+            )
+        self.values = tuple(values)
+        self.peer = peer
+        self.direction = direction
+
+    def _tag(self, microbatch: int, index: int) -> int:
+        return (microbatch * 2 + self.direction) * _MAX_VALUES + index
+
+    def send(self, tensors: Sequence[torch.Tensor], microbatch: int) -> list[Any]:
+        if not self.values:
+            return []
+        if self.peer is None:
+            raise PipelineError("a stage with no neighbour was asked to send")
+        works = []
+        for index, tensor in enumerate(tensors):
+            payload = tensor.detach().contiguous()
+            works.append(
+                (dist.isend(payload, self.peer, tag=self._tag(microbatch, index)), payload)
+            )
+        return works
+
+    def recv(self, microbatch: int) -> tuple[torch.Tensor, ...]:
+        if not self.values:
+            return ()
+        if self.peer is None:
+            raise PipelineError("a stage with no neighbour was asked to receive")
+        buffers = [
+            torch.empty([int(s) for s in value.meta.shape], dtype=value.meta.dtype)
+            for value in self.values
+        ]
+        works = [
+            dist.irecv(buffer, self.peer, tag=self._tag(microbatch, index))
+            for index, buffer in enumerate(buffers)
+        ]
+        for work in works:
+            if work is not None:  # None only for ranks outside the group, never here
+                work.wait()
+        return tuple(buffers)
+
+
+class StageWorker:
+    """Runs the instruction list of one stage replica.
+
+    ``previous_rank``/``next_rank`` are the ranks of the same replica index in the stages
+    before and after (None at the ends).
+    """
+
+    def __init__(
+        self,
+        forward: StageProgram,
+        backward: StageProgram,
+        instructions: Sequence[Instruction],
+        *,
+        rank: int,
+        previous_rank: int | None,
+        next_rank: int | None,
+    ) -> None:
+        self.forward = forward
+        self.backward = backward
+        self.instructions = tuple(instructions)
+        self.rank = rank
+        self.stage = forward.unit.stage
+        self._activations_in = _Channel(forward.received, previous_rank, _ACTIVATION)
+        self._activations_out = _Channel(forward.sent, next_rank, _ACTIVATION)
+        self._gradients_in = _Channel(backward.received, next_rank, _GRADIENT)
+        self._gradients_out = _Channel(backward.sent, previous_rank, _GRADIENT)
+
+    def run(
+        self,
+        parameters: Mapping[str, torch.Tensor],
+        buffers: Mapping[str, torch.Tensor],
+        microbatches: Sequence[Mapping[str, torch.Tensor]],
+    ) -> StageResult:
+        """One step over ``microbatches`` (this replica's pieces, by batch-tensor name)."""
+        clock = time.perf_counter
+        trace = StageTrace(self.rank, self.stage, start=clock())
+        buffers = dict(buffers)
+        received: dict[tuple[Op, int], tuple[torch.Tensor, ...]] = {}
+        outgoing: dict[tuple[Op, int], tuple[torch.Tensor, ...]] = {}
+        stashes: dict[int, tuple[torch.Tensor, ...]] = {}
+        stash_bytes: dict[int, int] = {}
+        parameter_storages = {p.untyped_storage().data_ptr() for p in parameters.values()}
+        gradients: dict[str, torch.Tensor] = {}
+        losses: list[torch.Tensor] = []
+        sends: list[Any] = []
+        for instruction in self.instructions:
+            op, m = instruction.op, instruction.microbatch
+            start = clock()
+            if op is Op.RECV_ACTIVATION:
+                received[(op, m)] = self._activations_in.recv(m)
+            elif op is Op.RECV_GRAD:
+                received[(op, m)] = self._gradients_in.recv(m)
+            elif op is Op.FORWARD:
+                inputs = received.pop((Op.RECV_ACTIVATION, m), ())
+                out = self.forward.run(parameters, buffers, microbatches[m], inputs)
+                outgoing[(Op.SEND_ACTIVATION, m)] = out.sent
+                stashes[m] = out.stashed
+                stash_bytes[m] = _storage_bytes(out.stashed, parameter_storages)
+                trace.peak_stash_bytes = max(trace.peak_stash_bytes, sum(stash_bytes.values()))
+                buffers.update(out.buffer_updates)
+                if out.loss is not None:
+                    losses.append(out.loss)
+            elif op is Op.BACKWARD:
+                inputs = received.pop((Op.RECV_GRAD, m), ())
+                out = self.backward.run(parameters, {}, microbatches[m], inputs, stashes[m])
+                outgoing[(Op.SEND_GRAD, m)] = out.sent
+                for name, gradient in out.gradients.items():
+                    total = gradients.get(name)
+                    gradients[name] = gradient if total is None else total + gradient
+            elif op is Op.SEND_ACTIVATION:
+                sends += self._activations_out.send(outgoing.pop((op, m)), m)
+            elif op is Op.SEND_GRAD:
+                sends += self._gradients_out.send(outgoing.pop((op, m)), m)
+            elif op is Op.FREE:
+                del stashes[m], stash_bytes[m]
+            trace.events.append(Event(op.value, m, start, clock()))
+        for work, _payload in sends:
+            work.wait()
+        trace.end = clock()
+        if stashes or received:
+            raise PipelineError(
+                f"stage {self.stage}'s schedule left micro-batches {sorted(stashes)} stashed or "
+                f"{sorted(received)} received but unused"
+            )
+        return StageResult(
+            loss_sum=torch.stack(losses).sum() if losses else None,
+            gradient_sums=gradients,
+            buffers=buffers,
+            trace=trace,
+        )
+
+
+def _storage_bytes(tensors: Sequence[torch.Tensor], skip: set[int]) -> int:
+    """Bytes of the distinct storages ``tensors`` keep alive, except the storages in ``skip``."""
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        pointer = storage.data_ptr()
+        if pointer not in skip:
+            seen[pointer] = storage.nbytes()
+    return sum(seen.values())

@@ -1,0 +1,319 @@
+"""``PipelineModel``: train a model as a synchronous pipeline on ``torch.distributed`` ranks.
+
+It reads like the runtime half of DESIGN.md's pipeline::
+
+    capture at micro-batch size -> partition into stages -> split into forward/backward
+    programs -> schedule (GPipe or 1F1B) -> this rank's StageWorker -> reduce -> update
+
+Ranks are laid out stage-major: stage ``s`` runs on ranks ``s*D .. s*D + D-1`` for ``D``
+devices per stage (``Pipeline.data_parallel``), and replica ``d`` of every stage forms one
+pipeline, exchanging activations and gradients with the same ``d`` of its neighbours.
+
+One step, on every rank: cut the global batch into ``M`` micro-batches and take this replica's
+piece of each, run the stage's instruction list, then once per step: all-reduce the gradient
+sums within the stage's replicas, all-reduce the partial gradients of parameters held by
+several stages (tied weights) among their holders, divide by ``M * D`` (the loss is the mean
+over micro-batches, so the result is the full-batch step's gradient), and let each rank update
+its own stage's parameters with a ``torch.optim`` optimizer. Elementwise optimizers
+(:mod:`fxpar.optim`) make each stage's update exactly its share of the single-device one, and
+copies of a tied weight stay identical because they take identical updates.
+
+**BatchNorm.** Statistics are computed per micro-batch (per replica piece), as GPipe does, and
+running statistics are updated once per micro-batch, in micro-batch order; with ``D > 1`` each
+replica keeps its own running statistics. So a model with batch statistics trains exactly like
+single-device training on the micro-batches, not on the whole batch.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fxpar.capture import LossFn, capture
+from fxpar.errors import BatchError
+from fxpar.optim import AdamW, Optimizer, check_optimizer
+from fxpar.pipeline.executor import StageResult, StageTrace, StageWorker
+from fxpar.pipeline.options import Pipeline, PipelineError
+from fxpar.pipeline.partition import even_split_points, partition
+from fxpar.pipeline.schedule import build_schedule, simulate
+from fxpar.pipeline.split import SplitProgram, split_program
+
+logger = logging.getLogger(__name__)
+
+
+def compile_pipeline(
+    model: nn.Module,
+    pipeline: Pipeline,
+    example_inputs: Sequence[Any] | Mapping[str, Any],
+    loss_fn: LossFn | None = None,
+    *,
+    example_targets: Sequence[torch.Tensor] = (),
+    optimizer: Optimizer | None = None,
+) -> PipelineModel:
+    """Capture ``model``'s step, cut it as ``pipeline`` says, and build this rank's share.
+
+    Call it on every rank with the same arguments after ``torch.distributed`` is initialized
+    with ``pipeline.world_size`` processes (a one-stage, one-device pipeline needs none).
+    ``example_inputs`` and ``example_targets`` are a *global* batch; dimension 0 of every
+    batch tensor is the batch dimension and must divide into ``microbatches * data_parallel``
+    equal pieces.
+    """
+    return PipelineModel(
+        model,
+        pipeline,
+        example_inputs,
+        loss_fn,
+        example_targets=example_targets,
+        optimizer=optimizer,
+    )
+
+
+class PipelineModel:
+    """This rank's stage of a pipelined model (see the module docstring).
+
+    Attributes:
+        split: the per-stage programs (the same on every rank).
+        rank, stage, replica: where this process sits.
+        parameters, buffers: this stage's tensors, by name (tied weights in each holder).
+        gradients: this stage's gradients of the last step, as used by the update.
+        trace: the last step's instruction timings on this rank.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        pipeline: Pipeline,
+        example_inputs: Sequence[Any] | Mapping[str, Any],
+        loss_fn: LossFn | None = None,
+        *,
+        example_targets: Sequence[torch.Tensor] = (),
+        optimizer: Optimizer | None = None,
+    ) -> None:
+        self.pipeline = pipeline
+        self.optimizer_spec = check_optimizer(optimizer if optimizer is not None else AdamW())
+        distributed = dist.is_available() and dist.is_initialized()
+        world = dist.get_world_size() if distributed else 1
+        if world != pipeline.world_size:
+            raise PipelineError(
+                f"{pipeline} needs {pipeline.world_size} processes ({pipeline.num_stages} stages "
+                f"x {pipeline.data_parallel} devices per stage) but "
+                + (
+                    f"the process group has {world}"
+                    if distributed
+                    else "torch.distributed is not initialized"
+                )
+                + "; launch that many (torchrun, or fxpar.runtime.launch.spawn)"
+            )
+        self.rank = dist.get_rank() if distributed else 0
+        self._distributed = distributed
+        replicas = pipeline.data_parallel
+        self.stage, self.replica = divmod(self.rank, replicas)
+
+        pieces = pipeline.microbatches * replicas
+        inputs = _batch_tensors(example_inputs)
+        self._batch_size = _batch_size([*inputs, *example_targets], pieces)
+        piece = self._batch_size // pieces
+        micro_inputs = _with_tensors(example_inputs, [t[:piece] for t in inputs])
+        micro_targets = [t[:piece] for t in example_targets]
+        program = capture(model, micro_inputs, loss_fn, example_targets=micro_targets)
+        stages = pipeline.stages
+        points = even_split_points(program, stages) if isinstance(stages, int) else stages
+        self.split: SplitProgram = split_program(
+            program, partition(program, points), remat=pipeline.remat
+        )
+        self.schedule = build_schedule(
+            pipeline.schedule, pipeline.num_stages, pipeline.microbatches
+        )
+        simulate(self.schedule)
+        self.signature = program.signature
+
+        self._stage_group, self._shared_groups = self._make_groups()
+        state = {
+            **dict(model.named_parameters(remove_duplicate=False)),
+            **dict(model.named_buffers(remove_duplicate=False)),
+        }
+        held = set(self.split.stage_parameters(self.stage))
+        self.parameters: dict[str, torch.Tensor] = {}
+        for name in self.signature.parameters:
+            tensor = self._broadcast(state[name].detach().clone())
+            if name in held:
+                self.parameters[name] = tensor
+        self.buffers: dict[str, torch.Tensor] = {}
+        for name in self.signature.buffers:
+            tensor = self._broadcast(state[name].detach().clone())
+            if name in self.split.stage_buffers(self.stage):
+                self.buffers[name] = tensor
+        self._trainable = [n for n in self.signature.gradients if n in self.parameters]
+        self.optimizer = self.optimizer_spec.build([self.parameters[n] for n in self._trainable])
+        self.gradients: dict[str, torch.Tensor] = {}
+        self.trace: StageTrace | None = None
+        self.steps = 0
+        stride = replicas
+        self._worker = StageWorker(
+            self.split.forward[self.stage],
+            self.split.backward[self.stage],
+            self.schedule[self.stage],
+            rank=self.rank,
+            previous_rank=self.rank - stride if self.stage > 0 else None,
+            next_rank=self.rank + stride if self.stage < pipeline.num_stages - 1 else None,
+        )
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.stage == self.pipeline.num_stages - 1
+
+    # -- training -----------------------------------------------------------------------------
+
+    def step(self, *batch: torch.Tensor) -> torch.Tensor:
+        """One training step on the global batch (model inputs, then loss targets, the same on
+        every rank): the pipelined forward and backward, then one optimizer update. Returns
+        the loss of the whole batch, on every rank."""
+        loss = self.compute_gradients(*batch)
+        for name in self._trainable:
+            self.parameters[name].grad = self.gradients[name]
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        return loss
+
+    def compute_gradients(self, *batch: torch.Tensor) -> torch.Tensor:
+        """The step without the update: fills :attr:`gradients` and :attr:`trace`, updates
+        buffers, returns the loss."""
+        microbatches = self._microbatches(batch)
+        result = self._worker.run(self.parameters, self.buffers, microbatches)
+        self.trace = result.trace
+        for name in self.buffers:
+            self.buffers[name] = result.buffers[name]
+        self.gradients = self._reduce_gradients(result)
+        return self._reduce_loss(result)
+
+    def _reduce_gradients(self, result: StageResult) -> dict[str, torch.Tensor]:
+        sums = {
+            name: result.gradient_sums.get(name, torch.zeros_like(self.parameters[name]))
+            for name in self._trainable
+        }
+        if self._stage_group is not None:
+            for name in self._trainable:
+                dist.all_reduce(sums[name], group=self._stage_group)
+        for name, group in self._shared_groups.items():
+            dist.all_reduce(sums[name], group=group)
+        count = self.pipeline.microbatches * self.pipeline.data_parallel
+        return {name: value / count for name, value in sums.items()}
+
+    def _reduce_loss(self, result: StageResult) -> torch.Tensor:
+        count = self.pipeline.microbatches * self.pipeline.data_parallel
+        loss = result.loss_sum if result.loss_sum is not None else torch.zeros(())
+        loss = loss.detach().clone().to(torch.float64)
+        if self._distributed and dist.get_world_size() > 1:
+            # Only the last stage has losses; a sum over every rank spreads the mean to all.
+            dist.all_reduce(loss)
+        return (loss / count).to(self._loss_dtype())
+
+    def _loss_dtype(self) -> torch.dtype:
+        (output,) = (n for n in self.split.program.graph.nodes if n.op == "output")
+        value = output.args[0][0].meta.get("val")
+        return value.dtype if isinstance(value, torch.Tensor) else torch.float32
+
+    # -- batches and groups -------------------------------------------------------------------
+
+    def _microbatches(self, batch: Sequence[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        names = self.signature.inputs
+        if len(batch) != len(names):
+            raise BatchError(
+                f"step takes {len(names)} batch tensors {list(names)} (model inputs, then loss "
+                f"targets), got {len(batch)}"
+            )
+        for name, tensor in zip(names, batch, strict=True):
+            if not isinstance(tensor, torch.Tensor) or tensor.shape[0] != self._batch_size:
+                raise BatchError(
+                    f"batch tensor {name!r} must have {self._batch_size} rows (the example's "
+                    f"batch size), got {getattr(tensor, 'shape', type(tensor).__name__)}"
+                )
+        count, replicas = self.pipeline.microbatches, self.pipeline.data_parallel
+        piece = self._batch_size // (count * replicas)
+        pieces = []
+        for m in range(count):
+            start = (m * replicas + self.replica) * piece
+            pieces.append({n: t[start : start + piece] for n, t in zip(names, batch, strict=True)})
+        return pieces
+
+    def _make_groups(self) -> tuple[Any, dict[str, Any]]:
+        """Process groups: this stage's replicas, and each tied weight's holders (per replica
+        index). ``new_group`` is collective over the world, so every rank creates every group
+        in the same order and keeps its own."""
+        if not self._distributed:
+            return None, {}
+        replicas = self.pipeline.data_parallel
+        stage_group = None
+        if replicas > 1:
+            for stage in range(self.pipeline.num_stages):
+                ranks = list(range(stage * replicas, (stage + 1) * replicas))
+                group = dist.new_group(ranks)
+                if stage == self.stage:
+                    stage_group = group
+        shared: dict[str, Any] = {}
+        by_holders: dict[tuple[int, ...], list[str]] = {}
+        for name, holders in self.split.shared_parameters().items():
+            by_holders.setdefault(holders, []).append(name)
+        for holders, names in by_holders.items():
+            for replica in range(replicas):
+                ranks = [stage * replicas + replica for stage in holders]
+                group = dist.new_group(ranks)
+                if self.stage in holders and replica == self.replica:
+                    shared.update(dict.fromkeys(names, group))
+        return stage_group, shared
+
+    def _broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        # As DistributedDataParallel does: rank 0's weights are the ones trained.
+        if self._distributed:
+            dist.broadcast(tensor, src=0)
+        return tensor
+
+    def __repr__(self) -> str:
+        return (
+            f"PipelineModel(rank {self.rank}: stage {self.stage} of "
+            f"{self.pipeline.num_stages}, replica {self.replica}; {len(self.parameters)} "
+            f"parameters; {self.pipeline})"
+        )
+
+
+def _batch_tensors(inputs: Sequence[Any] | Mapping[str, Any]) -> list[torch.Tensor]:
+    if isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    values = list(inputs.values()) if isinstance(inputs, Mapping) else list(inputs)
+    return [v for v in values if isinstance(v, torch.Tensor)]
+
+
+def _with_tensors(
+    inputs: Sequence[Any] | Mapping[str, Any], tensors: Sequence[torch.Tensor]
+) -> Sequence[Any] | Mapping[str, Any]:
+    if isinstance(inputs, torch.Tensor):
+        return (tensors[0],)
+    replacements = iter(tensors)
+    if isinstance(inputs, Mapping):
+        return {
+            k: next(replacements) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()
+        }
+    return tuple(next(replacements) if isinstance(v, torch.Tensor) else v for v in inputs)
+
+
+def _batch_size(tensors: Sequence[torch.Tensor], pieces: int) -> int:
+    sizes = {t.shape[0] if t.dim() else None for t in tensors}
+    if len(sizes) != 1 or None in sizes:
+        raise BatchError(
+            f"every batch tensor needs the same size in dimension 0 (the batch dimension) to "
+            f"be cut into micro-batches, got sizes {sorted(map(str, sizes))}"
+        )
+    (size,) = sizes
+    assert size is not None
+    if size % pieces:
+        raise BatchError(
+            f"a batch of {size} rows cannot be cut into {pieces} equal pieces (micro-batches x "
+            "devices per stage); choose a batch size divisible by it"
+        )
+    return size

@@ -1,0 +1,219 @@
+"""Assign every node of a captured Program to a pipeline stage and to its forward or backward
+half.
+
+**Forward nodes go by position.** ``make_fx`` records forward ops in the order the model runs
+them, so a stage is a contiguous run of forward nodes: stage ``k`` begins at the first forward
+node of its split-point module. Position, not the module name alone, decides, so code of the
+root module between two layers (GPT's embedding sum, a residual add written in the parent's
+``forward``) lands in the stage that runs at that moment, and every forward edge points from a
+stage to itself or a later one.
+
+**Backward nodes follow the forward op they differentiate.** Capture tags each backward node
+with autograd's sequence number of its forward op (``Region.seq_nr``); failing that, with the
+module of that op when the module ran in one stage only. Nodes with neither (the loss seed,
+gradient accumulations, reductions for broadcasts) take the stage of their backward inputs, or
+of their forward inputs when they have none. Last, each backward node is clamped to at most the
+stage of every backward node it reads, so gradients only ever flow from a stage to itself or an
+earlier one. ``getitem`` nodes always sit with the tuple they read, so only tensors cross stages.
+
+A choice here never changes what is computed, only where: values a stage needs from elsewhere
+are routed by :mod:`fxpar.pipeline.split`.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import operator
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch.fx as fx
+
+from fxpar import ir
+from fxpar.flops import default_flop_registry
+from fxpar.pipeline.options import PipelineError
+from fxpar.program import Program
+
+logger = logging.getLogger(__name__)
+
+
+class Half(enum.Enum):
+    """The forward or the backward program of a stage."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+class Unit(NamedTuple):
+    """One program of the pipeline: the forward or backward half of stage ``stage``."""
+
+    half: Half
+    stage: int
+
+    def __str__(self) -> str:
+        return f"{self.half.value}[{self.stage}]"
+
+
+@dataclass(frozen=True)
+class Partition:
+    """Where every computing node of a Program runs."""
+
+    num_stages: int
+    split_points: tuple[str, ...]
+    """Module names where stages ``1 .. K-1`` begin."""
+    units: Mapping[fx.Node, Unit]
+    """The unit of every ``call_function`` node."""
+
+
+def partition(program: Program, split_points: Sequence[str]) -> Partition:
+    """Assign each node of ``program`` to a stage; stage ``k`` begins at ``split_points[k-1]``.
+
+    Raises:
+        PipelineError: a split point names no module that runs in forward, or the split points
+            are not in the order the model runs them.
+    """
+    forward = [n for n in program.graph.nodes if _phase(n) is ir.Phase.FORWARD]
+    starts = [_first_position(forward, point) for point in split_points]
+    for (previous, before), (point, start) in zip(
+        zip(split_points, starts, strict=True),
+        zip(split_points[1:], starts[1:], strict=False),
+        strict=False,
+    ):
+        if start <= before:
+            raise PipelineError(
+                f"split point {point!r} runs before {previous!r}: list the modules where stages "
+                "begin in the order the model's forward runs them"
+            )
+    units: dict[fx.Node, Unit] = {}
+    stage = 0
+    for position, node in enumerate(forward):
+        while stage < len(starts) and position >= starts[stage]:
+            stage += 1
+        units[node] = Unit(Half.FORWARD, stage)
+    _assign_backward(program, units)
+    _keep_getitems_with_their_tuple(program, units)
+    return Partition(len(split_points) + 1, tuple(split_points), units)
+
+
+def even_split_points(program: Program, num_stages: int) -> tuple[str, ...]:
+    """Split points cutting ``program`` into ``num_stages`` stages of about equal forward FLOPs,
+    each beginning at a repeated layer (``blocks.3``, ``layers.1``, ``h.7``).
+
+    Raises:
+        PipelineError: the model has fewer repeated layers than stages need; pass the split
+            points by name instead.
+    """
+    if num_stages == 1:
+        return ()
+    forward = [n for n in program.graph.nodes if _phase(n) is ir.Phase.FORWARD]
+    layers = _repeated_layers(forward)
+    if len(layers) < num_stages:
+        found = ", ".join(layers[:6]) or "none"
+        raise PipelineError(
+            f"cannot cut the model into {num_stages} stages at its repeated layers (found "
+            f"{len(layers)}: {found}); pass Pipeline(stages=('module.name', ...)) with the "
+            "modules where stages begin"
+        )
+    registry = default_flop_registry()
+    from fxpar.passes.annotate_cost import node_cost
+
+    flops = [float(ir.evaluate(node_cost(n, registry).flops)) + 1.0 for n in forward]
+    prefix = [0.0]
+    for value in flops:
+        prefix.append(prefix[-1] + value)
+    candidates = [(name, _first_position(forward, name)) for name in layers[1:]]
+    chosen: list[str] = []
+    for k in range(1, num_stages):
+        target = prefix[-1] * k / num_stages
+        remaining = [c for c in candidates if c[0] not in chosen]
+        # Leave enough later layers for the stages still to place.
+        remaining = remaining[: len(remaining) - (num_stages - 1 - k)]
+        if chosen:
+            last = _first_position(forward, chosen[-1])
+            remaining = [c for c in remaining if c[1] > last]
+        name, _ = min(remaining, key=lambda c: abs(prefix[c[1]] - target))
+        chosen.append(name)
+    logger.debug("even split of %d stages at %s", num_stages, chosen)
+    return tuple(chosen)
+
+
+def _repeated_layers(forward: Sequence[fx.Node]) -> list[str]:
+    """Children ``<container>.<i>`` of the container with the most numbered children, in run
+    order."""
+    containers: dict[str, list[str]] = {}
+    for node in forward:
+        module = ir.require(node, ir.Region).module
+        parts = module.split(".")
+        for depth, part in enumerate(parts):
+            if re.fullmatch(r"\d+", part):
+                container = ".".join(parts[:depth])
+                layer = ".".join(parts[: depth + 1])
+                names = containers.setdefault(container, [])
+                if layer not in names:
+                    names.append(layer)
+                break
+    if not containers:
+        return []
+    return max(containers.values(), key=len)
+
+
+def _first_position(forward: Sequence[fx.Node], module: str) -> int:
+    for position, node in enumerate(forward):
+        name = ir.require(node, ir.Region).module
+        if name == module or name.startswith(module + "."):
+            return position
+    modules = sorted({ir.require(n, ir.Region).module for n in forward} - {""})
+    raise PipelineError(
+        f"split point {module!r} names no module that runs in the forward pass; modules that "
+        f"do include {modules[:8]}"
+    )
+
+
+def _phase(node: fx.Node) -> ir.Phase:
+    return ir.require(node, ir.Region).phase
+
+
+def _assign_backward(program: Program, units: dict[fx.Node, Unit]) -> None:
+    stage_of_seq: dict[int, int] = {}
+    stages_of_module: dict[str, set[int]] = {}
+    for node, unit in units.items():
+        region = ir.require(node, ir.Region)
+        if region.seq_nr is not None:
+            stage_of_seq.setdefault(region.seq_nr, unit.stage)
+        stages_of_module.setdefault(region.module, set()).add(unit.stage)
+    last = max((u.stage for u in units.values()), default=0)
+    for node in program.graph.nodes:
+        if node.op in ("placeholder", "output") or _phase(node) is not ir.Phase.BACKWARD:
+            continue
+        region = ir.require(node, ir.Region)
+        backward_inputs = [units[a].stage for a in node.all_input_nodes if _is_backward(a, units)]
+        stage: int | None = None
+        if region.seq_nr is not None:
+            stage = stage_of_seq.get(region.seq_nr)
+        # The root module's code runs between layers, in any stage: its name says nothing.
+        if stage is None and region.module and len(stages_of_module.get(region.module, ())) == 1:
+            (stage,) = stages_of_module[region.module]
+        if stage is None and backward_inputs:
+            stage = min(backward_inputs)
+        if stage is None:
+            forward_inputs = [units[a].stage for a in node.all_input_nodes if a in units]
+            stage = max(forward_inputs, default=last)
+        # Gradients flow towards stage 0: never read a backward value of an earlier stage.
+        stage = min([stage, *backward_inputs])
+        units[node] = Unit(Half.BACKWARD, stage)
+
+
+def _is_backward(node: fx.Node, units: Mapping[fx.Node, Unit]) -> bool:
+    unit = units.get(node)
+    return unit is not None and unit.half is Half.BACKWARD
+
+
+def _keep_getitems_with_their_tuple(program: Program, units: dict[fx.Node, Unit]) -> None:
+    for node in program.graph.nodes:
+        if node.op == "call_function" and node.target is operator.getitem:
+            source = node.args[0]
+            if isinstance(source, fx.Node) and source in units:
+                units[node] = units[source]

@@ -1,0 +1,484 @@
+"""Cut a captured Program into a forward and a backward program per pipeline stage.
+
+Each of the ``2K`` programs (*units*, see :class:`~fxpar.pipeline.partition.Unit`) runs once per
+micro-batch, in the order ``forward[0], ..., forward[K-1], backward[K-1], ..., backward[0]``. A
+unit computes the nodes :func:`~fxpar.pipeline.partition.partition` gave it, and every other
+value it reads arrives on one of three channels:
+
+- ``forward[s-1] -> forward[s]``: activations, sent between ranks;
+- ``backward[s+1] -> backward[s]``: gradients (and anything else a backward needs from a later
+  stage), sent between ranks;
+- ``forward[s] -> backward[s]``: the *stash*, what stage ``s`` keeps for its own backward.
+
+Parameters and batch tensors never travel: every stage reads its own copy. Routing is demand
+driven, starting from what the step returns (the loss, each gradient, each new buffer): a unit
+that needs a value it does not compute asks the channel it would arrive on, and the unit at
+the other end computes it or asks in turn. A value produced two stages back is therefore
+relayed through the stage between, and nothing unneeded is computed or sent.
+
+**Rematerialization.** With ``remat=True`` the backward of stage ``s`` computes the forward
+nodes of stage ``s`` it needs itself, instead of reading them from the stash, so the stash
+holds only what the stage's forward *received* (the stage-boundary activations) and its
+buffers. The forward still runs whole, to produce what it sends and the loss.
+
+**Tied weights.** A parameter read by two stages (GPT's embedding and head) is held by both.
+Its gradient is the sum of one term per use, joined by ``add`` nodes that capture placed in
+one stage; here those adds are dropped and each stage returns the sum of its own terms, a
+*partial* gradient. The runtime sums the partials of the holders once per step (an
+all-reduce over the holding stages), after which every copy takes the same update.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from fxpar import ir
+from fxpar.pipeline.options import PipelineError
+from fxpar.pipeline.partition import Half, Partition, Unit
+from fxpar.program import Program, StepResult
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class Value:
+    """A tensor that crosses from one unit to another: the node it is in the captured Program,
+    and its shape and dtype (which a receiving rank allocates before the data arrives)."""
+
+    name: str
+    meta: ir.TensorMeta
+
+
+@dataclass(frozen=True)
+class StageOutputs:
+    """What one unit returns for one micro-batch."""
+
+    sent: tuple[torch.Tensor, ...]
+    stashed: tuple[torch.Tensor, ...]
+    loss: torch.Tensor | None
+    buffer_updates: dict[str, torch.Tensor]
+    gradients: dict[str, torch.Tensor]
+    """Partial gradients: this stage's share, for one micro-batch, of the mean-loss step."""
+
+
+@dataclass(frozen=True)
+class StageProgram:
+    """One unit: a GraphModule and the meaning of its inputs and outputs.
+
+    Placeholders, in order: ``parameters``, ``buffers``, ``batch`` (this micro-batch's piece),
+    ``received`` (from the neighbouring stage), ``restored`` (the stash, backward only).
+    Outputs, flat: ``sent``, ``stashed`` (forward only), the loss (when ``loss``),
+    ``buffer_updates``, ``gradients``.
+    """
+
+    unit: Unit
+    graph_module: fx.GraphModule
+    parameters: tuple[str, ...]
+    buffers: tuple[str, ...]
+    batch: tuple[str, ...]
+    received: tuple[Value, ...]
+    restored: tuple[Value, ...]
+    sent: tuple[Value, ...]
+    stashed: tuple[Value, ...]
+    loss: bool
+    buffer_updates: tuple[str, ...]
+    gradients: tuple[str, ...]
+
+    def run(
+        self,
+        parameters: Mapping[str, torch.Tensor],
+        buffers: Mapping[str, torch.Tensor],
+        batch: Mapping[str, torch.Tensor],
+        received: Sequence[torch.Tensor] = (),
+        restored: Sequence[torch.Tensor] = (),
+    ) -> StageOutputs:
+        """Run on real tensors; parameters, buffers and batch tensors are looked up by name."""
+        if len(received) != len(self.received) or len(restored) != len(self.restored):
+            raise PipelineError(
+                f"{self.unit} expects {len(self.received)} received and {len(self.restored)} "
+                f"stashed tensors, got {len(received)} and {len(restored)}"
+            )
+        inputs = [parameters[n] for n in self.parameters]
+        inputs += [buffers[n] for n in self.buffers]
+        inputs += [batch[n] for n in self.batch]
+        with torch.no_grad():
+            flat = list(self.graph_module(*inputs, *received, *restored))
+        sent = tuple(flat[: len(self.sent)])
+        del flat[: len(self.sent)]
+        stashed = tuple(flat[: len(self.stashed)])
+        del flat[: len(self.stashed)]
+        loss = flat.pop(0) if self.loss else None
+        updates = dict(zip(self.buffer_updates, flat[: len(self.buffer_updates)], strict=True))
+        del flat[: len(self.buffer_updates)]
+        gradients = dict(zip(self.gradients, flat, strict=True))
+        return StageOutputs(sent, stashed, loss, updates, gradients)
+
+    def code(self) -> str:
+        return self.graph_module.code
+
+
+@dataclass(frozen=True)
+class SplitProgram:
+    """The per-stage programs of one captured step (at micro-batch size)."""
+
+    program: Program
+    partition: Partition
+    remat: bool
+    forward: tuple[StageProgram, ...]
+    backward: tuple[StageProgram, ...]
+    holders: Mapping[str, tuple[int, ...]]
+    """For each parameter, the stages that keep a copy of it (more than one: tied weights)."""
+
+    @property
+    def num_stages(self) -> int:
+        return self.partition.num_stages
+
+    def stage_parameters(self, stage: int) -> tuple[str, ...]:
+        """Parameters stage ``stage`` holds, in the Program's order."""
+        return tuple(n for n in self.program.signature.parameters if stage in self.holders[n])
+
+    def stage_buffers(self, stage: int) -> tuple[str, ...]:
+        return self.forward[stage].buffers
+
+    def shared_parameters(self) -> dict[str, tuple[int, ...]]:
+        """Trainable parameters held by several stages, whose partial gradients are summed."""
+        trainable = set(self.program.signature.gradients)
+        return {n: s for n, s in self.holders.items() if len(s) > 1 and n in trainable}
+
+    def run_microbatches(
+        self,
+        state: Mapping[str, torch.Tensor],
+        microbatches: Sequence[Sequence[torch.Tensor]],
+    ) -> StepResult:
+        """The whole pipelined step in one process, micro-batch after micro-batch: the loss is
+        the mean of the micro-batch losses, gradients the mean of theirs, and buffers are
+        updated once per micro-batch. The reference the distributed runtime must match."""
+        signature = self.program.signature
+        buffers = {name: state[name] for name in signature.buffers}
+        totals: dict[str, torch.Tensor] = {}
+        losses = []
+        for pieces in microbatches:
+            batch = dict(zip(signature.inputs, pieces, strict=True))
+            stash: list[tuple[torch.Tensor, ...]] = []
+            message: tuple[torch.Tensor, ...] = ()
+            for stage in self.forward:
+                out = stage.run(state, buffers, batch, message)
+                message = out.sent
+                stash.append(out.stashed)
+                buffers.update(out.buffer_updates)
+                if out.loss is not None:
+                    losses.append(out.loss)
+            message = ()
+            for stage in reversed(self.backward):
+                out = stage.run(state, buffers, batch, message, stash[stage.unit.stage])
+                message = out.sent
+                for name, gradient in out.gradients.items():
+                    totals[name] = totals[name] + gradient if name in totals else gradient
+        count = len(microbatches)
+        return StepResult(
+            loss=torch.stack(losses).mean(),
+            gradients={name: totals[name] / count for name in signature.gradients},
+            buffers={name: buffers[name] for name in signature.buffer_updates},
+        )
+
+
+def split_program(program: Program, partition: Partition, *, remat: bool) -> SplitProgram:
+    """Build the ``2K`` unit programs of ``program`` cut as ``partition`` says.
+
+    Raises:
+        PipelineError: remat was asked for a stage whose forward draws random numbers
+            (dropout), which recomputation would draw differently.
+    """
+    router = _Router(program, partition, remat)
+    outputs = _output_roots(program, partition)
+    for unit, node in outputs.roots():
+        router.request(unit, node)
+    if remat:
+        _reject_random_recomputation(router, partition)
+    stages = range(partition.num_stages)
+    forward = tuple(router.build(Unit(Half.FORWARD, s), outputs) for s in stages)
+    backward = tuple(router.build(Unit(Half.BACKWARD, s), outputs) for s in stages)
+    holders: dict[str, set[int]] = {n: set() for n in program.signature.parameters}
+    for unit_program in (*forward, *backward):
+        for name in (*unit_program.parameters, *unit_program.gradients):
+            if name in holders:
+                holders[name].add(unit_program.unit.stage)
+    return SplitProgram(
+        program=program,
+        partition=partition,
+        remat=remat,
+        forward=forward,
+        backward=backward,
+        # An unused parameter still has a home, so it is saved and updated somewhere.
+        holders={n: tuple(sorted(s)) if s else (0,) for n, s in holders.items()},
+    )
+
+
+@dataclass(frozen=True)
+class _OutputRoots:
+    """What the step returns, and in which unit each piece is produced."""
+
+    loss: tuple[Unit, fx.Node]
+    buffer_updates: dict[str, tuple[Unit, fx.Node]]
+    gradient_terms: dict[str, dict[int, list[fx.Node]]]
+    """Per gradient, its summands grouped by the stage whose backward computes them."""
+
+    def roots(self) -> Iterable[tuple[Unit, fx.Node]]:
+        yield self.loss
+        yield from self.buffer_updates.values()
+        for by_stage in self.gradient_terms.values():
+            for stage, terms in by_stage.items():
+                for term in terms:
+                    yield Unit(Half.BACKWARD, stage), term
+
+
+def _output_roots(program: Program, partition: Partition) -> _OutputRoots:
+    signature = program.signature
+    (output,) = (n for n in program.graph.nodes if n.op == "output")
+    flat = list(output.args[0])
+    loss = flat[0]
+    if not isinstance(loss, fx.Node) or partition.units.get(loss, None) is None:
+        raise PipelineError("the captured loss is not computed by the model's forward pass")
+    gradients = flat[1 : 1 + len(signature.gradients)]
+    updates = flat[1 + len(signature.gradients) :]
+    last_backward = Unit(Half.BACKWARD, partition.num_stages - 1)
+    terms: dict[str, dict[int, list[fx.Node]]] = {}
+    for name, gradient in zip(signature.gradients, gradients, strict=True):
+        by_stage: dict[int, list[fx.Node]] = {}
+        for term in _summands(gradient, partition):
+            stage = partition.units.get(term, last_backward).stage
+            by_stage.setdefault(stage, []).append(term)
+        terms[name] = by_stage
+    buffer_updates = {}
+    for name, node in zip(signature.buffer_updates, updates, strict=True):
+        unit = partition.units.get(node)
+        if unit is None or unit.half is not Half.FORWARD:
+            raise PipelineError(
+                f"buffer {name!r} is updated outside the forward pass; the pipeline runtime "
+                "updates buffers only in a stage's forward"
+            )
+        buffer_updates[name] = (unit, node)
+    return _OutputRoots((partition.units[loss], loss), buffer_updates, terms)
+
+
+def _summands(node: fx.Node, partition: Partition) -> list[fx.Node]:
+    """The terms of a gradient accumulation ``a + b + ...`` built by autograd for a parameter
+    used more than once, split where terms come from different stages."""
+    if (
+        node.op == "call_function"
+        and node.target is aten.add.Tensor
+        and not node.kwargs
+        and len(node.users) == 1
+        and len(node.args) == 2
+        and all(isinstance(a, fx.Node) for a in node.args)
+    ):
+        left, right = node.args
+        assert isinstance(left, fx.Node) and isinstance(right, fx.Node)
+        if _same_meta(left, node) and _same_meta(right, node):
+            return _summands(left, partition) + _summands(right, partition)
+    return [node]
+
+
+def _same_meta(a: fx.Node, b: fx.Node) -> bool:
+    meta_a, meta_b = ir.get(a, ir.ValueMeta), ir.get(b, ir.ValueMeta)
+    return meta_a is not None and meta_a == meta_b
+
+
+class _Router:
+    """Demand-driven routing of values to the units that read them (see the module docstring)."""
+
+    def __init__(self, program: Program, partition: Partition, remat: bool) -> None:
+        self.program = program
+        self.partition = partition
+        self.remat = remat
+        signature = program.signature
+        placeholders = program.placeholders()
+        self.names = {node: name for name, node in placeholders.items()}
+        self.kinds = {
+            **{placeholders[n]: "parameter" for n in signature.parameters},
+            **{placeholders[n]: "buffer" for n in signature.buffers},
+            **{placeholders[n]: "batch" for n in signature.inputs},
+        }
+        self.position = {node: index for index, node in enumerate(program.graph.nodes)}
+        self.computed: dict[Unit, set[fx.Node]] = {}
+        self.ambient: dict[Unit, set[fx.Node]] = {}
+        self.channels: dict[tuple[Unit, Unit], set[fx.Node]] = {}
+        self.seen: set[tuple[Unit, fx.Node]] = set()
+
+    def request(self, unit: Unit, node: fx.Node) -> None:
+        """Make ``node``'s value available in ``unit``."""
+        pending = [(unit, node)]
+        while pending:
+            unit, node = pending.pop()
+            if (unit, node) in self.seen:
+                continue
+            self.seen.add((unit, node))
+            kind = self.kinds.get(node)
+            if kind is not None:
+                if kind != "buffer" or unit.half is Half.FORWARD:
+                    self.ambient.setdefault(unit, set()).add(node)
+                    continue
+                # A backward reads the buffer value its own forward saw.
+                source = Unit(Half.FORWARD, unit.stage)
+            else:
+                home = self.partition.units.get(node)
+                if home is None:
+                    raise PipelineError(f"node {node.name!r} ({node.target}) has no stage")
+                if home == unit or (
+                    self.remat
+                    and unit.half is Half.BACKWARD
+                    and home == Unit(Half.FORWARD, unit.stage)
+                ):
+                    self.computed.setdefault(unit, set()).add(node)
+                    pending.extend((unit, arg) for arg in node.all_input_nodes)
+                    continue
+                source = self._source(unit, node, home)
+            self.channels.setdefault((source, unit), set()).add(node)
+            pending.append((source, node))
+
+    def _source(self, unit: Unit, node: fx.Node, home: Unit) -> Unit:
+        """The unit from which ``unit`` receives ``node``'s value, produced in ``home``."""
+        stage = unit.stage
+        if unit.half is Half.FORWARD:
+            if home.half is Half.FORWARD and home.stage < stage:
+                return Unit(Half.FORWARD, stage - 1)
+        elif home.half is Half.FORWARD and home.stage <= stage:
+            return Unit(Half.FORWARD, stage)
+        elif home.stage > stage:
+            return Unit(Half.BACKWARD, stage + 1)
+        raise PipelineError(
+            f"{unit} reads {node.name!r} ({node.target}), computed later in {home}; the stage "
+            "assignment is not causal. Check that the split points follow the forward order"
+        )
+
+    def build(self, unit: Unit, outputs: _OutputRoots) -> StageProgram:
+        stage, last = unit.stage, self.partition.num_stages - 1
+        forward = unit.half is Half.FORWARD
+        previous = (
+            (Unit(Half.FORWARD, stage - 1) if stage > 0 else None)
+            if forward
+            else (Unit(Half.BACKWARD, stage + 1) if stage < last else None)
+        )
+        following = (
+            (Unit(Half.FORWARD, stage + 1) if stage < last else None)
+            if forward
+            else (Unit(Half.BACKWARD, stage - 1) if stage > 0 else None)
+        )
+        own_forward = Unit(Half.FORWARD, stage)
+        own_backward = Unit(Half.BACKWARD, stage)
+        received = self._ordered(self.channels.get((previous, unit), ()) if previous else ())
+        restored = () if forward else self._ordered(self.channels.get((own_forward, unit), ()))
+        sent = self._ordered(self.channels.get((unit, following), ()) if following else ())
+        stashed = self._ordered(self.channels.get((unit, own_backward), ())) if forward else ()
+
+        graph = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        ambient = self._ordered(self.ambient.get(unit, ()))
+        by_kind = {
+            kind: tuple(n for n in ambient if self.kinds[n] == kind)
+            for kind in ("parameter", "buffer", "batch")
+        }
+        for node in (*by_kind["parameter"], *by_kind["buffer"], *by_kind["batch"]):
+            env[node] = _placeholder(graph, node, node.name)
+        for node in received:
+            env[node] = _placeholder(graph, node, f"received_{node.name}")
+        for node in restored:
+            env[node] = _placeholder(graph, node, f"stashed_{node.name}")
+        computed = self.computed.get(unit, set())
+        for node in self.program.graph.nodes:
+            if node in computed:
+                env[node] = graph.node_copy(node, env.__getitem__)
+
+        results = [env[n] for n in (*sent, *stashed)]
+        loss_unit, loss_node = outputs.loss
+        has_loss = loss_unit == unit
+        if has_loss:
+            results.append(env[loss_node])
+        updates = [name for name, (u, _) in outputs.buffer_updates.items() if u == unit]
+        results += [env[outputs.buffer_updates[name][1]] for name in updates]
+        gradients = []
+        for name, by_stage in outputs.gradient_terms.items():
+            terms = by_stage.get(stage) if not forward else None
+            if not terms:
+                continue
+            total = env[terms[0]]
+            for term in terms[1:]:
+                total = graph.call_function(aten.add.Tensor, (total, env[term]))
+                ir.annotate(total, ir.Region(ir.Phase.BACKWARD, ""))
+                ir.annotate(total, ir.require(terms[0], ir.ValueMeta))
+            gradients.append(name)
+            results.append(total)
+        graph.output(tuple(results))
+        graph.lint()
+        module = fx.GraphModule(self.program.graph_module, graph, class_name=f"Stage{stage}")
+        return StageProgram(
+            unit=unit,
+            graph_module=module,
+            parameters=tuple(self.names[n] for n in by_kind["parameter"]),
+            buffers=tuple(self.names[n] for n in by_kind["buffer"]),
+            batch=tuple(self.names[n] for n in by_kind["batch"]),
+            received=tuple(_value(n) for n in received),
+            restored=tuple(_value(n) for n in restored),
+            sent=tuple(_value(n) for n in sent),
+            stashed=tuple(_value(n) for n in stashed),
+            loss=has_loss,
+            buffer_updates=tuple(updates),
+            gradients=tuple(gradients),
+        )
+
+    def _ordered(self, nodes: Iterable[fx.Node]) -> tuple[fx.Node, ...]:
+        return tuple(sorted(nodes, key=self.position.__getitem__))
+
+
+def _placeholder(graph: fx.Graph, source: fx.Node, name: str) -> fx.Node:
+    node = graph.placeholder(name)
+    node.meta = dict(source.meta)
+    return node
+
+
+def _value(node: fx.Node) -> Value:
+    meta = ir.require(node, ir.ValueMeta)
+    if meta.multiple or meta.outputs[0] is None:
+        raise PipelineError(
+            f"{node.name!r} ({node.target}) crosses a stage boundary but is not a single tensor"
+        )
+    return Value(node.name, meta.tensor)
+
+
+def _reject_random_recomputation(router: _Router, partition: Partition) -> None:
+    for unit, nodes in router.computed.items():
+        if unit.half is not Half.BACKWARD:
+            continue
+        for node in nodes:
+            if partition.units[node].half is not Half.FORWARD:
+                continue
+            if _draws_random_numbers(node):
+                target = node.target
+                module = ir.require(node, ir.Region).module
+                raise PipelineError(
+                    f"remat would recompute {target} of module {module or '<root>'!r} in stage "
+                    f"{unit.stage}, which draws random numbers and would draw different ones; "
+                    "set dropout to 0 or use Pipeline(remat=False)"
+                )
+
+
+def _draws_random_numbers(node: fx.Node) -> bool:
+    """Whether ``node`` is a seeded random op; a dropout probability of 0 (attention kernels
+    take one) draws nothing."""
+    target = node.target
+    if torch.Tag.nondeterministic_seeded not in getattr(target, "tags", ()):
+        return False
+    schema = getattr(target, "_schema", None)
+    for index, argument in enumerate(schema.arguments if schema is not None else ()):
+        if argument.name in ("p", "dropout_p", "train"):
+            if index < len(node.args):
+                value = node.args[index]
+            else:
+                value = node.kwargs.get(argument.name, argument.default_value)
+            if value in (0, 0.0, False):
+                return False
+    return True
