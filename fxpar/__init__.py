@@ -15,11 +15,12 @@ sharded optimizers in :mod:`fxpar.optim`, sharded checkpoints).
 
 from __future__ import annotations
 
-from fxpar import errors, ir, optim
+from fxpar import errors, ir, optim, pipeline
 from fxpar.capture import capture
 from fxpar.cluster import Cluster
 from fxpar.lowering import lower
 from fxpar.parallel import ParallelModel, compile
+from fxpar.pipeline import Pipeline, PipelineModel
 from fxpar.planner import Plan, PlanOptions, plan
 from fxpar.program import Program, Signature, StepResult
 from fxpar.verify import verify
@@ -27,6 +28,8 @@ from fxpar.verify import verify
 __all__ = [
     "Cluster",
     "ParallelModel",
+    "Pipeline",
+    "PipelineModel",
     "Plan",
     "PlanOptions",
     "Program",
@@ -38,6 +41,7 @@ __all__ = [
     "ir",
     "lower",
     "optim",
+    "pipeline",
     "plan",
     "verify",
 ]

@@ -27,7 +27,7 @@ import os
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, cast
+from typing import Any, cast, overload
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,7 @@ from fxpar.cluster import Cluster, Coordinate
 from fxpar.errors import BatchError, CheckpointError, DistributedError, FxparError
 from fxpar.lowering import SPMDProgram
 from fxpar.optim import AdamW, Optimizer, check_optimizer
+from fxpar.pipeline import Pipeline, PipelineModel
 from fxpar.planner import ManualPlan, Plan, PlanOptions, plan_program
 from fxpar.rules import RuleRegistry
 from fxpar.runtime.collectives import ProcessGroupCommunicator
@@ -47,6 +48,42 @@ from fxpar.sharding import Spec, shard_tensor
 from fxpar.solvers.problem import IntraOpProblem, IntraOpSolution, IntraOpSolver
 
 logger = logging.getLogger(__name__)
+
+
+@overload
+def compile(
+    model: nn.Module,
+    cluster: Cluster,
+    example_inputs: Sequence[Any] | Mapping[str, Any],
+    loss_fn: LossFn | None = None,
+    *,
+    example_targets: Sequence[torch.Tensor] = (),
+    optimizer: Optimizer | None = None,
+    solver: IntraOpSolver | ManualPlan | None = None,
+    pins: Mapping[str, Spec] | None = None,
+    options: PlanOptions | None = None,
+    rules: RuleRegistry | None = None,
+    check_batches: bool = True,
+    pipeline: None = None,
+) -> ParallelModel: ...
+
+
+@overload
+def compile(
+    model: nn.Module,
+    cluster: Cluster,
+    example_inputs: Sequence[Any] | Mapping[str, Any],
+    loss_fn: LossFn | None = None,
+    *,
+    example_targets: Sequence[torch.Tensor] = (),
+    optimizer: Optimizer | None = None,
+    solver: IntraOpSolver | ManualPlan | None = None,
+    pins: Mapping[str, Spec] | None = None,
+    options: PlanOptions | None = None,
+    rules: RuleRegistry | None = None,
+    check_batches: bool = True,
+    pipeline: Pipeline,
+) -> PipelineModel: ...
 
 
 def compile(
@@ -62,7 +99,8 @@ def compile(
     options: PlanOptions | None = None,
     rules: RuleRegistry | None = None,
     check_batches: bool = True,
-) -> ParallelModel:
+    pipeline: Pipeline | None = None,
+) -> ParallelModel | PipelineModel:
     """Plan ``model``'s training step for ``cluster`` and build this process's share of it.
 
     Call it on every rank with the same arguments, after ``torch.distributed`` is initialized
@@ -85,8 +123,18 @@ def compile(
         check_batches: compare a checksum of every batch across ranks before each step (one
             small all-gather), so a rank fed a different batch fails loudly instead of
             training on a mixture.
+        pipeline: run the step as a synchronous pipeline instead (see
+            :class:`fxpar.pipeline.Pipeline` and docs/pipelines.md): returns a
+            :class:`~fxpar.pipeline.PipelineModel`, whose stages run data-parallel on
+            ``pipeline.data_parallel`` devices each; ``solver``, ``pins``, ``options`` and
+            ``rules`` (intra-op planning inside a stage) do not apply to it yet.
     """
     optimizer = check_optimizer(optimizer if optimizer is not None else AdamW())
+    if pipeline is not None:
+        return _compile_pipeline(
+            model, cluster, example_inputs, loss_fn, example_targets, optimizer, pipeline,
+            intra_op=(solver, pins, options, rules),
+        )  # fmt: skip
     device_mesh = _device_mesh(cluster)
     _check_materialized(model)
     program = capture(model, example_inputs, loss_fn, example_targets=example_targets)
@@ -97,6 +145,35 @@ def compile(
         solver = _SolvedOnRankZero(cast("IntraOpSolver | None", solver))
     plan = plan_program(program, cluster, solver, options=options, rules=rules)
     return ParallelModel(plan, model, optimizer, device_mesh, check_batches=check_batches)
+
+
+def _compile_pipeline(
+    model: nn.Module,
+    cluster: Cluster,
+    example_inputs: Sequence[Any] | Mapping[str, Any],
+    loss_fn: LossFn | None,
+    example_targets: Sequence[torch.Tensor],
+    optimizer: Optimizer,
+    pipeline: Pipeline,
+    intra_op: tuple[object, ...],
+) -> PipelineModel:
+    if any(option is not None for option in intra_op):
+        raise FxparError(
+            "solver, pins, options and rules choose intra-op sharding, which pipeline stages do "
+            "not take yet (each stage runs data-parallel on Pipeline.data_parallel devices): "
+            "drop them, or compile without pipeline="
+        )
+    if cluster.world_size != pipeline.world_size:
+        raise DistributedError(
+            f"{pipeline} runs on {pipeline.world_size} devices ({pipeline.num_stages} stages x "
+            f"{pipeline.data_parallel} per stage) but the cluster has {cluster.world_size}: "
+            "make stages x data_parallel equal the number of processes"
+        )
+    _check_materialized(model)
+    return PipelineModel(
+        model, pipeline, example_inputs, loss_fn, example_targets=example_targets,
+        optimizer=optimizer,
+    )  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import fxpar
+from fxpar import plans
 from fxpar.errors import BatchError, CheckpointError, DistributedError, FxparError
 from fxpar.models import GPT, GPTConfig, gpt_loss
 
@@ -216,3 +217,34 @@ def test_parse_mesh() -> None:
     for bad in ("", "2x", "0x4", "two"):
         with pytest.raises(FxparError, match="write it like 8 or 2x4"):
             fxpar.Cluster.parse_mesh(bad)
+
+
+def test_compile_with_a_pipeline() -> None:
+    """pipeline= hands the step to the pipeline runtime: one stage, two micro-batches on one
+    device trains like torch.optim on the whole batch (the loss is the mean over
+    micro-batches)."""
+    batches = _batches(3)
+    eager = _model()
+    expected = _eager(eager, torch.optim.SGD(eager.parameters(), lr=0.1), batches)
+    tokens, targets = batches[0]
+    pipelined = fxpar.compile(
+        _model(), fxpar.Cluster((1,)), (tokens,), gpt_loss, example_targets=(targets,),
+        optimizer=fxpar.optim.SGD(lr=0.1), pipeline=fxpar.Pipeline(stages=1, microbatches=2),
+    )  # fmt: skip
+    assert isinstance(pipelined, fxpar.PipelineModel)
+    losses = [pipelined.step(*batch).item() for batch in batches]
+    assert losses == pytest.approx(expected, rel=1e-5)
+
+
+def test_compile_pipeline_errors() -> None:
+    tokens, targets = _batches(1)[0]
+    with pytest.raises(DistributedError, match=r"runs on 2 devices \(2 stages x 1 per stage\)"):
+        fxpar.compile(
+            _model(), fxpar.Cluster((1,)), (tokens,), gpt_loss, example_targets=(targets,),
+            pipeline=fxpar.Pipeline(stages=2),
+        )  # fmt: skip
+    with pytest.raises(FxparError, match="pipeline stages do not take yet"):
+        fxpar.compile(
+            _model(), fxpar.Cluster((1,)), (tokens,), gpt_loss, example_targets=(targets,),
+            solver=plans.data_parallel, pipeline=fxpar.Pipeline(stages=1),
+        )  # fmt: skip
