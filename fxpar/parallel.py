@@ -163,17 +163,27 @@ def _compile_pipeline(
             "not take yet (each stage runs data-parallel on Pipeline.data_parallel devices): "
             "drop them, or compile without pipeline="
         )
+    _check_materialized(model)
+    choice = None
+    if pipeline.stages == "auto":
+        from fxpar.pipeline import plan_stages
+
+        program = capture(model, example_inputs, loss_fn, example_targets=example_targets)
+        choice = plan_stages(program, cluster, pipeline, optimizer_states=optimizer.state_copies)
+        pipeline = choice.pipeline
+        logger.info("stages chosen by the stage DP:\n%s", choice.report())
     if cluster.world_size != pipeline.world_size:
         raise DistributedError(
             f"{pipeline} runs on {pipeline.world_size} devices ({pipeline.num_stages} stages x "
             f"{pipeline.data_parallel} per stage) but the cluster has {cluster.world_size}: "
             "make stages x data_parallel equal the number of processes"
         )
-    _check_materialized(model)
-    return PipelineModel(
+    pipelined = PipelineModel(
         model, pipeline, example_inputs, loss_fn, example_targets=example_targets,
         optimizer=optimizer,
     )  # fmt: skip
+    pipelined.stage_choice = choice
+    return pipelined
 
 
 @dataclass(frozen=True)

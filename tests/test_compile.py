@@ -236,6 +236,20 @@ def test_compile_with_a_pipeline() -> None:
     assert losses == pytest.approx(expected, rel=1e-5)
 
 
+def test_compile_with_automatic_stages() -> None:
+    """stages="auto": the stage DP chooses (here, on one device, the only choice: one stage)
+    and its choice travels with the model."""
+    tokens, targets = _batches(1)[0]
+    pipelined = fxpar.compile(
+        _model(), fxpar.Cluster((1,)), (tokens,), gpt_loss, example_targets=(targets,),
+        pipeline=fxpar.Pipeline(stages="auto", microbatches=2),
+    )  # fmt: skip
+    assert pipelined.stage_choice is not None
+    assert pipelined.pipeline.num_stages == 1 and pipelined.pipeline.data_parallel == 1
+    assert "stage" in pipelined.stage_choice.report()
+    assert torch.isfinite(pipelined.step(tokens, targets))
+
+
 def test_compile_pipeline_errors() -> None:
     tokens, targets = _batches(1)[0]
     with pytest.raises(DistributedError, match=r"runs on 2 devices \(2 stages x 1 per stage\)"):

@@ -5,12 +5,15 @@
   programs (:class:`SplitProgram`).
 - :func:`build_schedule` turns GPipe or 1F1B into an instruction list per stage.
 - :class:`PipelineModel` trains on ``torch.distributed`` processes, one stage replica each.
+- :func:`plan_stages` chooses split points and devices per stage with the stage DP
+  (``Pipeline(stages="auto")`` in :func:`fxpar.compile`).
 
 See docs/pipelines.md.
 """
 
 from __future__ import annotations
 
+from fxpar.pipeline.auto import DegreeOutcome, StageChoice, evaluate_split, plan_stages
 from fxpar.pipeline.executor import Event, StageTrace, StageWorker
 from fxpar.pipeline.model import PipelineModel, compile_pipeline
 from fxpar.pipeline.options import Pipeline, PipelineError
@@ -20,6 +23,7 @@ from fxpar.pipeline.split import SplitProgram, StageProgram, split_program
 from fxpar.pipeline.timeline import bubble_fractions, ideal_bubble, plot_timeline
 
 __all__ = [
+    "DegreeOutcome",
     "Event",
     "Half",
     "Instruction",
@@ -29,6 +33,7 @@ __all__ = [
     "PipelineError",
     "PipelineModel",
     "SplitProgram",
+    "StageChoice",
     "StageProgram",
     "StageTrace",
     "StageWorker",
@@ -36,10 +41,12 @@ __all__ = [
     "bubble_fractions",
     "build_schedule",
     "compile_pipeline",
+    "evaluate_split",
     "even_split_points",
     "ideal_bubble",
     "max_in_flight",
     "partition",
+    "plan_stages",
     "plot_timeline",
     "simulate",
     "split_program",

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -42,6 +42,9 @@ from fxpar.pipeline.options import Pipeline, PipelineError
 from fxpar.pipeline.partition import even_split_points, partition
 from fxpar.pipeline.schedule import build_schedule, simulate
 from fxpar.pipeline.split import SplitProgram, split_program
+
+if TYPE_CHECKING:
+    from fxpar.pipeline.auto import StageChoice
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +85,7 @@ class PipelineModel:
         parameters, buffers: this stage's tensors, by name (tied weights in each holder).
         gradients: this stage's gradients of the last step, as used by the update.
         trace: the last step's instruction timings on this rank.
+        stage_choice: the stage DP's choice, when ``fxpar.compile`` planned the stages.
     """
 
     def __init__(
@@ -152,6 +156,8 @@ class PipelineModel:
         self.optimizer = self.optimizer_spec.build([self.parameters[n] for n in self._trainable])
         self.gradients: dict[str, torch.Tensor] = {}
         self.trace: StageTrace | None = None
+        self.stage_choice: StageChoice | None = None
+        """The stage DP's choice when the stages were planned (``stages="auto"``)."""
         self.steps = 0
         stride = replicas
         self._worker = StageWorker(

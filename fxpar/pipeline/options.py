@@ -25,7 +25,9 @@ class Pipeline:
         stages: the number of stages ``K`` (the model is cut evenly between its repeated
             layers, e.g. GPT's ``blocks.0``, ``blocks.1``, ...), or the split points: module
             names, in the order the model runs them, where stages ``1 .. K-1`` begin (stage 0
-            starts with the model). ``("blocks.2",)`` makes two stages.
+            starts with the model). ``("blocks.2",)`` makes two stages. ``"auto"``: let
+            :func:`fxpar.compile` choose the split points and ``data_parallel`` with the stage
+            DP (:func:`fxpar.pipeline.plan_stages`).
         microbatches: ``M``; the global batch is cut along dimension 0 into ``M`` equal
             micro-batches. The bubble is ``(K-1)/(M+K-1)`` of the step: choose ``M >= 4 K``.
         schedule: ``"gpipe"`` (all forwards, then all backwards: ``M`` micro-batches of
@@ -37,14 +39,16 @@ class Pipeline:
             piece of every micro-batch, and their gradients are all-reduced once per step.
     """
 
-    stages: int | tuple[str, ...] = 2
+    stages: int | tuple[str, ...] | Literal["auto"] = 2
     microbatches: int = 4
     schedule: ScheduleName = "1f1b"
     remat: bool = False
     data_parallel: int = 1
 
     def __post_init__(self) -> None:
-        if isinstance(self.stages, Sequence) and not isinstance(self.stages, str):
+        if self.stages == "auto":
+            pass
+        elif isinstance(self.stages, Sequence) and not isinstance(self.stages, str):
             object.__setattr__(self, "stages", tuple(self.stages))
             if not all(isinstance(name, str) for name in self.stages):
                 raise PipelineError(f"split points must be module names, got {self.stages!r}")
@@ -62,6 +66,11 @@ class Pipeline:
 
     @property
     def num_stages(self) -> int:
+        if self.stages == "auto":
+            raise PipelineError(
+                "stages='auto' has no number of stages until it is planned: fxpar.compile "
+                "does that, or call fxpar.pipeline.plan_stages"
+            )
         return self.stages if isinstance(self.stages, int) else len(self.stages) + 1
 
     @property

@@ -1,0 +1,261 @@
+"""Automatic pipeline stages: plan_stages is optimal on its own cost model (brute force over
+every split and devices-per-stage count), spreads a balanced model evenly, respects memory or
+says how much is needed, models remat, clusters atoms into layers, and its split points really
+cut the step; evaluate_split scores hand-made splits and rejects bad ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import io
+import itertools
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import eager_step
+
+import fxpar
+from fxpar.cluster import Cluster
+from fxpar.models import GPT, GPTConfig, gpt_loss
+from fxpar.pipeline import Pipeline, PipelineError, partition, split_program
+from fxpar.pipeline.auto import StageChoice, evaluate_split, plan_stages
+from fxpar.pipeline.options import ScheduleName
+from fxpar.solvers.stages import StageMemoryError
+
+BATCH = 16
+# Slow enough links that pipelining beats pure data parallelism for these small models.
+CLUSTER = Cluster((4,), bandwidth=(1e9,))
+
+
+@functools.cache
+def _gpt(n_layer: int, batch: int = BATCH) -> tuple[GPT, torch.Tensor, torch.Tensor, fxpar.Program]:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=n_layer, n_embd=64, n_head=4, vocab_size=64, block_size=16))
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, 64, (BATCH, 16), generator=generator)
+    targets = torch.randint(0, 64, (BATCH, 16), generator=generator)
+    program = fxpar.capture(model, (tokens[:batch],), gpt_loss, example_targets=(targets[:batch],))
+    return model, tokens, targets, program
+
+
+def _every_split(
+    program: fxpar.Program, cluster: Cluster, pipeline: Pipeline, cut_points: tuple[str, ...]
+) -> list[StageChoice]:
+    """evaluate_split on every contiguous cut of the layers for every devices-per-stage count,
+    skipping those that do not fit memory or the batch."""
+    choices = []
+    world = cluster.world_size
+    for devices in (d for d in range(1, world + 1) if world % d == 0):
+        stages = world // devices
+        for split in itertools.combinations(cut_points, stages - 1):
+            candidate = Pipeline(
+                stages=split,
+                data_parallel=devices,
+                microbatches=pipeline.microbatches,
+                schedule=pipeline.schedule,
+                remat=pipeline.remat,
+            )
+            try:
+                choices.append(evaluate_split(program, cluster, candidate))
+            except (StageMemoryError, PipelineError):
+                continue  # does not fit, or the batch does not divide into M x d pieces
+    return choices
+
+
+# Slow, medium and fast links: the optimum is 4 stages, 2 stages of 2 devices, pure data
+# parallelism; each with both schedules, with and without remat.
+@pytest.mark.parametrize(
+    ("bandwidth", "schedule", "remat"),
+    [
+        (1e7, "1f1b", False),
+        (1e7, "gpipe", True),
+        (1e9, "1f1b", True),
+        (1e9, "gpipe", False),
+        (1e11, "1f1b", False),
+        (1e11, "gpipe", True),
+    ],
+)
+def test_choice_is_the_brute_force_optimum(
+    schedule: ScheduleName, remat: bool, bandwidth: float
+) -> None:
+    """Over every split point set and devices-per-stage count, none beats the chosen plan, and
+    the chosen plan scores the same when evaluated as a manual split."""
+    program = _gpt(4)[3]
+    cluster = Cluster((4,), bandwidth=(bandwidth,))
+    pipeline = Pipeline(microbatches=4, schedule=schedule, remat=remat)
+    choice = plan_stages(program, cluster, pipeline)
+    assert len(choice.cut_points) == 8  # wpe, blocks.0-3, ln_f, head, <loss>
+    every = _every_split(program, cluster, pipeline, choice.cut_points)
+    assert len(every) == 56 + 8 + 1
+    best = min(every, key=lambda c: c.step_time)
+    assert choice.step_time == pytest.approx(best.step_time, rel=1e-12)
+    rescored = evaluate_split(program, cluster, choice.pipeline)
+    assert rescored.step_time == pytest.approx(choice.step_time, rel=1e-12)
+    assert rescored.memory == pytest.approx(choice.memory, rel=1e-12)
+
+
+def test_bandwidth_moves_the_choice_between_pipeline_and_data_parallel() -> None:
+    """Fast links make gradient all-reduces cheap (pure data parallelism wins); slow ones make
+    the pipeline, which only sends one activation per micro-batch, win."""
+    program = _gpt(4)[3]
+    pipeline = Pipeline(microbatches=4)
+    fast = plan_stages(program, Cluster((4,), bandwidth=(1e12,), latency=(1e-7,)), pipeline)
+    slow = plan_stages(program, Cluster((4,), bandwidth=(1e8,)), pipeline)
+    assert fast.pipeline.data_parallel == 4 and fast.pipeline.num_stages == 1
+    assert slow.pipeline.data_parallel == 1 and slow.pipeline.num_stages == 4
+
+
+def test_balanced_model_gets_evenly_spread_blocks() -> None:
+    """Eight equal blocks on four single-device stages: two blocks per stage."""
+    program = _gpt(8)[3]
+    choice = plan_stages(program, CLUSTER, Pipeline(microbatches=8))
+    assert choice.pipeline.num_stages == 4 and choice.pipeline.data_parallel == 1
+    assert choice.split_points == ("blocks.2", "blocks.4", "blocks.6")
+    blocks = [[m for m in modules if m.startswith("blocks.")] for modules in choice.stage_modules]
+    assert [len(b) for b in blocks] == [2, 2, 2, 2]
+    assert choice.stage_modules[0][0] == "wte" and choice.stage_modules[-1][-1] == "<loss>"
+
+
+def test_memory_limit_forces_more_stages() -> None:
+    """Pure data parallelism holds every parameter and its AdamW state on every device; with
+    less memory than that the choice splits the model over more stages, and fits."""
+    program = _gpt(4)[3]
+    fast = Cluster((4,), bandwidth=(1e12,), latency=(1e-7,))
+    pipeline = Pipeline(microbatches=4)
+    unlimited = plan_stages(program, fast, pipeline)
+    assert unlimited.pipeline.num_stages == 1
+    limit = unlimited.memory[0] * 0.7
+    squeezed = plan_stages(
+        program, Cluster((4,), bandwidth=(1e12,), latency=(1e-7,), memory=limit), pipeline
+    )
+    assert squeezed.pipeline.num_stages > 1
+    assert max(squeezed.memory) <= limit
+    assert squeezed.step_time > unlimited.step_time
+
+
+def test_no_fit_raises_with_the_memory_needed() -> None:
+    """Below what the most frugal split needs, StageMemoryError says that amount, which is the
+    least peak memory over every split (brute force)."""
+    program = _gpt(4)[3]
+    pipeline = Pipeline(microbatches=4)
+    tiny = Cluster((4,), bandwidth=(1e9,), memory=1024)
+    with pytest.raises(StageMemoryError, match="most frugal needs") as caught:
+        plan_stages(program, tiny, pipeline)
+    cut_points = plan_stages(program, CLUSTER, pipeline).cut_points
+    every = _every_split(program, CLUSTER, pipeline, cut_points)
+    assert caught.value.least_memory == pytest.approx(min(max(c.memory) for c in every))
+    assert caught.value.memory_limit == 1024
+    with pytest.raises(StageMemoryError, match="per device"):
+        evaluate_split(program, tiny, Pipeline(stages=("blocks.2",), data_parallel=2))
+
+
+def test_remat_lowers_the_memory_estimate_and_costs_time() -> None:
+    """The same split with remat keeps less per device (boundary activations only) and takes
+    longer (the forward runs twice)."""
+    program = _gpt(4)[3]
+    split = ("blocks.1", "blocks.2", "blocks.3")
+    stash = evaluate_split(program, CLUSTER, Pipeline(stages=split, schedule="gpipe"))
+    remat = evaluate_split(program, CLUSTER, Pipeline(stages=split, schedule="gpipe", remat=True))
+    assert all(r < s for r, s in zip(remat.memory, stash.memory, strict=True))
+    assert remat.step_time > stash.step_time
+
+
+def test_layer_clustering_caps_the_layers() -> None:
+    """With layers=5 the DP sees five contiguous layers covering every module once, chooses
+    split points among their starts, and is optimal over them."""
+    program = _gpt(8)[3]
+    pipeline = Pipeline(microbatches=8)
+    choice = plan_stages(program, CLUSTER, pipeline, layers=5)
+    assert len(choice.layers) == 5
+    modules = [m for layer in choice.layers for m in layer]
+    assert modules == ["wte", "wpe", *(f"blocks.{i}" for i in range(8)), "ln_f", "head", "<loss>"]
+    assert set(choice.split_points) <= set(choice.cut_points)
+    every = _every_split(program, CLUSTER, pipeline, choice.cut_points)
+    assert choice.step_time == pytest.approx(min(c.step_time for c in every), rel=1e-12)
+
+
+def test_chosen_split_runs_and_gives_the_single_device_step() -> None:
+    """The returned Pipeline's split points are accepted by partition(), make as many stages as
+    planned, and the stage programs chained over micro-batches give eager PyTorch's step."""
+    model, tokens, targets, program = _gpt(4)
+    choice = plan_stages(program, Cluster((4,), bandwidth=(1e8,)), Pipeline(microbatches=4))
+    points = choice.split_points
+    assert choice.pipeline.num_stages == 4
+    microbatch = _gpt(4, BATCH // 4)[3]
+    split = split_program(microbatch, partition(microbatch, points), remat=False)
+    assert split.num_stages == choice.pipeline.num_stages
+    state = {
+        name: tensor.detach()
+        for name, tensor in {
+            **dict(model.named_parameters()),
+            **dict(model.named_buffers()),
+        }.items()
+    }
+    pieces = [list(p) for p in zip(tokens.chunk(4), targets.chunk(4), strict=True)]
+    result = split.run_microbatches(state, pieces)
+    loss, grads = eager_step(copy.deepcopy(model), (tokens,), gpt_loss, (targets,))
+    torch.testing.assert_close(result.loss, loss)
+    for name, grad in grads.items():
+        torch.testing.assert_close(result.gradients[name], grad, msg=name)
+
+
+def test_report_names_every_stage_and_to_dict_is_json() -> None:
+    """One row per stage with its first module and its memory; to_dict round-trips JSON."""
+    program = _gpt(8)[3]
+    choice = plan_stages(program, CLUSTER, Pipeline(microbatches=8))
+    report = choice.report()
+    rows = [line for line in report.splitlines() if line[:1].isdigit()]
+    assert len(rows) == choice.pipeline.num_stages
+    for index, (row, modules) in enumerate(zip(rows, choice.stage_modules, strict=True)):
+        assert row.startswith(str(index)) and modules[0] in row
+    assert "d=2" in report and "blocks.2, blocks.4, blocks.6" in report
+    data = json.loads(json.dumps(choice.to_dict()))
+    assert data["pipeline"]["stages"] == list(choice.split_points)
+    assert [s["modules"] for s in data["stages"]] == [list(m) for m in choice.stage_modules]
+    assert data["step_time"] == choice.step_time
+
+
+def test_bad_requests_raise_clear_errors() -> None:
+    """A split on the wrong number of devices, out of order or naming no module, a batch that
+    divides for no devices-per-stage count, and too few cut points for the stages needed."""
+    program = _gpt(4)[3]
+    with pytest.raises(PipelineError, match="cluster has 4"):
+        evaluate_split(program, CLUSTER, Pipeline(stages=("blocks.2",)))
+    with pytest.raises(PipelineError, match="runs before"):
+        evaluate_split(program, CLUSTER, Pipeline(stages=("blocks.3", "blocks.1", "ln_f")))
+    with pytest.raises(PipelineError, match="names no module"):
+        evaluate_split(program, CLUSTER, Pipeline(stages=("decoder.1",), data_parallel=2))
+    with pytest.raises(PipelineError, match="stage 0 would hold no module"):
+        evaluate_split(program, CLUSTER, Pipeline(stages=("wte",), data_parallel=2))
+    with pytest.raises(PipelineError, match="does not split into 3 micro-batches"):
+        plan_stages(program, CLUSTER, Pipeline(microbatches=3))
+    # A batch of 16 in 16 micro-batches: one device per stage, so four stages, but two layers.
+    with pytest.raises(PipelineError, match="4 stages need 3 cut points, the model has 1"):
+        plan_stages(program, CLUSTER, Pipeline(microbatches=16), layers=2)
+
+
+def test_manual_split_inside_a_layer_is_scored() -> None:
+    """A split point below the layer level (a block's MLP) is accepted and named as given."""
+    program = _gpt(4)[3]
+    choice = evaluate_split(
+        program, CLUSTER, Pipeline(stages=("blocks.1.mlp",), data_parallel=2, microbatches=4)
+    )
+    assert choice.split_points == ("blocks.1.mlp",)
+    assert choice.stage_modules[1][0] == "blocks.1.mlp"
+    assert "blocks.1" in choice.stage_modules[0]
+
+
+def test_docs_section_runs() -> None:
+    """The example under "Choosing stages automatically" in docs/pipelines.md runs."""
+    text = (Path(__file__).parent.parent / "docs" / "pipelines.md").read_text()
+    section = text.split("## Choosing stages automatically", 1)[1]
+    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)
+    assert blocks
+    for block in blocks:
+        with contextlib.redirect_stdout(io.StringIO()):
+            exec(block, {"__name__": "docs"})
