@@ -7,14 +7,20 @@ Each model is built from a Hugging Face config on the meta device (no weights), 
 planned for 8 H100s (``Cluster.preset("h100", mesh)``; on (2, 4) the first axis is taken to
 span nodes). Columns: graph nodes; decision nodes after coarsening and merging repeated layers;
 variables and constraints of the ILP; seconds to build the problem (cost model, coarsening);
-seconds HiGHS takes; the estimated step time; the proven optimality gap.
-Targets: the Llama-8B shape on (2, 4) solves in under 5 s, and 96 layers take at most 1.3x the
-time of 32.
+seconds the ILP solver takes; the estimated step time; the proven optimality gap; the memory
+limit per device. Targets: the Llama-8B shape on (2, 4) solves in under 5 s, and 96 layers take
+at most 1.3x the time of 32.
+
+    python benchmarks/solve.py llama-8b llama-8b-96 --memory-headroom 0.5
+
+sets each model's limit to 1.5x the memory of its own most frugal plan: the fair depth
+comparison, since a fixed limit binds for one depth and not the other, or does not fit one.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import torch
@@ -47,8 +53,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="*", default=list(MODELS))
     parser.add_argument("--time-limit", type=float, default=60.0)
-    parser.add_argument("--memory-gib", type=float, default=None,
-                        help="device memory instead of the preset's 80 GiB")  # fmt: skip
+    parser.add_argument(
+        "--memory-gib",
+        type=float,
+        default=None,
+        help="device memory instead of the preset's 80 GiB",
+    )
+    parser.add_argument("--memory-headroom", type=float, default=None,
+                        help="limit = (1 + this) x the memory of the most frugal plan")  # fmt: skip
     parser.add_argument("--meshes", nargs="*", default=["8", "2x4"])
     args = parser.parse_args()
 
@@ -59,7 +71,7 @@ def main() -> None:
     from fxpar.solvers.ilp import ILPSolver, model_size
 
     header = ("model", "mesh", "graph nodes", "decisions", "ILP vars", "ILP rows", "build s",
-              "solve s", "step ms", "gap")  # fmt: skip
+              "solve s", "step ms", "gap", "limit GiB")  # fmt: skip
     print(" | ".join(header))
     print(" | ".join("-" * len(h) for h in header))
     for name in args.models:
@@ -74,6 +86,9 @@ def main() -> None:
             prepared = prepare_for_planning(program, cluster)
             problem, layout = build_problem(prepared, cluster)
             built = time.perf_counter() - start
+            if args.memory_headroom is not None:
+                limit = (1 + args.memory_headroom) * problem.least_memory()
+                problem = dataclasses.replace(problem, memory_limit=limit)
             try:
                 solution = ILPSolver(time_limit=args.time_limit).solve(problem)
             except InfeasiblePlanError:
@@ -86,7 +101,7 @@ def main() -> None:
                 name, "x".join(map(str, mesh)), str(layout.stats["graph_nodes"]),
                 str(layout.stats["decision_nodes"]), str(variables), str(constraints),
                 f"{built:.1f}", f"{solution.seconds:.2f}", f"{solution.objective * 1e3:.1f}",
-                f"{solution.gap:.1e}",
+                f"{solution.gap:.1e}", f"{(problem.memory_limit or 0) / 2**30:.1f}",
             )), flush=True)  # fmt: skip
 
 

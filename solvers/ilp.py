@@ -46,9 +46,26 @@ HiGHS accepts a row violated by up to its feasibility tolerance, but a memory li
 plan HiGHS returns over the limit by a rounding error is refused and the model solved once more
 with the budget tightened by that tolerance.
 
+Lagrangian phase (``lagrangian=True``), before the MIP. The memory row is moved into the
+objective with a multiplier λ ≥ 0: for every λ, the LP relaxation of the other rows with costs
+c + λ·m, minus λ·budget, is a lower bound on the optimum (weak duality). One HiGHS LP is kept and
+only its costs change, so each re-solve restarts from the last optimal basis (a fraction of the
+first solve). Each solve's plan, every node taking its largest x, is a candidate. λ = 0 comes
+first: on the transformer problems this relaxation is integral, so when its plan fits in memory
+(or there is no memory row) its cost meets the bound and the plan is returned as optimal without
+a MIP. Otherwise λ is multiplied by 4 until the relaxation fits, then bisected on the sign of
+its memory excess (the subgradient), until the best fitting plan is within ``mip_gap`` of the
+best bound (returned as optimal with that gap) or the steps run out. The bound can never beat
+the LP relaxation with the memory row: when memory binds, the gap left is the integrality gap of
+the memory row, which only the MIP closes.
+
 Warm start: the :class:`~fxpar.solvers.greedy.GreedySolver` plan, given to HiGHS as a MIP start.
-When HiGHS stops on its time limit, the best plan it has (at worst the warm start) is returned
-with status ``"time_limit"`` and HiGHS's gap.
+The Lagrangian phase's best plan is often much better, but it is deliberately not the MIP start:
+measured on Llama-8B at 80 GiB, HiGHS given the optimum as its start took 66 s to prove it
+against 39 s from the greedy start (a near-optimal incumbent makes it fix columns by reduced
+cost at once and restart over and over). When HiGHS stops on its time limit, the cheapest of its
+plan, the warm start and the Lagrangian plans that fit is returned with status ``"time_limit"``
+and the gap to the better of HiGHS's bound and the Lagrangian bound.
 """
 
 from __future__ import annotations
@@ -90,6 +107,9 @@ class ILPSolver:
 
     ``time_limit`` in seconds; ``mip_gap`` the relative optimality gap at which HiGHS may stop
     and call the plan optimal; ``warm_start`` gives HiGHS the greedy plan to start from;
+    ``lagrangian`` first solves the LP relaxation with the memory row moved into the objective
+    (module docstring), which alone proves many plans optimal and otherwise gives a fallback
+    plan and a lower bound for when HiGHS runs out of time;
     ``threads`` the size of HiGHS's thread pool (None: HiGHS's default). HiGHS's pool is global
     to the process, so choosing ``threads`` restarts it: do not run other HiGHS solves in other
     threads at the same time.
@@ -99,6 +119,7 @@ class ILPSolver:
     time_limit: float = 30.0
     mip_gap: float = 1e-6
     warm_start: bool = True
+    lagrangian: bool = True
     threads: int | None = None
 
     def solve(self, problem: IntraOpProblem) -> IntraOpSolution:
@@ -109,11 +130,21 @@ class ILPSolver:
             choice = reduced.plan(np.zeros(0))
             return self._solution(problem, choice, "optimal", 0.0, start)
         warm = GreedySolver().solve(problem).choice if self.warm_start else None
+        found = _Relaxed([], -math.inf)
+        if self.lagrangian:
+            remaining = self.time_limit - (time.perf_counter() - start)
+            found = _lagrangian(problem, reduced, remaining, self.mip_gap, self.threads)
+        fitting = [plan for plan in found.plans if _memory_over(problem, plan) <= 0]
+        if fitting:
+            best = min(fitting, key=problem.objective)
+            gap = _relative_gap(problem.objective(best), found.lower_bound)
+            if gap <= self.mip_gap:
+                return self._solution(problem, best, "optimal", gap, start)
         tightening = 0.0
         while True:
             model = _build_model(reduced, tightening)
             remaining = self.time_limit - (time.perf_counter() - start)
-            status, choice, gap = self._run(problem, reduced, model, warm, remaining)
+            status, choice, gap = self._run(problem, reduced, model, warm, remaining, found)
             excess = _memory_over(problem, choice)
             if excess <= 0:
                 return self._solution(problem, choice, status, gap, start)
@@ -137,17 +168,13 @@ class ILPSolver:
         model: highspy.HighsLp,
         warm: tuple[int, ...] | None,
         seconds: float,
+        relaxed: _Relaxed,
     ) -> tuple[Status, tuple[int, ...], float]:
-        highs = highspy.Highs()
-        highs.setOptionValue("output_flag", False)
+        highs = _highs(self.threads)
         highs.setOptionValue("time_limit", max(seconds, 1e-3))
         highs.setOptionValue("mip_rel_gap", self.mip_gap)
         highs.setOptionValue("mip_abs_gap", 0.0)
         highs.setOptionValue("mip_feasibility_tolerance", _MIP_FEASIBILITY_TOLERANCE)
-        if self.threads is not None:
-            highs.setOptionValue("threads", self.threads)
-            # The pool is built once per process; a different size is refused until it is reset.
-            highspy.Highs.resetGlobalScheduler(True)
         _check(highs.passModel(model), "passing the model to HiGHS")
         start_values = reduced.start_values(warm) if warm is not None else None
         if start_values is not None:
@@ -162,8 +189,10 @@ class ILPSolver:
             values = np.asarray(highs.getSolution().col_value, dtype=np.float64)
             return "optimal", reduced.plan(values), _clean_gap(info.mip_gap)
         if model_status == highspy.HighsModelStatus.kTimeLimit:
-            # HiGHS may stop before it has read the warm start: the start is a plan too.
+            # HiGHS may stop before it has read the warm start: the start is a plan too, and
+            # so are the Lagrangian phase's plans that fit.
             plans = [] if warm is None else [warm]
+            plans += [plan for plan in relaxed.plans if _memory_over(problem, plan) <= 0]
             if has_plan:
                 plans.insert(0, reduced.plan(np.asarray(highs.getSolution().col_value)))
             if not plans:
@@ -172,7 +201,7 @@ class ILPSolver:
                     f"limit, or keep warm_start=True (the greedy plan is always a valid start)"
                 )
             best = min(plans, key=problem.objective)
-            bound = info.mip_dual_bound * reduced.cost_scale
+            bound = max(info.mip_dual_bound * reduced.cost_scale, relaxed.lower_bound)
             return "time_limit", best, _relative_gap(problem.objective(best), bound)
         if model_status == highspy.HighsModelStatus.kInfeasible:
             # The most frugal plan fits (checked before), so only rounding can get here.
@@ -211,6 +240,105 @@ class ILPSolver:
 
 _MIP_FEASIBILITY_TOLERANCE = 1e-6
 """HiGHS's default, set explicitly because the memory re-solve depends on it."""
+
+
+# --- The Lagrangian phase ---------------------------------------------------------------------
+
+
+class _Relaxed(NamedTuple):
+    """What the Lagrangian phase found: rounded plans (fitting or not) and a lower bound on the
+    optimum in the problem's units (−inf when it found none)."""
+
+    plans: list[tuple[int, ...]]
+    lower_bound: float
+
+
+_DOUBLINGS = 40
+"""The most times the multiplier is multiplied by 4 in search of a plan within the budget."""
+_BISECTIONS = 24
+"""The most bisection steps on the multiplier."""
+_MULTIPLIER_TOLERANCE = 1e-3
+"""Bisection stops once λ is pinned to this relative precision: the bound, concave and piecewise
+linear in λ, then sits at its best breakpoint or next to it, and more steps re-solve that one."""
+
+
+def _lagrangian(
+    problem: IntraOpProblem,
+    reduced: _Reduced,
+    time_limit: float,
+    mip_gap: float,
+    threads: int | None = None,
+) -> _Relaxed:
+    """Bisect on the multiplier λ of the memory row (module docstring, "Lagrangian phase").
+
+    One HiGHS LP without the memory row is kept and re-solved with costs c + λ·m: only the
+    objective changes, so each solve restarts from the last optimal basis and takes a fraction
+    of the first. Every solve gives a lower bound, LP(λ) − λ·budget, and a plan (each node's
+    largest x). λ moves up while the relaxation's memory is over the budget, down otherwise.
+    """
+    start = time.perf_counter()
+    model = _build_model(dataclasses.replace(reduced, memory_row=False), tightening=0.0)
+    model.integrality_ = [highspy.HighsVarType.kContinuous] * model.num_col_
+    base_costs = np.asarray(model.col_cost_, dtype=np.float64)
+    memory = np.zeros(model.num_col_)
+    if reduced.excess is not None:
+        for v, column in reduced.node_columns().items():
+            memory[column : column + len(reduced.candidates[v])] = reduced.excess[v]
+    columns = np.arange(model.num_col_, dtype=np.int32)
+    highs = _highs(threads)
+    _check(highs.passModel(model), "passing the relaxation to HiGHS")
+    found = _Relaxed([], -math.inf)
+
+    def relax(multiplier: float) -> float | None:
+        """Solve at ``multiplier``; record its plan and bound; return the relaxation's memory
+        over the budget (None when the time ran out)."""
+        nonlocal found
+        remaining = time_limit - (time.perf_counter() - start)
+        if remaining <= 0:
+            return None
+        highs.setOptionValue("time_limit", remaining)
+        if multiplier > 0:
+            costs = base_costs + multiplier * memory
+            _check(highs.changeColsCost(len(columns), columns, costs), "changing the costs")
+        _check(highs.run(), "solving the relaxation")
+        if highs.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+            return None
+        values = np.asarray(highs.getSolution().col_value, dtype=np.float64)
+        value = highs.getInfo().objective_function_value
+        # (Without a memory limit the budget is infinite and only λ = 0 is tried.)
+        penalty = multiplier * reduced.memory_budget if multiplier > 0 else 0.0
+        bound = (value - penalty) * reduced.cost_scale
+        found = _Relaxed([*found.plans, reduced.plan(values)], max(found.lower_bound, bound))
+        return float(memory @ values) - reduced.memory_budget
+
+    def settled() -> bool:
+        fitting = [plan for plan in found.plans if _memory_over(problem, plan) <= 0]
+        best = min(map(problem.objective, fitting), default=math.inf)
+        return _relative_gap(best, found.lower_bound) <= mip_gap
+
+    over = relax(0.0)
+    if over is None or not reduced.memory_row or over <= 0 or settled():
+        return found
+    low, high = 0.0, 1.0
+    for _ in range(_DOUBLINGS):
+        over = relax(high)
+        if over is None or settled():
+            return found
+        if over <= 0:
+            break
+        low, high = high, 4 * high
+    for _ in range(_BISECTIONS):
+        if high - low <= _MULTIPLIER_TOLERANCE * high:
+            break
+        middle = (low + high) / 2
+        over = relax(middle)
+        if over is None or settled():
+            break
+        if over > 0:
+            low = middle
+        else:
+            high = middle
+    return found
 
 
 # --- Reductions -------------------------------------------------------------------------------
@@ -513,6 +641,17 @@ def _objective(reduced: _Reduced) -> tuple[_Vector, float]:
 
 
 # --- Helpers ----------------------------------------------------------------------------------
+
+
+def _highs(threads: int | None) -> highspy.Highs:
+    """A silent HiGHS instance, with a pool of ``threads`` threads if given."""
+    highs = highspy.Highs()
+    highs.setOptionValue("output_flag", False)
+    if threads is not None:
+        highs.setOptionValue("threads", threads)
+        # The pool is built once per process; a different size is refused until it is reset.
+        highspy.Highs.resetGlobalScheduler(True)
+    return highs
 
 
 def _check(status: highspy.HighsStatus, doing: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -12,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fxpar.errors import FxparError
-from fxpar.solvers import exhaustive
+from fxpar.solvers import exhaustive, ilp
 from fxpar.solvers.errors import InfeasiblePlanError, NoPlanFoundError, ProblemTooLargeError
 from fxpar.solvers.exhaustive import ExhaustiveSolver
 from fxpar.solvers.greedy import GreedySolver
@@ -331,3 +332,81 @@ def test_dominated_strategies_get_no_variables() -> None:
     variables, _ = model_size(problem)
     assert variables < 3 + 2 + 6
     assert ILPSolver().solve(problem).choice == ExhaustiveSolver().solve(problem).choice == (2, 1)
+
+
+@settings(max_examples=150, deadline=None)
+@given(problems(any_direction=True))
+def test_lagrangian_bound_and_plans_bracket_the_exhaustive_optimum(problem: IntraOpProblem) -> None:
+    """The Lagrangian phase's lower bound is at most the optimum and every plan it rounds that
+    fits costs at least the optimum; the ILP with or without the phase finds the optimum."""
+    try:
+        reference = ExhaustiveSolver().solve(problem)
+    except InfeasiblePlanError:
+        return
+    reduced = ilp._reduce(problem)
+    if reduced.free:
+        found = ilp._lagrangian(problem, reduced, time_limit=30.0, mip_gap=0.0)
+        slack = 1e-6 * max(abs(reference.objective), 1.0)
+        assert found.lower_bound <= reference.objective + slack
+        for plan in found.plans:
+            if fits(problem, plan):
+                assert problem.objective(plan) >= reference.objective - slack
+    for solver in (ILPSolver(lagrangian=True, mip_gap=0.0), ILPSolver(lagrangian=False)):
+        solution = solver.solve(problem)
+        assert fits(problem, solution.choice)
+        assert same_objective(solution.objective, reference.objective)
+
+
+def chain_problem(num_nodes: int, seed: int, memory_limit: float | None) -> IntraOpProblem:
+    """A chain (a tree, so the LP relaxation without a memory row is integral), 4 strategies."""
+    rng = random.Random(seed)
+    strategies = range(4)
+    node_costs = tuple(tuple(rng.uniform(0, 1) for _ in strategies) for _ in range(num_nodes))
+    memory = tuple(tuple(float(rng.randint(1, 100)) for _ in strategies) for _ in range(num_nodes))
+    edges = tuple(
+        Edge(v - 1, v, tuple(tuple(rng.uniform(0, 2) for _ in strategies) for _ in strategies))
+        for v in range(1, num_nodes)
+    )
+    return IntraOpProblem(node_costs, memory, edges, memory_limit)
+
+
+def test_a_relaxation_whose_plan_fits_is_optimal_without_the_mip() -> None:
+    """When the relaxation without the memory row rounds to a plan that fits and costs its
+    bound, that plan is the optimum: HiGHS's MIP is never run."""
+    for limit in (None, 100.0 * 8):
+        problem = chain_problem(8, seed=3, memory_limit=limit)
+        with mock.patch.object(ILPSolver, "_run", side_effect=AssertionError("MIP run")):
+            solution = ILPSolver().solve(problem)
+        assert solution.status == "optimal" and solution.gap <= 1e-6
+        assert same_objective(solution.objective, ExhaustiveSolver().solve(problem).objective)
+
+
+def test_a_binding_memory_row_is_solved_exactly_with_the_lagrangian_start() -> None:
+    """With a binding memory limit the relaxation mixes plans; the Lagrangian phase's bound is
+    below the optimum, its best fitting plan above it, and the ILP closes the gap exactly."""
+    problem = chain_problem(8, seed=5, memory_limit=None)
+    least = problem.least_memory()
+    most = sum(max(m) for m in problem.node_memory)
+    problem = dataclasses.replace(problem, memory_limit=least + 0.3 * (most - least))
+    reference = ExhaustiveSolver().solve(problem)
+    found = ilp._lagrangian(problem, ilp._reduce(problem), time_limit=30.0, mip_gap=0.0)
+    assert found.lower_bound <= reference.objective + 1e-9
+    assert any(fits(problem, plan) for plan in found.plans)
+    solution = ILPSolver(mip_gap=0.0).solve(problem)
+    assert solution.status == "optimal"
+    assert same_objective(solution.objective, reference.objective)
+
+
+def test_out_of_time_the_lagrangian_plans_and_bound_still_count() -> None:
+    """Stopped on its time limit, the ILP returns a Lagrangian plan when it beats what HiGHS
+    and greedy have, and its gap uses the Lagrangian bound when that is the better one."""
+    problem = random_problem(200, seed=0)
+    optimum = ILPSolver(lagrangian=False, time_limit=60.0).solve(problem)
+    assert optimum.status == "optimal"
+    bound = optimum.objective * (1 - 1e-3)
+    relaxed = ilp._Relaxed([optimum.choice], bound)
+    with mock.patch.object(ilp, "_lagrangian", return_value=relaxed):
+        solution = ILPSolver(time_limit=1e-3).solve(problem)
+    assert solution.status in ("optimal", "time_limit")
+    assert solution.objective <= optimum.objective * (1 + 1e-6)
+    assert solution.gap <= (solution.objective - bound) / solution.objective + 1e-9
