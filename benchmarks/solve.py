@@ -29,21 +29,9 @@ BATCH, LENGTH = 8, 1024
 
 
 def build(name: str):  # type: ignore[no-untyped-def]
-    import transformers
+    from fxpar.models.shapes import GPT2_SHAPES, LLAMA_LAYERS, hf_gpt2, llama
 
-    gpt2 = {"gpt2-small": (12, 768, 12), "gpt2-medium": (24, 1024, 16), "gpt2-xl": (48, 1600, 25)}
-    if name in gpt2:
-        layers, width, heads = gpt2[name]
-        return transformers.GPT2LMHeadModel(
-            transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=heads)
-        )
-    layers = {"llama-8b": 32, "llama-8b-96": 96}[name]
-    config = transformers.LlamaConfig(
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
-        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-        max_position_embeddings=8192,
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(config)
+    return hf_gpt2(name) if name in GPT2_SHAPES else llama(LLAMA_LAYERS[name])
 
 
 MODELS = ("gpt2-small", "gpt2-medium", "gpt2-xl", "llama-8b", "llama-8b-96")

@@ -24,6 +24,7 @@ from fxpar import plans
 from fxpar.errors import FxparError
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.models.corpus import batches, corpus_tokens
+from fxpar.models.shapes import GPT2_SHAPES, LLAMA_LAYERS, llama
 
 MANUAL_PLANS: dict[str, Callable[..., fxpar.Program]] = {
     "data_parallel": plans.data_parallel,
@@ -185,14 +186,7 @@ def _solver(name: str) -> Any:
 
 # -- fxpar plan ------------------------------------------------------------------------------
 
-_GPT2_SHAPES = {
-    "gpt2-small": (12, 768, 12),
-    "gpt2-medium": (24, 1024, 16),
-    "gpt2-large": (36, 1280, 20),
-    "gpt2-xl": (48, 1600, 25),
-}
-_LLAMA_LAYERS = {"llama-8b": 32, "llama-8b-96": 96}
-MODEL_NAMES = (*_GPT2_SHAPES, *_LLAMA_LAYERS)
+MODEL_NAMES = (*GPT2_SHAPES, *LLAMA_LAYERS)
 
 
 @dataclass(frozen=True)
@@ -210,12 +204,12 @@ def build_target(spec: str, batch: int, length: int) -> Target:
     or a tuple ``(model, example_inputs[, loss_fn[, example_targets]])``, built on meta."""
     tokens = torch.zeros(batch, length, dtype=torch.long)
     with torch.device("meta"):
-        if spec in _GPT2_SHAPES:
-            layers, width, heads = _GPT2_SHAPES[spec]
+        if spec in GPT2_SHAPES:
+            layers, width, heads = GPT2_SHAPES[spec]
             config = GPTConfig(50257, max(1024, length), layers, heads, width)
             return Target(GPT(config), (tokens,), gpt_loss, (tokens,))
-        if spec in _LLAMA_LAYERS:
-            return Target(_llama(_LLAMA_LAYERS[spec]), {"input_ids": tokens, "labels": tokens})
+        if spec in LLAMA_LAYERS:
+            return Target(llama(LLAMA_LAYERS[spec]), {"input_ids": tokens, "labels": tokens})
         if ":" not in spec:
             raise FxparError(
                 f"unknown model {spec!r}: name one of {list(MODEL_NAMES)}, or give module:attr "
@@ -238,21 +232,6 @@ def build_target(spec: str, batch: int, length: int) -> Target:
     if isinstance(built, tuple) and built and isinstance(built[0], nn.Module):
         return Target(*built)
     raise FxparError(f"{spec} returned {type(built).__name__}, not a model or a tuple")
-
-
-def _llama(layers: int) -> nn.Module:
-    try:
-        import transformers
-    except ImportError as error:
-        raise FxparError(
-            "the llama shapes are built with Hugging Face transformers: pip install transformers"
-        ) from error
-    config = transformers.LlamaConfig(
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
-        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
-        max_position_embeddings=8192,
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(config)
 
 
 def plan_command(args: argparse.Namespace) -> int:
