@@ -261,6 +261,15 @@ def plan_command(args: argparse.Namespace) -> int:
         f"captured in {captured:.1f} s, planned in {time.perf_counter() - start - captured:.1f} s\n"
     )
     print(plan.report())
+    if args.microbatches:
+        from fxpar.pipeline import Pipeline, plan_stages
+
+        pipeline = Pipeline(
+            microbatches=args.microbatches, schedule=args.schedule, remat=args.remat
+        )
+        flat = fxpar.Cluster.preset(args.cluster, (cluster.world_size,), **overrides)
+        choice = plan_stages(program, flat, pipeline)
+        print(f"\nas a pipeline on the {flat.world_size} devices (stage DP):\n{choice.report()}")
     if args.save:
         print(f"\nplan written to {plan.save(args.save)}")
     if args.plot:
@@ -303,6 +312,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                              help="device memory instead of the preset's")  # fmt: skip
     plan_parser.add_argument("--solver", default="ilp")
     plan_parser.add_argument("--time-limit", type=float, default=60.0)
+    plan_parser.add_argument("--microbatches", type=int, default=0,
+                             help="also choose pipeline stages for M micro-batches")  # fmt: skip
+    plan_parser.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b"))
+    plan_parser.add_argument("--remat", action="store_true", help="pipeline with remat")
     plan_parser.add_argument("--save", help="write the plan as JSON here")
     plan_parser.add_argument("--plot", help="write a PNG of memory and communication here")
     plan_parser.set_defaults(run=plan_command)

@@ -48,8 +48,10 @@ def test_plan_command_prints_and_saves_the_report(tmp_path, capsys) -> None:  # 
     assert "for mesh of 4 devices (axis0=2, axis1=2)" in out
     assert "plan: ilp, optimal" in out and "blocks.0" in out
     assert plan_file.read_text().startswith("{") and picture.read_bytes()[:4] == b"\x89PNG"
-    assert main([*argv, "--solver", "tensor_parallel"]) == 0
-    assert "plan: tensor_parallel" in capsys.readouterr().out
+    assert main([*argv, "--solver", "tensor_parallel", "--microbatches", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "plan: tensor_parallel" in out
+    assert "as a pipeline on the 4 devices (stage DP)" in out and "split points:" in out
 
 
 @pytest.mark.parametrize(
