@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from fxpar.pipeline.auto import DegreeOutcome, StageChoice, evaluate_split, plan_stages
 from fxpar.pipeline.executor import Event, StageTrace, StageWorker
-from fxpar.pipeline.model import PipelineModel, compile_pipeline
+from fxpar.pipeline.model import PipelineModel
 from fxpar.pipeline.options import Pipeline, PipelineError
 from fxpar.pipeline.partition import Half, Partition, Unit, even_split_points, partition
 from fxpar.pipeline.schedule import Instruction, Op, build_schedule, max_in_flight, simulate
@@ -40,7 +40,6 @@ __all__ = [
     "Unit",
     "bubble_fractions",
     "build_schedule",
-    "compile_pipeline",
     "evaluate_split",
     "even_split_points",
     "ideal_bubble",

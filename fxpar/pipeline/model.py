@@ -49,33 +49,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def compile_pipeline(
-    model: nn.Module,
-    pipeline: Pipeline,
-    example_inputs: Sequence[Any] | Mapping[str, Any],
-    loss_fn: LossFn | None = None,
-    *,
-    example_targets: Sequence[torch.Tensor] = (),
-    optimizer: Optimizer | None = None,
-) -> PipelineModel:
-    """Capture ``model``'s step, cut it as ``pipeline`` says, and build this rank's share.
-
-    Call it on every rank with the same arguments after ``torch.distributed`` is initialized
-    with ``pipeline.world_size`` processes (a one-stage, one-device pipeline needs none).
-    ``example_inputs`` and ``example_targets`` are a *global* batch; dimension 0 of every
-    batch tensor is the batch dimension and must divide into ``microbatches * data_parallel``
-    equal pieces.
-    """
-    return PipelineModel(
-        model,
-        pipeline,
-        example_inputs,
-        loss_fn,
-        example_targets=example_targets,
-        optimizer=optimizer,
-    )
-
-
 class PipelineModel:
     """This rank's stage of a pipelined model (see the module docstring).
 
