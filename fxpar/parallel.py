@@ -42,6 +42,7 @@ from fxpar.lowering import SPMDProgram
 from fxpar.optim import AdamW, Optimizer, check_optimizer
 from fxpar.pipeline import Pipeline, PipelineModel
 from fxpar.planner import ManualPlan, Plan, PlanOptions, plan_program
+from fxpar.program import state_dict_aliases
 from fxpar.rules import RuleRegistry
 from fxpar.runtime.collectives import ProcessGroupCommunicator
 from fxpar.sharding import Spec, shard_tensor
@@ -268,7 +269,8 @@ class ParallelModel:
             **dict(model.named_parameters(remove_duplicate=False)),
             **dict(model.named_buffers(remove_duplicate=False)),
         }
-        self._aliases = _aliases(model, self.signature.parameters + self.signature.buffers)
+        names = self.signature.parameters + self.signature.buffers
+        self._aliases = state_dict_aliases(model, names)
         self.parameters: dict[str, torch.Tensor] = {}
         self.buffers: dict[str, torch.Tensor] = {}
         for name in self.signature.parameters + self.signature.buffers:
@@ -562,20 +564,6 @@ def _check_materialized(model: nn.Module) -> None:
             "materialize the model (model.to_empty(device='cpu') and initialize, or load a "
             "checkpoint) first"
         )
-
-
-def _aliases(model: nn.Module, names: Sequence[str]) -> dict[str, tuple[str, ...]]:
-    """For each tracked tensor, every state_dict key that refers to it (tied weights)."""
-    state = model.state_dict(keep_vars=True)
-    ids: dict[int, str] = {}
-    for name in names:
-        if name in state:
-            ids.setdefault(id(state[name]), name)
-    aliases: dict[str, list[str]] = {}
-    for key, tensor in state.items():
-        if id(tensor) in ids:
-            aliases.setdefault(ids[id(tensor)], []).append(key)
-    return {name: tuple(keys) for name, keys in aliases.items()}
 
 
 def _contiguous_strides(shape: Sequence[ir.Size]) -> tuple[int, ...]:

@@ -152,3 +152,18 @@ class Program:
             f"{len(self.signature.buffers)} buffers, inputs={list(self.signature.inputs)}, "
             f"{counts[ir.Phase.FORWARD]} forward and {counts[ir.Phase.BACKWARD]} backward nodes)"
         )
+
+
+def state_dict_aliases(model: nn.Module, names: Sequence[str]) -> dict[str, tuple[str, ...]]:
+    """For each of ``names`` (a Program's parameters and buffers), every key of
+    ``model.state_dict()`` that refers to the same tensor: tied weights have several."""
+    state = model.state_dict(keep_vars=True)
+    first: dict[int, str] = {}
+    for name in names:
+        if name in state:
+            first.setdefault(id(state[name]), name)
+    aliases: dict[str, list[str]] = {}
+    for key, tensor in state.items():
+        if id(tensor) in first:
+            aliases.setdefault(first[id(tensor)], []).append(key)
+    return {name: tuple(keys) for name, keys in aliases.items()}

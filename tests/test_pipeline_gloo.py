@@ -31,6 +31,7 @@ CASES = [
     Pipeline(stages=2, microbatches=4, schedule="1f1b", remat=False, data_parallel=2),
 ]
 RankResult = tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]
+FULL_STATE_CASE = 5  # 2 stages x 2 replicas: full_state_dict gathers across stages
 
 
 def _build() -> tuple[GPT, torch.Tensor, torch.Tensor]:
@@ -44,14 +45,16 @@ def _build() -> tuple[GPT, torch.Tensor, torch.Tensor]:
 
 def _run_cases(rank: int, world_size: int, cases: list[Pipeline]) -> list[RankResult]:
     results = []
-    for pipeline in cases:
+    for index, pipeline in enumerate(cases):
         model, tokens, targets = _build()
         pipelined = PipelineModel(
             model, pipeline, (tokens,), gpt_loss, example_targets=(targets,), optimizer=SGD(lr=LR)
         )
         loss = pipelined.step(tokens, targets)
         results.append((loss, dict(pipelined.gradients), dict(pipelined.parameters)))
-    return results
+        if index == FULL_STATE_CASE:
+            full_state = pipelined.full_state_dict()
+    return [*results, full_state]  # type: ignore[list-item]
 
 
 @pytest.fixture(scope="module")
@@ -89,3 +92,16 @@ def test_pipeline_step_equals_single_device(
             torch.testing.assert_close(value, updated[name], msg=f"rank {rank}: {name}")
         held |= rank_params.keys()
     assert held == set(grads)
+
+
+def test_full_state_dict_gathers_every_stage(per_rank: list[list[RankResult]]) -> None:
+    """Every rank gets the whole updated model under its own state_dict names (the tied
+    embedding under both), equal to eager PyTorch's after the step."""
+    model, tokens, targets = _build()
+    gpt_loss(model(tokens), targets).backward()
+    torch.optim.SGD(model.parameters(), lr=LR).step()
+    expected = model.state_dict()
+    for rank, results in enumerate(per_rank):
+        state = results[-1]
+        assert state.keys() == expected.keys(), rank  # type: ignore[union-attr]
+        torch.testing.assert_close(state, expected, msg=f"rank {rank}")

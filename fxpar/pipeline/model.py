@@ -42,6 +42,7 @@ from fxpar.pipeline.options import Pipeline, PipelineError
 from fxpar.pipeline.partition import even_split_points, partition
 from fxpar.pipeline.schedule import build_schedule, simulate
 from fxpar.pipeline.split import SplitProgram, split_program
+from fxpar.program import state_dict_aliases
 
 if TYPE_CHECKING:
     from fxpar.pipeline.auto import StageChoice
@@ -108,6 +109,8 @@ class PipelineModel:
         )
         simulate(self.schedule)
         self.signature = program.signature
+        names = program.signature.parameters + program.signature.buffers
+        self._aliases = state_dict_aliases(model, names)
 
         self._stage_group, self._shared_groups = self._make_groups()
         state = {
@@ -141,6 +144,24 @@ class PipelineModel:
             previous_rank=self.rank - stride if self.stage > 0 else None,
             next_rank=self.rank + stride if self.stage < pipeline.num_stages - 1 else None,
         )
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer, whole, under the model's own state_dict names (tied
+        weights under each of their names), gathered from the stages that hold them (replica 0
+        of each; with BatchNorm and ``data_parallel > 1`` replicas keep their own running
+        statistics). A collective: call it on every rank."""
+        mine = {**self.parameters, **self.buffers} if self.replica == 0 else {}
+        merged: dict[str, torch.Tensor] = {n: t.detach().clone() for n, t in mine.items()}
+        if self._distributed and dist.get_world_size() > 1:
+            everyone: list[dict[str, torch.Tensor] | None] = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, merged)
+            for part in everyone:
+                merged.update(part or {})
+        state = {}
+        for name in self.signature.parameters + self.signature.buffers:
+            for alias in self._aliases.get(name, (name,)):
+                state[alias] = merged[name]
+        return state
 
     @property
     def is_last_stage(self) -> bool:
