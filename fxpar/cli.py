@@ -156,7 +156,7 @@ def _demo_rank(rank: int, world_size: int, settings: DemoSettings) -> list[float
     data = settings.data()
     cluster = fxpar.Cluster.preset("cpu", (world_size,))
     tokens, targets = data[0]
-    solver = MANUAL_PLANS.get(settings.solver) or _solver(settings.solver)
+    solver = _solver(settings.solver)
     parallel = fxpar.compile(
         settings.model(), cluster, (tokens,), gpt_loss, example_targets=(targets,),
         optimizer=settings.optimizer, solver=solver,
@@ -174,9 +174,14 @@ def _demo_rank(rank: int, world_size: int, settings: DemoSettings) -> list[float
     return losses
 
 
-def _solver(name: str) -> Any:
+def _solver(name: str, time_limit: float | None = None) -> Any:
+    """A manual plan or a solver by name; ``time_limit`` for the ILP (its default if None)."""
     from fxpar.solvers import ExhaustiveSolver, GreedySolver, ILPSolver
 
+    if name in MANUAL_PLANS:
+        return MANUAL_PLANS[name]
+    if name == "ilp" and time_limit is not None:
+        return ILPSolver(time_limit=time_limit)
     solvers = {"ilp": ILPSolver, "greedy": GreedySolver, "exhaustive": ExhaustiveSolver}
     if name not in solvers:
         choices = sorted([*solvers, *MANUAL_PLANS])
@@ -248,15 +253,7 @@ def plan_command(args: argparse.Namespace) -> int:
         target.model, target.example_inputs, target.loss_fn, example_targets=target.example_targets
     )
     captured = time.perf_counter() - start
-    if args.solver in MANUAL_PLANS:
-        solver: Any = MANUAL_PLANS[args.solver]
-    elif args.solver == "ilp":
-        from fxpar.solvers import ILPSolver
-
-        solver = ILPSolver(time_limit=args.time_limit)
-    else:
-        solver = _solver(args.solver)
-    plan = plan_program(program, cluster, solver)
+    plan = plan_program(program, cluster, _solver(args.solver, args.time_limit))
     print(
         f"captured in {captured:.1f} s, planned in {time.perf_counter() - start - captured:.1f} s\n"
     )

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from fxpar.errors import FxparError
+from fxpar.errors import DistributedError, FxparError
 
 Coordinate = tuple[int, ...]
 
@@ -170,23 +170,37 @@ class Cluster:
             raise FxparError(f"mesh axis {axis} out of range for a {self.ndim}-D mesh")
         return axis
 
-    def device_mesh(self):
-        """The DeviceMesh for this cluster; needs an initialized default process group whose
-        world size equals the mesh's."""
+    def check_process_group(self) -> None:
+        """Raise :class:`~fxpar.errors.DistributedError` unless torch.distributed is
+        initialized with exactly as many ranks as the mesh has devices."""
         import torch.distributed as dist
-        from torch.distributed.device_mesh import init_device_mesh
 
         if not dist.is_initialized():
-            raise FxparError(
-                "no torch.distributed process group: launch with torchrun or "
-                "fxpar.runtime.launch.spawn, or call torch.distributed.init_process_group first"
+            if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+                raise DistributedError(
+                    "this process was started by torchrun (WORLD_SIZE is set) but "
+                    "torch.distributed is not initialized: call "
+                    "torch.distributed.init_process_group('gloo') (or 'nccl') first"
+                )
+            raise DistributedError(
+                f"{self} needs {self.world_size} processes, but torch.distributed is not "
+                "initialized: launch with `torchrun --nproc-per-node N` and call "
+                "torch.distributed.init_process_group, or use fxpar.runtime.launch.spawn"
             )
-        if dist.get_world_size() != self.world_size:
-            raise FxparError(
-                f"the process group has {dist.get_world_size()} ranks but the cluster's mesh "
-                f"{self.mesh_shape} has {self.world_size} devices; launch {self.world_size} "
-                "processes or change the mesh"
+        world = dist.get_world_size()
+        if world != self.world_size:
+            raise DistributedError(
+                f"the process group has {world} ranks but the cluster's mesh {self.mesh_shape} "
+                f"has {self.world_size} devices: launch {self.world_size} processes, or choose "
+                f"a mesh of {world} devices (e.g. Cluster.from_env())"
             )
+
+    def device_mesh(self):
+        """The DeviceMesh for this cluster; needs an initialized default process group whose
+        world size equals the mesh's (see :meth:`check_process_group`)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.check_process_group()
         return init_device_mesh(self.device_type, self.mesh_shape, mesh_dim_names=self.axis_names)
 
     def __str__(self) -> str:

@@ -42,7 +42,7 @@ from fxpar.lowering import SPMDProgram
 from fxpar.optim import AdamW, Optimizer, check_optimizer
 from fxpar.pipeline import Pipeline, PipelineModel
 from fxpar.planner import ManualPlan, Plan, PlanOptions, plan_program
-from fxpar.program import state_dict_aliases
+from fxpar.program import named_state, state_dict_aliases
 from fxpar.rules import RuleRegistry
 from fxpar.runtime.collectives import ProcessGroupCommunicator
 from fxpar.sharding import Spec, shard_tensor
@@ -265,15 +265,12 @@ class ParallelModel:
         self._specs = dict(zip(placeholders, self.spmd.input_specs, strict=True))
         self._metas = {name: ir.require(n, ir.ValueMeta).tensor for name, n in placeholders.items()}
 
-        state = {
-            **dict(model.named_parameters(remove_duplicate=False)),
-            **dict(model.named_buffers(remove_duplicate=False)),
-        }
+        state = named_state(model)
         names = self.signature.parameters + self.signature.buffers
         self._aliases = state_dict_aliases(model, names)
         self.parameters: dict[str, torch.Tensor] = {}
         self.buffers: dict[str, torch.Tensor] = {}
-        for name in self.signature.parameters + self.signature.buffers:
+        for name in names:
             full = self._broadcast(state[name].detach().clone())
             piece = self._local(name, full).clone()
             target = self.parameters if name in self.signature.parameters else self.buffers
@@ -535,27 +532,9 @@ class _OneDevice:
 
 
 def _device_mesh(cluster: Cluster) -> Any:
-    if not dist.is_initialized():
-        if cluster.world_size == 1:
-            return None
-        if "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
-            raise DistributedError(
-                "this process was started by torchrun (WORLD_SIZE is set) but torch.distributed "
-                "is not initialized: call torch.distributed.init_process_group('gloo') (or "
-                "'nccl') before fxpar.compile"
-            )
-        raise DistributedError(
-            f"{cluster} needs {cluster.world_size} processes, but torch.distributed is not "
-            "initialized: launch with `torchrun --nproc-per-node N` and call "
-            "torch.distributed.init_process_group, or use fxpar.runtime.launch.spawn"
-        )
-    world = dist.get_world_size()
-    if world != cluster.world_size:
-        raise DistributedError(
-            f"the process group has {world} ranks but the cluster's mesh {cluster.mesh_shape} "
-            f"has {cluster.world_size} devices: launch {cluster.world_size} processes, or choose "
-            f"a mesh of {world} devices (e.g. Cluster.from_env())"
-        )
+    if cluster.world_size == 1 and not dist.is_initialized():
+        return None
+    cluster.check_process_group()
     if cluster.device_type != "cpu":
         raise DistributedError(
             f"fxpar.compile runs per-rank programs on CPU processes (gloo) in this release; the "

@@ -111,10 +111,7 @@ class Program:
         ``state`` (the model itself, or a mapping), then ``batch`` (model inputs, then targets,
         in :attr:`Signature.inputs` order)."""
         if isinstance(state, nn.Module):
-            state = {
-                **dict(state.named_parameters(remove_duplicate=False)),
-                **dict(state.named_buffers(remove_duplicate=False)),
-            }
+            state = named_state(state)
         if len(batch) != len(self.signature.inputs):
             raise FxparError(
                 f"expected {len(self.signature.inputs)} batch tensors "
@@ -152,6 +149,15 @@ class Program:
             f"{len(self.signature.buffers)} buffers, inputs={list(self.signature.inputs)}, "
             f"{counts[ir.Phase.FORWARD]} forward and {counts[ir.Phase.BACKWARD]} backward nodes)"
         )
+
+
+def named_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer of ``model`` by qualified name, tied ones under each of
+    their names (the names a Program's placeholders use)."""
+    return {
+        **dict(model.named_parameters(remove_duplicate=False)),
+        **dict(model.named_buffers(remove_duplicate=False)),
+    }
 
 
 def state_dict_aliases(model: nn.Module, names: Sequence[str]) -> dict[str, tuple[str, ...]]:

@@ -42,7 +42,7 @@ from fxpar.pipeline.options import Pipeline, PipelineError
 from fxpar.pipeline.partition import even_split_points, partition
 from fxpar.pipeline.schedule import build_schedule, simulate
 from fxpar.pipeline.split import SplitProgram, split_program
-from fxpar.program import state_dict_aliases
+from fxpar.program import named_state, state_dict_aliases
 
 if TYPE_CHECKING:
     from fxpar.pipeline.auto import StageChoice
@@ -113,10 +113,7 @@ class PipelineModel:
         self._aliases = state_dict_aliases(model, names)
 
         self._stage_group, self._shared_groups = self._make_groups()
-        state = {
-            **dict(model.named_parameters(remove_duplicate=False)),
-            **dict(model.named_buffers(remove_duplicate=False)),
-        }
+        state = named_state(model)
         held = set(self.split.stage_parameters(self.stage))
         self.parameters: dict[str, torch.Tensor] = {}
         for name in self.signature.parameters:
