@@ -149,7 +149,7 @@ def lower(program: Program, cluster: Cluster) -> SPMDProgram:
         cluster=cluster,
         ranks=tuple(ranks),
         input_specs=tuple(_placeholder_spec(n) for n in placeholders),
-        output_specs=_output_specs(program, cluster.ndim),
+        output_specs=output_specs(program, cluster.ndim),
         records=records,
     )
 
@@ -163,7 +163,7 @@ def _check_lowerable(program: Program, cluster: Cluster) -> None:
                 "; capture with dynamic=False to lower to per-rank programs"
             )
     for node in program.graph.nodes:
-        if node.op == "placeholder" or _needs_strategy(node):
+        if node.op == "placeholder" or needs_strategy(node):
             sharding = ir.get(node, Sharding)
             if sharding is None:
                 raise LoweringError(
@@ -178,7 +178,8 @@ def _check_lowerable(program: Program, cluster: Cluster) -> None:
                     )
 
 
-def _needs_strategy(node: fx.Node) -> bool:
+def needs_strategy(node: fx.Node) -> bool:
+    """Whether ``node`` is an op that takes a strategy (a call with tensor outputs)."""
     if node.op != "call_function" or node.target is operator.getitem:
         return False
     return bool(ir.require(node, ir.ValueMeta).tensors)
@@ -190,7 +191,9 @@ def _placeholder_spec(node: fx.Node) -> Spec:
     return spec
 
 
-def _output_specs(program: Program, mesh_ndim: int) -> tuple[Spec, ...]:
+def output_specs(program: Program, mesh_ndim: int) -> tuple[Spec, ...]:
+    """The specs the step's outputs leave in: the loss replicated, each gradient and buffer
+    update in its parameter's or buffer's layout."""
     placeholders = program.placeholders()
     signature = program.signature
     state = signature.gradients + signature.buffer_updates
@@ -227,7 +230,7 @@ class _RankLowering:
         self.records: list[CollectiveRecord] = []
 
     def run(self) -> fx.GraphModule:
-        output_specs = _output_specs(self.program, len(self.mesh))
+        leaving = output_specs(self.program, len(self.mesh))
         for node in self.program.graph.nodes:
             if node.op == "placeholder":
                 local = self.graph.placeholder(node.name)
@@ -235,7 +238,7 @@ class _RankLowering:
             elif node.op == "output":
                 results = [
                     self._convert(result, spec, consumer=node, phase=ir.Phase.OUTPUT)
-                    for result, spec in zip(node.args[0], output_specs, strict=True)
+                    for result, spec in zip(node.args[0], leaving, strict=True)
                 ]
                 self.graph.output(tuple(results))
             elif node.op == "get_attr":
@@ -245,7 +248,7 @@ class _RankLowering:
                 local_source, specs = self.env[source]
                 local = self.graph.call_function(operator.getitem, (local_source, index))
                 self.env[node] = (local, (specs[index],))
-            elif _needs_strategy(node):
+            elif needs_strategy(node):
                 self._lower_op(node)
             else:
                 raise LoweringError(f"cannot lower node {node.name!r} ({node.target})")

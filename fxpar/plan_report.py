@@ -38,7 +38,7 @@ from fxpar import ir
 from fxpar.cluster import Cluster
 from fxpar.costmodel import collective_seconds, compute_seconds, local_bytes, reshard_seconds
 from fxpar.errors import FxparError
-from fxpar.lowering import CollectiveRecord
+from fxpar.lowering import CollectiveRecord, needs_strategy, output_specs
 from fxpar.program import Program
 from fxpar.reshard import reshard_steps
 from fxpar.rules import coverage
@@ -88,12 +88,6 @@ class Walk:
     """The layout of every value: what each node produces under its strategy."""
 
 
-def _needs_strategy(node: fx.Node) -> bool:
-    if node.op != "call_function" or node.target is operator.getitem:
-        return False
-    return bool(ir.require(node, ir.ValueMeta).tensors)
-
-
 def _chosen(node: fx.Node) -> Sharding:
     sharding = ir.get(node, Sharding)
     if sharding is None:
@@ -102,17 +96,6 @@ def _chosen(node: fx.Node) -> Sharding:
             "(fxpar.plan, fxpar.planner.load_plan) or annotate every node with a Sharding"
         )
     return sharding
-
-
-def _output_specs(program: Program, mesh_ndim: int) -> list[Spec]:
-    placeholders = program.placeholders()
-    state = program.signature.gradients + program.signature.buffer_updates
-    specs = [replicated(mesh_ndim)]
-    for name in state:
-        spec = _chosen(placeholders[name]).strategy.outputs[0]
-        assert spec is not None
-        specs.append(spec)
-    return specs
 
 
 def walk(program: Program, cluster: Cluster) -> Walk:
@@ -157,14 +140,14 @@ def walk(program: Program, cluster: Cluster) -> Walk:
         elif node.op == "output":
             results = node.args[0]
             assert isinstance(results, (tuple, list))
-            for result, spec in zip(results, _output_specs(program, cluster.ndim), strict=True):
+            for result, spec in zip(results, output_specs(program, cluster.ndim), strict=True):
                 if isinstance(result, fx.Node):
                     convert(result, spec, node, ir.Phase.OUTPUT)
         elif node.target is operator.getitem:
             source, index = node.args
             assert isinstance(source, fx.Node) and isinstance(index, int)
             found.specs[node] = (found.specs[source][index],)
-        elif _needs_strategy(node):
+        elif needs_strategy(node):
             strategy = _chosen(node).strategy
             phase = ir.require(node, ir.Region).phase
             for source, want in zip(tensor_inputs(node), strategy.inputs, strict=True):
