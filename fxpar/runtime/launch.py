@@ -148,6 +148,11 @@ def _run_process(
         # Timestamped, so the parent can tell the first failure from its consequences.
         _error_path(result_dir, rank).write_text(f"{time.monotonic_ns()}\n{traceback.format_exc()}")
         raise
+    else:
+        # No rank tears the group down while a peer still has gloo traffic in flight with it
+        # (seen as rare "terminate called without an active exception" aborts at exit).
+        # Only on success: after a failure the parent terminates the others anyway.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     torch.save(result, _result_path(result_dir, rank))
