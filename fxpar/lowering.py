@@ -133,37 +133,79 @@ _VIEWS_AS_RESHAPE = {
 
 def lower(program: Program, cluster: Cluster) -> SPMDProgram:
     """One GraphModule per rank of ``cluster`` from ``program`` and its chosen strategies."""
-    _check_lowerable(program, cluster)
+    _check_lowerable(program.graph, cluster.ndim)
+    placeholders = [n for n in program.graph.nodes if n.op == "placeholder"]
+    input_specs = tuple(value_spec(n) for n in placeholders)
+    leaving = output_specs(program, cluster.ndim)
     ranks = []
     records: tuple[CollectiveRecord, ...] = ()
     for rank, coordinate in enumerate(cluster.coordinates()):
-        lowering = _RankLowering(program, cluster, coordinate)
-        module = lowering.run()
+        lowered = lower_graph(
+            program.graph_module, cluster.mesh_shape, coordinate, input_specs, leaving
+        )
         if rank == 0:
-            records = tuple(lowering.records)
-        values = {node.name: (local.name, specs) for node, (local, specs) in lowering.env.items()}
-        ranks.append(RankProgram(rank, coordinate, module, values))
-    placeholders = [n for n in program.graph.nodes if n.op == "placeholder"]
+            records = lowered.records
+        ranks.append(RankProgram(rank, coordinate, lowered.graph_module, lowered.values))
     return SPMDProgram(
         program=program,
         cluster=cluster,
         ranks=tuple(ranks),
-        input_specs=tuple(_placeholder_spec(n) for n in placeholders),
-        output_specs=output_specs(program, cluster.ndim),
+        input_specs=input_specs,
+        output_specs=leaving,
         records=records,
     )
 
 
-def _check_lowerable(program: Program, cluster: Cluster) -> None:
-    for node in program.graph.nodes:
+@dataclass(frozen=True)
+class LoweredGraph:
+    """One device's program lowered from an annotated graph (see :func:`lower_graph`)."""
+
+    graph_module: fx.GraphModule
+    values: dict[str, tuple[str, tuple[Spec | None, ...]]]
+    """For each node of the source graph: the local node holding its value, and its specs."""
+    records: tuple[CollectiveRecord, ...]
+
+
+def lower_graph(
+    graph_module: fx.GraphModule,
+    mesh_shape: tuple[int, ...],
+    coordinate: Coordinate,
+    input_specs: Sequence[Spec],
+    output_specs: Sequence[Spec],
+    *,
+    class_name: str = "RankStep",
+) -> LoweredGraph:
+    """The program of the device at ``coordinate`` for any graph whose compute nodes carry a
+    :class:`~fxpar.sharding.Sharding`: its placeholders arrive laid out as ``input_specs``
+    and the tensors of its flat output tuple leave as ``output_specs``. The lowered module
+    takes the communicator first, then the local pieces of the placeholders.
+
+    :func:`lower` calls it with a Program's own specs; pipeline stages call it with the specs
+    of the values crossing their boundaries.
+    """
+    placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
+    if len(input_specs) != len(placeholders):
+        raise LoweringError(
+            f"{len(placeholders)} placeholders but {len(input_specs)} input specs were given"
+        )
+    _check_lowerable(graph_module.graph, len(mesh_shape))
+    lowering = _RankLowering(graph_module, mesh_shape, coordinate)
+    specs = dict(zip(placeholders, input_specs, strict=True))
+    module = lowering.run(specs, output_specs, class_name)
+    values = {node.name: (local.name, specs) for node, (local, specs) in lowering.env.items()}
+    return LoweredGraph(module, values, tuple(lowering.records))
+
+
+def _check_lowerable(graph: fx.Graph, mesh_ndim: int) -> None:
+    for node in graph.nodes:
         value = ir.get(node, ir.ValueMeta)
         if value is not None and any(t.is_symbolic for t in value.tensors):
             raise LoweringError(
                 f"node {node.name!r} has a symbolic shape ({', '.join(map(str, value.tensors))})"
                 "; capture with dynamic=False to lower to per-rank programs"
             )
-    for node in program.graph.nodes:
-        if node.op == "placeholder" or needs_strategy(node):
+    for node in graph.nodes:
+        if needs_strategy(node):
             sharding = ir.get(node, Sharding)
             if sharding is None:
                 raise LoweringError(
@@ -171,10 +213,10 @@ def _check_lowerable(program: Program, cluster: Cluster) -> None:
                     "(fxpar.plans) or annotate every node with fxpar.sharding.Sharding"
                 )
             for spec in (*sharding.strategy.outputs, *sharding.strategy.inputs):
-                if spec is not None and len(spec) != cluster.ndim:
+                if spec is not None and len(spec) != mesh_ndim:
                     raise LoweringError(
                         f"node {node.name!r}: spec {spec_str(spec)} has {len(spec)} placements "
-                        f"but the mesh has {cluster.ndim} axes"
+                        f"but the mesh has {mesh_ndim} axes"
                     )
 
 
@@ -185,9 +227,25 @@ def needs_strategy(node: fx.Node) -> bool:
     return bool(ir.require(node, ir.ValueMeta).tensors)
 
 
-def _placeholder_spec(node: fx.Node) -> Spec:
-    spec = ir.require(node, Sharding).strategy.outputs[0]
-    assert spec is not None
+def value_spec(node: fx.Node) -> Spec:
+    """The chosen spec of a single-tensor value: a placeholder's or an op's (first) output
+    spec, or, for a ``getitem``, the spec of that output of its producer.
+
+    Raises:
+        LoweringError: the node (or its producer) has no chosen strategy.
+    """
+    index = 0
+    if node.op == "call_function" and node.target is operator.getitem:
+        source, position = node.args
+        assert isinstance(source, fx.Node) and isinstance(position, int)
+        node, index = source, position
+    sharding = ir.get(node, Sharding)
+    spec = sharding.strategy.outputs[index] if sharding is not None else None
+    if spec is None:
+        raise LoweringError(
+            f"node {node.name!r} ({node.target}) has no chosen strategy for output {index}; "
+            "pick a plan (fxpar.plans) or annotate every node with fxpar.sharding.Sharding"
+        )
     return spec
 
 
@@ -197,7 +255,7 @@ def output_specs(program: Program, mesh_ndim: int) -> tuple[Spec, ...]:
     placeholders = program.placeholders()
     signature = program.signature
     state = signature.gradients + signature.buffer_updates
-    return (replicated(mesh_ndim), *(_placeholder_spec(placeholders[n]) for n in state))
+    return (replicated(mesh_ndim), *(value_spec(placeholders[n]) for n in state))
 
 
 def localize_shape_arguments(
@@ -218,9 +276,11 @@ def localize_shape_arguments(
 
 
 class _RankLowering:
-    def __init__(self, program: Program, cluster: Cluster, coordinate: Coordinate) -> None:
-        self.program = program
-        self.mesh = cluster.mesh_shape
+    def __init__(
+        self, graph_module: fx.GraphModule, mesh: tuple[int, ...], coordinate: Coordinate
+    ) -> None:
+        self.source = graph_module
+        self.mesh = mesh
         self.coordinate = coordinate
         self.graph = fx.Graph()
         self.comm = self.graph.placeholder("comm")
@@ -229,13 +289,19 @@ class _RankLowering:
         self.converted: dict[tuple[fx.Node, Spec, ir.Phase | None], fx.Node] = {}
         self.records: list[CollectiveRecord] = []
 
-    def run(self) -> fx.GraphModule:
-        leaving = output_specs(self.program, len(self.mesh))
-        for node in self.program.graph.nodes:
+    def run(
+        self, input_specs: Mapping[fx.Node, Spec], leaving: Sequence[Spec], class_name: str
+    ) -> fx.GraphModule:
+        for node in self.source.graph.nodes:
             if node.op == "placeholder":
                 local = self.graph.placeholder(node.name)
-                self.env[node] = (local, (_placeholder_spec(node),))
+                self.env[node] = (local, (input_specs[node],))
             elif node.op == "output":
+                if len(node.args[0]) != len(leaving):
+                    raise LoweringError(
+                        f"the graph returns {len(node.args[0])} values but {len(leaving)} "
+                        "output specs were given"
+                    )
                 results = [
                     self._convert(result, spec, consumer=node, phase=ir.Phase.OUTPUT)
                     for result, spec in zip(node.args[0], leaving, strict=True)
@@ -252,8 +318,7 @@ class _RankLowering:
                 self._lower_op(node)
             else:
                 raise LoweringError(f"cannot lower node {node.name!r} ({node.target})")
-        module = fx.GraphModule(self.program.graph_module, self.graph, class_name="RankStep")
-        return module
+        return fx.GraphModule(self.source, self.graph, class_name=class_name)
 
     def _lower_op(self, node: fx.Node) -> None:
         strategy = ir.require(node, Sharding).strategy

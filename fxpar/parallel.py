@@ -22,10 +22,11 @@ needs.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, cast, overload
 
@@ -41,10 +42,11 @@ from fxpar.errors import BatchError, CheckpointError, DistributedError, FxparErr
 from fxpar.lowering import SPMDProgram
 from fxpar.optim import AdamW, Optimizer, check_optimizer
 from fxpar.pipeline import Pipeline, PipelineModel
+from fxpar.pipeline.sharded import stage_devices
 from fxpar.planner import ManualPlan, Plan, PlanOptions, plan_program
-from fxpar.program import named_state, state_dict_aliases
+from fxpar.program import Program, named_state, state_dict_aliases
 from fxpar.rules import RuleRegistry
-from fxpar.runtime.collectives import ProcessGroupCommunicator
+from fxpar.runtime.collectives import OneDeviceCommunicator, ProcessGroupCommunicator
 from fxpar.sharding import Spec, shard_tensor
 from fxpar.solvers.problem import IntraOpProblem, IntraOpSolution, IntraOpSolver
 
@@ -126,25 +128,30 @@ def compile(
             training on a mixture.
         pipeline: run the step as a synchronous pipeline instead (see
             :class:`fxpar.pipeline.Pipeline` and docs/pipelines.md): returns a
-            :class:`~fxpar.pipeline.PipelineModel`, whose stages run data-parallel on
-            ``pipeline.data_parallel`` devices each; ``solver``, ``pins``, ``options`` and
-            ``rules`` (intra-op planning inside a stage) do not apply to it yet.
+            :class:`~fxpar.pipeline.PipelineModel`. On a cluster of mesh ``(K, *stage_mesh)``
+            (``K`` stages first) each stage runs its share of an intra-op plan on its stage
+            mesh, chosen by ``solver`` (the ILP by default; ``pins``, ``options`` and
+            ``rules`` apply); otherwise each stage runs data-parallel on
+            ``pipeline.data_parallel`` devices.
     """
     optimizer = check_optimizer(optimizer if optimizer is not None else AdamW())
-    if pipeline is not None:
-        return _compile_pipeline(
-            model, cluster, example_inputs, loss_fn, example_targets, optimizer, pipeline,
-            intra_op=(solver, pins, options, rules),
-        )  # fmt: skip
-    device_mesh = _device_mesh(cluster)
+    intra_op = any(option is not None for option in (solver, pins, options, rules))
+    if pipeline is None:
+        device_mesh = _device_mesh(cluster)
     _check_materialized(model)
-    program = capture(model, example_inputs, loss_fn, example_targets=example_targets)
     options = replace(options or PlanOptions(), optimizer_states=optimizer.state_copies)
     if pins:
         options = replace(options, pins=dict(pins))
     if solver is None or hasattr(solver, "solve"):  # manual plans are deterministic as they are
         solver = _SolvedOnRankZero(cast("IntraOpSolver | None", solver))
-    plan = plan_program(program, cluster, solver, options=options, rules=rules)
+    planner = functools.partial(plan_program, solver=solver, options=options, rules=rules)
+    if pipeline is not None:
+        return _compile_pipeline(
+            model, cluster, example_inputs, loss_fn, example_targets, optimizer, pipeline,
+            planner=planner, intra_op=intra_op,
+        )  # fmt: skip
+    program = capture(model, example_inputs, loss_fn, example_targets=example_targets)
+    plan = planner(program, cluster)
     return ParallelModel(plan, model, optimizer, device_mesh, check_batches=check_batches)
 
 
@@ -156,15 +163,34 @@ def _compile_pipeline(
     example_targets: Sequence[torch.Tensor],
     optimizer: Optimizer,
     pipeline: Pipeline,
-    intra_op: tuple[object, ...],
+    *,
+    planner: Callable[[Program, Cluster], Plan],
+    intra_op: bool,
 ) -> PipelineModel:
-    if any(option is not None for option in intra_op):
-        raise FxparError(
-            "solver, pins, options and rules choose intra-op sharding, which pipeline stages do "
-            "not take yet (each stage runs data-parallel on Pipeline.data_parallel devices): "
-            "drop them, or compile without pipeline="
+    """A pipeline whose stages run an intra-op plan on the cluster's mesh without its first
+    axis (when that axis is the stages, or a solver, pins, options or rules ask for a plan),
+    or data-parallel replicas."""
+    stages_first = (
+        pipeline.stages != "auto"
+        and pipeline.data_parallel == 1
+        and cluster.ndim >= 2
+        and cluster.mesh_shape[0] == pipeline.num_stages
+    )
+    if intra_op or stages_first:
+        if pipeline.stages == "auto":
+            raise FxparError(
+                "stages='auto' plans data-parallel stages only; with a solver, pins, options "
+                "or rules (an intra-op plan inside each stage) give the stages yourself"
+            )
+        # The plan covers every stage's layers, but a device holds about one stage's share.
+        stage_cluster = replace(
+            stage_devices(cluster, pipeline.num_stages),
+            memory=cluster.memory * pipeline.num_stages,
         )
-    _check_materialized(model)
+        return PipelineModel(
+            model, pipeline, example_inputs, loss_fn, example_targets=example_targets,
+            optimizer=optimizer, stage_cluster=stage_cluster, planner=planner,
+        )  # fmt: skip
     choice = None
     if pipeline.stages == "auto":
         from fxpar.pipeline import plan_stages
@@ -177,7 +203,8 @@ def _compile_pipeline(
         raise DistributedError(
             f"{pipeline} runs on {pipeline.world_size} devices ({pipeline.num_stages} stages x "
             f"{pipeline.data_parallel} per stage) but the cluster has {cluster.world_size}: "
-            "make stages x data_parallel equal the number of processes"
+            "make stages x data_parallel equal the number of processes, or give a cluster "
+            "mesh of (stages, *stage_mesh) to run an intra-op plan inside each stage"
         )
     pipelined = PipelineModel(
         model, pipeline, example_inputs, loss_fn, example_targets=example_targets,
@@ -259,7 +286,9 @@ class ParallelModel:
         self.coordinate: Coordinate = self.cluster.coordinate(self.rank)
         self.program: fx.GraphModule = self.spmd.ranks[self.rank].graph_module
         self._communicator = (
-            ProcessGroupCommunicator(device_mesh) if device_mesh is not None else _OneDevice()
+            ProcessGroupCommunicator(device_mesh)
+            if device_mesh is not None
+            else OneDeviceCommunicator()
         )
         placeholders = plan.program.placeholders()
         self._specs = dict(zip(placeholders, self.spmd.input_specs, strict=True))
@@ -510,25 +539,6 @@ class ParallelModel:
             f"ParallelModel(rank {self.rank} at {self.coordinate} of {self.cluster}; "
             f"{len(self.parameters)} parameters, {self.steps} steps; {self.plan.summary()})"
         )
-
-
-class _OneDevice:
-    """The communicator of a one-device mesh: every collective over an axis of size 1 is the
-    identity."""
-
-    def all_gather(self, tensor: torch.Tensor, dim: int, axis: int) -> torch.Tensor:
-        return tensor
-
-    def all_reduce(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
-        return tensor
-
-    def reduce_scatter(self, tensor: torch.Tensor, dim: int, axis: int) -> torch.Tensor:
-        return tensor
-
-    def all_to_all(
-        self, tensor: torch.Tensor, split_dim: int, concat_dim: int, axis: int
-    ) -> torch.Tensor:
-        return tensor
 
 
 def _device_mesh(cluster: Cluster) -> Any:

@@ -1,7 +1,8 @@
-"""Pipelines on real gloo processes: 4 stages on 4 ranks and 2 stages of 2 data-parallel
-devices on 4 ranks, under GPipe and 1F1B, with and without remat, give single-device
-training's loss, gradients and SGD update (GPT with its tied embedding, so the partial
-gradients of a weight held by the first and last stage are summed too).
+"""Pipelines on real gloo processes: 4 stages on 4 ranks, 2 stages of 2 data-parallel
+devices, and 2 stages x 2-way tensor parallelism (Megatron, and the ILP's plan) on a (2, 2)
+mesh, under GPipe and 1F1B, with and without remat, give single-device training's loss,
+gradients and SGD update (GPT with its tied embedding, so the partial gradients of a weight
+held by the first and last stage are summed too).
 
 The four processes are spawned once for all cases; each builds the same model and batch from
 fixed seeds and returns its stage's results, which the parent compares with eager PyTorch.
@@ -9,13 +10,19 @@ fixed seeds and returns its stage's results, which the parent compares with eage
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
+from fxpar import compile as fxpar_compile
+from fxpar import plans
+from fxpar.cluster import Cluster
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.optim import SGD
 from fxpar.pipeline import Pipeline, PipelineModel
 from fxpar.runtime.launch import spawn
+from fxpar.sharding import shard_tensor
 
 pytestmark = pytest.mark.slow
 
@@ -32,6 +39,15 @@ CASES = [
 ]
 RankResult = tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]
 FULL_STATE_CASE = 5  # 2 stages x 2 replicas: full_state_dict gathers across stages
+# 2 stages x 2-way tensor parallel on a (2, 2) mesh: fxpar.compile plans the stage mesh.
+TP_CASES = [
+    *(
+        (Pipeline(stages=2, microbatches=4, schedule=schedule, remat=remat), "megatron")
+        for schedule in ("gpipe", "1f1b")
+        for remat in (False, True)
+    ),
+    (Pipeline(stages=2, microbatches=2, schedule="1f1b"), "ilp"),
+]
 
 
 def _build() -> tuple[GPT, torch.Tensor, torch.Tensor]:
@@ -43,8 +59,8 @@ def _build() -> tuple[GPT, torch.Tensor, torch.Tensor]:
     return model, tokens, targets
 
 
-def _run_cases(rank: int, world_size: int, cases: list[Pipeline]) -> list[RankResult]:
-    results = []
+def _run_cases(rank: int, world_size: int, cases: list[Pipeline]) -> list[Any]:
+    results: list[Any] = []
     for index, pipeline in enumerate(cases):
         model, tokens, targets = _build()
         pipelined = PipelineModel(
@@ -54,11 +70,24 @@ def _run_cases(rank: int, world_size: int, cases: list[Pipeline]) -> list[RankRe
         results.append((loss, dict(pipelined.gradients), dict(pipelined.parameters)))
         if index == FULL_STATE_CASE:
             full_state = pipelined.full_state_dict()
-    return [*results, full_state]  # type: ignore[list-item]
+    results.append(full_state)
+    for pipeline, solver in TP_CASES:
+        model, tokens, targets = _build()
+        pipelined = fxpar_compile(
+            model, Cluster((2, 2)), (tokens,), gpt_loss, example_targets=(targets,),
+            optimizer=SGD(lr=LR), pipeline=pipeline,
+            solver=plans.tensor_parallel if solver == "megatron" else None,
+        )  # fmt: skip
+        loss = pipelined.step(tokens, targets)
+        assert pipelined.sharded is not None
+        specs = {name: pipelined.sharded.specs[name] for name in pipelined.parameters}
+        local = (dict(pipelined.gradients), dict(pipelined.parameters), specs)
+        results.append((loss, pipelined.coordinate, local, pipelined.full_state_dict()))
+    return results
 
 
 @pytest.fixture(scope="module")
-def per_rank() -> list[list[RankResult]]:
+def per_rank() -> list[list[Any]]:
     return spawn(_run_cases, 4, CASES)
 
 
@@ -75,7 +104,7 @@ def reference() -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[str(c) for c in CASES])
 def test_pipeline_step_equals_single_device(
     case: int,
-    per_rank: list[list[RankResult]],
+    per_rank: list[list[Any]],
     reference: tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]],
 ) -> None:
     """Every rank reports the whole batch's loss; every parameter's gradient and updated
@@ -94,7 +123,7 @@ def test_pipeline_step_equals_single_device(
     assert held == set(grads)
 
 
-def test_full_state_dict_gathers_every_stage(per_rank: list[list[RankResult]]) -> None:
+def test_full_state_dict_gathers_every_stage(per_rank: list[list[Any]]) -> None:
     """Every rank gets the whole updated model under its own state_dict names (the tied
     embedding under both), equal to eager PyTorch's after the step."""
     model, tokens, targets = _build()
@@ -102,6 +131,41 @@ def test_full_state_dict_gathers_every_stage(per_rank: list[list[RankResult]]) -
     torch.optim.SGD(model.parameters(), lr=LR).step()
     expected = model.state_dict()
     for rank, results in enumerate(per_rank):
-        state = results[-1]
-        assert state.keys() == expected.keys(), rank  # type: ignore[union-attr]
+        state = results[len(CASES)]
+        assert state.keys() == expected.keys(), rank
         torch.testing.assert_close(state, expected, msg=f"rank {rank}")
+
+
+@pytest.mark.parametrize(
+    "case", range(len(TP_CASES)), ids=[f"{p} x 2-way {s}" for p, s in TP_CASES]
+)
+def test_tensor_parallel_stages_equal_single_device(
+    case: int,
+    per_rank: list[list[Any]],
+    reference: tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]],
+) -> None:
+    """Each rank holds its piece of its stage's parameters under the stage's plan: the
+    piece of every gradient and updated weight equals that piece of eager PyTorch's, the
+    loss is the whole batch's, and the reassembled model equals eager PyTorch's. Megatron's
+    plan really splits the weights (some piece is smaller than its parameter)."""
+    loss, grads, updated = reference
+    model, tokens, targets = _build()
+    gpt_loss(model(tokens), targets).backward()
+    torch.optim.SGD(model.parameters(), lr=LR).step()
+    expected_state = model.state_dict()
+    split_some = False
+    for rank, results in enumerate(per_rank):
+        rank_loss, coordinate, (rank_grads, rank_params, specs), state = results[
+            len(CASES) + 1 + case
+        ]
+        torch.testing.assert_close(rank_loss, loss, msg=f"rank {rank}")
+        for name, grad in rank_grads.items():
+            piece = shard_tensor(grads[name], specs[name], (2,), coordinate)
+            torch.testing.assert_close(grad, piece, msg=f"rank {rank}: {name}")
+        for name, value in rank_params.items():
+            piece = shard_tensor(updated[name], specs[name], (2,), coordinate)
+            torch.testing.assert_close(value, piece, msg=f"rank {rank}: {name}")
+            split_some |= value.numel() < updated[name].numel()
+        torch.testing.assert_close(state, expected_state, msg=f"rank {rank}")
+    if TP_CASES[case][1] == "megatron":
+        assert split_some

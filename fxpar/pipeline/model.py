@@ -18,6 +18,14 @@ its own stage's parameters with a ``torch.optim`` optimizer. Elementwise optimiz
 (:mod:`fxpar.optim`) make each stage's update exactly its share of the single-device one, and
 copies of a tied weight stay identical because they take identical updates.
 
+**Intra-op plans inside stages.** Given a ``stage_cluster`` (a stage mesh), the step captured
+at micro-batch size is planned for that mesh first (tensor parallelism, an ILP plan, ...),
+and each stage runs its share of the plan on ``stage_cluster.world_size`` devices: ranks
+``s*T .. s*T + T-1`` for ``T`` devices per stage, rank ``s*T + t`` at coordinate ``t`` of the
+stage mesh, exchanging activations with the same coordinate of the neighbouring stages (see
+:mod:`.sharded`). Gradients are summed over micro-batches in the layout the backward made them
+in and converted to their parameters' layouts once per step.
+
 **BatchNorm.** Statistics are computed per micro-batch (per replica piece), as GPipe does, and
 running statistics are updated once per micro-batch, in micro-batch order; with ``D > 1`` each
 replica keeps its own running statistics. So a model with batch statistics trains exactly like
@@ -27,7 +35,7 @@ single-device training on the micro-batches, not on the whole batch.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,14 +43,19 @@ import torch.distributed as dist
 from torch import nn
 
 from fxpar.capture import LossFn, capture
+from fxpar.cluster import Cluster, Coordinate
 from fxpar.errors import BatchError
 from fxpar.optim import AdamW, Optimizer, check_optimizer
 from fxpar.pipeline.executor import StageResult, StageTrace, StageWorker
 from fxpar.pipeline.options import Pipeline, PipelineError
 from fxpar.pipeline.partition import even_split_points, partition
 from fxpar.pipeline.schedule import build_schedule, simulate
+from fxpar.pipeline.sharded import ShardedStage, local_batch, shard_stage
 from fxpar.pipeline.split import SplitProgram, split_program
-from fxpar.program import named_state, state_dict_aliases
+from fxpar.planner import Plan, plan_program
+from fxpar.program import Program, named_state, state_dict_aliases
+from fxpar.runtime.collectives import Communicator, OneDeviceCommunicator
+from fxpar.sharding import assemble
 
 if TYPE_CHECKING:
     from fxpar.pipeline.auto import StageChoice
@@ -55,7 +68,9 @@ class PipelineModel:
 
     Attributes:
         split: the per-stage programs (the same on every rank).
-        rank, stage, replica: where this process sits.
+        plan: the intra-op plan the stages run (with a ``stage_cluster``), else None.
+        rank, stage, replica, coordinate: where this process sits (``coordinate`` in the
+            stage mesh; ``()`` without one).
         parameters, buffers: this stage's tensors, by name (tied weights in each holder).
         gradients: this stage's gradients of the last step, as used by the update.
         trace: the last step's instruction timings on this rank.
@@ -71,15 +86,30 @@ class PipelineModel:
         *,
         example_targets: Sequence[torch.Tensor] = (),
         optimizer: Optimizer | None = None,
+        stage_cluster: Cluster | None = None,
+        planner: Callable[[Program, Cluster], Plan] = plan_program,
     ) -> None:
+        """``stage_cluster``: run an intra-op plan inside every stage, on a mesh of this shape
+        (see the module docstring); ``planner(program, stage_cluster)`` makes the plan (the
+        ILP by default; e.g. ``functools.partial(fxpar.plan_program,
+        solver=fxpar.plans.tensor_parallel)``)."""
         self.pipeline = pipeline
         self.optimizer_spec = check_optimizer(optimizer if optimizer is not None else AdamW())
+        if stage_cluster is not None and pipeline.data_parallel != 1:
+            raise PipelineError(
+                f"{pipeline} asks for data_parallel={pipeline.data_parallel} replicas and a "
+                f"stage mesh {stage_cluster.mesh_shape}: choose one; a plan on the stage mesh "
+                "can itself be data-parallel"
+            )
+        self.stage_cluster = stage_cluster
+        per_stage = stage_cluster.world_size if stage_cluster else pipeline.data_parallel
+        world_size = pipeline.num_stages * per_stage
         distributed = dist.is_available() and dist.is_initialized()
         world = dist.get_world_size() if distributed else 1
-        if world != pipeline.world_size:
+        if world != world_size:
             raise PipelineError(
-                f"{pipeline} needs {pipeline.world_size} processes ({pipeline.num_stages} stages "
-                f"x {pipeline.data_parallel} devices per stage) but "
+                f"{pipeline} needs {world_size} processes ({pipeline.num_stages} stages "
+                f"x {per_stage} devices per stage) but "
                 + (
                     f"the process group has {world}"
                     if distributed
@@ -89,8 +119,12 @@ class PipelineModel:
             )
         self.rank = dist.get_rank() if distributed else 0
         self._distributed = distributed
+        self._per_stage = per_stage
+        self.stage, local = divmod(self.rank, per_stage)
+        self._local_index = local
+        self.replica = 0 if stage_cluster else local
+        self.coordinate: Coordinate = stage_cluster.coordinate(local) if stage_cluster else ()
         replicas = pipeline.data_parallel
-        self.stage, self.replica = divmod(self.rank, replicas)
 
         pieces = pipeline.microbatches * replicas
         inputs = _batch_tensors(example_inputs)
@@ -99,6 +133,10 @@ class PipelineModel:
         micro_inputs = _with_tensors(example_inputs, [t[:piece] for t in inputs])
         micro_targets = [t[:piece] for t in example_targets]
         program = capture(model, micro_inputs, loss_fn, example_targets=micro_targets)
+        self.plan: Plan | None = None
+        if stage_cluster is not None:
+            self.plan = planner(program, stage_cluster)
+            program = self.plan.program
         stages = pipeline.stages
         points = even_split_points(program, stages) if isinstance(stages, int) else stages
         self.split: SplitProgram = split_program(
@@ -113,18 +151,26 @@ class PipelineModel:
         self._aliases = state_dict_aliases(model, names)
 
         self._stage_group, self._shared_groups = self._make_groups()
+        self.sharded: ShardedStage | None = None
+        forward, backward = self.split.forward[self.stage], self.split.backward[self.stage]
+        if stage_cluster is not None:
+            communicator = self._stage_communicator(stage_cluster)
+            self.sharded = shard_stage(
+                self.split, self.stage, stage_cluster, self.coordinate, communicator
+            )
+            forward, backward = self.sharded.forward, self.sharded.backward
         state = named_state(model)
         held = set(self.split.stage_parameters(self.stage))
         self.parameters: dict[str, torch.Tensor] = {}
         for name in self.signature.parameters:
             tensor = self._broadcast(state[name].detach().clone())
             if name in held:
-                self.parameters[name] = tensor
+                self.parameters[name] = self._local(name, tensor)
         self.buffers: dict[str, torch.Tensor] = {}
         for name in self.signature.buffers:
             tensor = self._broadcast(state[name].detach().clone())
             if name in self.split.stage_buffers(self.stage):
-                self.buffers[name] = tensor
+                self.buffers[name] = self._local(name, tensor)
         self._trainable = [n for n in self.signature.gradients if n in self.parameters]
         self.optimizer = self.optimizer_spec.build([self.parameters[n] for n in self._trainable])
         self.gradients: dict[str, torch.Tensor] = {}
@@ -132,10 +178,10 @@ class PipelineModel:
         self.stage_choice: StageChoice | None = None
         """The stage DP's choice when the stages were planned (``stages="auto"``)."""
         self.steps = 0
-        stride = replicas
+        stride = per_stage
         self._worker = StageWorker(
-            self.split.forward[self.stage],
-            self.split.backward[self.stage],
+            forward,
+            backward,
             self.schedule[self.stage],
             rank=self.rank,
             previous_rank=self.rank - stride if self.stage > 0 else None,
@@ -146,18 +192,23 @@ class PipelineModel:
         """Every parameter and buffer, whole, under the model's own state_dict names (tied
         weights under each of their names), gathered from the stages that hold them (replica 0
         of each; with BatchNorm and ``data_parallel > 1`` replicas keep their own running
-        statistics). A collective: call it on every rank."""
+        statistics) and, inside a stage mesh, reassembled from every device's piece. A
+        collective: call it on every rank."""
         mine = {**self.parameters, **self.buffers} if self.replica == 0 else {}
-        merged: dict[str, torch.Tensor] = {n: t.detach().clone() for n, t in mine.items()}
+        part = (self.coordinate, {n: t.detach().clone() for n, t in mine.items()})
+        everyone: list[Any] = [part]
         if self._distributed and dist.get_world_size() > 1:
-            everyone: list[dict[str, torch.Tensor] | None] = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, merged)
-            for part in everyone:
-                merged.update(part or {})
+            everyone = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, part)
+        pieces: dict[str, dict[Coordinate, torch.Tensor]] = {}
+        for coordinate, tensors in everyone:
+            for name, tensor in tensors.items():
+                pieces.setdefault(name, {})[coordinate] = tensor
         state = {}
         for name in self.signature.parameters + self.signature.buffers:
+            whole = self._whole(name, pieces[name])
             for alias in self._aliases.get(name, (name,)):
-                state[alias] = merged[name]
+                state[alias] = whole
         return state
 
     @property
@@ -190,8 +241,11 @@ class PipelineModel:
         return self._reduce_loss(result)
 
     def _reduce_gradients(self, result: StageResult) -> dict[str, torch.Tensor]:
+        computed = result.gradient_sums
+        if self.sharded is not None:  # into the parameters' layouts, once per step
+            computed = self.sharded.sync.run(computed)
         sums = {
-            name: result.gradient_sums.get(name, torch.zeros_like(self.parameters[name]))
+            name: computed.get(name, torch.zeros_like(self.parameters[name]))
             for name in self._trainable
         }
         if self._stage_group is not None:
@@ -204,10 +258,13 @@ class PipelineModel:
 
     def _reduce_loss(self, result: StageResult) -> torch.Tensor:
         count = self.pipeline.microbatches * self.pipeline.data_parallel
-        loss = result.loss_sum if result.loss_sum is not None else torch.zeros(())
-        loss = loss.detach().clone().to(torch.float64)
+        # Only the last stage has losses, replicated over its stage mesh: one device of each
+        # of its replicas contributes, and a sum over every rank spreads the mean to all.
+        counted = result.loss_sum is not None and self._local_index == self.replica
+        loss = result.loss_sum if counted else None
+        loss = (loss if loss is not None else torch.zeros(())).detach().clone()
+        loss = loss.to(torch.float64)
         if self._distributed and dist.get_world_size() > 1:
-            # Only the last stage has losses; a sum over every rank spreads the mean to all.
             dist.all_reduce(loss)
         return (loss / count).to(self._loss_dtype())
 
@@ -237,19 +294,21 @@ class PipelineModel:
         for m in range(count):
             start = (m * replicas + self.replica) * piece
             pieces.append({n: t[start : start + piece] for n, t in zip(names, batch, strict=True)})
+        if self.sharded is not None:
+            pieces = [local_batch(self.sharded, microbatch) for microbatch in pieces]
         return pieces
 
     def _make_groups(self) -> tuple[Any, dict[str, Any]]:
-        """Process groups: this stage's replicas, and each tied weight's holders (per replica
-        index). ``new_group`` is collective over the world, so every rank creates every group
-        in the same order and keeps its own."""
+        """Process groups: this stage's replicas, and each tied weight's holders (one group per
+        device index within a stage). ``new_group`` is collective over the world, so every
+        rank creates every group in the same order and keeps its own."""
         if not self._distributed:
             return None, {}
-        replicas = self.pipeline.data_parallel
+        per_stage = self._per_stage
         stage_group = None
-        if replicas > 1:
+        if self.pipeline.data_parallel > 1:
             for stage in range(self.pipeline.num_stages):
-                ranks = list(range(stage * replicas, (stage + 1) * replicas))
+                ranks = list(range(stage * per_stage, (stage + 1) * per_stage))
                 group = dist.new_group(ranks)
                 if stage == self.stage:
                     stage_group = group
@@ -258,12 +317,41 @@ class PipelineModel:
         for name, holders in self.split.shared_parameters().items():
             by_holders.setdefault(holders, []).append(name)
         for holders, names in by_holders.items():
-            for replica in range(replicas):
-                ranks = [stage * replicas + replica for stage in holders]
+            for local in range(per_stage):
+                ranks = [stage * per_stage + local for stage in holders]
                 group = dist.new_group(ranks)
-                if self.stage in holders and replica == self.replica:
+                if self.stage in holders and local == self._local_index:
                     shared.update(dict.fromkeys(names, group))
         return stage_group, shared
+
+    def _stage_communicator(self, stage_cluster: Cluster) -> Communicator:
+        """Collectives over this stage's mesh: the stage's slice of a world DeviceMesh of
+        shape ``(stages, *stage_mesh)``."""
+        if not self._distributed or dist.get_world_size() == 1:
+            return OneDeviceCommunicator()
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from fxpar.runtime.collectives import ProcessGroupCommunicator
+
+        names = stage_cluster.axis_names
+        stage_axis = "stage"
+        while stage_axis in names:
+            stage_axis += "_"
+        world_mesh = init_device_mesh(
+            stage_cluster.device_type,
+            (self.pipeline.num_stages, *stage_cluster.mesh_shape),
+            mesh_dim_names=(stage_axis, *names),
+        )
+        return ProcessGroupCommunicator(world_mesh[names])
+
+    def _local(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This device's piece of a whole parameter or buffer."""
+        return self.sharded.local(name, tensor).clone() if self.sharded else tensor
+
+    def _whole(self, name: str, pieces: dict[Coordinate, torch.Tensor]) -> torch.Tensor:
+        if self.sharded is None:
+            return next(iter(pieces.values()))
+        return assemble(pieces, self.sharded.specs[name], self.sharded.cluster.mesh_shape)
 
     def _broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
         # As DistributedDataParallel does: rank 0's weights are the ones trained.

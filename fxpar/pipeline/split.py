@@ -37,9 +37,13 @@ import torch
 import torch.fx as fx
 
 from fxpar import ir
+from fxpar.errors import LoweringError
+from fxpar.lowering import value_spec
 from fxpar.pipeline.options import PipelineError
 from fxpar.pipeline.partition import Half, Partition, Unit
 from fxpar.program import Program, StepResult
+from fxpar.runtime.collectives import Communicator
+from fxpar.sharding import Sharding, Spec, Strategy
 
 aten = torch.ops.aten
 
@@ -87,6 +91,9 @@ class StageProgram:
     loss: bool
     buffer_updates: tuple[str, ...]
     gradients: tuple[str, ...]
+    communicator: Communicator | None = None
+    """Set on a unit lowered to one device of a stage mesh (:mod:`.sharded`): its module takes
+    the communicator first, and every tensor above is this device's piece."""
 
     def run(
         self,
@@ -102,9 +109,11 @@ class StageProgram:
                 f"{self.unit} expects {len(self.received)} received and {len(self.restored)} "
                 f"stashed tensors, got {len(received)} and {len(restored)}"
             )
-        inputs = [parameters[n] for n in self.parameters]
+        inputs: list[object] = [parameters[n] for n in self.parameters]
         inputs += [buffers[n] for n in self.buffers]
         inputs += [batch[n] for n in self.batch]
+        if self.communicator is not None:
+            inputs.insert(0, self.communicator)
         with torch.no_grad():
             flat = list(self.graph_module(*inputs, *received, *restored))
         sent = tuple(flat[: len(self.sent)])
@@ -406,10 +415,13 @@ class _Router:
             if not terms:
                 continue
             total = env[terms[0]]
+            layout = _planned_spec(terms[0])
             for term in terms[1:]:
                 total = graph.call_function(aten.add.Tensor, (total, env[term]))
                 ir.annotate(total, ir.Region(ir.Phase.BACKWARD, ""))
                 ir.annotate(total, ir.require(terms[0], ir.ValueMeta))
+                if layout is not None:  # planned: the sum is laid out like its first term
+                    ir.annotate(total, Sharding(Strategy((layout,), (layout, layout))))
             gradients.append(name)
             results.append(total)
         graph.output(tuple(results))
@@ -432,6 +444,13 @@ class _Router:
 
     def _ordered(self, nodes: Iterable[fx.Node]) -> tuple[fx.Node, ...]:
         return tuple(sorted(nodes, key=self.position.__getitem__))
+
+
+def _planned_spec(node: fx.Node) -> Spec | None:
+    try:
+        return value_spec(node)
+    except LoweringError:
+        return None
 
 
 def _placeholder(graph: fx.Graph, source: fx.Node, name: str) -> fx.Node:

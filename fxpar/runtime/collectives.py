@@ -54,6 +54,25 @@ def all_to_all(
 COLLECTIVE_FUNCTIONS = (all_gather, all_reduce, reduce_scatter, all_to_all)
 
 
+class OneDeviceCommunicator:
+    """The communicator of a one-device mesh: every collective over an axis of size 1 is the
+    identity."""
+
+    def all_gather(self, tensor: torch.Tensor, dim: int, axis: int) -> torch.Tensor:
+        return tensor
+
+    def all_reduce(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
+        return tensor
+
+    def reduce_scatter(self, tensor: torch.Tensor, dim: int, axis: int) -> torch.Tensor:
+        return tensor
+
+    def all_to_all(
+        self, tensor: torch.Tensor, split_dim: int, concat_dim: int, axis: int
+    ) -> torch.Tensor:
+        return tensor
+
+
 class ProcessGroupCommunicator:
     """Collectives on the per-axis process groups of a DeviceMesh.
 

@@ -8,6 +8,7 @@ the others at their next collective, and the first error is raised.
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -112,6 +113,44 @@ class SimulationResult:
     """The outputs reassembled from their specs: loss, gradients and buffer updates."""
 
 
+class SimulatedMesh:
+    """The devices of one mesh, each with its :class:`SimulatedCommunicator`, kept across
+    calls: :meth:`run` runs a function on every device at once, in threads, and the
+    collectives of successive calls keep meeting in order."""
+
+    def __init__(self, mesh_shape: tuple[int, ...], *, timeout: float = 60.0) -> None:
+        self.mesh_shape = tuple(mesh_shape)
+        self._exchange = _Exchange(self.mesh_shape, timeout)
+        coordinates = itertools.product(*(range(n) for n in self.mesh_shape))
+        self.communicators = {c: SimulatedCommunicator(self._exchange, c) for c in coordinates}
+
+    def run(self, body: Callable[[Coordinate, SimulatedCommunicator], R]) -> dict[Coordinate, R]:
+        """``body(coordinate, comm)`` on every device; the results by coordinate. The first
+        device error is raised, after every thread has stopped."""
+        results: dict[Coordinate, R] = {}
+        errors: list[BaseException] = []
+
+        def run(coordinate: Coordinate) -> None:
+            try:
+                with torch.no_grad():
+                    results[coordinate] = body(coordinate, self.communicators[coordinate])
+            except BaseException as error:  # reported below, after every thread has stopped
+                errors.append(error)
+                self._exchange.fail(error)
+
+        threads = [threading.Thread(target=run, args=(c,)) for c in self.communicators]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if errors:
+            first = next((e for e in errors if not isinstance(e, SimulationError)), errors[0])
+            raise SimulationError(
+                f"simulated rank failed: {type(first).__name__}: {first}"
+            ) from first
+        return results
+
+
 def run_ranks(
     spmd: SPMDProgram,
     flat_inputs: Sequence[torch.Tensor],
@@ -121,30 +160,13 @@ def run_ranks(
 ) -> dict[Coordinate, R]:
     """Call ``body(rank_module, comm, local_inputs)`` for every rank, each in its own thread
     with simulated collectives; the results by coordinate. The first rank error is raised."""
-    exchange = _Exchange(spmd.cluster.mesh_shape, timeout)
-    results: dict[Coordinate, R] = {}
-    errors: list[BaseException] = []
+    cluster = spmd.cluster
 
-    def run(rank: int) -> None:
-        program = spmd.ranks[rank]
-        try:
-            local = spmd.local_inputs(flat_inputs, program.coordinate)
-            comm = SimulatedCommunicator(exchange, program.coordinate)
-            with torch.no_grad():
-                results[program.coordinate] = body(program.graph_module, comm, local)
-        except BaseException as error:  # reported below, after every thread has stopped
-            errors.append(error)
-            exchange.fail(error)
+    def run(coordinate: Coordinate, comm: SimulatedCommunicator) -> R:
+        program = spmd.ranks[cluster.rank(coordinate)]
+        return body(program.graph_module, comm, spmd.local_inputs(flat_inputs, coordinate))
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(spmd.cluster.world_size)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        first = next((e for e in errors if not isinstance(e, SimulationError)), errors[0])
-        raise SimulationError(f"simulated rank failed: {type(first).__name__}: {first}") from first
-    return results
+    return SimulatedMesh(cluster.mesh_shape, timeout=timeout).run(run)
 
 
 def simulate(

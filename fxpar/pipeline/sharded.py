@@ -1,0 +1,227 @@
+"""Pipeline stages that run an intra-op plan on a mesh of their own.
+
+A pipeline of ``K`` stages on a cluster of mesh ``(K, *stage_mesh)`` gives each stage the
+devices of one index of the first axis, a *stage mesh* on which it runs its share of an
+intra-op plan (tensor parallelism, data parallelism, or whatever a solver chose). The plan is
+made once, for the step captured at micro-batch size on the stage mesh, before the step is cut
+into stages: :func:`~fxpar.pipeline.split.split_program` copies every node's chosen strategy
+into the unit programs, and each unit is then lowered like a whole Program
+(:func:`fxpar.lowering.lower_graph`) for one device's coordinate in its stage mesh.
+
+What fixes the layout of each value at a unit's boundary:
+
+- parameters, buffers and batch tensors: their planned specs;
+- what a unit receives, sends, stashes or restores: the spec the plan chose for that value
+  where it is computed, on both sides of the boundary. Device ``c`` of stage ``s`` exchanges
+  with device ``c`` of stages ``s ± 1``, which holds the same piece, so nothing is converted on
+  the way (a ``Partial`` value travels as its addends);
+- the loss: replicated; a buffer update: its buffer's spec;
+- a gradient: the spec the backward computed it in (often ``Partial`` over a data-parallel
+  axis). The runtime sums it over micro-batches in that layout, and :class:`GradientSync`
+  converts the sums to the parameters' layouts once per step, so a data-parallel axis
+  all-reduces gradients once per step, not once per micro-batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from fxpar import ir
+from fxpar.cluster import Cluster, Coordinate
+from fxpar.lowering import CollectiveRecord, lower_graph, value_spec
+from fxpar.pipeline.options import PipelineError
+from fxpar.pipeline.split import SplitProgram, StageProgram, Value
+from fxpar.runtime.collectives import Communicator
+from fxpar.sharding import Spec, local_shape, replicated, shard_tensor
+
+
+@dataclass(frozen=True)
+class GradientSync:
+    """Converts one stage's gradient sums from the layouts the backward produced them in to
+    their parameters' layouts: a lowered program of collectives (and local slices) only."""
+
+    gradients: tuple[str, ...]
+    graph_module: fx.GraphModule
+    records: tuple[CollectiveRecord, ...]
+    communicator: Communicator
+
+    def run(self, sums: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        with torch.no_grad():
+            converted = self.graph_module(self.communicator, *(sums[n] for n in self.gradients))
+        return dict(zip(self.gradients, converted, strict=True))
+
+
+@dataclass(frozen=True)
+class ShardedStage:
+    """One device's share of one stage: its lowered forward and backward, the gradient sync,
+    and the layout of every tensor it is given."""
+
+    stage: int
+    cluster: Cluster
+    """The stage mesh."""
+    coordinate: Coordinate
+    forward: StageProgram
+    backward: StageProgram
+    sync: GradientSync
+    specs: Mapping[str, Spec]
+    """The planned spec of each parameter, buffer and batch tensor, by name."""
+    forward_collectives: tuple[CollectiveRecord, ...] = ()
+    backward_collectives: tuple[CollectiveRecord, ...] = ()
+    """What the lowered units run, per micro-batch."""
+
+    def local(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """This device's piece of the whole parameter, buffer or batch tensor ``name``."""
+        return shard_tensor(tensor, self.specs[name], self.cluster.mesh_shape, self.coordinate)
+
+
+def shard_stage(
+    split: SplitProgram,
+    stage: int,
+    cluster: Cluster,
+    coordinate: Coordinate,
+    communicator: Communicator,
+) -> ShardedStage:
+    """Lower stage ``stage`` of ``split`` (whose Program carries a plan for the stage mesh
+    ``cluster``) for the device at ``coordinate``; its units run collectives on
+    ``communicator``."""
+    program = split.program
+    placeholders = program.placeholders()
+    try:
+        specs = {name: value_spec(node) for name, node in placeholders.items()}
+    except Exception as error:
+        raise PipelineError(
+            f"the step has no plan for the stage mesh {cluster.mesh_shape}: {error}"
+        ) from error
+    lower = _UnitLowering(split, cluster, coordinate, communicator, specs)
+    forward, forward_collectives = lower.unit(split.forward[stage])
+    backward, backward_collectives = lower.unit(split.backward[stage])
+    return ShardedStage(
+        stage=stage,
+        cluster=cluster,
+        coordinate=coordinate,
+        forward=forward,
+        backward=backward,
+        sync=lower.sync(split.backward[stage], lower.gradient_specs),
+        specs=specs,
+        forward_collectives=forward_collectives,
+        backward_collectives=backward_collectives,
+    )
+
+
+class _UnitLowering:
+    def __init__(
+        self,
+        split: SplitProgram,
+        cluster: Cluster,
+        coordinate: Coordinate,
+        communicator: Communicator,
+        specs: Mapping[str, Spec],
+    ) -> None:
+        self.split = split
+        self.mesh = cluster.mesh_shape
+        self.coordinate = coordinate
+        self.communicator = communicator
+        self.specs = specs
+        self.nodes = {node.name: node for node in split.program.graph.nodes}
+        self.gradient_specs: dict[str, Spec] = {}
+
+    def unit(self, unit: StageProgram) -> tuple[StageProgram, tuple[CollectiveRecord, ...]]:
+        graph = unit.graph_module.graph
+        inputs = [n for n in graph.nodes if n.op == "placeholder"]
+        named = (*unit.parameters, *unit.buffers, *unit.batch)
+        crossing = (*unit.received, *unit.restored)
+        input_specs = [self.specs[name] for name in named]
+        input_specs += [self._value_spec(value) for value in crossing]
+        assert len(inputs) == len(input_specs)
+
+        (output,) = (n for n in graph.nodes if n.op == "output")
+        results = list(output.args[0])
+        output_specs = [self._value_spec(value) for value in (*unit.sent, *unit.stashed)]
+        if unit.loss:
+            output_specs.append(replicated(len(self.mesh)))
+        output_specs += [self.specs[name] for name in unit.buffer_updates]
+        origins = dict(zip(inputs[len(named) :], (v.name for v in crossing), strict=True))
+        for name, result in zip(unit.gradients, results[len(output_specs) :], strict=True):
+            assert isinstance(result, fx.Node)
+            origin = origins.get(result)
+            spec = value_spec(self.nodes[origin] if origin is not None else result)
+            self.gradient_specs[name] = spec
+            output_specs.append(spec)
+
+        lowered = lower_graph(
+            unit.graph_module,
+            self.mesh,
+            self.coordinate,
+            input_specs,
+            output_specs,
+            class_name=f"{type(unit.graph_module).__name__}Rank",
+        )
+        local = dataclasses.replace(
+            unit,
+            graph_module=lowered.graph_module,
+            received=tuple(self._local(v) for v in unit.received),
+            restored=tuple(self._local(v) for v in unit.restored),
+            sent=tuple(self._local(v) for v in unit.sent),
+            stashed=tuple(self._local(v) for v in unit.stashed),
+            communicator=self.communicator,
+        )
+        return local, lowered.records
+
+    def sync(self, backward: StageProgram, natural: Mapping[str, Spec]) -> GradientSync:
+        """The program taking each gradient of ``backward`` from ``natural`` to its
+        parameter's spec."""
+        names = backward.gradients
+        placeholders = self.split.program.placeholders()
+        graph = fx.Graph()
+        inputs = []
+        for name in names:
+            node = graph.placeholder(f"sum_{name.replace('.', '_')}")
+            ir.annotate(node, ir.require(placeholders[name], ir.ValueMeta))
+            inputs.append(node)
+        graph.output(tuple(inputs))
+        module = fx.GraphModule(torch.nn.Module(), graph, class_name="GradientSync")
+        lowered = lower_graph(
+            module,
+            self.mesh,
+            self.coordinate,
+            [natural[n] for n in names],
+            [self.specs[n] for n in names],
+            class_name="GradientSync",
+        )
+        return GradientSync(names, lowered.graph_module, lowered.records, self.communicator)
+
+    def _value_spec(self, value: Value) -> Spec:
+        return value_spec(self.nodes[value.name])
+
+    def _local(self, value: Value) -> Value:
+        spec = self._value_spec(value)
+        shape = local_shape([int(s) for s in value.meta.shape], spec, self.mesh)
+        return Value(value.name, dataclasses.replace(value.meta, shape=shape))
+
+
+def local_batch(stage: ShardedStage, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This device's pieces of one micro-batch's tensors, by name."""
+    return {name: stage.local(name, tensor) for name, tensor in batch.items()}
+
+
+def stage_devices(cluster: Cluster, num_stages: int) -> Cluster:
+    """The stage mesh of a pipeline of ``num_stages`` stages on ``cluster``: its mesh without
+    the first axis, which must have ``num_stages`` entries, with the links of the axes kept."""
+    if cluster.ndim < 2 or cluster.mesh_shape[0] != num_stages:
+        raise PipelineError(
+            f"an intra-op plan inside {num_stages} pipeline stages needs a cluster mesh of "
+            f"({num_stages}, *stage_mesh), whose first axis is the stages; got "
+            f"{cluster.mesh_shape}"
+        )
+    return dataclasses.replace(
+        cluster,
+        mesh_shape=cluster.mesh_shape[1:],
+        axis_names=cluster.axis_names[1:],
+        bandwidth=cluster.bandwidth[1:],
+        latency=cluster.latency[1:],
+    )

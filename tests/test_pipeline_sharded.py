@@ -1,0 +1,206 @@
+"""Pipeline stages running an intra-op plan on a stage mesh, in one process (every device of a
+stage in a thread, :func:`fxpar.testing.pipeline.simulate_pipeline`):
+
+- the property: for random small models, random plans on 1-D and 2-D stage meshes, random
+  split points, both remat settings and 1-2 micro-batches, the lowered stages compute the
+  single-device step (loss, gradients, buffer updates);
+- gradients of a data-parallel stage are converted once per step, not per micro-batch;
+- mistakes raise clear errors.
+
+The multi-process runtime (2 stages x 2-way tensor parallel on gloo) is in
+test_pipeline_gloo.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+from conftest import eager_step
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import fxpar
+from fxpar import ir, plans
+from fxpar.cluster import Cluster
+from fxpar.errors import FxparError
+from fxpar.models import GPT, GPTConfig, gpt_loss
+from fxpar.optim import SGD
+from fxpar.pipeline import Pipeline, PipelineError, PipelineModel, partition, split_program
+from fxpar.pipeline.sharded import shard_stage, stage_devices
+from fxpar.program import named_state
+from fxpar.runtime.collectives import OneDeviceCommunicator
+from fxpar.testing import ModelCase
+from fxpar.testing import strategies as fst
+from fxpar.testing.pipeline import simulate_pipeline
+
+CONFIG = GPTConfig(n_layer=2, n_embd=16, n_head=2, vocab_size=32, block_size=8)
+STAGE_MESHES = ((1,), (2,), (1, 2), (2, 2))
+
+
+def _pieces(model: nn.Module) -> list[str]:
+    """Module names in forward order where a stage may begin: top-level children, and the
+    children of top-level Sequentials."""
+    names = []
+    for name, child in model.named_children():
+        if isinstance(child, nn.Sequential):
+            names += [f"{name}.{index}" for index in range(len(child))]
+        else:
+            names.append(name)
+    return names[1:]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    case=fst.models(),
+    cluster=st.sampled_from([Cluster(mesh) for mesh in STAGE_MESHES]),
+    seed=fst.plan_seeds(),
+    microbatches=st.sampled_from((1, 2)),
+    remat=st.booleans(),
+    data=st.data(),
+)
+def test_random_plans_inside_stages_train_like_one_device(
+    case: ModelCase,
+    cluster: Cluster,
+    seed: int,
+    microbatches: int,
+    remat: bool,
+    data: st.DataObject,
+) -> None:
+    candidates = _pieces(case.model)
+    points = data.draw(
+        st.lists(st.sampled_from(candidates), min_size=1, max_size=3, unique=True).map(
+            lambda chosen: tuple(sorted(chosen, key=candidates.index))
+        ),
+        label="split points",
+    )
+    batch = [*case.inputs, *case.targets]
+    chunks = [list(pieces) for pieces in zip(*(t.chunk(microbatches) for t in batch), strict=True)]
+    size = len(case.inputs)
+    program = fxpar.capture(
+        case.model, chunks[0][:size], case.loss_fn, example_targets=chunks[0][size:]
+    )
+    planned = plans.random_plan(program, cluster, seed)
+    split = split_program(planned, partition(planned, points), remat=remat)
+    state = named_state(case.model)
+    expected = split.run_microbatches(state, chunks)
+    result = simulate_pipeline(split, cluster, state, chunks)
+
+    torch.testing.assert_close(result.loss, expected.loss, rtol=1e-4, atol=1e-6)
+    assert result.gradients.keys() == expected.gradients.keys()
+    for name, gradient in expected.gradients.items():
+        torch.testing.assert_close(result.gradients[name], gradient, rtol=1e-4, atol=1e-6, msg=name)
+    for name, value in expected.buffers.items():
+        torch.testing.assert_close(result.buffers[name], value, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@functools.cache
+def _gpt() -> tuple[GPT, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, CONFIG.vocab_size, (4, 8), generator=generator)
+    targets = torch.randint(0, CONFIG.vocab_size, (4, 8), generator=generator)
+    return model, tokens, targets
+
+
+@pytest.mark.parametrize("plan", ["tensor_parallel", "data_parallel", "fully_sharded"])
+def test_manual_plans_inside_stages_equal_the_unsharded_pipeline(plan: str) -> None:
+    """GPT (tied embedding: its partial gradients from the first and last stage are summed
+    after each is converted) under each manual plan on 2 devices per stage."""
+    model, tokens, targets = _gpt()
+    program = fxpar.capture(model, (tokens[:2],), gpt_loss, example_targets=(targets[:2],))
+    cluster = Cluster((2,))
+    planned = getattr(plans, plan)(program, cluster)
+    split = split_program(planned, partition(planned, ("blocks.1",)), remat=False)
+    chunks = [[tokens[:2], targets[:2]], [tokens[2:], targets[2:]]]
+    expected = split.run_microbatches(named_state(model), chunks)
+    result = simulate_pipeline(split, cluster, named_state(model), chunks)
+    torch.testing.assert_close(result.loss, expected.loss)
+    for name, gradient in expected.gradients.items():
+        torch.testing.assert_close(result.gradients[name], gradient, msg=name)
+
+
+def test_data_parallel_stage_reduces_gradients_once_per_step() -> None:
+    """Under a data-parallel plan the backward units leave every gradient as per-device
+    addends (no collective on the way out; the one collective inside is the loss's scalar
+    token count), and the stage's gradient sync all-reduces each one: once per step however
+    many micro-batches there are."""
+    model, tokens, targets = _gpt()
+    program = fxpar.capture(model, (tokens[:2],), gpt_loss, example_targets=(targets[:2],))
+    cluster = Cluster((2,))
+    planned = plans.data_parallel(program, cluster)
+    split = split_program(planned, partition(planned, ("blocks.1",)), remat=False)
+    for stage in range(2):
+        sharded = shard_stage(split, stage, cluster, (0,), OneDeviceCommunicator())
+        leaving = [r for r in sharded.backward_collectives if r.phase is ir.Phase.OUTPUT]
+        assert leaving == []
+        assert all(r.bytes <= 8 for r in sharded.backward_collectives)
+        kinds = [record.kind for record in sharded.sync.records]
+        assert kinds == ["all_reduce"] * len(sharded.backward.gradients)
+        assert set(sharded.sync.gradients) == set(sharded.backward.gradients)
+
+
+def test_boundary_values_have_local_shapes() -> None:
+    """What crosses a stage boundary is allocated at this device's size: under a
+    data-parallel plan, half the micro-batch's rows."""
+    model, tokens, targets = _gpt()
+    program = fxpar.capture(model, (tokens[:2],), gpt_loss, example_targets=(targets[:2],))
+    planned = plans.data_parallel(program, Cluster((2,)))
+    split = split_program(planned, partition(planned, ("blocks.1",)), remat=False)
+    sharded = shard_stage(split, 1, Cluster((2,)), (1,), OneDeviceCommunicator())
+    whole = {v.name: v.meta.shape for v in split.forward[1].received}
+    for value in sharded.forward.received:
+        assert value.meta.shape[0] * 2 == whole[value.name][0]
+
+
+def test_errors_say_what_to_change() -> None:
+    model, tokens, targets = _gpt()
+    with pytest.raises(PipelineError, match=r"mesh of \(2, \*stage_mesh\)"):
+        stage_devices(Cluster((4,)), 2)
+    with pytest.raises(PipelineError, match="choose one"):
+        PipelineModel(
+            model, Pipeline(stages=2, data_parallel=2), (tokens,), gpt_loss,
+            example_targets=(targets,), stage_cluster=Cluster((2,)),
+        )  # fmt: skip
+    with pytest.raises(FxparError, match="stages='auto'"):
+        fxpar.compile(
+            model, Cluster((2, 2)), (tokens,), gpt_loss, example_targets=(targets,),
+            pipeline=Pipeline(stages="auto"), solver=plans.tensor_parallel,
+        )  # fmt: skip
+    program = fxpar.capture(model, (tokens[:2],), gpt_loss, example_targets=(targets[:2],))
+    split = split_program(program, partition(program, ("blocks.1",)), remat=False)
+    with pytest.raises(PipelineError, match="no plan for the stage mesh"):
+        shard_stage(split, 0, Cluster((2,)), (0,), OneDeviceCommunicator())
+
+
+def test_stage_mesh_keeps_the_links_of_its_axes() -> None:
+    cluster = Cluster.preset("h100", (2, 8))
+    stage = stage_devices(cluster, 2)
+    assert stage.mesh_shape == (8,)
+    assert stage.bandwidth == (cluster.bandwidth[1],)
+    assert stage.axis_names == (cluster.axis_names[1],)
+
+
+def test_one_device_stage_mesh_trains_like_pytorch() -> None:
+    """fxpar.compile on a (1, 1) mesh: one stage, a one-device stage mesh planned by the ILP,
+    no process group; two SGD steps equal plain PyTorch's on the whole batch."""
+    model, tokens, targets = _gpt()
+    pipelined = fxpar.compile(
+        copy.deepcopy(model), Cluster((1, 1)), (tokens,), gpt_loss,
+        example_targets=(targets,), optimizer=SGD(lr=0.5),
+        pipeline=Pipeline(stages=1, microbatches=2),
+    )  # fmt: skip
+    assert pipelined.plan is not None and pipelined.plan.solution.solver == "ilp"
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
+    for _ in range(2):
+        loss = pipelined.step(tokens, targets)
+        expected, _ = eager_step(reference, (tokens,), gpt_loss, (targets,))
+        optimizer.step()
+        torch.testing.assert_close(loss, expected)
+    state = pipelined.full_state_dict()
+    torch.testing.assert_close(state, reference.state_dict())
