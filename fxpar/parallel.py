@@ -177,20 +177,30 @@ def _compile_pipeline(
         and cluster.mesh_shape[0] == pipeline.num_stages
     )
     if intra_op or stages_first:
+        choice = None
         if pipeline.stages == "auto":
-            raise FxparError(
-                "stages='auto' plans data-parallel stages only; with a solver, pins, options "
-                "or rules (an intra-op plan inside each stage) give the stages yourself"
+            from fxpar.pipeline import plan_stages
+
+            program = capture(model, example_inputs, loss_fn, example_targets=example_targets)
+            choice = plan_stages(
+                program, cluster, pipeline, optimizer_states=optimizer.state_copies,
+                stage_planner=planner,
+            )  # fmt: skip
+            logger.info("stages chosen by the stage DP:\n%s", choice.report())
+            pipeline, stage_cluster = choice.pipeline, choice.stage_cluster
+            assert stage_cluster is not None
+        else:
+            # The plan covers every stage's layers; a device holds about one stage's share.
+            stage_cluster = replace(
+                stage_devices(cluster, pipeline.num_stages),
+                memory=cluster.memory * pipeline.num_stages,
             )
-        # The plan covers every stage's layers, but a device holds about one stage's share.
-        stage_cluster = replace(
-            stage_devices(cluster, pipeline.num_stages),
-            memory=cluster.memory * pipeline.num_stages,
-        )
-        return PipelineModel(
+        pipelined = PipelineModel(
             model, pipeline, example_inputs, loss_fn, example_targets=example_targets,
             optimizer=optimizer, stage_cluster=stage_cluster, planner=planner,
         )  # fmt: skip
+        pipelined.stage_choice = choice
+        return pipelined
     choice = None
     if pipeline.stages == "auto":
         from fxpar.pipeline import plan_stages

@@ -20,11 +20,13 @@ import torch
 from conftest import eager_step
 
 import fxpar
+from fxpar import plans
 from fxpar.cluster import Cluster
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.pipeline import Pipeline, PipelineError, partition, split_program
 from fxpar.pipeline.auto import StageChoice, evaluate_split, plan_stages
 from fxpar.pipeline.options import ScheduleName
+from fxpar.planner import plan_program
 from fxpar.solvers.stages import StageMemoryError
 
 BATCH = 16
@@ -259,3 +261,36 @@ def test_docs_section_runs() -> None:
     for block in blocks:
         with contextlib.redirect_stdout(io.StringIO()):
             exec(block, {"__name__": "docs"})
+
+
+def test_choice_with_intra_op_stages_is_the_brute_force_optimum() -> None:
+    """With a stage planner (Megatron inside every stage), the stage DP's choice beats or ties
+    every split point set and stage count scored under the same plans, and records the stage
+    mesh it runs on."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_embd=64, n_head=4, vocab_size=64, block_size=16))
+    tokens = torch.randint(0, 64, (BATCH, 16))
+    program = fxpar.capture(model, (tokens,), gpt_loss, example_targets=(tokens,))
+    planner = functools.partial(plan_program, solver=plans.tensor_parallel)
+    cluster = Cluster((4,), bandwidth=(1e9,))
+    pipeline = Pipeline(microbatches=4)
+    choice = plan_stages(program, cluster, pipeline, stage_planner=planner)
+    assert choice.stage_cluster is not None and choice.pipeline.data_parallel == 1
+    assert choice.stage_cluster.world_size * choice.pipeline.num_stages == 4
+    every = []
+    for stages in (1, 2, 4):
+        for split in itertools.combinations(choice.cut_points, stages - 1):
+            candidate = Pipeline(stages=split, microbatches=4)
+            try:
+                every.append(evaluate_split(program, cluster, candidate, stage_planner=planner))
+            except (StageMemoryError, PipelineError):
+                continue
+    assert len(every) == 20 + 6 + 1  # cut points: wpe, blocks.0-1, ln_f, head, <loss>
+    best = min(every, key=lambda c: c.step_time)
+    assert choice.step_time == pytest.approx(best.step_time, rel=1e-12)
+    # The plans are not data parallelism: Megatron splits the blocks' weights, so one stage of
+    # 4 devices holds less per device than 4 data-parallel replicas do.
+    one = evaluate_split(program, cluster, Pipeline(stages=(), microbatches=4, data_parallel=4))
+    four = evaluate_split(program, cluster, Pipeline(stages=(), microbatches=4),
+                          stage_planner=planner)  # fmt: skip
+    assert four.memory[0] < one.memory[0]

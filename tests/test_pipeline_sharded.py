@@ -166,10 +166,10 @@ def test_errors_say_what_to_change() -> None:
             model, Pipeline(stages=2, data_parallel=2), (tokens,), gpt_loss,
             example_targets=(targets,), stage_cluster=Cluster((2,)),
         )  # fmt: skip
-    with pytest.raises(FxparError, match="stages='auto'"):
+    with pytest.raises(FxparError, match=r"mesh of \(2, \*stage_mesh\)"):
         fxpar.compile(
-            model, Cluster((2, 2)), (tokens,), gpt_loss, example_targets=(targets,),
-            pipeline=Pipeline(stages="auto"), solver=plans.tensor_parallel,
+            model, Cluster((2,)), (tokens,), gpt_loss, example_targets=(targets,),
+            pipeline=Pipeline(stages=2), solver=plans.tensor_parallel,
         )  # fmt: skip
     program = fxpar.capture(model, (tokens[:2],), gpt_loss, example_targets=(targets[:2],))
     split = split_program(program, partition(program, ("blocks.1",)), remat=False)
@@ -204,3 +204,21 @@ def test_one_device_stage_mesh_trains_like_pytorch() -> None:
         torch.testing.assert_close(loss, expected)
     state = pipelined.full_state_dict()
     torch.testing.assert_close(state, reference.state_dict())
+
+
+def test_auto_stages_with_a_solver_plan_the_stage_mesh() -> None:
+    """stages="auto" with a solver: the stage DP prices stages under intra-op plans and the
+    chosen pipeline runs them (one device here; the choice records its stage mesh)."""
+    model, tokens, targets = _gpt()
+    pipelined = fxpar.compile(
+        copy.deepcopy(model), Cluster((1,)), (tokens,), gpt_loss,
+        example_targets=(targets,), optimizer=SGD(lr=0.5),
+        pipeline=Pipeline(stages="auto", microbatches=2), solver=plans.tensor_parallel,
+    )  # fmt: skip
+    choice = pipelined.stage_choice
+    assert choice is not None and choice.stage_cluster is not None
+    assert choice.stage_cluster.mesh_shape == (1,)
+    assert "intra-op plan" in choice.report()
+    reference = copy.deepcopy(model)
+    expected, _ = eager_step(reference, (tokens,), gpt_loss, (targets,))
+    torch.testing.assert_close(pipelined.step(tokens, targets), expected)

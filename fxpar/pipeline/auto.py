@@ -52,6 +52,27 @@ submesh is ``(d,)``, minimizing ``sum_k t_k + (M - 1) max_k t_k`` under ``cluste
 device with the schedule's micro-batches in flight; the best ``d`` wins. This is Alpa's "intra-op
 plan cost for each (layer range, submesh)", restricted to the one intra-op plan the pipeline
 runtime runs inside a stage: data parallelism.
+
+**Intra-op plans inside stages** (``stage_planner``, which :func:`fxpar.compile` passes when a
+solver, pins, options or rules are given with ``stages="auto"``). Then a stage of ``d`` devices
+runs an intra-op plan on a stage mesh ``(d,)`` (with the links of the innermost mesh axis that
+holds ``d`` consecutive ranks), and the costs come from that plan. For every ``d``, the step is
+planned once on the stage mesh (``stage_planner(program, stage_cluster)``, the ILP by default),
+and the plan is read the way the plan report reads it (:func:`fxpar.plan_report.walk`): per
+node, its roofline seconds under its strategy and the collectives it runs, with the bytes each
+device holds of every value. Layers ``[i, j)`` then cost, per micro-batch (``1/M`` of the
+planned step's work, assumed linear in the batch as above):
+
+    time   = (T_fwd + T_bwd + [remat] T_fwd + C) / M + C_grad / M + sends of local bytes
+    static = (2 + optimizer_states) G_local + S_local   (+ [remat] A_saved_local / M)
+
+where ``C`` are the seconds of the collectives the range's ops run and ``C_grad`` those that
+bring its gradients into their parameters' layouts (once a step). The plan is made for the whole
+step, so each range is costed under the strategies that plan chose for it, not re-planned per
+range; with repeated layers that is the same plan. Each stage mesh is planned with
+``cluster.memory`` times the number of stages it implies, since a device holds about one
+stage's share of the weights the plan covers. Stages share one stage-mesh shape, as the runtime
+requires, and the search is over ``d`` as above.
 """
 
 from __future__ import annotations
@@ -60,9 +81,9 @@ import dataclasses
 import itertools
 import logging
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.fx as fx
 
@@ -84,7 +105,13 @@ from fxpar.solvers.stages import (
     solve_stages,
 )
 
+if TYPE_CHECKING:
+    from fxpar.planner import Plan
+
 logger = logging.getLogger(__name__)
+
+StagePlanner = Callable[[Program, Cluster], "Plan"]
+"""Plans a captured step on a stage mesh, e.g. ``fxpar.planner.plan_program``."""
 
 DEFAULT_MAX_LAYERS = 16
 """Atoms beyond this many are clustered into layers: the stage DP is cubic in the layers."""
@@ -126,12 +153,21 @@ class StageChoice:
     memory: tuple[float, ...]
     memory_limit: float
     degrees: tuple[DegreeOutcome, ...] = ()
+    stage_cluster: Cluster | None = None
+    """The stage mesh each stage runs its intra-op plan on (``stage_planner``); None when the
+    stages run data-parallel replicas."""
 
     @property
     def split_points(self) -> tuple[str, ...]:
         stages = self.pipeline.stages
         assert isinstance(stages, tuple)
         return stages
+
+    @property
+    def devices_per_stage(self) -> int:
+        if self.stage_cluster is not None:
+            return self.stage_cluster.world_size
+        return self.pipeline.data_parallel
 
     @property
     def cut_points(self) -> tuple[str, ...]:
@@ -141,7 +177,7 @@ class StageChoice:
     def report(self) -> str:
         """A text table: one row per stage, then the data-parallel degrees tried."""
         pipeline = self.pipeline
-        d = pipeline.data_parallel
+        d = self.devices_per_stage
         lines = [
             f"pipeline: {pipeline.num_stages} stage(s) x {d} device(s), {pipeline.microbatches} "
             f"micro-batches, {pipeline.schedule}, remat {'on' if pipeline.remat else 'off'}: "
@@ -149,6 +185,8 @@ class StageChoice:
             f"{format_bytes(self.memory_limit)} per device",
             f"split points: {', '.join(self.split_points) or '(none)'}",
         ]
+        if self.stage_cluster is not None:
+            lines.append(f"inside each stage: an intra-op plan on {self.stage_cluster}")
         header = ("stage", "modules", "devices", "time/micro-batch", "memory/device", "in flight")
         rows = [
             (
@@ -189,6 +227,7 @@ class StageChoice:
                 "schedule": pipeline.schedule,
                 "remat": pipeline.remat,
                 "data_parallel": pipeline.data_parallel,
+                "stage_mesh": (list(self.stage_cluster.mesh_shape) if self.stage_cluster else None),
             },
             "step_time": self.step_time,
             "memory_limit": self.memory_limit,
@@ -215,6 +254,7 @@ def plan_stages(
     *,
     optimizer_states: int = 2,
     layers: int | None = None,
+    stage_planner: StagePlanner | None = None,
 ) -> StageChoice:
     """The split points and devices per stage of least estimated step time (module docstring).
 
@@ -222,7 +262,8 @@ def plan_stages(
     micro-batches, schedule and remat (its ``stages`` and ``data_parallel`` are what this
     chooses). ``optimizer_states`` counts tensors the optimizer keeps per parameter (2 for
     AdamW, 0 for SGD without momentum); ``layers`` caps the layers the DP sees (default
-    :data:`DEFAULT_MAX_LAYERS`).
+    :data:`DEFAULT_MAX_LAYERS`). ``stage_planner``: stages run an intra-op plan on their
+    devices, made by ``stage_planner`` (module docstring), instead of data-parallel replicas.
 
     Raises:
         StageMemoryError: no split fits ``cluster.memory``; ``least_memory`` is what the most
@@ -233,8 +274,8 @@ def plan_stages(
     max_layers = DEFAULT_MAX_LAYERS if layers is None else layers
     if max_layers < 1:
         raise PipelineError(f"layers must be a positive number of layers, got {layers}")
-    atoms = _Atoms.build(program, ())
-    model = _CostModel(atoms, cluster, pipeline, optimizer_states)
+    model = _cost_model(program, cluster, pipeline, optimizer_states, stage_planner, ())
+    atoms = model.atoms
     starts = _cluster_atoms(model, min(max_layers, atoms.count))
     layer_names = tuple(
         tuple(m for atom in range(a, b) for m in atoms.modules[atom])
@@ -246,7 +287,9 @@ def plan_stages(
     memory_errors: list[StageMemoryError] = []
     for d in _divisors(world):
         stages = world // d
-        reason = _degree_obstacle(atoms, pipeline, d, stages, len(starts))
+        # A plan splits the batch itself; replicas each take an equal piece of it.
+        replicas = d if stage_planner is None else 1
+        reason = _degree_obstacle(atoms, pipeline, replicas, stages, len(starts))
         if reason:
             outcomes.append(DegreeOutcome(d, stages, None, reason))
             continue
@@ -280,7 +323,8 @@ def plan_stages(
             + "; ".join(f"d={o.data_parallel}: {o.reason}" for o in outcomes)
         )
     plan, d = best
-    return _choice(atoms, starts, layer_names, plan, d, pipeline, cluster, tuple(outcomes))
+    choice = _choice(atoms, starts, layer_names, plan, d, pipeline, cluster, tuple(outcomes))
+    return _with_stage_mesh(choice, cluster, d) if stage_planner else choice
 
 
 def evaluate_split(
@@ -289,9 +333,12 @@ def evaluate_split(
     pipeline: Pipeline,
     *,
     optimizer_states: int = 2,
+    stage_planner: StagePlanner | None = None,
 ) -> StageChoice:
     """Score ``pipeline``'s split points (module names) and ``data_parallel`` with the costs of
-    :func:`plan_stages`. ``pipeline.world_size`` must equal the cluster's.
+    :func:`plan_stages`. ``pipeline.world_size`` must equal the cluster's. With
+    ``stage_planner``, each of the ``K`` stages runs an intra-op plan on ``world / K`` devices
+    instead (``data_parallel`` must be 1).
 
     Raises:
         PipelineError: the split points are not module names in forward order, or the pipeline
@@ -303,24 +350,62 @@ def evaluate_split(
             f"evaluate_split scores split points by module name, got stages={pipeline.stages!r}; "
             "use plan_stages to choose them"
         )
-    if pipeline.world_size != cluster.world_size:
+    world, stages = cluster.world_size, pipeline.num_stages
+    if stage_planner is not None:
+        if pipeline.data_parallel != 1 or world % stages:
+            raise PipelineError(
+                f"{stages} stages with an intra-op plan inside each need data_parallel=1 and a "
+                f"world that divides into them, got data_parallel={pipeline.data_parallel} and "
+                f"{world} devices"
+            )
+    elif pipeline.world_size != world:
         raise PipelineError(
             f"{pipeline.num_stages} stages x {pipeline.data_parallel} devices per stage use "
             f"{pipeline.world_size} devices, but the cluster has {cluster.world_size}"
         )
     partition(program, pipeline.stages)  # its errors name a bad or misordered split point
-    atoms = _Atoms.build(program, pipeline.stages)
-    model = _CostModel(atoms, cluster, pipeline, optimizer_states)
-    d = pipeline.data_parallel
-    reason = _batch_obstacle(atoms, pipeline, d)
+    model = _cost_model(
+        program, cluster, pipeline, optimizer_states, stage_planner, pipeline.stages
+    )
+    atoms = model.atoms
+    d = world // stages
+    reason = _batch_obstacle(atoms, pipeline, pipeline.data_parallel)
     if reason:
         raise PipelineError(f"{pipeline.data_parallel} devices per stage: {reason}")
     starts = tuple(range(atoms.count))
     boundaries = [atoms.index_of(point) for point in pipeline.stages]
-    problem = _problem(model, starts, d, cluster.world_size)
-    plan = evaluate_stages(problem, boundaries, [(d,)] * pipeline.num_stages)
+    problem = _problem(model, starts, d, world)
+    plan = evaluate_stages(problem, boundaries, [(d,)] * stages)
     layer_names = tuple(atoms.modules)
-    return _choice(atoms, starts, layer_names, plan, d, pipeline, cluster, ())
+    choice = _choice(atoms, starts, layer_names, plan, d, pipeline, cluster, ())
+    return _with_stage_mesh(choice, cluster, d) if stage_planner else choice
+
+
+def _cost_model(
+    program: Program,
+    cluster: Cluster,
+    pipeline: Pipeline,
+    optimizer_states: int,
+    stage_planner: StagePlanner | None,
+    extra_points: Sequence[str],
+) -> _CostModel:
+    if stage_planner is None:
+        atoms = _Atoms.build(program, extra_points)
+        return _CostModel(atoms, cluster, pipeline, optimizer_states)
+    # Planning canonicalizes the graph; do it before the atoms take its nodes.
+    from fxpar.planner import prepare_for_planning
+
+    prepare_for_planning(program, _stage_cluster(cluster, 1))
+    atoms = _Atoms.build(program, extra_points)
+    return _PlannedCostModel(atoms, cluster, pipeline, optimizer_states, stage_planner)
+
+
+def _with_stage_mesh(choice: StageChoice, cluster: Cluster, devices: int) -> StageChoice:
+    return dataclasses.replace(
+        choice,
+        pipeline=dataclasses.replace(choice.pipeline, data_parallel=1),
+        stage_cluster=_stage_cluster(cluster, devices),
+    )
 
 
 # -- atoms: the ops between two cut candidates ------------------------------------------------
@@ -346,6 +431,7 @@ class _Atoms:
     """Bytes crossing the boundary before atom ``c`` from a later to an earlier atom."""
     edges: tuple[DataEdge, ...]
     """Atom-level edges for layer clustering, one per value, spanning all atoms it reaches."""
+    program: Program
 
     @property
     def count(self) -> int:
@@ -401,6 +487,7 @@ class _Atoms:
             forward_crossing=forward_crossing,
             backward_crossing=backward_crossing,
             edges=edges,
+            program=program,
         )
 
 
@@ -498,8 +585,12 @@ def _output_bytes(node: fx.Node) -> int:
 
 
 def _crossings(
-    program: Program, atom_of: dict[fx.Node, int], count: int
+    program: Program,
+    atom_of: dict[fx.Node, int],
+    count: int,
+    nbytes_of: Callable[[fx.Node], int] | None = None,
 ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[DataEdge, ...]]:
+    nbytes_of = nbytes_of or _output_bytes
     forward = [0] * (count + 1)
     backward = [0] * (count + 1)
     edges: list[DataEdge] = []
@@ -509,7 +600,7 @@ def _crossings(
             continue  # parameters and batch tensors never travel: every stage reads its own
         readers = {atom_of[user] for user in node.users if user in atom_of}
         later, earlier = max(readers, default=home), min(readers, default=home)
-        nbytes = _output_bytes(node)
+        nbytes = nbytes_of(node)
         if nbytes == 0 or later == earlier == home:
             continue
         # Relayed through every stage in between, so it crosses each boundary once.
@@ -599,6 +690,19 @@ class _CostModel:
         return self._ranges[key]
 
     def _measure(self, start: int, stop: int) -> _RangeFacts:
+        return self._facts(
+            start, stop, lambda node: _node_seconds(node, self.cluster), _output_bytes
+        )
+
+    def _facts(
+        self,
+        start: int,
+        stop: int,
+        seconds: Callable[[fx.Node], float],
+        nbytes: Callable[[fx.Node], int],
+    ) -> _RangeFacts:
+        """The range's seconds and bytes, each node and value priced by ``seconds`` and
+        ``nbytes`` (per device)."""
         atoms = self.atoms
         nodes = [node for atom in range(start, stop) for node in atoms.nodes[atom]]
         forward_seconds = backward_seconds = 0.0
@@ -607,9 +711,9 @@ class _CostModel:
         for node in nodes:
             read.update(node.all_input_nodes)
             if self.phases[node] is not ir.Phase.BACKWARD:
-                forward_seconds += _node_seconds(node, self.cluster)
+                forward_seconds += seconds(node)
                 continue
-            backward_seconds += _node_seconds(node, self.cluster)
+            backward_seconds += seconds(node)
             for value in node.all_input_nodes:
                 base = _storage(value)
                 if base in atoms.batch or self.phases.get(base) is ir.Phase.FORWARD:
@@ -617,10 +721,10 @@ class _CostModel:
         return _RangeFacts(
             forward_seconds=forward_seconds,
             backward_seconds=backward_seconds,
-            trainable_bytes=sum(atoms.trainable[n] for n in read if n in atoms.trainable),
-            frozen_bytes=sum(atoms.frozen[n] for n in read if n in atoms.frozen),
-            saved_bytes=sum(_output_bytes(n) for n in saved),
-            batch_bytes=sum(atoms.batch[n] for n in read if n in atoms.batch),
+            trainable_bytes=sum(nbytes(n) for n in read if n in atoms.trainable),
+            frozen_bytes=sum(nbytes(n) for n in read if n in atoms.frozen),
+            saved_bytes=sum(nbytes(n) for n in saved),
+            batch_bytes=sum(nbytes(n) for n in read if n in atoms.batch),
         )
 
     def cost(self, start: int, stop: int, devices: int) -> StageCost:
@@ -656,6 +760,120 @@ class _CostModel:
             static_memory=static,
             activation_memory=float(activation),
         )
+
+
+class _PlannedCostModel(_CostModel):
+    """Stage costs under the intra-op plan a stage mesh of ``d`` devices runs (module
+    docstring), one plan per ``d``."""
+
+    def __init__(
+        self,
+        atoms: _Atoms,
+        cluster: Cluster,
+        pipeline: Pipeline,
+        optimizer_states: int,
+        planner: StagePlanner,
+    ) -> None:
+        super().__init__(atoms, cluster, pipeline, optimizer_states)
+        self.planner = planner
+        self._plans: dict[int, _PlannedStep] = {}
+
+    def planned(self, devices: int) -> _PlannedStep:
+        if devices not in self._plans:
+            self._plans[devices] = self._plan(devices)
+        return self._plans[devices]
+
+    def _plan(self, devices: int) -> _PlannedStep:
+        from fxpar.costmodel import local_bytes
+        from fxpar.plan_report import walk
+
+        stage_cluster = _stage_cluster(self.cluster, devices)
+        program = self.atoms.program
+        plan = self.planner(program, stage_cluster)
+        found = walk(plan.program, stage_cluster)
+        by_name = {node.name: node for node in program.graph.nodes}
+        compute = {node.name: seconds for node, seconds in found.compute.items()}
+        values: dict[str, int] = {}
+        for node, specs in found.specs.items():
+            value = ir.get(node, ir.ValueMeta)
+            if value is None or node.op == "output":
+                continue
+            values[node.name] = sum(
+                local_bytes(meta, spec, stage_cluster)
+                for meta, spec in zip(value.outputs, specs, strict=True)
+                if meta is not None and spec is not None
+            )
+        comm: dict[str, float] = {}
+        sync: dict[str, float] = {}
+        for record, seconds in zip(found.records, found.record_seconds, strict=True):
+            if record.phase is ir.Phase.OUTPUT:
+                sync[record.tensor] = sync.get(record.tensor, 0.0) + seconds
+            else:
+                comm[record.consumer] = comm.get(record.consumer, 0.0) + seconds
+        local = {node: values.get(node.name, 0) for node in by_name.values()}
+        forward, backward, _ = _crossings(
+            program, self.atoms.atom_of, self.atoms.count, lambda n: local[n]
+        )
+        return _PlannedStep(compute, comm, sync, local, forward, backward)
+
+    def _stage_cost(self, start: int, stop: int, devices: int) -> StageCost:
+        step = self.planned(devices)
+        pipeline, cluster, atoms = self.pipeline, self.cluster, self.atoms
+        facts = self._facts(
+            start, stop, lambda n: step.compute.get(n.name, 0.0), lambda n: step.local.get(n, 0)
+        )
+        names = [node.name for atom in range(start, stop) for node in atoms.nodes[atom]]
+        collectives = sum(step.comm.get(name, 0.0) for name in names)
+        gradient_sync = sum(step.sync.get(name, 0.0) for name in names)
+        count = pipeline.microbatches
+        compute = facts.forward_seconds + facts.backward_seconds + collectives
+        if pipeline.remat:
+            compute += facts.forward_seconds
+        send_bandwidth, send_latency = min(cluster.bandwidth), max(cluster.latency)
+        sent = [step.backward_crossing[start] if start > 0 else 0]
+        sent.append(step.forward_crossing[stop] if stop < atoms.count else 0)
+        send = sum(send_latency + nbytes / count / send_bandwidth for nbytes in sent if nbytes)
+        static = float((2 + self.optimizer_states) * facts.trainable_bytes + facts.frozen_bytes)
+        if pipeline.remat:
+            received = step.forward_crossing[start] if start > 0 else 0
+            activation = (received + facts.batch_bytes) / count
+            static += facts.saved_bytes / count
+        else:
+            activation = facts.saved_bytes / count
+        return StageCost(
+            time=compute / count + gradient_sync / count + send,
+            static_memory=static,
+            activation_memory=float(activation),
+        )
+
+
+@dataclass(frozen=True)
+class _PlannedStep:
+    """The step as planned on one stage mesh, per device: seconds of each op (by node name),
+    of the collectives each op runs and of those that synchronise each gradient, the bytes of
+    every value, and the bytes crossing each atom boundary."""
+
+    compute: dict[str, float]
+    comm: dict[str, float]
+    sync: dict[str, float]
+    local: dict[fx.Node, int]
+    forward_crossing: tuple[int, ...]
+    backward_crossing: tuple[int, ...]
+
+
+def _stage_cluster(cluster: Cluster, devices: int) -> Cluster:
+    """The stage mesh ``(devices,)`` of a pipeline on ``cluster``: the links of the innermost
+    axis holding ``devices`` consecutive ranks, and the memory of one device times the number of
+    stages (the plan covers every stage's weights; a device holds about one stage's share)."""
+    bandwidth, latency = _link(cluster, devices)
+    return dataclasses.replace(
+        cluster,
+        mesh_shape=(devices,),
+        axis_names=("devices",),
+        bandwidth=(bandwidth,),
+        latency=(latency,),
+        memory=cluster.memory * (cluster.world_size // devices),
+    )
 
 
 def _link(cluster: Cluster, devices: int) -> tuple[float, float]:
