@@ -25,7 +25,6 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, cast, overload
@@ -35,7 +34,7 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
-from fxpar import ir
+from fxpar import checkpoint, ir
 from fxpar.capture import LossFn, capture
 from fxpar.cluster import Cluster, Coordinate
 from fxpar.errors import BatchError, CheckpointError, DistributedError, FxparError
@@ -424,76 +423,40 @@ class ParallelModel:
         return self._dtensor(name, local).full_tensor()
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write a sharded checkpoint (a ``torch.distributed.checkpoint`` directory): the
-        parameters, buffers and optimizer state, each rank writing its own pieces. A
-        collective: call it on every rank."""
-        from torch.distributed import checkpoint as dcp
-
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-            dcp.save(self._checkpoint_state(include_missing=False), checkpoint_id=os.fspath(path))
-        self._settle()
+        """Write a sharded checkpoint (a ``torch.distributed.checkpoint`` directory, see
+        :mod:`fxpar.checkpoint`): the parameters, buffers and optimizer state, each rank
+        writing its own pieces. A collective: call it on every rank."""
+        distributed = self._device_mesh is not None
+        checkpoint.save(
+            self._checkpoint_state(include_missing=False), path, distributed=distributed
+        )
 
     def load(self, path: str | os.PathLike[str]) -> None:
-        """Read a checkpoint written by :meth:`save`, under this model's mesh and plan, which
-        may differ from those it was saved with. A collective: call it on every rank."""
-        from torch.distributed import checkpoint as dcp
-        from torch.distributed.checkpoint import FileSystemReader
-
-        try:
-            metadata = FileSystemReader(os.fspath(path)).read_metadata()
-        except Exception as error:
-            raise CheckpointError(f"cannot read a checkpoint at {path}: {error}") from error
-        saved = metadata.state_dict_metadata
+        """Read a checkpoint written by :meth:`save` (or by a :class:`PipelineModel` of the
+        same model), under this model's mesh and plan, which may differ from those it was
+        saved with. A collective: call it on every rank."""
+        distributed = self._device_mesh is not None
         state = self._checkpoint_state(include_missing=True)
-        missing = [k for k in state if k not in saved and not k.startswith("optimizer/")]
-        if missing:
-            raise CheckpointError(
-                f"the checkpoint at {path} lacks {missing[:5]} ({len(missing)} entries): it was "
-                "saved from a different model"
-            )
-        for key, value in state.items():
-            size = getattr(saved.get(key), "size", None)
-            if size is not None and tuple(size) != tuple(value.shape):
-                raise CheckpointError(
-                    f"{key} is {list(size)} in the checkpoint at {path} but {list(value.shape)} "
-                    "in this model"
-                )
-        wanted = {key: value for key, value in state.items() if key in saved}
-        with warnings.catch_warnings():
-            # A one-device model loads without a process group, which is what torch warns of.
-            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-            dcp.load(wanted, checkpoint_id=os.fspath(path))
+        wanted = checkpoint.load(state, path, distributed=distributed)
         # Loads land in place in the local pieces (DTensors share their storage), except for
         # the plain tensors, which are copied back here.
-        self._settle()
         self.steps = int(wanted["steps"].item())
-        if self._device_mesh is None:
+        if not distributed:
             for key, value in wanted.items():
                 if key != "steps":
                     self._checkpoint_tensor(key).copy_(value)
-
-    def _settle(self) -> None:
-        # torch.distributed.checkpoint returns while gloo work it started can still be in
-        # flight on some ranks; a process that then tears down its process group (or exits)
-        # aborts with "terminate called without an active exception" about a third of the
-        # time on 2 ranks. A barrier lets every rank's checkpoint traffic finish first.
-        if self._device_mesh is not None:
-            dist.barrier()
 
     def _checkpoint_state(self, *, include_missing: bool) -> dict[str, Any]:
         state: dict[str, Any] = {"steps": torch.tensor(self.steps, dtype=torch.int64)}
         for name in self.signature.parameters + self.signature.buffers:
             state[f"model/{name}"] = self._dtensor(name, self._checkpoint_tensor(f"model/{name}"))
-        for name, parameter in zip(self.signature.gradients, self.trainable, strict=True):
-            slots = self.optimizer.state.get(parameter)
-            if not slots and include_missing:
-                slots = self._fresh_optimizer_state(parameter)
-            for key, value in (slots or {}).items():
-                if key in self.optimizer_spec.state_keys:
-                    state[f"optimizer/{name}/{key}"] = self._dtensor(name, value)
-                elif isinstance(value, torch.Tensor):  # a per-parameter step count
-                    state[f"optimizer/{name}/{key}"] = value
+        trainable = dict(zip(self.signature.gradients, self.trainable, strict=True))
+        state.update(
+            checkpoint.optimizer_entries(
+                trainable, self.optimizer, self.optimizer_spec, self._dtensor,
+                include_missing=include_missing,
+            )
+        )  # fmt: skip
         if self._device_mesh is None:
             state = {
                 key: v.clone() if isinstance(v, torch.Tensor) else v for key, v in state.items()
@@ -510,15 +473,6 @@ class ParallelModel:
             return self.optimizer.state[parameter][slot]
         raise CheckpointError(f"unexpected checkpoint entry {key!r}")
 
-    def _fresh_optimizer_state(self, parameter: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Zero state for ``parameter``, registered with the optimizer, for a checkpoint that
-        holds optimizer state to load into before this model has taken a step."""
-        slots = {key: torch.zeros_like(parameter) for key in self.optimizer_spec.state_keys}
-        if isinstance(self.optimizer, torch.optim.Adam | torch.optim.AdamW):
-            slots["step"] = torch.tensor(0.0, dtype=torch.float32)
-        self.optimizer.state[parameter] = slots
-        return slots
-
     # -- layouts ------------------------------------------------------------------------------
 
     def _local(self, name: str, full: torch.Tensor) -> torch.Tensor:
@@ -527,16 +481,8 @@ class ParallelModel:
     def _dtensor(self, name: str, local: torch.Tensor) -> Any:
         if self._device_mesh is None:
             return local
-        from torch.distributed.tensor import DTensor
-
-        meta = self._metas[name]
-        return DTensor.from_local(
-            local,
-            self._device_mesh,
-            self._specs[name],
-            run_check=False,
-            shape=torch.Size(int(size) for size in meta.shape),
-            stride=_contiguous_strides(meta.shape),
+        return checkpoint.dtensor(
+            local, self._device_mesh, self._specs[name], self._metas[name].shape
         )
 
     def _broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -573,14 +519,6 @@ def _check_materialized(model: nn.Module) -> None:
             "materialize the model (model.to_empty(device='cpu') and initialize, or load a "
             "checkpoint) first"
         )
-
-
-def _contiguous_strides(shape: Sequence[ir.Size]) -> tuple[int, ...]:
-    strides, running = [], 1
-    for size in reversed(shape):
-        strides.append(running)
-        running *= int(size)
-    return tuple(reversed(strides))
 
 
 __all__ = ["ParallelModel", "compile"]

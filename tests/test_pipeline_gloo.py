@@ -25,7 +25,7 @@ from fxpar import compile as fxpar_compile
 from fxpar import plans
 from fxpar.cluster import Cluster
 from fxpar.models import GPT, GPTConfig, gpt_loss
-from fxpar.optim import SGD
+from fxpar.optim import SGD, AdamW
 from fxpar.pipeline import Pipeline, PipelineModel
 from fxpar.runtime.launch import spawn
 from fxpar.sharding import shard_tensor
@@ -65,7 +65,7 @@ def _build() -> tuple[GPT, torch.Tensor, torch.Tensor]:
     return model, tokens, targets
 
 
-def _run_cases(rank: int, world_size: int, cases: list[Pipeline]) -> list[Any]:
+def _run_cases(rank: int, world_size: int, cases: list[Pipeline], checkpoint_dir: str) -> list[Any]:
     results: list[Any] = []
     for index, pipeline in enumerate(cases):
         model, tokens, targets = _build()
@@ -89,12 +89,40 @@ def _run_cases(rank: int, world_size: int, cases: list[Pipeline]) -> list[Any]:
         specs = {name: pipelined.sharded.specs[name] for name in pipelined.parameters}
         local = (dict(pipelined.gradients), dict(pipelined.parameters), specs)
         results.append((loss, pipelined.coordinate, local, pipelined.full_state_dict()))
+    results.append(_checkpoint_round_trip(checkpoint_dir))
     return results
 
 
+def _checkpoint_round_trip(directory: str) -> tuple[Any, ...]:
+    """2 stages x 2-way tensor parallel with AdamW: a step, save, a step. Then the checkpoint
+    resumes 4 one-device stages and a fully sharded ParallelModel; each takes that second
+    step."""
+    model, tokens, targets = _build()
+    common: dict[str, Any] = {"example_targets": (targets,), "optimizer": AdamW(lr=1e-2)}
+    original = fxpar_compile(
+        model, Cluster((2, 2)), (tokens,), gpt_loss, **common,
+        pipeline=Pipeline(stages=2, microbatches=2), solver=plans.tensor_parallel,
+    )  # fmt: skip
+    original.step(tokens, targets)
+    original.save(directory)
+    expected = (original.step(tokens, targets), original.full_state_dict())
+    resumed = [
+        PipelineModel(_build()[0], Pipeline(stages=4, microbatches=2), (tokens,), gpt_loss,
+                      **common),
+        fxpar_compile(_build()[0], Cluster((4,)), (tokens,), gpt_loss, **common,
+                      solver=plans.fully_sharded),
+    ]  # fmt: skip
+    outcomes = []
+    for model_now in resumed:
+        model_now.load(directory)
+        outcomes.append((model_now.step(tokens, targets), model_now.full_state_dict()))
+    return expected, outcomes
+
+
 @pytest.fixture(scope="module")
-def per_rank() -> list[list[Any]]:
-    return spawn(_run_cases, 4, CASES)
+def per_rank(tmp_path_factory: pytest.TempPathFactory) -> list[list[Any]]:
+    directory = tmp_path_factory.mktemp("pipeline_checkpoint")
+    return spawn(_run_cases, 4, CASES, str(directory))
 
 
 @pytest.fixture(scope="module")
@@ -175,6 +203,21 @@ def test_tensor_parallel_stages_equal_single_device(
         torch.testing.assert_close(state, expected_state, msg=f"rank {rank}")
     if TP_CASES[case][1] == "megatron":
         assert split_some
+
+
+def test_checkpoint_of_a_tensor_parallel_pipeline_resumes_anywhere(
+    per_rank: list[list[Any]],
+) -> None:
+    """A checkpoint saved by 2 stages x 2-way tensor parallel (weights and AdamW state, every
+    rank its pieces) loads into 4 one-device stages and into a fully sharded ParallelModel,
+    and the next step gives the uninterrupted run's loss and model on every rank."""
+    for rank, results in enumerate(per_rank):
+        (loss, state), outcomes = results[-1]
+        for index, (resumed_loss, resumed_state) in enumerate(outcomes):
+            torch.testing.assert_close(resumed_loss, loss, msg=f"rank {rank}, resume {index}")
+            torch.testing.assert_close(
+                resumed_state, state, rtol=1e-4, atol=1e-5, msg=f"rank {rank}, resume {index}"
+            )
 
 
 def test_tensor_parallel_example_in_pipelines_doc_runs(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ from fxpar import ir, plans
 from fxpar.cluster import Cluster
 from fxpar.errors import FxparError
 from fxpar.models import GPT, GPTConfig, gpt_loss
-from fxpar.optim import SGD
+from fxpar.optim import SGD, AdamW
 from fxpar.pipeline import Pipeline, PipelineError, PipelineModel, partition, split_program
 from fxpar.pipeline.sharded import shard_stage, stage_devices
 from fxpar.program import named_state
@@ -222,3 +223,34 @@ def test_auto_stages_with_a_solver_plan_the_stage_mesh() -> None:
     reference = copy.deepcopy(model)
     expected, _ = eager_step(reference, (tokens,), gpt_loss, (targets,))
     torch.testing.assert_close(pipelined.step(tokens, targets), expected)
+
+
+def test_checkpoint_moves_between_pipeline_and_parallel_model(tmp_path: Path) -> None:
+    """One device, no process group: a pipeline's checkpoint (weights and AdamW state) resumes
+    training in a ParallelModel, and a ParallelModel's in a pipeline, exactly where the
+    uninterrupted run goes."""
+    model, tokens, targets = _gpt()
+
+    def pipeline() -> PipelineModel:
+        return fxpar.compile(
+            copy.deepcopy(model), Cluster((1, 1)), (tokens,), gpt_loss,
+            example_targets=(targets,), optimizer=AdamW(lr=1e-2),
+            pipeline=Pipeline(stages=1, microbatches=2), solver=plans.data_parallel,
+        )  # fmt: skip
+
+    def parallel() -> fxpar.ParallelModel:
+        return fxpar.compile(
+            copy.deepcopy(model), Cluster((1,)), (tokens,), gpt_loss,
+            example_targets=(targets,), optimizer=AdamW(lr=1e-2), solver=plans.data_parallel,
+        )  # fmt: skip
+
+    for first, second in ((pipeline, parallel), (parallel, pipeline)):
+        trained = first()
+        trained.step(tokens, targets)
+        trained.save(tmp_path / first.__name__)
+        expected = trained.step(tokens, targets)
+        resumed = second()
+        resumed.load(tmp_path / first.__name__)
+        assert resumed.steps == 1
+        torch.testing.assert_close(resumed.step(tokens, targets), expected)
+        torch.testing.assert_close(resumed.full_state_dict(), trained.full_state_dict())

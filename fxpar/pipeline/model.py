@@ -26,6 +26,10 @@ stage mesh, exchanging activations with the same coordinate of the neighbouring 
 :mod:`.sharded`). Gradients are summed over micro-batches in the layout the backward made them
 in and converted to their parameters' layouts once per step.
 
+**Checkpoints.** :meth:`PipelineModel.save` writes this stage's pieces under the model's own
+names (:mod:`fxpar.checkpoint`), so pipelines and :class:`~fxpar.parallel.ParallelModel` of
+any layout load each other's checkpoints.
+
 **BatchNorm.** Statistics are computed per micro-batch (per replica piece), as GPipe does, and
 running statistics are updated once per micro-batch, in micro-batch order; with ``D > 1`` each
 replica keeps its own running statistics. So a model with batch statistics trains exactly like
@@ -35,13 +39,16 @@ single-device training on the micro-batches, not on the whole batch.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import Replicate
 
+from fxpar import checkpoint, ir
 from fxpar.capture import LossFn, capture
 from fxpar.cluster import Cluster, Coordinate
 from fxpar.errors import BatchError
@@ -54,7 +61,11 @@ from fxpar.pipeline.sharded import ShardedStage, local_batch, shard_stage
 from fxpar.pipeline.split import SplitProgram, split_program
 from fxpar.planner import Plan, plan_program
 from fxpar.program import Program, named_state, state_dict_aliases
-from fxpar.runtime.collectives import Communicator, OneDeviceCommunicator
+from fxpar.runtime.collectives import (
+    Communicator,
+    OneDeviceCommunicator,
+    ProcessGroupCommunicator,
+)
 from fxpar.sharding import assemble
 
 if TYPE_CHECKING:
@@ -151,10 +162,13 @@ class PipelineModel:
         self._aliases = state_dict_aliases(model, names)
 
         self._stage_group, self._shared_groups = self._make_groups()
+        self._device_mesh = self._stage_device_mesh()
         self.sharded: ShardedStage | None = None
         forward, backward = self.split.forward[self.stage], self.split.backward[self.stage]
         if stage_cluster is not None:
-            communicator = self._stage_communicator(stage_cluster)
+            communicator: Communicator = OneDeviceCommunicator()
+            if self._device_mesh is not None:
+                communicator = ProcessGroupCommunicator(self._device_mesh)
             self.sharded = shard_stage(
                 self.split, self.stage, stage_cluster, self.coordinate, communicator
             )
@@ -273,6 +287,53 @@ class PipelineModel:
         value = output.args[0][0].meta.get("val")
         return value.dtype if isinstance(value, torch.Tensor) else torch.float32
 
+    # -- checkpoints ----------------------------------------------------------------------------
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write a sharded checkpoint of this stage's parameters, buffers and optimizer state
+        (every rank writes its own pieces, under the model's own names; see
+        :mod:`fxpar.checkpoint`). It loads into any pipeline or :class:`ParallelModel` of the
+        same model, whatever its stages, mesh or plan. A collective: call it on every rank."""
+        state = self._checkpoint_state(include_missing=False)
+        checkpoint.save(state, path, distributed=self._distributed)
+
+    def load(self, path: str | os.PathLike[str]) -> None:
+        """Read the entries this stage holds from a checkpoint written by :meth:`save` or by
+        :meth:`ParallelModel.save <fxpar.parallel.ParallelModel.save>`. A collective."""
+        state = self._checkpoint_state(include_missing=True)
+        wanted = checkpoint.load(state, path, distributed=self._distributed)
+        self.steps = int(wanted["steps"].item())
+        if not self._distributed:  # plain tensors: loaded into copies
+            for key, value in wanted.items():
+                kind, _, rest = key.partition("/")
+                if kind == "model":
+                    self.parameters.get(rest, self.buffers.get(rest)).copy_(value)  # type: ignore[union-attr]
+                elif kind == "optimizer":
+                    name, _, slot = rest.rpartition("/")
+                    self.optimizer.state[self.parameters[name]][slot].copy_(value)
+
+    def _checkpoint_state(self, *, include_missing: bool) -> dict[str, Any]:
+        state: dict[str, Any] = {"steps": torch.tensor(self.steps, dtype=torch.int64)}
+        for name, tensor in {**self.parameters, **self.buffers}.items():
+            state[f"model/{name}"] = self._wrap(name, tensor)
+        trainable = {name: self.parameters[name] for name in self._trainable}
+        state.update(
+            checkpoint.optimizer_entries(
+                trainable, self.optimizer, self.optimizer_spec, self._wrap,
+                include_missing=include_missing,
+            )
+        )  # fmt: skip
+        if not self._distributed:
+            state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+        return state
+
+    def _wrap(self, name: str, local: torch.Tensor) -> Any:
+        if self._device_mesh is None:
+            return local
+        spec = self.sharded.specs[name] if self.sharded else (Replicate(),)
+        shape = ir.require(self.split.program.placeholders()[name], ir.ValueMeta).tensor.shape
+        return checkpoint.dtensor(local, self._device_mesh, spec, shape)
+
     # -- batches and groups -------------------------------------------------------------------
 
     def _microbatches(self, batch: Sequence[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
@@ -324,25 +385,26 @@ class PipelineModel:
                     shared.update(dict.fromkeys(names, group))
         return stage_group, shared
 
-    def _stage_communicator(self, stage_cluster: Cluster) -> Communicator:
-        """Collectives over this stage's mesh: the stage's slice of a world DeviceMesh of
-        shape ``(stages, *stage_mesh)``."""
-        if not self._distributed or dist.get_world_size() == 1:
-            return OneDeviceCommunicator()
+    def _stage_device_mesh(self) -> Any:
+        """This stage's DeviceMesh (its stage mesh, or its replicas): the stage's slice of a
+        world mesh of shape ``(stages, *devices per stage)``; None without a process group.
+        Its groups carry the stage plan's collectives, and checkpoints place pieces on it."""
+        if not self._distributed:
+            return None
         from torch.distributed.device_mesh import init_device_mesh
 
-        from fxpar.runtime.collectives import ProcessGroupCommunicator
-
-        names = stage_cluster.axis_names
+        cluster = self.stage_cluster
+        shape = cluster.mesh_shape if cluster else (self.pipeline.data_parallel,)
+        names = cluster.axis_names if cluster else ("replicas",)
         stage_axis = "stage"
         while stage_axis in names:
             stage_axis += "_"
         world_mesh = init_device_mesh(
-            stage_cluster.device_type,
-            (self.pipeline.num_stages, *stage_cluster.mesh_shape),
+            cluster.device_type if cluster else "cpu",
+            (self.pipeline.num_stages, *shape),
             mesh_dim_names=(stage_axis, *names),
         )
-        return ProcessGroupCommunicator(world_mesh[names])
+        return world_mesh[names]
 
     def _local(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This device's piece of a whole parameter or buffer."""
