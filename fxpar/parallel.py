@@ -26,7 +26,7 @@ import functools
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any, cast, overload
 
 import torch
@@ -42,12 +42,12 @@ from fxpar.lowering import SPMDProgram
 from fxpar.optim import AdamW, Optimizer, check_optimizer
 from fxpar.pipeline import Pipeline, PipelineModel
 from fxpar.pipeline.sharded import stage_devices
-from fxpar.planner import ManualPlan, Plan, PlanOptions, plan_program
+from fxpar.planner import ManualPlan, Plan, PlanOptions, SolvedOnRankZero, plan_program
 from fxpar.program import Program, named_state, state_dict_aliases
 from fxpar.rules import RuleRegistry
 from fxpar.runtime.collectives import OneDeviceCommunicator, ProcessGroupCommunicator
 from fxpar.sharding import Spec, shard_tensor
-from fxpar.solvers.problem import IntraOpProblem, IntraOpSolution, IntraOpSolver
+from fxpar.solvers.problem import IntraOpSolver
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ def compile(
     if pins:
         options = replace(options, pins=dict(pins))
     if solver is None or hasattr(solver, "solve"):  # manual plans are deterministic as they are
-        solver = _SolvedOnRankZero(cast("IntraOpSolver | None", solver))
+        solver = SolvedOnRankZero(cast("IntraOpSolver | None", solver))
     planner = functools.partial(plan_program, solver=solver, options=options, rules=rules)
     if pipeline is not None:
         return _compile_pipeline(
@@ -221,48 +221,6 @@ def _compile_pipeline(
     )  # fmt: skip
     pipelined.stage_choice = choice
     return pipelined
-
-
-@dataclass(frozen=True)
-class _SolvedOnRankZero:
-    """Solve on rank 0 and broadcast the answer. Solvers with time limits (or floating-point
-    ties) could answer differently on different ranks, and ranks lowering different plans
-    would exchange mismatched pieces or wait forever; one answer for all rules that out."""
-
-    solver: IntraOpSolver | None
-
-    @property
-    def name(self) -> str:
-        return getattr(self.solver, "name", "ilp")
-
-    def solve(self, problem: IntraOpProblem) -> IntraOpSolution:
-        solver = self.solver
-        if solver is None:
-            from fxpar.solvers.ilp import ILPSolver
-
-            solver = ILPSolver()
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return solver.solve(problem)
-        answer: list[object] = [None]
-        if dist.get_rank() == 0:
-            try:
-                answer[0] = (len(problem.node_costs), solver.solve(problem))
-            except Exception as error:  # re-raised on every rank below, rank 0 included
-                answer[0] = error
-        dist.broadcast_object_list(answer, src=0)
-        if isinstance(answer[0], Exception):
-            raise answer[0]
-        size: int
-        solution: IntraOpSolution
-        size, solution = answer[0]  # type: ignore[misc]
-        if size != len(problem.node_costs):
-            raise DistributedError(
-                f"rank 0 planned a problem of {size} decisions, this rank "
-                f"({dist.get_rank()}) one of {len(problem.node_costs)}: the ranks captured "
-                "different models or example inputs; call fxpar.compile with the same arguments "
-                "on every rank"
-            )
-        return solution
 
 
 class ParallelModel:

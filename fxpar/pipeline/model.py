@@ -38,6 +38,7 @@ single-device training on the micro-batches, not on the whole batch.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Callable, Mapping, Sequence
@@ -59,7 +60,7 @@ from fxpar.pipeline.partition import even_split_points, partition
 from fxpar.pipeline.schedule import build_schedule, simulate
 from fxpar.pipeline.sharded import ShardedStage, local_batch, shard_stage
 from fxpar.pipeline.split import SplitProgram, split_program
-from fxpar.planner import Plan, plan_program
+from fxpar.planner import Plan, SolvedOnRankZero, plan_program
 from fxpar.program import Program, named_state, state_dict_aliases
 from fxpar.runtime.collectives import (
     Communicator,
@@ -98,12 +99,13 @@ class PipelineModel:
         example_targets: Sequence[torch.Tensor] = (),
         optimizer: Optimizer | None = None,
         stage_cluster: Cluster | None = None,
-        planner: Callable[[Program, Cluster], Plan] = plan_program,
+        planner: Callable[[Program, Cluster], Plan] | None = None,
     ) -> None:
         """``stage_cluster``: run an intra-op plan inside every stage, on a mesh of this shape
-        (see the module docstring); ``planner(program, stage_cluster)`` makes the plan (the
-        ILP by default; e.g. ``functools.partial(fxpar.plan_program,
-        solver=fxpar.plans.tensor_parallel)``)."""
+        (see the module docstring); ``planner(program, stage_cluster)`` makes the plan, the
+        same on every rank (by default the ILP, solved on rank 0 and broadcast; e.g.
+        ``functools.partial(fxpar.planner.plan_program, solver=fxpar.plans.tensor_parallel)``
+        for Megatron)."""
         self.pipeline = pipeline
         self.optimizer_spec = check_optimizer(optimizer if optimizer is not None else AdamW())
         if stage_cluster is not None and pipeline.data_parallel != 1:
@@ -146,6 +148,7 @@ class PipelineModel:
         program = capture(model, micro_inputs, loss_fn, example_targets=micro_targets)
         self.plan: Plan | None = None
         if stage_cluster is not None:
+            planner = planner or functools.partial(plan_program, solver=SolvedOnRankZero(None))
             self.plan = planner(program, stage_cluster)
             program = self.plan.program
         stages = pipeline.stages
