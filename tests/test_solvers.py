@@ -406,7 +406,47 @@ def test_out_of_time_the_lagrangian_plans_and_bound_still_count() -> None:
     bound = optimum.objective * (1 - 1e-3)
     relaxed = ilp._Relaxed([optimum.choice], bound)
     with mock.patch.object(ilp, "_lagrangian", return_value=relaxed):
-        solution = ILPSolver(time_limit=1e-3).solve(problem)
+        solution = ILPSolver(time_limit=1e-3, branching=False).solve(problem)
     assert solution.status in ("optimal", "time_limit")
     assert solution.objective <= optimum.objective * (1 + 1e-6)
     assert solution.gap <= (solution.objective - bound) / solution.objective + 1e-9
+
+
+@settings(max_examples=150, deadline=None)
+@given(problems(any_direction=True))
+def test_branch_and_bound_on_memory_levels_is_exact(problem: IntraOpProblem) -> None:
+    """Where the memory row binds, the branch and bound (not HiGHS's MIP) proves the
+    exhaustive optimum, and the Lagrangian-then-MIP path agrees with it."""
+    try:
+        reference = ExhaustiveSolver().solve(problem)
+    except InfeasiblePlanError:
+        return
+    reduced = ilp._reduce(problem)
+    if reduced.free and reduced.memory_row:
+        decided = ilp._branch_and_bound(problem, reduced, None, time_limit=30.0, mip_gap=0.0)
+        if decided is not None:  # None: left to the MIP, which the other tests cover
+            status, choice, gap = decided
+            assert status == "optimal" and gap <= 1e-9
+            assert fits(problem, choice)
+            assert same_objective(problem.objective(choice), reference.objective)
+    for solver in (ILPSolver(mip_gap=0.0), ILPSolver(branching=False)):
+        solution = solver.solve(problem)
+        assert solution.status == "optimal"
+        assert fits(problem, solution.choice)
+        assert same_objective(solution.objective, reference.objective)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_branch_and_bound_decides_binding_chains_without_the_mip(seed: int) -> None:
+    """On chains of 8 nodes under a binding limit (the relaxation mixes plans), the branch and
+    bound alone finds the exhaustive optimum: HiGHS's MIP is never run."""
+    problem = chain_problem(8, seed=seed, memory_limit=None)
+    least = problem.least_memory()
+    most = sum(max(m) for m in problem.node_memory)
+    problem = dataclasses.replace(problem, memory_limit=least + 0.3 * (most - least))
+    reference = ExhaustiveSolver(max_combinations=10**5).solve(problem)
+    with mock.patch.object(ILPSolver, "_run", side_effect=AssertionError("MIP run")):
+        solution = ILPSolver(mip_gap=0.0).solve(problem)
+    assert solution.status == "optimal"
+    assert fits(problem, solution.choice)
+    assert same_objective(solution.objective, reference.objective)
