@@ -33,6 +33,7 @@ import torch.fx as fx
 
 from fxpar import ir
 from fxpar.cluster import Cluster, Coordinate
+from fxpar.errors import LoweringError
 from fxpar.lowering import CollectiveRecord, lower_graph, value_spec
 from fxpar.pipeline.options import PipelineError
 from fxpar.pipeline.split import SplitProgram, StageProgram, Value
@@ -93,7 +94,7 @@ def shard_stage(
     placeholders = program.placeholders()
     try:
         specs = {name: value_spec(node) for name, node in placeholders.items()}
-    except Exception as error:
+    except LoweringError as error:
         raise PipelineError(
             f"the step has no plan for the stage mesh {cluster.mesh_shape}: {error}"
         ) from error
