@@ -8,6 +8,8 @@ import math
 import random
 from unittest import mock
 
+import numpy as np
+import numpy.typing as npt
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -434,6 +436,40 @@ def test_branch_and_bound_on_memory_levels_is_exact(problem: IntraOpProblem) -> 
         assert solution.status == "optimal"
         assert fits(problem, solution.choice)
         assert same_objective(solution.objective, reference.objective)
+
+
+def test_branch_and_bound_fixes_columns_by_each_nodes_reduced_costs() -> None:
+    """Below the root, each node's own duals and bound fix columns for its subtree: on binding
+    chains some node fixes columns the root could not, and the optimum is still exhaustive's."""
+    calls: list[tuple[float, int]] = []
+    original = ilp._fixed_by_reduced_cost
+
+    def counting(
+        reduced_costs: npt.NDArray[np.float64], bound: float, incumbent: float
+    ) -> npt.NDArray[np.bool_]:
+        fixed = original(reduced_costs, bound, incumbent)
+        calls.append((bound, int(fixed.sum())))
+        return fixed
+
+    below_root = 0
+    for seed in range(6):
+        problem = chain_problem(8, seed=seed, memory_limit=None)
+        least = problem.least_memory()
+        most = sum(max(m) for m in problem.node_memory)
+        problem = dataclasses.replace(problem, memory_limit=least + 0.3 * (most - least))
+        reference = ExhaustiveSolver(max_combinations=10**5).solve(problem)
+        with mock.patch.object(ilp, "_fixed_by_reduced_cost", side_effect=counting):
+            decided = ilp._branch_and_bound(
+                problem, ilp._reduce(problem), None, time_limit=30.0, mip_gap=0.0
+            )
+        assert decided is not None and decided[0] == "optimal"
+        assert fits(problem, decided[1])
+        assert same_objective(problem.objective(decided[1]), reference.objective)
+        # The root's calls pass the root bound; a node's, its own (higher) bound.
+        root_bound = min(bound for bound, _ in calls)
+        below_root += sum(count for bound, count in calls if bound > root_bound)
+        calls.clear()
+    assert below_root > 0
 
 
 @pytest.mark.parametrize("seed", range(6))
