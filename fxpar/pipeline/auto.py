@@ -735,28 +735,49 @@ class _CostModel:
 
     def _stage_cost(self, start: int, stop: int, devices: int) -> StageCost:
         facts = self.facts(start, stop)
-        pipeline, cluster, atoms = self.pipeline, self.cluster, self.atoms
-        share = pipeline.microbatches * devices
-        compute = facts.forward_seconds + facts.backward_seconds
-        if pipeline.remat:
-            compute += facts.forward_seconds
-        bandwidth, latency = _link(cluster, devices)
+        bandwidth, latency = _link(self.cluster, devices)
         reduce = collective_seconds(
             "all_reduce", facts.trainable_bytes, devices, bandwidth, latency
         )
+        atoms = self.atoms
+        return self._price(
+            start, stop, facts, atoms.forward_crossing, atoms.backward_crossing,
+            share=self.pipeline.microbatches * devices, per_step=reduce,
+        )  # fmt: skip
+
+    def _price(
+        self,
+        start: int,
+        stop: int,
+        facts: _RangeFacts,
+        forward_crossing: Sequence[int],
+        backward_crossing: Sequence[int],
+        *,
+        share: int,
+        per_step: float,
+        per_microbatch: float = 0.0,
+    ) -> StageCost:
+        """The stage cost of layers ``[start, stop)`` (module docstring): ``facts`` and the
+        crossing bytes are for the work a micro-batch gives the stage's devices times
+        ``share``; ``per_step`` seconds are spent once a step (gradient synchronisation),
+        ``per_microbatch`` seconds (``share`` times over) beside the compute."""
+        pipeline, cluster = self.pipeline, self.cluster
+        compute = facts.forward_seconds + facts.backward_seconds + per_microbatch
+        if pipeline.remat:
+            compute += facts.forward_seconds
         send_bandwidth, send_latency = min(cluster.bandwidth), max(cluster.latency)
-        sent = [atoms.backward_crossing[start] if start > 0 else 0]
-        sent.append(atoms.forward_crossing[stop] if stop < atoms.count else 0)
+        sent = [backward_crossing[start] if start > 0 else 0]
+        sent.append(forward_crossing[stop] if stop < self.atoms.count else 0)
         send = sum(send_latency + nbytes / share / send_bandwidth for nbytes in sent if nbytes)
         static = float((2 + self.optimizer_states) * facts.trainable_bytes + facts.frozen_bytes)
         if pipeline.remat:
-            received = atoms.forward_crossing[start] if start > 0 else 0
+            received = forward_crossing[start] if start > 0 else 0
             activation = (received + facts.batch_bytes) / share
             static += facts.saved_bytes / share
         else:
             activation = facts.saved_bytes / share
         return StageCost(
-            time=compute / share + reduce / pipeline.microbatches + send,
+            time=compute / share + per_step / pipeline.microbatches + send,
             static_memory=static,
             activation_memory=float(activation),
         )
@@ -818,33 +839,17 @@ class _PlannedCostModel(_CostModel):
 
     def _stage_cost(self, start: int, stop: int, devices: int) -> StageCost:
         step = self.planned(devices)
-        pipeline, cluster, atoms = self.pipeline, self.cluster, self.atoms
         facts = self._facts(
             start, stop, lambda n: step.compute.get(n.name, 0.0), lambda n: step.local.get(n, 0)
         )
-        names = [node.name for atom in range(start, stop) for node in atoms.nodes[atom]]
-        collectives = sum(step.comm.get(name, 0.0) for name in names)
-        gradient_sync = sum(step.sync.get(name, 0.0) for name in names)
-        count = pipeline.microbatches
-        compute = facts.forward_seconds + facts.backward_seconds + collectives
-        if pipeline.remat:
-            compute += facts.forward_seconds
-        send_bandwidth, send_latency = min(cluster.bandwidth), max(cluster.latency)
-        sent = [step.backward_crossing[start] if start > 0 else 0]
-        sent.append(step.forward_crossing[stop] if stop < atoms.count else 0)
-        send = sum(send_latency + nbytes / count / send_bandwidth for nbytes in sent if nbytes)
-        static = float((2 + self.optimizer_states) * facts.trainable_bytes + facts.frozen_bytes)
-        if pipeline.remat:
-            received = step.forward_crossing[start] if start > 0 else 0
-            activation = (received + facts.batch_bytes) / count
-            static += facts.saved_bytes / count
-        else:
-            activation = facts.saved_bytes / count
-        return StageCost(
-            time=compute / count + gradient_sync / count + send,
-            static_memory=static,
-            activation_memory=float(activation),
-        )
+        names = [node.name for atom in range(start, stop) for node in self.atoms.nodes[atom]]
+        # The plan is per device already: a micro-batch is 1/M of the planned step.
+        return self._price(
+            start, stop, facts, step.forward_crossing, step.backward_crossing,
+            share=self.pipeline.microbatches,
+            per_step=sum(step.sync.get(name, 0.0) for name in names),
+            per_microbatch=sum(step.comm.get(name, 0.0) for name in names),
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
