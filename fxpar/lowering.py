@@ -140,7 +140,7 @@ def lower(program: Program, cluster: Cluster) -> SPMDProgram:
     ranks = []
     records: tuple[CollectiveRecord, ...] = ()
     for rank, coordinate in enumerate(cluster.coordinates()):
-        lowered = lower_graph(
+        lowered = _lower_checked(
             program.graph_module, cluster.mesh_shape, coordinate, input_specs, leaving
         )
         if rank == 0:
@@ -183,12 +183,26 @@ def lower_graph(
     :func:`lower` calls it with a Program's own specs; pipeline stages call it with the specs
     of the values crossing their boundaries.
     """
+    _check_lowerable(graph_module.graph, len(mesh_shape))
+    return _lower_checked(
+        graph_module, mesh_shape, coordinate, input_specs, output_specs, class_name
+    )
+
+
+def _lower_checked(
+    graph_module: fx.GraphModule,
+    mesh_shape: tuple[int, ...],
+    coordinate: Coordinate,
+    input_specs: Sequence[Spec],
+    output_specs: Sequence[Spec],
+    class_name: str = "RankStep",
+) -> LoweredGraph:
+    """:func:`lower_graph` on a graph :func:`_check_lowerable` accepted."""
     placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
     if len(input_specs) != len(placeholders):
         raise LoweringError(
             f"{len(placeholders)} placeholders but {len(input_specs)} input specs were given"
         )
-    _check_lowerable(graph_module.graph, len(mesh_shape))
     lowering = _RankLowering(graph_module, mesh_shape, coordinate)
     specs = dict(zip(placeholders, input_specs, strict=True))
     module = lowering.run(specs, output_specs, class_name)

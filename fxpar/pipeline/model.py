@@ -163,6 +163,8 @@ class PipelineModel:
         self.signature = program.signature
         names = program.signature.parameters + program.signature.buffers
         self._aliases = state_dict_aliases(model, names)
+        placeholders = program.placeholders()
+        self._shapes = {n: ir.require(placeholders[n], ir.ValueMeta).tensor.shape for n in names}
 
         self._stage_group, self._shared_groups = self._make_groups()
         self._device_mesh = self._stage_device_mesh()
@@ -334,8 +336,7 @@ class PipelineModel:
         if self._device_mesh is None:
             return local
         spec = self.sharded.specs[name] if self.sharded else (Replicate(),)
-        shape = ir.require(self.split.program.placeholders()[name], ir.ValueMeta).tensor.shape
-        return checkpoint.dtensor(local, self._device_mesh, spec, shape)
+        return checkpoint.dtensor(local, self._device_mesh, spec, self._shapes[name])
 
     # -- batches and groups -------------------------------------------------------------------
 

@@ -14,7 +14,6 @@ from fxpar.cluster import Cluster, Coordinate
 from fxpar.pipeline.sharded import ShardedStage, local_batch, shard_stage
 from fxpar.pipeline.split import SplitProgram, StageOutputs
 from fxpar.program import StepResult
-from fxpar.runtime.collectives import Communicator
 from fxpar.sharding import assemble
 from fxpar.testing.simulate import SimulatedMesh
 
@@ -55,7 +54,7 @@ class _SimulatedPipeline:
         self.mesh = cluster.mesh_shape
         self.meshes = [SimulatedMesh(self.mesh, timeout=timeout) for _ in range(split.num_stages)]
         self.stages = [
-            mesh.run(functools.partial(_shard, split, s, cluster))
+            mesh.run(functools.partial(shard_stage, split, s, cluster))
             for s, mesh in enumerate(self.meshes)
         ]
         self.devices = list(self.stages[0])
@@ -147,12 +146,6 @@ class _SimulatedPipeline:
             },
             buffers={name: updated[name] for name in signature.buffer_updates},
         )
-
-
-def _shard(
-    split: SplitProgram, stage: int, cluster: Cluster, coordinate: Coordinate, comm: Communicator
-) -> ShardedStage:
-    return shard_stage(split, stage, cluster, coordinate, comm)
 
 
 def _sync(
