@@ -189,11 +189,7 @@ def _compile_pipeline(
             pipeline, stage_cluster = choice.pipeline, choice.stage_cluster
             assert stage_cluster is not None
         else:
-            # The plan covers every stage's layers; a device holds about one stage's share.
-            stage_cluster = replace(
-                stage_devices(cluster, pipeline.num_stages),
-                memory=cluster.memory * pipeline.num_stages,
-            )
+            stage_cluster = stage_devices(cluster, pipeline.num_stages)
         pipelined = PipelineModel(
             model, pipeline, example_inputs, loss_fn, example_targets=example_targets,
             optimizer=optimizer, stage_cluster=stage_cluster, planner=planner,

@@ -184,6 +184,7 @@ def test_stage_mesh_keeps_the_links_of_its_axes() -> None:
     assert stage.mesh_shape == (8,)
     assert stage.bandwidth == (cluster.bandwidth[1],)
     assert stage.axis_names == (cluster.axis_names[1],)
+    assert stage.memory == 2 * cluster.memory  # the plan covers both stages' weights
 
 
 def test_one_device_stage_mesh_trains_like_pytorch() -> None:

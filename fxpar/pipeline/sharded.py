@@ -212,7 +212,9 @@ def local_batch(stage: ShardedStage, batch: Mapping[str, torch.Tensor]) -> dict[
 
 def stage_devices(cluster: Cluster, num_stages: int) -> Cluster:
     """The stage mesh of a pipeline of ``num_stages`` stages on ``cluster``: its mesh without
-    the first axis, which must have ``num_stages`` entries, with the links of the axes kept."""
+    the first axis, which must have ``num_stages`` entries, with the links of the axes kept, and
+    the memory of one device times ``num_stages`` (the plan made on it covers every stage's
+    layers; a device holds about one stage's share)."""
     if cluster.ndim < 2 or cluster.mesh_shape[0] != num_stages:
         raise PipelineError(
             f"an intra-op plan inside {num_stages} pipeline stages needs a cluster mesh of "
@@ -225,4 +227,5 @@ def stage_devices(cluster: Cluster, num_stages: int) -> Cluster:
         axis_names=cluster.axis_names[1:],
         bandwidth=cluster.bandwidth[1:],
         latency=cluster.latency[1:],
+        memory=cluster.memory * num_stages,
     )
