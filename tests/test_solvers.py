@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fxpar.errors import FxparError
-from fxpar.solvers import exhaustive, ilp
+from fxpar.solvers import exhaustive, ilp, ilp_model, ilp_search
 from fxpar.solvers.errors import InfeasiblePlanError, NoPlanFoundError, ProblemTooLargeError
 from fxpar.solvers.exhaustive import ExhaustiveSolver
 from fxpar.solvers.greedy import GreedySolver
@@ -345,7 +345,7 @@ def test_lagrangian_bound_and_plans_bracket_the_exhaustive_optimum(problem: Intr
         reference = ExhaustiveSolver().solve(problem)
     except InfeasiblePlanError:
         return
-    reduced = ilp._reduce(problem)
+    reduced = ilp_model.reduce_problem(problem)
     if reduced.free:
         found = ilp._lagrangian(problem, reduced, time_limit=30.0, mip_gap=0.0)
         slack = 1e-6 * max(abs(reference.objective), 1.0)
@@ -391,7 +391,7 @@ def test_a_binding_memory_row_is_solved_exactly_with_the_lagrangian_start() -> N
     most = sum(max(m) for m in problem.node_memory)
     problem = dataclasses.replace(problem, memory_limit=least + 0.3 * (most - least))
     reference = ExhaustiveSolver().solve(problem)
-    found = ilp._lagrangian(problem, ilp._reduce(problem), time_limit=30.0, mip_gap=0.0)
+    found = ilp._lagrangian(problem, ilp_model.reduce_problem(problem), time_limit=30.0, mip_gap=0.0)
     assert found.lower_bound <= reference.objective + 1e-9
     assert any(fits(problem, plan) for plan in found.plans)
     solution = ILPSolver(mip_gap=0.0).solve(problem)
@@ -423,9 +423,9 @@ def test_branch_and_bound_on_memory_levels_is_exact(problem: IntraOpProblem) -> 
         reference = ExhaustiveSolver().solve(problem)
     except InfeasiblePlanError:
         return
-    reduced = ilp._reduce(problem)
+    reduced = ilp_model.reduce_problem(problem)
     if reduced.free and reduced.memory_row:
-        decided = ilp._branch_and_bound(problem, reduced, None, time_limit=30.0, mip_gap=0.0)
+        decided = ilp_search.branch_and_bound(problem, reduced, None, time_limit=30.0, mip_gap=0.0)
         if decided is not None:  # None: left to the MIP, which the other tests cover
             status, choice, gap = decided
             assert status == "optimal" and gap <= 1e-9
@@ -442,7 +442,7 @@ def test_branch_and_bound_fixes_columns_by_each_nodes_reduced_costs() -> None:
     """Below the root, each node's own duals and bound fix columns for its subtree: on binding
     chains some node fixes columns the root could not, and the optimum is still exhaustive's."""
     calls: list[tuple[float, int]] = []
-    original = ilp._fixed_by_reduced_cost
+    original = ilp_search._fixed_by_reduced_cost
 
     def counting(
         reduced_costs: npt.NDArray[np.float64], bound: float, incumbent: float
@@ -458,9 +458,9 @@ def test_branch_and_bound_fixes_columns_by_each_nodes_reduced_costs() -> None:
         most = sum(max(m) for m in problem.node_memory)
         problem = dataclasses.replace(problem, memory_limit=least + 0.3 * (most - least))
         reference = ExhaustiveSolver(max_combinations=10**5).solve(problem)
-        with mock.patch.object(ilp, "_fixed_by_reduced_cost", side_effect=counting):
-            decided = ilp._branch_and_bound(
-                problem, ilp._reduce(problem), None, time_limit=30.0, mip_gap=0.0
+        with mock.patch.object(ilp_search, "_fixed_by_reduced_cost", side_effect=counting):
+            decided = ilp_search.branch_and_bound(
+                problem, ilp_model.reduce_problem(problem), None, time_limit=30.0, mip_gap=0.0
             )
         assert decided is not None and decided[0] == "optimal"
         assert fits(problem, decided[1])

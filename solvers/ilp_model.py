@@ -1,0 +1,415 @@
+"""The intra-operator problem as an integer linear program: its formulation, the reductions
+applied before it is built, and the HiGHS model (internal to :mod:`fxpar.solvers.ilp`).
+
+Formulation (Alpa's, with the tight linearization of the edge terms). For every node v and
+strategy s of v, a binary x[v,s] = 1 when v takes s; for every edge (u,v) whose cost matrix R[uv]
+survives the reductions below, a continuous e[uv,s,t] ∈ [0,1] standing for x[u,s]·x[v,t]:
+
+    minimize    Σ_v Σ_s c[v,s]·x[v,s]  +  Σ_(u,v) Σ_s Σ_t R[uv,s,t]·e[uv,s,t]      (objective)
+
+    subject to  Σ_s x[v,s] = 1                      for every node v        (one strategy per node)
+                Σ_t e[uv,s,t] = x[u,s]              for every edge, every s    (edge consistency)
+                Σ_s e[uv,s,t] = x[v,t]              for every edge, every t    (edge consistency)
+                Σ_v Σ_s m[v,s]·x[v,s] ≤ M                                          (memory limit)
+                x[v,s] ∈ {0,1},  e[uv,s,t] ∈ [0,1]
+
+The two consistency families make e[uv,·,·] a joint distribution whose marginals are x[u,·] and
+x[v,·]; with one-hot marginals the only such distribution is the product, so e is integral as
+soon as x is, and its LP relaxation is at least as tight as the usual e ≥ x[u,s] + x[v,t] − 1.
+
+Reductions, applied before the model is built (each keeps the optimum; the reported objective is
+always recomputed with :meth:`IntraOpProblem.objective`, so it is exact):
+
+1. **Memory pruning.** Memory is additive, so with m_min[v] = min_s m[v,s] every plan needs at
+   least L = Σ_v m_min[v]. If L > M no plan fits and :class:`InfeasiblePlanError` is raised
+   without calling HiGHS. A strategy with m[v,s] − m_min[v] > M − L can never fit: it gets no
+   variable. The memory row is written over the excess m[v,s] − m_min[v] against the budget
+   M − L, scaled to 1, and dropped when even the hungriest plan fits.
+1b. **Dominance.** A strategy that another strategy of the same node matches or beats on its
+   cost, its memory and every edge (against the neighbour's remaining strategies) is dropped;
+   repeated until nothing changes.
+2. **Fixed nodes.** A node left with one strategy is decided: it gets no variable, its cost is a
+   constant of the objective.
+3. **Edge merging.** Self-loops (u = v) add their diagonal to the node's costs; parallel and
+   opposite edges between the same two nodes add up into one matrix, one set of e variables.
+4. **Separable edges.** An edge matrix that splits as R[s,t] = a[s] + b[t] (constant and all-zero
+   matrices, and every edge touching a fixed node, are such) adds a to u's costs and b to v's
+   and gets no e variables.
+5. **Edge classes.** On one edge, candidates of u with identical cost rows (of v, identical
+   columns) are interchangeable: e gets one variable per pair of classes, and the consistency
+   rows equate e's marginals with the class sums of x. On 2-D meshes this halves the edge
+   variables (many strategies produce, or read, the same layout).
+6. **Scaling.** Costs are divided by the largest one, so HiGHS's tolerances are relative to the
+   problem's own magnitudes (costs in seconds are tiny); the optimality gap is purely relative
+   (``mip_abs_gap`` = 0), measured on the whole objective, constants included.
+
+HiGHS accepts a row violated by up to its feasibility tolerance, but a memory limit is hard: the
+solvers check every plan with :func:`memory_over`, by the problem's own figures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+import highspy
+import numpy as np
+import numpy.typing as npt
+
+from fxpar.errors import FxparError
+from fxpar.solvers.problem import IntraOpProblem
+
+Vector = npt.NDArray[np.float64]
+Matrix = npt.NDArray[np.float64]
+
+_SEPARABLE_TOLERANCE = 1e-12
+"""Relative to an edge matrix's largest entry: how far it may be from a[s] + b[t] to be folded."""
+_MEMORY_SLACK = 1e-9
+"""Relative to the memory limit: the rounding margin under which pruning stays conservative."""
+
+
+# --- Reductions -------------------------------------------------------------------------------
+
+
+class Pair(NamedTuple):
+    """The merged, non-separable edges between nodes ``u < v``, with candidates grouped into
+    classes of identical rows (of u) and identical columns (of v): ``costs[a, b]`` is the cost
+    for any candidate of row class ``a`` and any of column class ``b``; ``row_class[i]`` and
+    ``column_class[j]`` give the classes of u's i-th and v's j-th candidates."""
+
+    u: int
+    v: int
+    costs: Matrix
+    row_class: npt.NDArray[np.intp]
+    column_class: npt.NDArray[np.intp]
+
+    @staticmethod
+    def grouped(u: int, v: int, matrix: Matrix) -> Pair:
+        rows, row_class = np.unique(matrix, axis=0, return_inverse=True)
+        columns, column_class = np.unique(rows, axis=1, return_inverse=True)
+        return Pair(u, v, columns, row_class.ravel(), column_class.ravel())
+
+
+@dataclasses.dataclass(frozen=True)
+class Reduced:
+    """The problem after the reductions, over each node's candidate strategies."""
+
+    candidates: list[list[int]]
+    """Per node, the strategies it may take (its variables x[v, ·])."""
+    costs: list[Vector]
+    """Per node and candidate: its cost plus the separable parts of its edges."""
+    pairs: list[Pair]
+    excess: list[Vector] | None
+    """Per node and candidate: memory above the node's least, over the budget (None: no limit)."""
+    memory_row: bool
+    """Whether the memory row is written (False when even the hungriest plan fits)."""
+    memory_budget: float
+    """The row's right-hand side: the budget M − L in the units of ``excess``."""
+    cost_scale: float
+
+    @property
+    def free(self) -> list[int]:
+        """Nodes with more than one candidate: the decisions."""
+        return [v for v, candidates in enumerate(self.candidates) if len(candidates) > 1]
+
+    def node_columns(self) -> dict[int, int]:
+        """The first column of each free node's x variables."""
+        first, column = {}, 0
+        for v in self.free:
+            first[v] = column
+            column += len(self.candidates[v])
+        return first
+
+    @property
+    def num_node_columns(self) -> int:
+        return sum(len(self.candidates[v]) for v in self.free)
+
+    def pair_columns(self) -> list[int]:
+        """The first column of each pair's e variables (after all x columns)."""
+        first, column = [], self.num_node_columns
+        for pair in self.pairs:
+            first.append(column)
+            column += pair.costs.size
+        return first
+
+    @property
+    def num_columns(self) -> int:
+        return self.num_node_columns + sum(pair.costs.size for pair in self.pairs)
+
+    def plan(self, values: Vector) -> tuple[int, ...]:
+        """The strategy of every node from HiGHS's column values."""
+        position = [0] * len(self.candidates)
+        for v, column in self.node_columns().items():
+            position[v] = int(np.argmax(values[column : column + len(self.candidates[v])]))
+        return tuple(self.candidates[v][p] for v, p in enumerate(position))
+
+    def start_values(self, choice: tuple[int, ...]) -> Vector | None:
+        """Column values of ``choice`` (None if it uses a pruned strategy)."""
+        if any(s not in self.candidates[v] for v, s in enumerate(choice)):
+            return None
+        position = [self.candidates[v].index(s) for v, s in enumerate(choice)]
+        values = np.zeros(self.num_columns)
+        for v, column in self.node_columns().items():
+            values[column + position[v]] = 1.0
+        for pair, column in zip(self.pairs, self.pair_columns(), strict=True):
+            width = pair.costs.shape[1]
+            row, col = pair.row_class[position[pair.u]], pair.column_class[position[pair.v]]
+            values[column + row * width + col] = 1.0
+        return values
+
+
+def reduce_problem(problem: IntraOpProblem) -> Reduced:
+    candidates, excess, memory_row, memory_budget = _prune_by_memory(problem)
+    kept = _prune_dominated(problem, candidates)
+    if excess is not None:
+        excess = [
+            e[[old.index(s) for s in new]]
+            for e, old, new in zip(excess, candidates, kept, strict=True)
+        ]
+    candidates = kept
+    costs = [
+        np.asarray(node_costs, dtype=np.float64)[node_candidates]
+        for node_costs, node_candidates in zip(problem.node_costs, candidates, strict=True)
+    ]
+    pairs = []
+    for (u, v), matrix in _merge_edges(problem, candidates, costs).items():
+        if _is_separable(matrix):
+            costs[u] += matrix[:, 0]
+            costs[v] += matrix[0, :] - matrix[0, 0]
+        else:
+            pairs.append(Pair.grouped(u, v, matrix))
+    magnitudes = [np.abs(costs[v]).max() for v, c in enumerate(candidates) if len(c) > 1]
+    magnitudes += [np.abs(pair.costs).max() for pair in pairs]
+    largest = float(max(magnitudes, default=0.0))
+    cost_scale = largest if largest > 0 and math.isfinite(largest) else 1.0
+    return Reduced(candidates, costs, pairs, excess, memory_row, memory_budget, cost_scale)
+
+
+def _prune_dominated(problem: IntraOpProblem, candidates: list[list[int]]) -> list[list[int]]:
+    """Drop strategies another strategy of the same node beats or ties everywhere: no more
+    cost, no more memory, and no more on any edge against any remaining strategy of the
+    neighbour (reduction 1b). Repeated until nothing changes; among equals the first stays."""
+    node_costs = [np.asarray(c, dtype=np.float64) for c in problem.node_costs]
+    for edge in problem.edges:
+        if edge.source == edge.target:
+            node_costs[edge.source] = node_costs[edge.source] + np.diag(np.asarray(edge.costs))
+    matrices = [np.asarray(edge.costs, dtype=np.float64) for edge in problem.edges]
+    incident: list[list[tuple[int, bool]]] = [[] for _ in candidates]
+    for index, edge in enumerate(problem.edges):
+        if edge.source != edge.target:
+            incident[edge.source].append((index, True))
+            incident[edge.target].append((index, False))
+    kept = [list(c) for c in candidates]
+    changed = True
+    while changed:
+        changed = False
+        for v, alive in enumerate(kept):
+            if len(alive) < 2:
+                continue
+            parts = [node_costs[v][alive, None], np.asarray(problem.node_memory[v])[alive, None]]
+            for index, outgoing in incident[v]:
+                edge = problem.edges[index]
+                if outgoing:
+                    parts.append(matrices[index][np.ix_(alive, kept[edge.target])])
+                else:
+                    parts.append(matrices[index][np.ix_(kept[edge.source], alive)].T)
+            profile = np.concatenate(parts, axis=1)
+            # no_worse[a, b]: b is at least as good as a everywhere.
+            no_worse = np.all(profile[None, :, :] <= profile[:, None, :], axis=2)
+            equal = no_worse & no_worse.T
+            order = np.arange(len(alive))
+            earlier_equal = equal & (order[None, :] < order[:, None])
+            beaten = np.any((no_worse & ~equal) | earlier_equal, axis=1)
+            if beaten.any():
+                kept[v] = [s for s, gone in zip(alive, beaten, strict=True) if not gone]
+                changed = True
+    return kept
+
+
+def _prune_by_memory(
+    problem: IntraOpProblem,
+) -> tuple[list[list[int]], list[Vector] | None, bool, float]:
+    """Each node's candidates (the strategies that can fit), their excess memory, whether the
+    memory row is needed, and its budget (reduction 1). Memory is scaled so that the budget is 1,
+    or 0 when there is none to spare."""
+    memory = [np.asarray(m, dtype=np.float64) for m in problem.node_memory]
+    if problem.memory_limit is None:
+        return [list(range(len(m))) for m in memory], None, False, math.inf
+    budget = problem.memory_limit - problem.least_memory()
+    # Rounding in the sums above must neither prune a plan that fits nor drop a row that binds.
+    slack = _MEMORY_SLACK * max(abs(problem.memory_limit), 1.0)
+    excess_bytes = [m - m.min() for m in memory]
+    candidates = [[int(s) for s in np.flatnonzero(e <= budget + slack)] for e in excess_bytes]
+    hungriest = sum(float(e[c].max()) for e, c in zip(excess_bytes, candidates, strict=True))
+    scale = max(budget, slack)
+    excess = [e[c] / scale for e, c in zip(excess_bytes, candidates, strict=True)]
+    return candidates, excess, hungriest > budget - slack, max(budget, 0.0) / scale
+
+
+def _merge_edges(
+    problem: IntraOpProblem, candidates: list[list[int]], costs: list[Vector]
+) -> dict[tuple[int, int], Matrix]:
+    """One matrix per pair of nodes ``u < v`` over their candidates; self-loops go into
+    ``costs`` (reduction 3)."""
+    merged: dict[tuple[int, int], Matrix] = {}
+    for edge in problem.edges:
+        u, v = edge.source, edge.target
+        matrix = np.asarray(edge.costs, dtype=np.float64)
+        if u == v:
+            costs[u] += matrix[candidates[u], candidates[u]]
+            continue
+        if u > v:
+            u, v, matrix = v, u, matrix.T
+        restricted = matrix[np.ix_(candidates[u], candidates[v])]
+        merged[u, v] = merged[u, v] + restricted if (u, v) in merged else restricted.copy()
+    return merged
+
+
+def _is_separable(matrix: Matrix) -> bool:
+    """Whether ``matrix[s, t] == a[s] + b[t]`` (reduction 4)."""
+    residual = matrix - matrix[:, :1] - matrix[:1, :] + matrix[0, 0]
+    return bool(np.abs(residual).max() <= _SEPARABLE_TOLERANCE * np.abs(matrix).max())
+
+
+# --- The model --------------------------------------------------------------------------------
+
+
+class Row(NamedTuple):
+    columns: list[int]
+    values: list[float]
+    lower: float
+    upper: float
+
+
+def build_model(reduced: Reduced, tightening: float) -> highspy.HighsLp:
+    rows = [
+        *one_strategy_per_node(reduced),
+        *edge_consistency(reduced),
+        *memory_limit(reduced, tightening),
+    ]
+    return assemble(reduced, rows, integral=True)
+
+
+def assemble(reduced: Reduced, rows: list[Row], integral: bool) -> highspy.HighsLp:
+    """The model of ``rows`` over the reduced problem's columns and objective; the x columns
+    are integers if ``integral`` (else: the LP relaxation)."""
+    costs, offset = column_costs(reduced)
+    num_binaries = reduced.num_node_columns if integral else 0
+    lp = highspy.HighsLp()
+    lp.num_col_ = len(costs)
+    lp.num_row_ = len(rows)
+    lp.col_cost_ = costs
+    lp.offset_ = offset
+    lp.col_lower_ = np.zeros(len(costs))
+    lp.col_upper_ = np.ones(len(costs))
+    lp.row_lower_ = np.array([row.lower for row in rows], dtype=np.float64)
+    lp.row_upper_ = np.array([row.upper for row in rows], dtype=np.float64)
+    lp.integrality_ = [highspy.HighsVarType.kInteger] * num_binaries + [
+        highspy.HighsVarType.kContinuous
+    ] * (len(costs) - num_binaries)
+    matrix = lp.a_matrix_
+    matrix.format_ = highspy.MatrixFormat.kRowwise
+    matrix.num_col_ = len(costs)
+    matrix.num_row_ = len(rows)
+    matrix.start_ = np.cumsum([0] + [len(row.columns) for row in rows], dtype=np.int32)
+    matrix.index_ = np.array([c for row in rows for c in row.columns], dtype=np.int32)
+    matrix.value_ = np.array([x for row in rows for x in row.values], dtype=np.float64)
+    return lp
+
+
+def one_strategy_per_node(reduced: Reduced) -> list[Row]:
+    """Σ_s x[v,s] = 1 for every free node."""
+    rows = []
+    for v, column in reduced.node_columns().items():
+        count = len(reduced.candidates[v])
+        rows.append(Row(list(range(column, column + count)), [1.0] * count, 1.0, 1.0))
+    return rows
+
+
+def edge_consistency(reduced: Reduced) -> list[Row]:
+    """Σ_b e[uv,a,b] − Σ_(s∈a) x[u,s] = 0 for every row class a, and
+    Σ_a e[uv,a,b] − Σ_(t∈b) x[v,t] = 0 for every column class b, for every kept edge.
+
+    Candidates with identical cost rows (columns) are interchangeable on that edge, so e needs
+    one variable per pair of classes: with one-hot x the class sums are one-hot too, and e is
+    still their product.
+    """
+    node_column = reduced.node_columns()
+    rows = []
+    for pair, first in zip(reduced.pairs, reduced.pair_columns(), strict=True):
+        height, width = pair.costs.shape
+        for a in range(height):
+            members = [node_column[pair.u] + s for s in np.flatnonzero(pair.row_class == a)]
+            columns = [first + a * width + b for b in range(width)] + members
+            rows.append(Row(columns, [1.0] * width + [-1.0] * len(members), 0.0, 0.0))
+        for b in range(width):
+            members = [node_column[pair.v] + t for t in np.flatnonzero(pair.column_class == b)]
+            columns = [first + a * width + b for a in range(height)] + members
+            rows.append(Row(columns, [1.0] * height + [-1.0] * len(members), 0.0, 0.0))
+    return rows
+
+
+def memory_limit(reduced: Reduced, tightening: float) -> list[Row]:
+    """Σ_v Σ_s (m[v,s] − m_min[v]) / (M − L) · x[v,s] ≤ 1 − ``tightening``, if needed (the
+    budget is 0 instead of 1 when M = L)."""
+    if reduced.excess is None or not reduced.memory_row:
+        return []
+    columns: list[int] = []
+    values: list[float] = []
+    for v, column in reduced.node_columns().items():
+        for position, excess in enumerate(reduced.excess[v]):
+            if excess > 0:
+                columns.append(column + position)
+                values.append(float(excess))
+    upper = reduced.memory_budget * (1.0 - tightening)
+    return [Row(columns, values, -math.inf, upper)] if columns else []
+
+
+def column_costs(reduced: Reduced) -> tuple[Vector, float]:
+    """Column costs (x then e) and the constant of fixed nodes, divided by the cost scale."""
+    fixed = sum(float(reduced.costs[v][0]) for v, c in enumerate(reduced.candidates) if len(c) == 1)
+    parts = [reduced.costs[v] for v in reduced.free] + [p.costs.ravel() for p in reduced.pairs]
+    costs = np.concatenate(parts) if parts else np.zeros(0)
+    return costs / reduced.cost_scale, fixed / reduced.cost_scale
+
+
+# --- Helpers ----------------------------------------------------------------------------------
+
+
+def new_highs(threads: int | None) -> highspy.Highs:
+    """A silent HiGHS instance, with a pool of ``threads`` threads if given."""
+    highs = highspy.Highs()
+    highs.setOptionValue("output_flag", False)
+    if threads is not None:
+        highs.setOptionValue("threads", threads)
+        # The pool is built once per process; a different size is refused until it is reset.
+        highspy.Highs.resetGlobalScheduler(True)
+    return highs
+
+
+def check(status: highspy.HighsStatus, doing: str) -> None:
+    if status == highspy.HighsStatus.kError:
+        raise FxparError(f"HiGHS failed {doing}")
+
+
+def memory_over(problem: IntraOpProblem, choice: tuple[int, ...]) -> float:
+    if problem.memory_limit is None:
+        return 0.0
+    return problem.memory(choice) - problem.memory_limit
+
+
+def relative_gap(objective: float, bound: float) -> float:
+    """HiGHS's definition: |primal − dual| / |primal|, 0 when both are 0."""
+    if not math.isfinite(bound):
+        return math.inf
+    if objective == 0:
+        return 0.0 if bound == 0 else math.inf
+    return max(objective - bound, 0.0) / abs(objective)
+
+
+def model_size(problem: IntraOpProblem) -> tuple[int, int]:
+    """(variables, constraints) of the ILP :class:`ILPSolver` builds for ``problem``, after its
+    reductions: what the benchmarks report."""
+    model = build_model(reduce_problem(problem), tightening=0.0)
+    return model.num_col_, model.num_row_
