@@ -86,7 +86,7 @@ class ILPSolver:
     to the process, so choosing ``threads`` restarts it: do not run other HiGHS solves in other
     threads at the same time;
     ``workers`` how many LPs the branch and bound solves at the same time, each on its own
-    thread (1: all on the calling thread). The plan does not depend on it.
+    thread (1: all on the calling thread); for a given number the plan is the same on every run.
     """
 
     name: ClassVar[str] = "ilp"

@@ -15,7 +15,8 @@ above it, so neither keeps the parent's point. With every node on one level, a f
 is split among its candidates the same way. Children forbid x columns (upper bound 0), and
 inherit every column their ancestors forbade.
 
-**Bounding.** The search is best-first on the parent's bound. Each node's rounded plan (every node
+**Bounding.** The search is best-first on the nodes' bounds (each node is solved when it is
+created, see below). Each node's rounded plan (every node
 taking its largest x) that fits is an incumbent. Reduced-cost fixing: a column whose reduced cost
 exceeds the gap between the incumbent and an LP's optimum is 0 in every plan that beats the
 incumbent within that LP's feasible set. Each new incumbent fixes columns by the root's reduced
@@ -25,14 +26,17 @@ GiB, 85–92% of the edge columns below the first few levels). A node closes whe
 within ``mip_gap`` of the incumbent, or its relaxation is integral. This is exact as HiGHS's MIP
 is, up to the LP tolerances both trust.
 
-**Subtree LPs.** Fixed columns still cost HiGHS time in every iteration, so when fewer than half
-of a node's LP columns are still alive in its subtree (not fixed, not forbidden), the node's
-children get a new, smaller LP over the alive columns, started from the node's basis restricted to
-them (its basic columns are always alive: their reduced costs are 0). Each child is solved in its
-own LP, when it is created: the first child re-solves its parent's LP, the second a copy started
-from the same basis, and with ``workers=2`` the two solve at the same time (HiGHS releases the
-GIL). The children are then taken in a fixed order, so the search, and the plan it returns, are
-the same whatever the threads' timing. An open node keeps its LP until it is split.
+**Subtree LPs and workers.** Fixed columns still cost HiGHS time in every iteration (and in
+copying each solution out), so when fewer than half of a node's LP columns are alive in its
+subtree (neither fixed nor forbidden), its children are solved in a new, smaller LP over the alive
+columns: a *view* of the model. A node's basic columns are always alive (their reduced costs are
+0), so its basis restricted to the view starts the view's LP. Children are solved when they are
+created, both at once with ``workers=2``: child i on worker i, each worker with its own HiGHS
+instance of the view (HiGHS releases the GIL while it solves), which it re-solves warm from
+whatever it solved last there. The results are then taken in a fixed order, so for a given number
+of workers the search, and the plan it returns, are the same on every run (another number of
+workers may break ties between equally cheap plans otherwise). On Llama-8B at 80 GiB on (2, 4):
+45 LPs, views of 111k, 42k and 19k columns, 4.3 s against 6.3 s with one LP and one thread.
 
 Where the search cannot decide (HiGHS stops on an LP with time left, or an integral relaxation
 is over the limit within HiGHS's tolerance) it returns None and the MIP solves the problem

@@ -391,7 +391,9 @@ def test_a_binding_memory_row_is_solved_exactly_with_the_lagrangian_start() -> N
     most = sum(max(m) for m in problem.node_memory)
     problem = dataclasses.replace(problem, memory_limit=least + 0.3 * (most - least))
     reference = ExhaustiveSolver().solve(problem)
-    found = ilp._lagrangian(problem, ilp_model.reduce_problem(problem), time_limit=30.0, mip_gap=0.0)
+    found = ilp._lagrangian(
+        problem, ilp_model.reduce_problem(problem), time_limit=30.0, mip_gap=0.0
+    )
     assert found.lower_bound <= reference.objective + 1e-9
     assert any(fits(problem, plan) for plan in found.plans)
     solution = ILPSolver(mip_gap=0.0).solve(problem)
@@ -425,12 +427,15 @@ def test_branch_and_bound_on_memory_levels_is_exact(problem: IntraOpProblem) -> 
         return
     reduced = ilp_model.reduce_problem(problem)
     if reduced.free and reduced.memory_row:
-        decided = ilp_search.branch_and_bound(problem, reduced, None, time_limit=30.0, mip_gap=0.0)
-        if decided is not None:  # None: left to the MIP, which the other tests cover
-            status, choice, gap = decided
-            assert status == "optimal" and gap <= 1e-9
-            assert fits(problem, choice)
-            assert same_objective(problem.objective(choice), reference.objective)
+        for workers in (1, 2):
+            decided = ilp_search.branch_and_bound(
+                problem, reduced, None, time_limit=30.0, mip_gap=0.0, workers=workers
+            )
+            if decided is not None:  # None: left to the MIP, which the other tests cover
+                status, choice, gap = decided
+                assert status == "optimal" and gap <= 1e-9
+                assert fits(problem, choice)
+                assert same_objective(problem.objective(choice), reference.objective)
     for solver in (ILPSolver(mip_gap=0.0), ILPSolver(branching=False)):
         solution = solver.solve(problem)
         assert solution.status == "optimal"
@@ -470,6 +475,39 @@ def test_branch_and_bound_fixes_columns_by_each_nodes_reduced_costs() -> None:
         below_root += sum(count for bound, count in calls if bound > root_bound)
         calls.clear()
     assert below_root > 0
+
+
+def test_subtrees_get_smaller_lps_and_the_search_repeats_itself() -> None:
+    """Once reduced-cost fixing leaves few columns alive, a subtree is solved in an LP over
+    those alone; the search stays exact, and with two workers (children solved at the same
+    time) it returns the same plan on every run."""
+    sizes: list[int] = []
+    original = ilp_search._View.__init__
+
+    def recording(
+        view: ilp_search._View, model: object, columns: npt.NDArray[np.intp], workers: int
+    ) -> None:
+        sizes.append(len(columns))
+        original(view, model, columns, workers)  # type: ignore[arg-type]
+
+    narrowed = 0
+    for seed in range(6):
+        problem = chain_problem(10, seed=seed, memory_limit=None)
+        least = problem.least_memory()
+        most = sum(max(m) for m in problem.node_memory)
+        problem = dataclasses.replace(problem, memory_limit=least + 0.3 * (most - least))
+        reference = ExhaustiveSolver(max_combinations=10**7).solve(problem)
+        plans = []
+        for _ in range(3):
+            sizes.clear()
+            with mock.patch.object(ilp_search._View, "__init__", recording):
+                solution = ILPSolver(mip_gap=0.0, workers=2).solve(problem)
+            assert solution.status == "optimal"
+            assert same_objective(solution.objective, reference.objective)
+            plans.append(solution.choice)
+            narrowed += any(size < sizes[0] for size in sizes[1:])
+        assert plans[0] == plans[1] == plans[2]
+    assert narrowed > 0
 
 
 @pytest.mark.parametrize("seed", range(6))
