@@ -372,6 +372,15 @@ def chain_problem(num_nodes: int, seed: int, memory_limit: float | None) -> Intr
     return IntraOpProblem(node_costs, memory, edges, memory_limit)
 
 
+def binding_chain(num_nodes: int, seed: int) -> IntraOpProblem:
+    """A chain whose memory limit sits 30% of the way from its least to its most memory, so
+    the limit binds and the relaxation mixes plans."""
+    problem = chain_problem(num_nodes, seed, memory_limit=None)
+    least = problem.least_memory()
+    most = sum(max(m) for m in problem.node_memory)
+    return dataclasses.replace(problem, memory_limit=least + 0.3 * (most - least))
+
+
 def test_a_relaxation_whose_plan_fits_is_optimal_without_the_mip() -> None:
     """When the relaxation without the memory row rounds to a plan that fits and costs its
     bound, that plan is the optimum: HiGHS's MIP is never run."""
@@ -386,10 +395,7 @@ def test_a_relaxation_whose_plan_fits_is_optimal_without_the_mip() -> None:
 def test_a_binding_memory_row_is_solved_exactly_with_the_lagrangian_start() -> None:
     """With a binding memory limit the relaxation mixes plans; the Lagrangian phase's bound is
     below the optimum, its best fitting plan above it, and the ILP closes the gap exactly."""
-    problem = chain_problem(8, seed=5, memory_limit=None)
-    least = problem.least_memory()
-    most = sum(max(m) for m in problem.node_memory)
-    problem = dataclasses.replace(problem, memory_limit=least + 0.3 * (most - least))
+    problem = binding_chain(8, seed=5)
     reference = ExhaustiveSolver().solve(problem)
     found = ilp._lagrangian(
         problem, ilp_model.reduce_problem(problem), time_limit=30.0, mip_gap=0.0
@@ -458,10 +464,7 @@ def test_branch_and_bound_fixes_columns_by_each_nodes_reduced_costs() -> None:
 
     below_root = 0
     for seed in range(6):
-        problem = chain_problem(8, seed=seed, memory_limit=None)
-        least = problem.least_memory()
-        most = sum(max(m) for m in problem.node_memory)
-        problem = dataclasses.replace(problem, memory_limit=least + 0.3 * (most - least))
+        problem = binding_chain(8, seed=seed)
         reference = ExhaustiveSolver(max_combinations=10**5).solve(problem)
         with mock.patch.object(ilp_search, "_fixed_by_reduced_cost", side_effect=counting):
             decided = ilp_search.branch_and_bound(
@@ -492,10 +495,7 @@ def test_subtrees_get_smaller_lps_and_the_search_repeats_itself() -> None:
 
     narrowed = 0
     for seed in range(6):
-        problem = chain_problem(10, seed=seed, memory_limit=None)
-        least = problem.least_memory()
-        most = sum(max(m) for m in problem.node_memory)
-        problem = dataclasses.replace(problem, memory_limit=least + 0.3 * (most - least))
+        problem = binding_chain(10, seed=seed)
         reference = ExhaustiveSolver(max_combinations=10**7).solve(problem)
         plans = []
         for _ in range(3):
@@ -514,10 +514,7 @@ def test_subtrees_get_smaller_lps_and_the_search_repeats_itself() -> None:
 def test_branch_and_bound_decides_binding_chains_without_the_mip(seed: int) -> None:
     """On chains of 8 nodes under a binding limit (the relaxation mixes plans), the branch and
     bound alone finds the exhaustive optimum: HiGHS's MIP is never run."""
-    problem = chain_problem(8, seed=seed, memory_limit=None)
-    least = problem.least_memory()
-    most = sum(max(m) for m in problem.node_memory)
-    problem = dataclasses.replace(problem, memory_limit=least + 0.3 * (most - least))
+    problem = binding_chain(8, seed=seed)
     reference = ExhaustiveSolver(max_combinations=10**5).solve(problem)
     with mock.patch.object(ILPSolver, "_run", side_effect=AssertionError("MIP run")):
         solution = ILPSolver(mip_gap=0.0).solve(problem)
