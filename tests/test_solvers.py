@@ -11,7 +11,7 @@ from unittest import mock
 import numpy as np
 import numpy.typing as npt
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from fxpar.errors import FxparError
@@ -29,8 +29,14 @@ def fits(problem: IntraOpProblem, choice: tuple[int, ...]) -> bool:
     return problem.memory_limit is None or problem.memory(choice) <= problem.memory_limit
 
 
-def same_objective(a: float, b: float) -> bool:
-    return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)
+def same_objective(problem: IntraOpProblem, a: float, b: float) -> bool:
+    """Equal up to the ILP's tolerance. HiGHS takes an LP as optimal when no reduced cost is
+    below -1e-7 of the largest cost coefficient (the ILP scales costs by it), so plans whose
+    costs differ by less than a few such steps are a tie to it, as they are to HiGHS's MIP
+    (absolute gap 1e-6): a strategy costing 6e-8 where another costs 0, next to costs of 1."""
+    costs = [*problem.node_costs, *(row for edge in problem.edges for row in edge.costs)]
+    largest = max((abs(c) for row in costs for c in row), default=0.0)
+    return math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-6 * largest)
 
 
 @st.composite
@@ -75,8 +81,19 @@ def problems(draw: st.DrawFn, any_direction: bool = False) -> IntraOpProblem:
     return IntraOpProblem(node_costs, node_memory, tuple(edges), limit)
 
 
+TIE_WITHIN_TOLERANCE = IntraOpProblem(
+    node_costs=((0.0, 1.0, 2.0**-24, 0.0), (0.0, 0.0)),
+    node_memory=((0.0, 0.0, 0.0, 1.0), (0.0, 1.0)),
+    edges=(Edge(0, 1, ((1.0, 0.0), (0.0, 0.0), (0.0, 0.0), (0.0, 0.0))),),
+    memory_limit=1.0,
+)
+"""Found by hypothesis in CI: the LP stops at a plan costing 6e-8 where plans costing 0 exist,
+a difference below HiGHS's dual tolerance (see ``same_objective``)."""
+
+
 @settings(max_examples=200, deadline=None)
 @given(problems())
+@example(TIE_WITHIN_TOLERANCE)
 def test_ilp_objective_equals_the_exhaustive_optimum(problem: IntraOpProblem) -> None:
     """The ILP is exact: same optimum as trying every plan, within memory, and infeasible
     exactly when no plan fits."""
@@ -90,7 +107,7 @@ def test_ilp_objective_equals_the_exhaustive_optimum(problem: IntraOpProblem) ->
     assert solution.status == "optimal"
     assert fits(problem, solution.choice) and fits(problem, reference.choice)
     assert solution.objective == problem.objective(solution.choice)
-    assert same_objective(solution.objective, reference.objective)
+    assert same_objective(problem, solution.objective, reference.objective)
 
 
 @settings(max_examples=100, deadline=None)
@@ -106,7 +123,7 @@ def test_ilp_merges_parallel_opposite_and_self_loop_edges(problem: IntraOpProble
         return
     solution = ILPSolver().solve(problem)
     assert fits(problem, solution.choice)
-    assert same_objective(solution.objective, reference.objective)
+    assert same_objective(problem, solution.objective, reference.objective)
 
 
 @settings(max_examples=200, deadline=None)
@@ -124,7 +141,7 @@ def test_greedy_is_feasible_and_never_beats_the_optimum(problem: IntraOpProblem)
     assert fits(problem, solution.choice)
     assert solution.objective == problem.objective(solution.choice)
     assert solution.objective >= reference.objective or same_objective(
-        solution.objective, reference.objective
+        problem, solution.objective, reference.objective
     )
 
 
@@ -257,8 +274,8 @@ def test_warm_start_and_threads_do_not_change_the_optimum() -> None:
     warm = ILPSolver(warm_start=True).solve(problem)
     single = ILPSolver(threads=1).solve(problem)
     assert plain.status == warm.status == single.status == "optimal"
-    assert same_objective(plain.objective, warm.objective)
-    assert same_objective(plain.objective, single.objective)
+    assert same_objective(problem, plain.objective, warm.objective)
+    assert same_objective(problem, plain.objective, single.objective)
     assert warm.objective <= GreedySolver().solve(problem).objective
 
 
@@ -318,7 +335,7 @@ def test_identical_rows_and_columns_share_edge_variables(data: st.DataObject) ->
     problem = IntraOpProblem(node_costs, tuple((0.0,) * k for k in sizes), tuple(edges))
     exact = ExhaustiveSolver().solve(problem)
     ilp = ILPSolver().solve(problem)
-    assert math.isclose(ilp.objective, exact.objective, rel_tol=1e-6, abs_tol=1e-9)
+    assert same_objective(problem, ilp.objective, exact.objective)
     variables, _ = model_size(problem)
     assert variables <= sum(sizes) + 4 * len(edges)  # at most 2x2 classes per edge
 
@@ -356,7 +373,7 @@ def test_lagrangian_bound_and_plans_bracket_the_exhaustive_optimum(problem: Intr
     for solver in (ILPSolver(lagrangian=True, mip_gap=0.0), ILPSolver(lagrangian=False)):
         solution = solver.solve(problem)
         assert fits(problem, solution.choice)
-        assert same_objective(solution.objective, reference.objective)
+        assert same_objective(problem, solution.objective, reference.objective)
 
 
 def chain_problem(num_nodes: int, seed: int, memory_limit: float | None) -> IntraOpProblem:
@@ -389,7 +406,9 @@ def test_a_relaxation_whose_plan_fits_is_optimal_without_the_mip() -> None:
         with mock.patch.object(ILPSolver, "_run", side_effect=AssertionError("MIP run")):
             solution = ILPSolver().solve(problem)
         assert solution.status == "optimal" and solution.gap <= 1e-6
-        assert same_objective(solution.objective, ExhaustiveSolver().solve(problem).objective)
+        assert same_objective(
+            problem, solution.objective, ExhaustiveSolver().solve(problem).objective
+        )
 
 
 def test_a_binding_memory_row_is_solved_exactly_with_the_lagrangian_start() -> None:
@@ -404,7 +423,7 @@ def test_a_binding_memory_row_is_solved_exactly_with_the_lagrangian_start() -> N
     assert any(fits(problem, plan) for plan in found.plans)
     solution = ILPSolver(mip_gap=0.0).solve(problem)
     assert solution.status == "optimal"
-    assert same_objective(solution.objective, reference.objective)
+    assert same_objective(problem, solution.objective, reference.objective)
 
 
 def test_out_of_time_the_lagrangian_plans_and_bound_still_count() -> None:
@@ -424,6 +443,7 @@ def test_out_of_time_the_lagrangian_plans_and_bound_still_count() -> None:
 
 @settings(max_examples=150, deadline=None)
 @given(problems(any_direction=True))
+@example(TIE_WITHIN_TOLERANCE)
 def test_branch_and_bound_on_memory_levels_is_exact(problem: IntraOpProblem) -> None:
     """Where the memory row binds, the branch and bound (not HiGHS's MIP) proves the
     exhaustive optimum, and the Lagrangian-then-MIP path agrees with it."""
@@ -441,12 +461,12 @@ def test_branch_and_bound_on_memory_levels_is_exact(problem: IntraOpProblem) -> 
                 status, choice, gap = decided
                 assert status == "optimal" and gap <= 1e-9
                 assert fits(problem, choice)
-                assert same_objective(problem.objective(choice), reference.objective)
+                assert same_objective(problem, problem.objective(choice), reference.objective)
     for solver in (ILPSolver(mip_gap=0.0), ILPSolver(branching=False)):
         solution = solver.solve(problem)
         assert solution.status == "optimal"
         assert fits(problem, solution.choice)
-        assert same_objective(solution.objective, reference.objective)
+        assert same_objective(problem, solution.objective, reference.objective)
 
 
 def test_branch_and_bound_fixes_columns_by_each_nodes_reduced_costs() -> None:
@@ -472,7 +492,7 @@ def test_branch_and_bound_fixes_columns_by_each_nodes_reduced_costs() -> None:
             )
         assert decided is not None and decided[0] == "optimal"
         assert fits(problem, decided[1])
-        assert same_objective(problem.objective(decided[1]), reference.objective)
+        assert same_objective(problem, problem.objective(decided[1]), reference.objective)
         # The root's calls pass the root bound; a node's, its own (higher) bound.
         root_bound = min(bound for bound, _ in calls)
         below_root += sum(count for bound, count in calls if bound > root_bound)
@@ -503,7 +523,7 @@ def test_subtrees_get_smaller_lps_and_the_search_repeats_itself() -> None:
             with mock.patch.object(ilp_search._View, "__init__", recording):
                 solution = ILPSolver(mip_gap=0.0, workers=2).solve(problem)
             assert solution.status == "optimal"
-            assert same_objective(solution.objective, reference.objective)
+            assert same_objective(problem, solution.objective, reference.objective)
             plans.append(solution.choice)
             narrowed += any(size < sizes[0] for size in sizes[1:])
         assert plans[0] == plans[1] == plans[2]
@@ -520,4 +540,4 @@ def test_branch_and_bound_decides_binding_chains_without_the_mip(seed: int) -> N
         solution = ILPSolver(mip_gap=0.0).solve(problem)
     assert solution.status == "optimal"
     assert fits(problem, solution.choice)
-    assert same_objective(solution.objective, reference.objective)
+    assert same_objective(problem, solution.objective, reference.objective)
