@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import operator
+from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import Any
+
+import torch
 
 from fxpar import ir
 from fxpar.cluster import Cluster
 from fxpar.passes.base import Pass
 from fxpar.program import Program
-from fxpar.rules import RuleRegistry, default_rules, op_call
+from fxpar.rules import OpCall, RuleRegistry, default_rules, op_call
 from fxpar.sharding import Strategies, Strategy, all_specs
 
 
@@ -17,7 +21,12 @@ from fxpar.sharding import Strategies, Strategy, all_specs
 class AnnotateStrategies(Pass):
     """Attach :class:`~fxpar.sharding.Strategies` to every node that needs a decision:
     placeholders (any even Shard or Replicate per mesh axis) and ops with tensor outputs (from
-    ``rules``; ops without a rule get the replicated strategy only)."""
+    ``rules``; ops without a rule get the replicated strategy only).
+
+    A rule sees only an :class:`~fxpar.rules.OpCall` (the op, shapes and plain values), so
+    calls that are equal get the same strategies: each distinct call is asked once per run, and
+    the nodes of every repeated layer share the answer (Llama-8B on (2, 4): 6589 op nodes, 118
+    distinct calls)."""
 
     name = "annotate-strategies"
     cluster: Cluster = field(default_factory=lambda: Cluster((1,)))
@@ -25,17 +34,62 @@ class AnnotateStrategies(Pass):
 
     def run(self, program: Program) -> Program:
         mesh = self.cluster.mesh_shape
+        by_shape: dict[tuple[ir.Size, ...], tuple[Strategy, ...]] = {}
+        known: dict[Hashable, tuple[Strategy, ...]] = {}
         for node in program.graph.nodes:
             if node.op == "placeholder":
                 shape = ir.require(node, ir.ValueMeta).tensor.shape
-                candidates = tuple(Strategy((spec,), ()) for spec in all_specs(shape, mesh))
+                if shape not in by_shape:
+                    by_shape[shape] = tuple(Strategy((s,), ()) for s in all_specs(shape, mesh))
+                candidates = by_shape[shape]
             elif (
                 node.op == "call_function"
                 and node.target is not operator.getitem
                 and ir.require(node, ir.ValueMeta).tensors
             ):
-                candidates = tuple(self.rules.strategies(op_call(node, mesh)))
+                call = op_call(node, mesh)
+                key = _call_key(call)
+                if key is None:
+                    candidates = tuple(self.rules.strategies(call))
+                elif key in known:
+                    candidates = known[key]
+                else:
+                    candidates = known[key] = tuple(self.rules.strategies(call))
             else:
                 continue
             ir.annotate(node, Strategies(mesh, candidates))
         return program
+
+
+_PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device, torch.layout,
+          torch.memory_format, ir.TensorMeta)  # fmt: skip
+
+
+def _call_key(call: OpCall) -> Hashable | None:
+    """``call`` as a key equal only for calls a rule cannot tell apart; None when an argument
+    is not a plain value (a symbolic size, say), and the call is asked on its own."""
+    try:
+        return (
+            call.target,
+            _frozen(call.args),
+            _frozen(call.kwargs),
+            _frozen(call.outputs),
+            call.mesh_shape,
+        )
+    except _NotPlain:
+        return None
+
+
+class _NotPlain(Exception):
+    pass
+
+
+def _frozen(value: Any) -> Hashable:
+    # The type is part of the key: 1, 1.0 and True are equal in Python but not to every rule.
+    if isinstance(value, _PLAIN):
+        return (type(value), value)
+    if isinstance(value, (list, tuple)):
+        return (type(value), tuple(_frozen(v) for v in value))
+    if isinstance(value, dict):
+        return (dict, tuple((k, _frozen(v)) for k, v in value.items()))
+    raise _NotPlain

@@ -12,12 +12,14 @@ from torch.distributed.tensor import Replicate, Shard
 from zoo import CNN, MLP
 
 import fxpar
+from fxpar import ir
 from fxpar.cluster import Cluster
 from fxpar.models import GPT, GPTConfig, gpt_loss
+from fxpar.passes.annotate_strategies import AnnotateStrategies, _call_key
 from fxpar.passes.canonicalize import Canonicalize
 from fxpar.program import Program
-from fxpar.rules import AxisOption, coverage, default_rules, op_call
-from fxpar.sharding import spec_str
+from fxpar.rules import AxisOption, OpCall, coverage, default_rules, op_call
+from fxpar.sharding import Strategies, Strategy, spec_str
 from fxpar.testing import validate_rules
 from fxpar.testing.strategies import _ImageModel, _SequenceModel, _square_loss
 
@@ -151,3 +153,41 @@ def test_coverage_leaves_no_weight_or_large_activation_replicated(name: str) -> 
         if node.op == "call_function" and not default_rules().has_rule(node.target):
             assert not parameters & set(node.all_input_nodes), f"{node.target} reads a weight"
     assert "run replicated" in str(report) or "have sharding rules" in str(report)
+
+
+def test_annotation_asks_each_distinct_call_once_and_matches_asking_every_node() -> None:
+    """Strategies are a function of the OpCall, so repeated layers share one answer: the
+    annotation asks the registry once per distinct call, and every node gets what asking for it
+    alone gives."""
+    model = GPT(GPTConfig(n_layer=3, n_embd=16, n_head=4, vocab_size=32, block_size=8))
+    x = torch.randint(0, 32, (4, 8))
+    program = fxpar.capture(model, (x,), gpt_loss, example_targets=(x,))
+    program = Canonicalize().run(program)
+    rules, asked = default_rules(), []
+    original = rules.strategies
+
+    def counting(call: OpCall) -> list[Strategy]:
+        asked.append(call)
+        return original(call)
+
+    rules.strategies = counting  # type: ignore[method-assign]
+    mesh = (2, 2)
+    AnnotateStrategies(Cluster(mesh), rules).run(program)
+    ops = [n for n in program.graph.nodes if ir.get(n, Strategies) and n.op == "call_function"]
+    assert len(asked) < len(ops) / 2  # three identical blocks
+    for node in ops:
+        expected = default_rules().strategies(op_call(node, mesh))
+        assert list(ir.require(node, Strategies).candidates) == expected, node
+
+
+def test_calls_that_differ_only_in_a_value_type_are_told_apart() -> None:
+    """1, 1.0 and True are equal in Python; a rule may treat them differently."""
+    meta = ir.TensorMeta((4, 6), torch.float32)
+
+    def call(*args: object) -> OpCall:
+        return OpCall(aten.sum.dim_IntList, (meta, *args), {}, (meta,), (meta,), (2,))
+
+    keys = {_call_key(call([1], value)) for value in (1, 1.0, True)}
+    assert len(keys) == 3
+    assert _call_key(call([1], 1)) == _call_key(call([1], 1))
+    assert _call_key(call([1], object())) is None  # not a plain value: asked on its own
