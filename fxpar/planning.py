@@ -32,6 +32,8 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
+import numpy.typing as npt
 import torch.fx as fx
 
 from fxpar import ir
@@ -107,7 +109,7 @@ class _Builder:
         # their candidates, compute times and follower responses: computed once.
         self._interned: dict[tuple[Strategy, ...], int] = {}
         self._compute_times: dict[tuple[object, ...], list[float]] = {}
-        self._responses: dict[tuple[object, ...], int] = {}
+        self._follow: dict[tuple[object, ...], list[int]] = {}
         self._identities: dict[fx.Node, tuple[object, ...]] = {}
         self._reshard_times: dict[tuple[Spec, Spec, ir.TensorMeta], float] = {}
         self._used_pins: set[str] = set()
@@ -162,12 +164,9 @@ class _Builder:
             ):
                 unit_index = self.unit_of[sources[0]]
                 unit = self.units[unit_index]
-                responses = [
-                    self._best_response(node, inputs[0], choice)
-                    for choice in range(len(unit.allowed))
-                ]
+                arriving = tuple(self.out_spec(inputs[0], c) for c in range(len(unit.allowed)))
                 unit.members.append(node)
-                unit.follow[node] = responses
+                unit.follow[node] = self._responses(node, inputs[0], arriving)
                 self.unit_of[node] = unit_index
                 continue
             allowed = pinned if pinned is not None else list(range(len(candidates(node))))
@@ -181,21 +180,22 @@ class _Builder:
             self._identities[node] = (str(node.target), ir.get(node, ir.Cost), interned)
         return self._identities[node]
 
-    def _best_response(self, node: fx.Node, incoming: fx.Node, choice: int) -> int:
-        """The follower's cheapest strategy when its input arrives as under ``choice``."""
-        spec = self.out_spec(incoming, choice)
+    def _responses(self, node: fx.Node, incoming: fx.Node, arriving: tuple[Spec, ...]) -> list[int]:
+        """The follower's cheapest strategy for each spec its input may arrive in."""
         meta = ir.require(incoming, ir.ValueMeta).tensor
-        key = (self._identity(node), spec, meta)
-        if key not in self._responses:
+        key = (self._identity(node), arriving, meta)
+        if key not in self._follow:
             options = candidates(node)
             times = self._compute_vector(node)
-
-            def cost(t: int) -> tuple[float, int]:
-                moved = self._moved(spec, options[t].inputs[0], meta)
-                return (moved + times[t], t)
-
-            self._responses[key] = min(range(len(options)), key=cost)
-        return self._responses[key]
+            best: dict[Spec, int] = {}
+            for spec in arriving:
+                if spec not in best:
+                    best[spec] = min(
+                        range(len(options)),
+                        key=lambda t: (self._moved(spec, options[t].inputs[0], meta) + times[t], t),
+                    )
+            self._follow[key] = [best[spec] for spec in arriving]
+        return list(self._follow[key])
 
     def _moved(self, have: Spec, want: Spec, meta: ir.TensorMeta) -> float:
         key = (have, want, meta)
@@ -203,6 +203,18 @@ class _Builder:
         if seconds is None:
             seconds = self._reshard_times[key] = reshard_seconds(have, want, meta, self.cluster)
         return seconds
+
+    def _reshard_matrix(
+        self, produced: list[Spec], required: list[Spec], meta: ir.TensorMeta
+    ) -> npt.NDArray[np.float64]:
+        """Seconds to reshard ``meta`` from each produced spec to each required one (each
+        distinct pair priced once: a 2-D mesh offers many strategies per spec)."""
+        haves = {spec: i for i, spec in enumerate(dict.fromkeys(produced))}
+        wants = {spec: i for i, spec in enumerate(dict.fromkeys(required))}
+        table = np.array([[self._moved(h, w, meta) for w in wants] for h in haves])
+        rows = np.array([haves[spec] for spec in produced])
+        columns = np.array([wants[spec] for spec in required])
+        return table[np.ix_(rows, columns)]
 
     def _compute_vector(self, node: fx.Node) -> list[float]:
         key = self._identity(node)
@@ -284,8 +296,8 @@ class _Builder:
             for s in range(sizes[target]):
                 node_costs[target][s] += costs[s]
                 node_memory[target][s] += memory[s]
-        edge_sums: dict[tuple[int, int], list[list[float]]] = {}
-        matrix_cache: dict[tuple[object, ...], list[list[float]]] = {}
+        edge_sums: dict[tuple[int, int], npt.NDArray[np.float64]] = {}
+        matrix_cache: dict[tuple[object, ...], npt.NDArray[np.float64]] = {}
         for source, consumer_unit, spec_of_choice, meta, key in self._dependencies(representative):
             v = node_of_unit[consumer_unit]
             if self._source(source)[0] not in self.unit_of:
@@ -300,19 +312,16 @@ class _Builder:
             if key not in matrix_cache:
                 produced = [self.out_spec(source, s) for s in range(sizes[u])]
                 required = [spec_of_choice(t) for t in range(sizes[v])]
-                matrix_cache[key] = [
-                    [self._moved(have, want, meta) for want in required] for have in produced
-                ]
+                matrix_cache[key] = self._reshard_matrix(produced, required, meta)
             matrix = matrix_cache[key]
             if u == v:
                 for s in range(sizes[u]):
-                    node_costs[u][s] += matrix[s][s]
+                    node_costs[u][s] += float(matrix[s, s])
                 continue
-            total = edge_sums.setdefault((u, v), [[0.0] * sizes[v] for _ in range(sizes[u])])
-            for s in range(sizes[u]):
-                row = total[s]
-                for t in range(sizes[v]):
-                    row[t] += matrix[s][t]
+            if (u, v) in edge_sums:
+                edge_sums[u, v] += matrix
+            else:
+                edge_sums[u, v] = matrix.copy()
         loss = _results(self.program)[0]
         loss_unit = node_of_unit[self.unit_of[self._source(loss)[0]]]
         loss_meta = ir.require(loss, ir.ValueMeta).tensor
@@ -321,9 +330,9 @@ class _Builder:
                 self.out_spec(loss, s), replicated(self.cluster.ndim), loss_meta, self.cluster
             )
         edges = tuple(
-            Edge(u, v, tuple(tuple(row) for row in matrix))
+            Edge(u, v, tuple(map(tuple, matrix.tolist())))
             for (u, v), matrix in sorted(edge_sums.items())
-            if any(any(x for x in row) for row in matrix)
+            if matrix.any()
         )
         memory_limit = self.options.memory_limit
         problem = IntraOpProblem(
