@@ -34,14 +34,11 @@ class AnnotateStrategies(Pass):
 
     def run(self, program: Program) -> Program:
         mesh = self.cluster.mesh_shape
-        by_shape: dict[tuple[ir.Size, ...], tuple[Strategy, ...]] = {}
         known: dict[Hashable, tuple[Strategy, ...]] = {}
         for node in program.graph.nodes:
             if node.op == "placeholder":
                 shape = ir.require(node, ir.ValueMeta).tensor.shape
-                if shape not in by_shape:
-                    by_shape[shape] = tuple(Strategy((s,), ()) for s in all_specs(shape, mesh))
-                candidates = by_shape[shape]
+                candidates = tuple(Strategy((spec,), ()) for spec in all_specs(shape, mesh))
             elif (
                 node.op == "call_function"
                 and node.target is not operator.getitem
