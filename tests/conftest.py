@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -12,6 +13,7 @@ from hypothesis import HealthCheck, settings
 from torch import nn
 
 import fxpar
+from fxpar.models import gpt_loss
 
 settings.register_profile(
     "ci", derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow]
@@ -44,6 +46,22 @@ def eager_step(
         if p.requires_grad
     }
     return loss.detach(), grads
+
+
+def train_beside_sgd(
+    trained: Any, model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor, lr: float
+) -> nn.Module:
+    """Two steps of ``trained`` (``step(tokens, targets)`` returning the loss) beside plain
+    SGD on a copy of ``model`` with ``gpt_loss``: the losses must match. Returns the copy, for
+    comparing weights."""
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(reference.parameters(), lr=lr)
+    for _ in range(2):
+        loss = trained.step(tokens, targets)
+        expected, _ = eager_step(reference, (tokens,), gpt_loss, (targets,))
+        optimizer.step()
+        torch.testing.assert_close(loss, expected)
+    return reference
 
 
 def batch_of(inputs: Sequence[Any] | Mapping[str, Any], targets: Sequence[torch.Tensor]) -> list:

@@ -14,7 +14,7 @@ import itertools
 
 import pytest
 import torch
-from conftest import eager_step
+from conftest import eager_step, train_beside_sgd
 from torch import nn
 
 import fxpar
@@ -226,13 +226,7 @@ def test_one_stage_pipeline_trains_like_pytorch() -> None:
         example_targets=(targets,),
         optimizer=SGD(lr=0.5),
     )
-    reference = copy.deepcopy(model)
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
-    for _ in range(2):
-        loss = pipelined.step(tokens, targets)
-        expected, _ = eager_step(reference, (tokens,), gpt_loss, (targets,))
-        optimizer.step()
-        torch.testing.assert_close(loss, expected)
+    reference = train_beside_sgd(pipelined, model, tokens, targets, lr=0.5)
     for name, parameter in reference.named_parameters():
         torch.testing.assert_close(pipelined.parameters[name], parameter.detach(), msg=name)
     assert pipelined.trace is not None and pipelined.trace.peak_stash_bytes > 0

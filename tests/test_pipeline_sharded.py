@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import eager_step
+from conftest import eager_step, train_beside_sgd
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -197,13 +197,7 @@ def test_one_device_stage_mesh_trains_like_pytorch() -> None:
         pipeline=Pipeline(stages=1, microbatches=2),
     )  # fmt: skip
     assert pipelined.plan is not None and pipelined.plan.solution.solver == "ilp"
-    reference = copy.deepcopy(model)
-    optimizer = torch.optim.SGD(reference.parameters(), lr=0.5)
-    for _ in range(2):
-        loss = pipelined.step(tokens, targets)
-        expected, _ = eager_step(reference, (tokens,), gpt_loss, (targets,))
-        optimizer.step()
-        torch.testing.assert_close(loss, expected)
+    reference = train_beside_sgd(pipelined, model, tokens, targets, lr=0.5)
     state = pipelined.full_state_dict()
     torch.testing.assert_close(state, reference.state_dict())
 
