@@ -112,7 +112,9 @@ def capture(
         _fake_state_tensor(fake_mode, tensor, device)
         for tensor in (*params.values(), *buffers.values())
     ]
-    fake_batch = [_fake_batch_tensor(fake_mode, t, device, dynamic) for t in batch.tensors]
+    fake_batch = [
+        _fake_batch_tensor(fake_mode, t, device, dynamic) for t in _unaliased(batch.tensors)
+    ]
 
     step = _TrainStep(model, loss_fn, batch, tuple(params), tuple(buffers))
     try:
@@ -368,6 +370,22 @@ def _fake_state_tensor(
     with fake_mode:
         fake = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device)
     return fake.requires_grad_(tensor.requires_grad)
+
+
+def _unaliased(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` with every repeat of an earlier tensor object replaced by a copy.
+
+    Fake-tensor conversion is memoized per real tensor, so an example that passes one tensor
+    twice (``(tokens,)`` with ``example_targets=(tokens,)``) would trace both uses through one
+    placeholder, and at run time the second batch tensor would be silently ignored. Each batch
+    tensor must be its own input, whatever the example happens to alias.
+    """
+    seen: set[int] = set()
+    unaliased = []
+    for tensor in tensors:
+        unaliased.append(tensor.clone() if id(tensor) in seen else tensor)
+        seen.add(id(tensor))
+    return unaliased
 
 
 def _fake_batch_tensor(

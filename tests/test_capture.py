@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from conftest import assert_matches_eager
+from conftest import assert_matches_eager, eager_step
 from torch import nn
 from zoo import CNN, MLP, Regression
 
@@ -60,6 +60,40 @@ def test_keyword_inputs_are_named_by_their_keys() -> None:
     program = assert_matches_eager(model, inputs)
     assert program.signature.inputs == ("x", "y")
     assert list(program.placeholders())[-2:] == ["x", "y"]
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (self.linear(x) * y).sum()
+
+
+def test_an_example_that_passes_one_tensor_twice_still_gets_two_inputs() -> None:
+    """Fake-tensor conversion is memoized per tensor: without care, (x, x) traced both uses
+    through one placeholder and the second batch tensor was ignored at run time."""
+    model, x = _Scaled(), torch.randn(2, 4)
+    for inputs in [(x, x), {"x": x, "y": x}]:
+        program = fxpar.capture(model, inputs)
+        placeholders = program.placeholders()
+        assert all(placeholders[name].users for name in program.signature.inputs)
+        other_x, other_y = torch.randn(2, 4), torch.randn(2, 4)
+        result = program.run(model, other_x, other_y)
+        expected, grads = eager_step(model, (other_x, other_y))
+        torch.testing.assert_close(result.loss, expected)
+        torch.testing.assert_close(result.gradients["linear.weight"], grads["linear.weight"])
+
+
+def test_a_target_aliasing_an_input_is_its_own_input() -> None:
+    """README's ``compile(model, cluster, (tokens,), gpt_loss, example_targets=(tokens,))``."""
+    model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=8))
+    tokens = torch.randint(0, 32, (2, 8))
+    program = fxpar.capture(model, (tokens,), gpt_loss, example_targets=(tokens,))
+    inputs, targets = torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8))
+    expected, _ = eager_step(model, (inputs,), gpt_loss, (targets,))
+    torch.testing.assert_close(program.run(model, inputs, targets).loss, expected)
 
 
 def test_dropout_model_captures_and_runs() -> None:
