@@ -50,6 +50,7 @@ from torch.fx.experimental.symbolic_shapes import (
 from fxpar import ir
 from fxpar.errors import CaptureError
 from fxpar.program import Program, Signature
+from fxpar.rng import RandomDraw, can_draw_ahead, draws_random_numbers
 
 LossFn = Callable[..., torch.Tensor]
 
@@ -140,6 +141,7 @@ def capture(
         inputs=batch.names,
         gradients=tuple(name for name, p in params.items() if p.requires_grad),
         buffer_updates=step.buffer_updates,
+        random=_random_ops_to_inputs(traced, taken=set(batch.names), dynamic=dynamic),
     )
     return Program(_clean_graph(traced, signature), signature)
 
@@ -414,11 +416,50 @@ def _reject_unbacked_shapes(traced: fx.GraphModule) -> None:
             )
 
 
+def _random_ops_to_inputs(
+    traced: fx.GraphModule, *, taken: set[str], dynamic: bool
+) -> tuple[RandomDraw, ...]:
+    """Replace every random op of ``traced`` by a new placeholder after the batch's (see
+    :mod:`fxpar.rng`), and return how to draw each, in graph order."""
+    graph = traced.graph
+    last_placeholder = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    draws: list[RandomDraw] = []
+    for node in list(graph.nodes):
+        if node.op != "call_function" or not draws_random_numbers(node):
+            continue
+        module = node.meta.get("custom", {}).get(_MODULE, "") or "<root>"
+        if not can_draw_ahead(node):
+            raise CaptureError(
+                f"{node.target} in module {module!r} draws random numbers that depend on tensor "
+                "values (or on a generator passed in), which fxpar cannot draw identically on "
+                "every rank; express it with a shape-only draw (e.g. torch.rand_like(p) < p for "
+                "bernoulli(p)), or set its dropout to 0"
+            )
+        if dynamic:
+            raise CaptureError(
+                f"{node.target} in module {module!r} draws random numbers, which fxpar does not "
+                "support in dynamic=True programs yet; capture with dynamic=False, or set its "
+                "dropout to 0"
+            )
+        name = f"random_{len(draws)}"
+        while name in taken:
+            name = f"_{name}"
+        draws.append(RandomDraw.of(node, name))
+        with graph.inserting_after(last_placeholder):
+            placeholder = graph.placeholder(name)
+        placeholder.meta = {**node.meta, "val": node.meta["val"]}
+        last_placeholder = placeholder
+        node.replace_all_uses_with(placeholder)
+        graph.erase_node(node)
+    graph.eliminate_dead_code()
+    return tuple(draws)
+
+
 def _clean_graph(traced: fx.GraphModule, signature: Signature) -> fx.GraphModule:
     """Copy the traced graph with named placeholders, identity ops dropped, and annotations."""
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    names = iter(signature.parameters + signature.buffers + signature.inputs)
+    names = iter(signature.placeholder_names)
     for node in traced.graph.nodes:
         if node.op == "placeholder":
             name = next(names)
@@ -450,8 +491,9 @@ def _annotate_values_and_regions(graph: fx.Graph, signature: Signature) -> None:
             continue
         ir.annotate(node, ir.ValueMeta.of(node.meta.get("val")))
         if node.op == "placeholder":
-            # A parameter or buffer belongs to the module that owns it; batch inputs to the root.
-            owner = ""
+            # A parameter or buffer belongs to the module that owns it, a random input to the
+            # module that draws it, batch inputs to the root.
+            owner = node.meta.get("custom", {}).get(_MODULE, "")
             if placeholder_index < len(state_names):
                 owner = state_names[placeholder_index].rpartition(".")[0]
             placeholder_index += 1

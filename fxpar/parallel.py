@@ -44,6 +44,7 @@ from fxpar.pipeline import Pipeline, PipelineModel
 from fxpar.pipeline.sharded import stage_devices
 from fxpar.planner import ManualPlan, Plan, PlanOptions, SolvedOnRankZero, plan_program
 from fxpar.program import Program, named_state, state_dict_aliases
+from fxpar.rng import RandomState
 from fxpar.rules import RuleRegistry
 from fxpar.runtime.collectives import OneDeviceCommunicator, ProcessGroupCommunicator
 from fxpar.sharding import Spec, shard_tensor
@@ -269,6 +270,8 @@ class ParallelModel:
             target[name] = piece
         self.trainable = [self.parameters[name] for name in self.signature.gradients]
         self.optimizer = optimizer.build(self.trainable)
+        self.random = RandomState.from_rank_zero(distributed=device_mesh is not None)
+        """The generator the step's random ops draw from, the same on every rank."""
         self.steps = 0
 
     @property
@@ -304,7 +307,12 @@ class ParallelModel:
     def _run(self, batch: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         inputs = [self.parameters[n] for n in self.signature.parameters]
         inputs += [self.buffers[n] for n in self.signature.buffers]
-        inputs += [self._local(n, t) for n, t in zip(self.signature.inputs, batch, strict=True)]
+        # Random inputs are drawn whole on every rank, each keeping its piece (see fxpar.rng).
+        step_inputs = [*batch, *self.random.draw(self.signature.random)]
+        inputs += [
+            self._local(name, tensor)
+            for name, tensor in zip(self.signature.step_inputs, step_inputs, strict=True)
+        ]
         with torch.no_grad():
             return tuple(self.program(self._communicator, *inputs))
 

@@ -232,6 +232,8 @@ def report_data(plan: Plan) -> dict[str, Any]:
     found = walk(program, cluster)
     names = {node: name for name, node in program.placeholders().items()}
     inputs = set(program.signature.inputs)
+    # Random inputs sit in the layer of the module that draws them, counted like activations.
+    step_inputs = set(program.signature.step_inputs)
     gradients = set(program.signature.gradients)
     optimizer_states = plan.options.optimizer_states
     regions = {node: ir.require(node, ir.Region) for node in program.graph.nodes}
@@ -258,7 +260,7 @@ def report_data(plan: Plan) -> dict[str, Any]:
             assert spec is not None
             nbytes = float(local_bytes(ir.require(node, ir.ValueMeta).tensor, spec, cluster))
             name = names[node]
-            if name in inputs:
+            if name in step_inputs:
                 layer.memory["activations"] += nbytes
                 continue
             prefix = layer.name + "."

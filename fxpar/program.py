@@ -1,7 +1,8 @@
 """The Program: one training step as a functional torch.fx graph, plus its signature.
 
-A Program's graph takes, in this order, every parameter, every buffer and every batch tensor
-(model inputs, then loss targets) as placeholders, and returns a flat tuple::
+A Program's graph takes, in this order, every parameter, every buffer, every batch tensor
+(model inputs, then loss targets) and every random input (the draws of the step's random ops,
+see :mod:`fxpar.rng`) as placeholders, and returns a flat tuple::
 
     (loss, *gradients, *buffer_updates)
 
@@ -22,6 +23,7 @@ from torch import nn
 
 from fxpar import ir
 from fxpar.errors import FxparError
+from fxpar.rng import RandomDraw, draw_all
 
 
 @dataclass(frozen=True)
@@ -36,10 +38,27 @@ class Signature:
     """Parameters that get a gradient (the trainable ones), in output order."""
     buffer_updates: tuple[str, ...]
     """Buffers the step writes, in output order."""
+    random: tuple[RandomDraw, ...] = ()
+    """How to draw each random input, in graph order (``draw.name`` names its placeholder)."""
+
+    @property
+    def random_inputs(self) -> tuple[str, ...]:
+        """Names of the random inputs, in graph order."""
+        return tuple(draw.name for draw in self.random)
+
+    @property
+    def step_inputs(self) -> tuple[str, ...]:
+        """Everything a step feeds besides the state: the batch, then the random inputs."""
+        return self.inputs + self.random_inputs
+
+    @property
+    def placeholder_names(self) -> tuple[str, ...]:
+        """Every placeholder's name, in graph order."""
+        return self.parameters + self.buffers + self.step_inputs
 
     @property
     def num_placeholders(self) -> int:
-        return len(self.parameters) + len(self.buffers) + len(self.inputs)
+        return len(self.placeholder_names)
 
     @property
     def num_outputs(self) -> int:
@@ -86,9 +105,8 @@ class Program:
 
     def placeholders(self) -> dict[str, fx.Node]:
         """Placeholder nodes by the parameter, buffer or input name they stand for."""
-        names = self.signature.parameters + self.signature.buffers + self.signature.inputs
         nodes = [n for n in self.graph.nodes if n.op == "placeholder"]
-        return dict(zip(names, nodes, strict=True))
+        return dict(zip(self.signature.placeholder_names, nodes, strict=True))
 
     def recompile(self) -> None:
         """Regenerate the Python code after a pass edited the graph."""
@@ -100,16 +118,21 @@ class Program:
             raise FxparError(
                 f"Program expects {self.signature.num_placeholders} tensors "
                 f"({len(self.signature.parameters)} parameters, {len(self.signature.buffers)} "
-                f"buffers, {len(self.signature.inputs)} batch tensors), got {len(flat_inputs)}"
+                f"buffers, {len(self.signature.inputs)} batch tensors, "
+                f"{len(self.signature.random)} random inputs), got {len(flat_inputs)}"
             )
         return tuple(self.graph_module(*flat_inputs))
 
     def flat_inputs(
-        self, state: nn.Module | Mapping[str, torch.Tensor], *batch: torch.Tensor
+        self,
+        state: nn.Module | Mapping[str, torch.Tensor],
+        *batch: torch.Tensor,
+        random: Sequence[torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
         """The placeholders' tensors in order: parameters and buffers taken by name from
         ``state`` (the model itself, or a mapping), then ``batch`` (model inputs, then targets,
-        in :attr:`Signature.inputs` order)."""
+        in :attr:`Signature.inputs` order), then the random inputs: ``random`` if given, else
+        drawn now from torch's default generator, exactly as the eager step would draw them."""
         if isinstance(state, nn.Module):
             state = named_state(state)
         if len(batch) != len(self.signature.inputs):
@@ -121,17 +144,27 @@ class Program:
         missing = [name for name in names if name not in state]
         if missing:
             raise FxparError(f"state has no tensor for {missing[:5]} ({len(missing)} missing)")
-        return [state[name].detach() for name in names] + list(batch)
+        if random is None:
+            random = draw_all(self.signature.random)
+        if len(random) != len(self.signature.random):
+            raise FxparError(
+                f"expected {len(self.signature.random)} random inputs, got {len(random)}"
+            )
+        return [state[name].detach() for name in names] + list(batch) + list(random)
 
     def run(
-        self, state: nn.Module | Mapping[str, torch.Tensor], *batch: torch.Tensor
+        self,
+        state: nn.Module | Mapping[str, torch.Tensor],
+        *batch: torch.Tensor,
+        random: Sequence[torch.Tensor] | None = None,
     ) -> StepResult:
-        """Run one step on real tensors (arguments as for :meth:`flat_inputs`).
+        """Run one step on real tensors (arguments as for :meth:`flat_inputs`): with
+        ``torch.manual_seed(s)`` first, it computes exactly what the eager step would.
 
         Nothing in ``state`` is modified; new buffer values are in the result.
         """
         with torch.no_grad():
-            outputs = self(*self.flat_inputs(state, *batch))
+            outputs = self(*self.flat_inputs(state, *batch, random=random))
         return self.signature.name_outputs(outputs)
 
     def code(self) -> str:

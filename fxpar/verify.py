@@ -3,7 +3,8 @@
 1. The graph is well formed (``fx.Graph.lint``) and its placeholders and outputs match the
    signature: one placeholder per parameter, buffer and batch tensor; outputs are
    ``(loss, *gradients, *buffer_updates)``.
-2. It is functional: every call is a non-mutating ATen op, ``getitem`` on a multi-output op, or
+2. It is functional: every call is a non-mutating ATen op that draws no random numbers (random
+   ops are random inputs, see :mod:`fxpar.rng`), ``getitem`` on a multi-output op, or
    symbolic-size arithmetic.
 3. It is annotated: every node has a :class:`~fxpar.ir.Region`, every non-output node a
    :class:`~fxpar.ir.ValueMeta`.
@@ -23,6 +24,7 @@ import torch.fx as fx
 from fxpar import ir
 from fxpar.errors import VerificationError
 from fxpar.program import Program
+from fxpar.rng import draws_random_numbers
 
 
 def verify(program: Program) -> Program:
@@ -111,6 +113,12 @@ def _check_functional(node: fx.Node) -> None:
             ret.alias_info is not None and ret.alias_info.is_write for ret in schema.returns
         ):
             raise _fail(node, f"{target} mutates its inputs; the IR must be functional")
+        if draws_random_numbers(node):
+            raise _fail(
+                node,
+                f"{target} draws random numbers inside the graph; every rank would draw its own, "
+                "so the IR takes random draws as inputs (fxpar.rng)",
+            )
         return
     if target is operator.getitem:
         source = node.args[0]

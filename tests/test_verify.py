@@ -36,6 +36,15 @@ def test_mutating_op_is_rejected() -> None:
         fxpar.verify(p)
 
 
+def test_random_op_inside_the_graph_is_rejected() -> None:
+    """Capture turns random ops into inputs; one left in the graph would draw per rank."""
+    p = program()
+    node = first(p, aten.tanh.default)
+    node.target, node.args = aten.rand_like.default, (node.args[0],)
+    with pytest.raises(VerificationError, match="draws random numbers"):
+        fxpar.verify(p)
+
+
 def test_non_aten_call_is_rejected() -> None:
     p = program()
     first(p, aten.tanh.default).target = torch.tanh

@@ -559,7 +559,7 @@ def _placeholders(
     batch: dict[fx.Node, int] = {}
     for name, node in placeholders.items():
         size = _output_bytes(node)
-        if name in signature.inputs:
+        if name in signature.step_inputs:  # the batch and the random draws
             batch[node] = size
         elif name in trainable_names:
             trainable[node] = size

@@ -91,10 +91,12 @@ def _sequence_block(kind: str, width: int) -> nn.Module:
         return _RMSNorm(width)
     if kind == "tanh":
         return nn.Tanh()
+    if kind == "dropout":
+        return nn.Dropout(0.25)
     raise ValueError(kind)
 
 
-SEQUENCE_BLOCKS = ("linear", "mlp", "attention", "layernorm", "rmsnorm", "tanh")
+SEQUENCE_BLOCKS = ("linear", "mlp", "attention", "layernorm", "rmsnorm", "tanh", "dropout")
 
 
 class _SequenceModel(nn.Module):
@@ -134,7 +136,8 @@ def _square_loss(output: torch.Tensor) -> torch.Tensor:
 @st.composite
 def sequence_models(draw: st.DrawFn) -> ModelCase:
     """Token models: embedding, 1-3 blocks among linear, residual MLP, causal attention,
-    LayerNorm, RMSNorm (a reduction) and tanh, a linear head; cross-entropy or a square loss."""
+    LayerNorm, RMSNorm (a reduction), tanh and dropout (random inputs), a linear head;
+    cross-entropy or a square loss."""
     width = draw(st.sampled_from(WIDTHS))
     blocks = draw(st.lists(st.sampled_from(SEQUENCE_BLOCKS), min_size=1, max_size=3))
     batch, length, vocab, classes = draw(st.sampled_from((4, 12))), 4, 16, 12

@@ -1,0 +1,200 @@
+"""Random ops draw exactly what one device draws, whatever the plan and each rank's own seed.
+
+Capture turns every random op into a random input (fxpar.rng); these tests tie each link of
+the chain to an independent reference: the Program to eager PyTorch under the same seed, the
+lowered per-rank programs to the Program under random plans, and ParallelModel on gloo
+processes seeded differently to eager single-device training.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from conftest import eager_step
+from torch import nn
+from zoo import MLP
+
+import fxpar
+from fxpar.errors import CaptureError
+from fxpar.lowering import lower
+from fxpar.models import GPT, GPTConfig, gpt_loss
+from fxpar.planner import plan_program
+from fxpar.rng import RandomState
+from fxpar.runtime.launch import spawn
+from fxpar.testing import ModelCase, assert_equivalent, assert_plan_equivalent
+from fxpar.testing.strategies import _SequenceModel
+
+CONFIG = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16, dropout=0.2)
+
+
+def _gpt2() -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    config = transformers.GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2, bos_token_id=0,
+        eos_token_id=0,
+    )  # fmt: skip
+    ids = torch.randint(0, 64, (2, 8))
+    return transformers.GPT2LMHeadModel(config), {"input_ids": ids, "labels": ids}
+
+
+def test_program_draws_what_eager_draws_under_the_same_seed() -> None:
+    """Dropout (also inside SDPA attention), rand_like and randn: the captured step run after
+    torch.manual_seed(s) equals the eager step after torch.manual_seed(s), bit for bit."""
+
+    class Noisy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(6, 6)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = F.dropout(self.linear(x), 0.3, training=True)
+            h = h + torch.rand_like(h).t().contiguous().t() + torch.randn(h.shape)
+            return h * torch.empty_like(h).uniform_(0.5, 1.5)
+
+    gpt = GPT(CONFIG)
+    tokens = torch.randint(0, CONFIG.vocab_size, (2, 8))
+    cases: list[tuple[nn.Module, object, object, tuple[torch.Tensor, ...]]] = [
+        (Noisy(), (torch.randn(4, 6),), lambda out: out.square().mean(), ()),
+        (MLP(dropout=0.5), (torch.randn(8, 16),), F.cross_entropy, (torch.randint(0, 10, (8,)),)),
+        (gpt, (tokens,), gpt_loss, (tokens,)),
+        (*_gpt2()[:2], None, ()),
+    ]
+    for model, inputs, loss_fn, targets in cases:
+        program = fxpar.capture(model, inputs, loss_fn, example_targets=targets)  # type: ignore[arg-type]
+        assert program.signature.random, type(model).__name__
+        values = inputs.values() if isinstance(inputs, dict) else inputs  # type: ignore[attr-defined]
+        for seed in (1, 2):
+            torch.manual_seed(seed)
+            result = program.run(model, *values, *targets)
+            torch.manual_seed(seed)
+            loss, grads = eager_step(model, inputs, loss_fn, targets)  # type: ignore[arg-type]
+            assert torch.equal(result.loss, loss), type(model).__name__
+            for name, grad in grads.items():
+                assert torch.equal(result.gradients[name], grad), name
+
+
+def test_capture_leaves_no_random_op_in_the_graph() -> None:
+    model = MLP(dropout=0.5)
+    program = fxpar.capture(model, (torch.randn(8, 16),), F.cross_entropy,
+                            example_targets=(torch.randint(0, 10, (8,)),))  # fmt: skip
+    assert program.signature.random_inputs == ("random_0", "random_1")
+    for node in program.graph.nodes:
+        assert torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()), node
+    placeholders = program.placeholders()
+    assert list(placeholders)[-2:] == ["random_0", "random_1"]
+    region = fxpar.ir.require(placeholders["random_0"], fxpar.ir.Region)
+    assert region.module == "net.2"  # the dropout module that draws it
+
+
+def test_capture_refuses_draws_that_depend_on_tensor_values() -> None:
+    """bernoulli of a probability tensor and multinomial read values; no rank could draw them
+    ahead, so capture says so instead of letting ranks disagree."""
+
+    class Sampler(nn.Module):
+        def __init__(self, how: str) -> None:
+            super().__init__()
+            self.linear, self.how = nn.Linear(4, 4), how
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            probs = torch.sigmoid(self.linear(x))
+            if self.how == "bernoulli":
+                return (self.linear(x) * torch.bernoulli(probs)).sum()
+            picked = torch.multinomial(probs, 1)
+            return self.linear(x).gather(1, picked).sum()
+
+    for how, op in [("bernoulli", "bernoulli.default"), ("multinomial", "multinomial")]:
+        with pytest.raises(CaptureError, match=f"{op}.*depend on tensor values"):
+            fxpar.capture(Sampler(how), (torch.randn(3, 4),))
+
+
+def test_random_plans_with_dropout_train_like_the_program() -> None:
+    """Any valid plan slices the random inputs the way the Program reads them."""
+    torch.manual_seed(0)
+    model = _SequenceModel(16, 24, ["dropout", "mlp", "dropout", "attention"], 12)
+    tokens, targets = torch.randint(0, 16, (4, 4)), torch.randint(0, 12, (4, 4))
+    case = ModelCase("dropout", model, (tokens,), lambda o, t: F.cross_entropy(o.flatten(0, 1),
+                     t.flatten()), (targets,))  # fmt: skip
+    for mesh in [(2,), (4,), (2, 2)]:
+        for seed in range(4):
+            torch.manual_seed(seed)
+            assert_plan_equivalent(case, fxpar.Cluster(mesh), seed)
+
+
+def test_named_plans_and_the_ilp_with_dropout_train_like_the_program() -> None:
+    model = GPT(CONFIG)
+    tokens = torch.randint(0, CONFIG.vocab_size, (4, 8))
+    program = fxpar.capture(model, (tokens,), gpt_loss, example_targets=(tokens,))
+    flat = program.flat_inputs(model, tokens, tokens)
+    for mesh in [(2,), (2, 2)]:
+        cluster = fxpar.Cluster(mesh)
+        for solver in (fxpar.plans.data_parallel, fxpar.plans.tensor_parallel,
+                       fxpar.plans.fully_sharded, None):  # fmt: skip
+            plan = plan_program(copy.deepcopy(program), cluster, solver)
+            assert_equivalent(lower(plan.program, cluster), flat)
+
+
+def test_random_state_leaves_the_users_generator_alone() -> None:
+    torch.manual_seed(3)
+    state = RandomState.from_rank_zero(distributed=False)
+    program = fxpar.capture(MLP(dropout=0.5), (torch.randn(8, 16),), lambda out: out.sum())
+    before = torch.get_rng_state()
+    first = state.draw(program.signature.random)
+    assert torch.equal(torch.get_rng_state(), before)
+    torch.manual_seed(3)
+    eager = fxpar.rng.draw_all(program.signature.random)
+    assert all(torch.equal(a, b) for a, b in zip(first, eager, strict=True))
+    second = state.draw(program.signature.random)
+    assert not torch.equal(first[0], second[0])
+
+
+# -- on gloo processes seeded differently -----------------------------------------------------
+
+STEPS = 3
+
+
+def _train_parallel(rank: int, world_size: int, solver_name: str, mesh: tuple[int, ...]) -> dict:  # type: ignore[type-arg]
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    batches = [torch.randint(0, CONFIG.vocab_size, (4, 8)) for _ in range(STEPS)]
+    solver = None if solver_name == "ilp" else getattr(fxpar.plans, solver_name)
+    torch.manual_seed(1234)  # the state fxpar copies from rank 0
+    parallel = fxpar.compile(
+        model, fxpar.Cluster(mesh), (batches[0],), gpt_loss, example_targets=(batches[0],),
+        optimizer=fxpar.optim.SGD(lr=0.1), solver=solver,
+    )  # fmt: skip
+    torch.manual_seed(100 + rank)  # every rank's own generator differs from here on
+    losses = [parallel.step(tokens, tokens) for tokens in batches]
+    return {"losses": torch.stack(losses), "state": parallel.full_state_dict()}
+
+
+def _eager() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    batches = [torch.randint(0, CONFIG.vocab_size, (4, 8)) for _ in range(STEPS)]
+    torch.manual_seed(1234)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for tokens in batches:
+        loss, _ = eager_step(model, (tokens,), gpt_loss, (tokens,))
+        optimizer.step()
+        losses.append(loss)
+    return torch.stack(losses), model.state_dict()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("solver", "mesh"),
+    [("tensor_parallel", (2,)), ("data_parallel", (2,)), ("fully_sharded", (2,)), ("ilp", (2,))],
+)
+def test_dropout_trains_like_one_device_on_ranks_seeded_differently(
+    solver: str, mesh: tuple[int, ...]
+) -> None:
+    losses, state = _eager()
+    for result in spawn(_train_parallel, 2, solver, mesh, timeout_s=120):
+        torch.testing.assert_close(result["losses"], losses)
+        for name, value in state.items():
+            torch.testing.assert_close(result["state"][name], value, msg=name)
