@@ -15,7 +15,11 @@ sharded optimizers in :mod:`fxpar.optim`, sharded checkpoints).
 
 from __future__ import annotations
 
-from fxpar import errors, ir, optim, pipeline
+import importlib
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+from fxpar import errors, ir, models, optim, pipeline, plan_io, plans, report
 from fxpar.capture import capture
 from fxpar.cluster import Cluster
 from fxpar.lowering import lower
@@ -23,7 +27,15 @@ from fxpar.parallel import ParallelModel, compile
 from fxpar.pipeline import Pipeline, PipelineModel
 from fxpar.planner import Plan, PlanOptions, plan
 from fxpar.program import Program, Signature, StepResult
+from fxpar.runtime import launch as _launch
 from fxpar.verify import verify
+
+# Imported for its side effect: the docs call fxpar.runtime.launch.spawn after `import fxpar`,
+# and fxpar/runtime/__init__.py leaves launch out.
+del _launch
+
+if TYPE_CHECKING:
+    from fxpar import testing as testing
 
 __all__ = [
     "Cluster",
@@ -40,9 +52,22 @@ __all__ = [
     "errors",
     "ir",
     "lower",
+    "models",
     "optim",
     "pipeline",
     "plan",
+    "plan_io",
+    "plans",
+    "report",
     "verify",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> ModuleType:
+    # fxpar.testing needs hypothesis (the "test" extra), so it is imported on first use rather
+    # than with fxpar; fxpar.testing.pipeline too, which the docs also name.
+    if name == "testing":
+        importlib.import_module("fxpar.testing.pipeline")
+        return importlib.import_module("fxpar.testing")
+    raise AttributeError(f"module 'fxpar' has no attribute {name!r}")

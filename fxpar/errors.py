@@ -6,9 +6,27 @@ derive from :class:`FxparError`, so ``except fxpar.errors.FxparError`` catches a
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class FxparError(Exception):
-    """Base class of every error fxpar raises on purpose."""
+    """Base class of every error fxpar raises on purpose.
+
+    Every subclass pickles with its message and attributes, whatever its ``__init__`` takes, so
+    an error raised on one rank can be re-raised as itself on the others.
+    """
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Exception's own reduce re-calls ``cls(*self.args)``, which fails for subclasses with
+        # keyword-only arguments (a TypeError on every rank but the one that raised). Rebuild
+        # without __init__ instead: the message from ``args``, the rest from ``__dict__``.
+        return (_rebuild, (type(self), self.args), self.__dict__ or None)
+
+
+def _rebuild(cls: type[FxparError], args: tuple[Any, ...]) -> FxparError:
+    error = cls.__new__(cls)
+    error.args = args
+    return error
 
 
 class CaptureError(FxparError):
@@ -26,6 +44,12 @@ class VerificationError(FxparError):
 
 class AnnotationError(FxparError):
     """A node lacks an annotation that a pass or query needs."""
+
+
+class SymbolicShapeError(FxparError):
+    """Planning (the sharding rules, automatic and manual plans) was given a Program captured
+    with ``dynamic=True``, whose batch sizes are symbols: whether a dimension splits evenly over
+    the mesh depends on its size. Capture with ``dynamic=False`` to plan."""
 
 
 class LoweringError(FxparError):

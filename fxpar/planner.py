@@ -43,6 +43,7 @@ from fxpar.planning import (
     build_problem,
     candidates,
 )
+from fxpar.plans import require_concrete_shapes
 from fxpar.program import Program
 from fxpar.rules import RuleRegistry, default_rules
 from fxpar.sharding import Sharding
@@ -191,6 +192,7 @@ def prepare_for_planning(
     program: Program, cluster: Cluster, rules: RuleRegistry | None = None
 ) -> Program:
     """Canonicalize, annotate costs and candidate strategies (idempotent)."""
+    require_concrete_shapes(program, "planning")
     passes = (Canonicalize(), AnnotateCost(), AnnotateStrategies(cluster, rules or default_rules()))
     return PassManager(passes).run(program)
 

@@ -40,7 +40,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from fxpar import ir
 from fxpar.cluster import Cluster
-from fxpar.errors import FxparError
+from fxpar.errors import FxparError, SymbolicShapeError
 from fxpar.passes.annotate_strategies import AnnotateStrategies
 from fxpar.passes.canonicalize import Canonicalize
 from fxpar.program import Program
@@ -62,8 +62,35 @@ SpecChooser = Callable[[str, ir.TensorMeta], Spec]
 
 def prepare(program: Program, cluster: Cluster, rules: RuleRegistry | None = None) -> Program:
     """Canonicalize ``program`` and annotate the candidate strategies of every node."""
+    require_concrete_shapes(program, "a manual plan (fxpar.plans)")
     program = Canonicalize().run(program)
     return AnnotateStrategies(cluster, rules or default_rules()).run(program)
+
+
+def require_concrete_shapes(program: Program, step: str) -> None:
+    """Raise :class:`~fxpar.errors.SymbolicShapeError` if ``program`` was captured with
+    ``dynamic=True``. ``step`` names what the caller was asked to do, for the message.
+
+    Checked up front because the sharding rules compare sizes with the mesh (does a dim split
+    evenly? is a view's dim merged or split?), which a symbol cannot answer: deep inside a rule
+    that surfaces as sympy's "cannot determine truth value of Relational"."""
+    names = {node: name for name, node in program.placeholders().items()}
+    symbolic = [
+        (names.get(node, node.name), meta)
+        for node in program.graph.nodes
+        for meta in (ir.get(node, ir.ValueMeta) or ir.ValueMeta(())).tensors
+        if meta.is_symbolic
+    ]
+    if symbolic:
+        placeholders = set(names.values())
+        inputs = [(name, meta) for name, meta in symbolic if name in placeholders]
+        shown = ", ".join(f"{name!r} {meta}" for name, meta in (inputs or symbolic)[:3])
+        raise SymbolicShapeError(
+            f"{step} needs concrete shapes, but this Program has symbolic ones ({shown}): it "
+            "was captured with dynamic=True. How a tensor is split over the mesh depends on "
+            "its sizes, so capture again with dynamic=False and example inputs of the size you "
+            "will train with (one capture and plan per batch shape)"
+        )
 
 
 def propagate(program: Program, cluster: Cluster, placeholder_spec: SpecChooser) -> Program:
@@ -83,6 +110,10 @@ def propagate(program: Program, cluster: Cluster, placeholder_spec: SpecChooser)
                 )
             ir.annotate(node, Sharding(Strategy((spec,), ())))
             layout[node] = (spec,)
+        elif node.op == "get_attr":
+            # A tensor constant of the graph is whole on every rank, as lowering materializes it;
+            # it is not a decision of the plan.
+            layout[node] = (replicated(cluster.ndim),)
         elif node.target is operator.getitem:
             layout[node] = (layout[node.args[0]][node.args[1]],)
         elif ir.get(node, Strategies) is not None:
@@ -120,10 +151,16 @@ def _cheapest(
     return min(enumerate(candidates), key=key)[1]
 
 
-def _batch_spec(cluster: Cluster, axes: Sequence[int]) -> SpecChooser:
+def _batch_spec(cluster: Cluster, axes: Sequence[int], random: Sequence[str]) -> SpecChooser:
+    """Batch tensors split on dim 0 over ``axes``; so are the ``random`` inputs (drawn whole,
+    then sliced: fxpar.rng) where that divides evenly, else they stay whole."""
+
     def choose(name: str, meta: ir.TensorMeta) -> Spec:
         spec = tuple(Shard(0) if a in axes else Replicate() for a in range(cluster.ndim))
-        if not is_valid(meta.shape, spec, cluster.mesh_shape):
+        valid = is_valid(meta.shape, spec, cluster.mesh_shape)
+        if name in random:
+            return spec if valid else replicated(cluster.ndim)
+        if not valid:
             devices = 1
             for a in axes:
                 devices *= cluster.mesh_shape[a]
@@ -140,7 +177,7 @@ def data_parallel(program: Program, cluster: Cluster, rules: RuleRegistry | None
     """Split the batch over every mesh axis; replicate parameters and buffers."""
     program = prepare(program, cluster, rules)
     state = set(program.signature.parameters + program.signature.buffers)
-    batch = _batch_spec(cluster, range(cluster.ndim))
+    batch = _batch_spec(cluster, range(cluster.ndim), program.signature.random_inputs)
 
     def choose(name: str, meta: ir.TensorMeta) -> Spec:
         return replicated(cluster.ndim) if name in state else batch(name, meta)
@@ -180,7 +217,9 @@ def tensor_parallel(
     tp = cluster.axis_index(axis if not isinstance(axis, int) or axis >= 0 else cluster.ndim + axis)
     program = prepare(program, cluster, rules)
     state = set(program.signature.parameters + program.signature.buffers)
-    batch = _batch_spec(cluster, [a for a in range(cluster.ndim) if a != tp])
+    batch = _batch_spec(
+        cluster, [a for a in range(cluster.ndim) if a != tp], program.signature.random_inputs
+    )
 
     def choose(name: str, meta: ir.TensorMeta) -> Spec:
         if name not in state:

@@ -10,10 +10,11 @@ from torch.distributed.tensor import Replicate, Shard
 import fxpar
 from fxpar import ir, plans
 from fxpar.cluster import Cluster, GiB
-from fxpar.errors import FxparError
+from fxpar.errors import FxparError, SymbolicShapeError
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.planner import Plan, plan_program, score
 from fxpar.planning import PlanOptions, build_problem
+from fxpar.rules import default_rules, op_call
 from fxpar.sharding import Sharding
 from fxpar.solvers.errors import InfeasiblePlanError
 from fxpar.solvers.exhaustive import ExhaustiveSolver
@@ -164,3 +165,39 @@ def test_fxpar_plan_captures_and_plans_in_one_call() -> None:
                         pins={"wte.weight": (Replicate(),)})  # fmt: skip
     assert chosen.solution.solver == "ilp"
     assert chosen.cluster.memory == 16 * GiB
+
+
+def symbolic_program() -> fxpar.Program:
+    model = GPT(CONFIG)
+    tokens = torch.randint(0, CONFIG.vocab_size, (4, 8))
+    return fxpar.capture(model, (tokens,), gpt_loss, example_targets=(tokens,), dynamic=True)
+
+
+SYMBOLIC_ENTRIES = {
+    "plan_program": lambda program, cluster: plan_program(program, cluster),
+    "plan_program_manual": lambda program, cluster: plan_program(
+        program, cluster, plans.data_parallel
+    ),
+    "data_parallel": plans.data_parallel,
+    "tensor_parallel": plans.tensor_parallel,
+    "fully_sharded": plans.fully_sharded,
+    "random_plan": lambda program, cluster: plans.random_plan(program, cluster, seed=0),
+}
+
+
+@pytest.mark.parametrize("entry", list(SYMBOLIC_ENTRIES))
+def test_symbolic_programs_are_refused_up_front_with_what_to_do(entry: str) -> None:
+    """A dynamic=True capture cannot be split (a symbol does not say whether it divides the
+    mesh): every planning entry point says so, naming the symbolic input, instead of failing
+    inside a view rule."""
+    with pytest.raises(SymbolicShapeError, match=r"'input_0' int64\[s\d+, s\d+\].*dynamic=False"):
+        SYMBOLIC_ENTRIES[entry](symbolic_program(), Cluster((2,)))
+
+
+def test_sharding_rules_refuse_symbolic_shapes_by_name() -> None:
+    """The rules themselves (reached by a user's own pass pipeline) name the op and the fix."""
+    program = symbolic_program()
+    view = next(n for n in program.graph.nodes if n.target is torch.ops.aten.view.default)
+    expected = r"aten\.view\.default has symbolic.*dynamic=False"
+    with pytest.raises(SymbolicShapeError, match=expected):
+        default_rules().strategies(op_call(view, (2,)))

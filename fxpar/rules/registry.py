@@ -23,6 +23,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Placement
 
 from fxpar import ir
+from fxpar.errors import SymbolicShapeError
 from fxpar.op_table import OpTable
 from fxpar.sharding import Spec, Strategy, has_partial, is_valid, replicated
 
@@ -97,6 +98,14 @@ class RuleRegistry:
 
     def strategies(self, call: OpCall) -> list[Strategy]:
         """Every valid strategy of ``call``, the replicated one first, without duplicates."""
+        symbolic = [m for m in (*call.inputs, *call.outputs) if m is not None and m.is_symbolic]
+        if symbolic:
+            # Rules compare sizes with the mesh, which a symbol cannot answer.
+            raise SymbolicShapeError(
+                f"sharding rules need concrete shapes, but {call.target} has symbolic ones "
+                f"({', '.join(map(str, symbolic))}): its Program was captured with "
+                "dynamic=True; capture with dynamic=False to plan it"
+            )
         ndim = len(call.mesh_shape)
         fallback = Strategy(
             tuple(None if o is None else replicated(ndim) for o in call.outputs),

@@ -27,11 +27,13 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import re
 import socket
 import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -52,11 +54,13 @@ _T = TypeVar("_T")
 
 class SpawnError(FxparError):
     """A process started by :func:`spawn` failed; :attr:`rank` names it, and the message carries
-    its traceback (or the signal or exit code that ended it)."""
+    its traceback (or the signal or exit code that ended it). :attr:`timed_out` lists the ranks
+    whose collective timed out (waiting for peers that ran other collectives, typically)."""
 
-    def __init__(self, message: str, *, rank: int) -> None:
+    def __init__(self, message: str, *, rank: int, timed_out: tuple[int, ...] = ()) -> None:
         super().__init__(message)
         self.rank = rank
+        self.timed_out = timed_out
 
 
 def spawn(fn: Callable[..., _T], world_size: int, *args: Any, timeout_s: float = 300.0) -> list[_T]:
@@ -72,7 +76,10 @@ def spawn(fn: Callable[..., _T], world_size: int, *args: Any, timeout_s: float =
     Raises:
         SpawnError: a process raised or died. It names the process that failed first, with
             its traceback, and lists the others that failed after it (typically in a
-            collective, because their peer was gone). The rest are terminated.
+            collective, because their peer was gone). The rest are terminated. When a
+            collective timed out or lost its peer, it also says where every rank was (inside
+            ``fn``, or returned and in the barrier that closes every run): ranks that ran
+            different collectives fail this way.
     """
     if world_size < 1:
         raise FxparError(f"spawn needs at least one process, got world_size={world_size}")
@@ -87,7 +94,7 @@ def spawn(fn: Callable[..., _T], world_size: int, *args: Any, timeout_s: float =
                 start_method="spawn",
             )
         except ProcessException as error:
-            raise _spawn_error(error, result_dir, world_size) from error
+            raise _spawn_error(error, result_dir, world_size, timeout_s) from error
         # weights_only=False: these files were just written by our own children and may hold
         # any picklable return value, not only tensors.
         return [
@@ -143,51 +150,173 @@ def _run_process(
         "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
     )
     try:
-        result = fn(rank, world_size, *args)
-    except Exception:
-        # Timestamped, so the parent can tell the first failure from its consequences.
-        _error_path(result_dir, rank).write_text(f"{time.monotonic_ns()}\n{traceback.format_exc()}")
-        raise
-    else:
-        # No rank tears the group down while a peer still has gloo traffic in flight with it
-        # (seen as rare "terminate called without an active exception" aborts at exit).
-        # Only on success: after a failure the parent terminates the others anyway.
-        dist.barrier()
+        try:
+            result = fn(rank, world_size, *args)
+        except Exception:
+            _record_failure(result_dir, rank, _IN_FN)
+            raise
+        # Lets the parent tell a rank that waits for its peers here from one still inside fn.
+        _returned_path(result_dir, rank).write_text(f"{time.monotonic_ns()}")
+        try:
+            # No rank tears the group down while a peer still has gloo traffic in flight with
+            # it (seen as rare "terminate called without an active exception" aborts at exit).
+            # Only on success: after a failure the parent terminates the others anyway.
+            dist.barrier()
+        except Exception:
+            _record_failure(result_dir, rank, _IN_BARRIER)
+            raise
     finally:
         dist.destroy_process_group()
     torch.save(result, _result_path(result_dir, rank))
 
 
-def _spawn_error(error: ProcessException, result_dir: str, world_size: int) -> SpawnError:
+_IN_FN = "fn"
+_IN_BARRIER = "barrier"
+_TIMEOUT = re.compile(r"time[sd]?[ -]?out", re.IGNORECASE)
+
+
+def _record_failure(result_dir: str, rank: int, where: str) -> None:
+    # Timestamped, so the parent can tell the first failure from its consequences.
+    _error_path(result_dir, rank).write_text(
+        f"{time.monotonic_ns()} {where}\n{traceback.format_exc()}"
+    )
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """What one rank recorded when it raised: when, where (inside fn or in the closing
+    barrier), and its traceback."""
+
+    when: int
+    rank: int
+    where: str
+    trace: str
+
+    @property
+    def last_line(self) -> str:
+        lines = self.trace.strip().splitlines()
+        return lines[-1] if lines else "(no traceback)"
+
+    @property
+    def timed_out(self) -> bool:
+        return bool(_TIMEOUT.search(self.last_line))
+
+    @property
+    def in_collective(self) -> bool:
+        return self.where == _IN_BARRIER or "torch/distributed" in self.trace.replace("\\", "/")
+
+
+def _spawn_error(
+    error: ProcessException, result_dir: str, world_size: int, timeout_s: float
+) -> SpawnError:
     # When one rank fails, its peers fail too at their next collective ("Connection closed by
     # peer"), and torch reports whichever failure the parent noticed first: name the earliest.
-    raised = []  # (when, rank, traceback) of every process that raised, earliest first
-    for rank in range(world_size):
-        path = _error_path(result_dir, rank)
-        if path.exists():
-            stamp, _, trace = path.read_text().partition("\n")
-            raised.append((int(stamp), rank, trace))
-    raised.sort()
-    if isinstance(error, ProcessExitedException) or not raised:
+    # A failure in spawn's closing barrier is always a consequence (of a peer that is gone or
+    # busy elsewhere), so a failure inside fn comes first when there is one.
+    failures = sorted(
+        (
+            _read_failure(path, rank)
+            for rank in range(world_size)
+            if (path := _error_path(result_dir, rank)).exists()
+        ),
+        key=lambda failure: (failure.where == _IN_BARRIER, failure.when, failure.rank),
+    )
+    if isinstance(error, ProcessExitedException) or not failures:
         rank = error.error_index
-        message = (
-            f"rank {rank} of {world_size} died without a Python error ({error.msg}); "
-            "look for a crash or an out-of-memory kill"
-        )
-        later = raised
+        if isinstance(error, ProcessExitedException):
+            message = (
+                f"rank {rank} of {world_size} died without a Python error ({error.msg}); "
+                "look for a crash or an out-of-memory kill"
+            )
+        else:  # raised outside fn: joining or leaving the process group
+            message = f"rank {rank} of {world_size} failed outside fn:\n{error.msg}"
+        later = failures
     else:
-        _, rank, trace = raised[0]
-        message = f"rank {rank} of {world_size} failed:\n{trace}"
-        later = raised[1:]
+        first = failures[0]
+        rank, later = first.rank, failures[1:]
+        if first.where == _IN_BARRIER:
+            message = (
+                f"rank {rank} of {world_size} returned from fn but failed in spawn's closing "
+                f"barrier (every rank enters it after fn returns):\n{first.trace}"
+            )
+        else:
+            message = f"rank {rank} of {world_size} failed:\n{first.trace}"
     if later:
         message += "\nthen " + "; ".join(
-            f"rank {r} failed: {trace.strip().splitlines()[-1]}" for _, r, trace in later
+            f"rank {f.rank} failed{' in the closing barrier' if f.where == _IN_BARRIER else ''}: "
+            f"{f.last_line}"
+            for f in later
         )
-    return SpawnError(message, rank=rank)
+    timed_out = tuple(sorted(f.rank for f in failures if f.timed_out))
+    returned = [r for r in range(world_size) if _returned_path(result_dir, r).exists()]
+    if timed_out or (failures and failures[0].in_collective and returned):
+        message += "\n" + _collectives_summary(
+            failures, returned, result_dir, world_size, timeout_s
+        )
+    return SpawnError(message, rank=rank, timed_out=timed_out)
+
+
+def _read_failure(path: Path, rank: int) -> _Failure:
+    header, _, trace = path.read_text().partition("\n")
+    stamp, _, where = header.partition(" ")
+    return _Failure(int(stamp), rank, where or _IN_FN, trace)
+
+
+def _collectives_summary(
+    failures: Sequence[_Failure],
+    returned: Sequence[int],
+    result_dir: str,
+    world_size: int,
+    timeout_s: float,
+) -> str:
+    """Where each rank was when a collective timed out or lost its peer: the usual cause is
+    ranks that do not run the same collectives."""
+    groups: dict[str, list[int]] = {}
+    for failure in failures:
+        if failure.where == _IN_BARRIER:
+            state = "returned but failed in the closing barrier"
+            if failure.timed_out:
+                state = f"returned and timed out after {timeout_s:g} s in the closing barrier"
+        elif failure.timed_out:
+            state = f"timed out after {timeout_s:g} s in a collective inside fn"
+        elif failure.in_collective:
+            state = "failed in a collective inside fn"
+        else:
+            state = "raised inside fn"
+        groups.setdefault(state, []).append(failure.rank)
+    failed = {failure.rank for failure in failures}
+    passed = [r for r in returned if r not in failed and _result_path(result_dir, r).exists()]
+    if passed:
+        groups["returned and passed the closing barrier"] = passed
+    waiting = [r for r in returned if r not in failed and r not in passed]
+    if waiting:
+        groups["returned and waited in the closing barrier"] = waiting
+    busy = [r for r in range(world_size) if r not in failed and r not in returned]
+    if busy:
+        groups["still inside fn when stopped"] = busy
+    where = "; ".join(f"{_ranks(ranks)} {state}" for state, ranks in groups.items())
+    cause = (
+        "likely the ranks ran different collectives (one skipped a collective or ran an extra "
+        "one, so a collective paired with the wrong partner or waited for one that never came)"
+    )
+    if busy and any(f.timed_out for f in failures):
+        cause += (
+            f", or {_ranks(busy)} spent longer than timeout_s={timeout_s:g} s before its next "
+            "collective"
+        )
+    return f"{where}: {cause}. Make every rank call the same collectives in the same order"
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
 
 
 def _error_path(result_dir: str, rank: int) -> Path:
     return Path(result_dir) / f"rank{rank}.error"
+
+
+def _returned_path(result_dir: str, rank: int) -> Path:
+    return Path(result_dir) / f"rank{rank}.returned"
 
 
 def _result_path(result_dir: str, rank: int) -> Path:
