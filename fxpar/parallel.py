@@ -37,7 +37,7 @@ from torch import nn
 from fxpar import checkpoint, ir
 from fxpar.capture import LossFn, capture
 from fxpar.cluster import Cluster, Coordinate
-from fxpar.errors import BatchError, CheckpointError, DistributedError, FxparError
+from fxpar.errors import CheckpointError, DistributedError, FxparError
 from fxpar.lowering import SPMDProgram
 from fxpar.optim import AdamW, Optimizer, check_optimizer
 from fxpar.pipeline import Pipeline, PipelineModel
@@ -46,7 +46,9 @@ from fxpar.planner import ManualPlan, Plan, PlanOptions, SolvedOnRankZero, plan_
 from fxpar.program import Program, named_state, state_dict_aliases
 from fxpar.rng import RandomState
 from fxpar.rules import RuleRegistry
+from fxpar.runtime.batches import BatchSignature
 from fxpar.runtime.collectives import OneDeviceCommunicator, ProcessGroupCommunicator
+from fxpar.runtime.fingerprint import check_same_model
 from fxpar.sharding import Spec, shard_tensor
 from fxpar.solvers.problem import IntraOpSolver
 
@@ -123,9 +125,9 @@ def compile(
         solver: how to choose the plan (see :func:`fxpar.plan`); it runs on rank 0 only and
             its answer is broadcast, so every rank lowers the same plan.
         pins, options, rules: as for :func:`fxpar.plan`.
-        check_batches: compare a checksum of every batch across ranks before each step (one
+        check_batches: compare a digest of every batch across ranks before each step (one
             small all-gather), so a rank fed a different batch fails loudly instead of
-            training on a mixture.
+            training on a mixture; pipelines too.
         pipeline: run the step as a synchronous pipeline instead (see
             :class:`fxpar.pipeline.Pipeline` and docs/pipelines.md): returns a
             :class:`~fxpar.pipeline.PipelineModel`. On a cluster of mesh ``(K, *stage_mesh)``
@@ -148,7 +150,7 @@ def compile(
     if pipeline is not None:
         return _compile_pipeline(
             model, cluster, example_inputs, loss_fn, example_targets, optimizer, pipeline,
-            planner=planner, intra_op=intra_op,
+            planner=planner, intra_op=intra_op, check_batches=check_batches,
         )  # fmt: skip
     program = capture(model, example_inputs, loss_fn, example_targets=example_targets)
     plan = planner(program, cluster)
@@ -166,6 +168,7 @@ def _compile_pipeline(
     *,
     planner: Callable[[Program, Cluster], Plan],
     intra_op: bool,
+    check_batches: bool,
 ) -> PipelineModel:
     """A pipeline whose stages run an intra-op plan on the cluster's mesh without its first
     axis (when that axis is the stages, or a solver, pins, options or rules ask for a plan),
@@ -194,6 +197,7 @@ def _compile_pipeline(
         pipelined = PipelineModel(
             model, pipeline, example_inputs, loss_fn, example_targets=example_targets,
             optimizer=optimizer, stage_cluster=stage_cluster, planner=planner,
+            check_batches=check_batches,
         )  # fmt: skip
         pipelined.stage_choice = choice
         return pipelined
@@ -214,7 +218,7 @@ def _compile_pipeline(
         )
     pipelined = PipelineModel(
         model, pipeline, example_inputs, loss_fn, example_targets=example_targets,
-        optimizer=optimizer,
+        optimizer=optimizer, check_batches=check_batches,
     )  # fmt: skip
     pipelined.stage_choice = choice
     return pipelined
@@ -261,6 +265,7 @@ class ParallelModel:
         state = named_state(model)
         names = self.signature.parameters + self.signature.buffers
         self._aliases = state_dict_aliases(model, names)
+        check_same_model(state, names)
         self.parameters: dict[str, torch.Tensor] = {}
         self.buffers: dict[str, torch.Tensor] = {}
         for name in names:
@@ -320,50 +325,9 @@ class ParallelModel:
         self, batch: tuple[torch.Tensor, ...], named: Mapping[str, torch.Tensor]
     ) -> list[torch.Tensor]:
         names = self.signature.inputs
-        if len(batch) + len(named) != len(names) or len(batch) > len(names):
-            raise BatchError(
-                f"step takes {len(names)} batch tensors {list(names)} (model inputs, then loss "
-                f"targets), got {len(batch)} positional and {sorted(named)} by name"
-            )
-        by_name = dict(zip(names, batch, strict=False))
-        for name, tensor in named.items():
-            if name not in names or name in by_name:
-                raise BatchError(f"unexpected or repeated batch tensor {name!r}; expected {names}")
-            by_name[name] = tensor
-        tensors = [by_name[name] for name in names]
-        for name, tensor in zip(names, tensors, strict=True):
-            meta = self._metas[name]
-            if not isinstance(tensor, torch.Tensor):
-                raise BatchError(f"batch tensor {name!r} is a {type(tensor).__name__}")
-            if tuple(tensor.shape) != tuple(meta.shape) or tensor.dtype != meta.dtype:
-                raise BatchError(
-                    f"batch tensor {name!r} is {tensor.dtype}{list(tensor.shape)} but the model "
-                    f"was compiled for {meta}: the plan is specialised to the example's shapes; "
-                    "pass batches of that shape (drop or pad a short last batch), or compile "
-                    "again for the new shape"
-                )
-        if self.check_batches and self._device_mesh is not None:
-            self._check_same_batch(tensors)
-        return tensors
-
-    def _check_same_batch(self, tensors: list[torch.Tensor]) -> None:
-        # Sums in float64 of the values and of the values weighted by position: equal batches
-        # give bitwise equal checksums, and a different batch almost surely differs.
-        checks = []
-        for tensor in tensors:
-            flat = tensor.detach().reshape(-1).to(torch.float64)
-            weights = torch.arange(1, flat.numel() + 1, dtype=torch.float64)
-            checks += [flat.sum(), (flat * weights).sum()]
-        mine = torch.stack(checks)
-        everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(everyone, mine)
-        differing = [r for r, theirs in enumerate(everyone) if not torch.equal(theirs, mine)]
-        if differing:
-            raise BatchError(
-                f"rank {self.rank} got a different batch than ranks {differing}: fxpar.compile "
-                "expects the same global batch on every rank (each takes its own piece); seed "
-                "the data loader identically, or pass check_batches=False if you mean it"
-            )
+        expected = BatchSignature(names, tuple(self._metas[name] for name in names))
+        check_ranks = self.check_batches and self._device_mesh is not None
+        return expected.take(batch, named, check_ranks=check_ranks, rank=self.rank)
 
     # -- state --------------------------------------------------------------------------------
 

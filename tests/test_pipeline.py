@@ -123,16 +123,33 @@ def test_remat_stashes_only_the_stage_boundary() -> None:
         assert torch.ops.aten.addmm.default in recomputed
 
 
-def test_remat_refuses_random_ops() -> None:
-    """Recomputing dropout would draw other random numbers than the forward did."""
+@pytest.mark.parametrize("num_stages", [2, 4])
+def test_remat_recomputes_dropout_with_the_draws_its_forward_read(num_stages: int) -> None:
+    """Dropout masks are random inputs (fxpar.rng): a recomputed forward reads the draws its
+    forward read, so remat changes nothing, and both equal eager PyTorch looping over the
+    micro-batches after the same seed (each micro-batch draws its own masks, in order)."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(**{**CONFIG.__dict__, "dropout": 0.1}))
-    tokens = torch.randint(0, CONFIG.vocab_size, (2, 16))
-    program = fxpar.capture(model, (tokens,), gpt_loss, example_targets=(tokens,))
-    parts = partition(program, ("blocks.2",))
-    with pytest.raises(PipelineError, match="random numbers"):
-        split_program(program, parts, remat=True)
-    split_program(program, parts, remat=False)
+    model = GPT(GPTConfig(**{**CONFIG.__dict__, "dropout": 0.2}))
+    tokens = torch.randint(0, CONFIG.vocab_size, (BATCH, 16))
+    piece = BATCH // MICROBATCHES
+    program = fxpar.capture(model, (tokens[:piece],), gpt_loss, example_targets=(tokens[:piece],))
+    assert program.signature.random
+    parts = partition(program, even_split_points(program, num_stages))
+    results = []
+    for remat in (False, True):
+        torch.manual_seed(7)
+        split = split_program(program, parts, remat=remat)
+        results.append(split.run_microbatches(_state(model), _microbatches(tokens, tokens)))
+    torch.manual_seed(7)
+    losses, sums = [], {}
+    for chunk in tokens.chunk(MICROBATCHES):
+        loss, grads = eager_step(model, (chunk,), gpt_loss, (chunk,))
+        losses.append(loss)
+        sums = {n: sums[n] + g if n in sums else g for n, g in grads.items()}
+    for result in results:
+        torch.testing.assert_close(result.loss, torch.stack(losses).mean())
+        for name, total in sums.items():
+            torch.testing.assert_close(result.gradients[name], total / MICROBATCHES, msg=name)
 
 
 class _BatchNormNet(nn.Module):
@@ -230,6 +247,36 @@ def test_one_stage_pipeline_trains_like_pytorch() -> None:
     for name, parameter in reference.named_parameters():
         torch.testing.assert_close(pipelined.parameters[name], parameter.detach(), msg=name)
     assert pipelined.trace is not None and pipelined.trace.peak_stash_bytes > 0
+
+
+class _UnreadBuffer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.second = nn.Linear(4, 2)
+        self.register_buffer("calibration", torch.tensor([2.0, 3.0]))  # never read
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.tanh(self.first(x)))
+
+
+def test_full_state_dict_returns_buffers_no_stage_reads() -> None:
+    """A registered buffer the forward never reads is still part of the model: the first
+    stage keeps it, and full_state_dict returns its value (it raised KeyError)."""
+    torch.manual_seed(0)
+    model = _UnreadBuffer()
+    inputs = torch.randn(4, 4)
+    pipelined = PipelineModel(
+        copy.deepcopy(model), Pipeline(stages=1, microbatches=2), (inputs,),
+        lambda out: out.pow(2).mean(), optimizer=SGD(lr=0.1),
+    )  # fmt: skip
+    state = pipelined.full_state_dict()
+    assert "calibration" in pipelined.buffers
+    assert state.keys() == model.state_dict().keys()
+    torch.testing.assert_close(state["calibration"], torch.tensor([2.0, 3.0]))
+    program = fxpar.capture(model, (inputs,), lambda out: out.pow(2).mean())
+    split = split_program(program, partition(program, ("second",)), remat=False)
+    assert "calibration" in split.stage_buffers(0) and split.stage_buffers(1) == ()
 
 
 def test_errors_say_what_to_change() -> None:

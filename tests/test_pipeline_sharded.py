@@ -87,7 +87,9 @@ def test_random_plans_inside_stages_train_like_one_device(
     planned = plans.random_plan(program, cluster, seed)
     split = split_program(planned, partition(planned, points), remat=remat)
     state = named_state(case.model)
+    torch.manual_seed(seed)  # both draw the random inputs (dropout) from this state
     expected = split.run_microbatches(state, chunks)
+    torch.manual_seed(seed)
     result = simulate_pipeline(split, cluster, state, chunks)
 
     torch.testing.assert_close(result.loss, expected.loss, rtol=1e-4, atol=1e-6)
@@ -127,9 +129,9 @@ def test_manual_plans_inside_stages_equal_the_unsharded_pipeline(plan: str) -> N
 
 def test_data_parallel_stage_reduces_gradients_once_per_step() -> None:
     """Under a data-parallel plan the backward units leave every gradient as per-device
-    addends (no collective on the way out; the one collective inside is the loss's scalar
-    token count), and the stage's gradient sync all-reduces each one: once per step however
-    many micro-batches there are."""
+    addends (no collective on the way out, and none but scalars inside: the loss's token
+    count arrives whole, as an input), and the stage's gradient sync all-reduces each one:
+    once per step however many micro-batches there are."""
     model, tokens, targets = _gpt()
     program = fxpar.capture(model, (tokens[:2],), gpt_loss, example_targets=(targets[:2],))
     cluster = Cluster((2,))

@@ -198,3 +198,83 @@ def test_dropout_trains_like_one_device_on_ranks_seeded_differently(
         torch.testing.assert_close(result["losses"], losses)
         for name, value in state.items():
             torch.testing.assert_close(result["state"][name], value, msg=name)
+
+
+def _train_pipeline(rank: int, world_size: int, pipeline: fxpar.Pipeline) -> dict:  # type: ignore[type-arg]
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    batches = [torch.randint(0, CONFIG.vocab_size, (4, 8)) for _ in range(STEPS)]
+    torch.manual_seed(1234)
+    pipelined = fxpar.compile(
+        model, fxpar.Cluster((world_size,)), (batches[0],), gpt_loss,
+        example_targets=(batches[0],), optimizer=fxpar.optim.SGD(lr=0.1), pipeline=pipeline,
+    )  # fmt: skip
+    torch.manual_seed(100 + rank)
+    losses = [pipelined.step(tokens, tokens) for tokens in batches]
+    return {"losses": torch.stack(losses), "state": pipelined.full_state_dict()}
+
+
+def _eager_pieces(pieces: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Single-device gradient accumulation over ``pieces`` equal pieces of each batch."""
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    batches = [torch.randint(0, CONFIG.vocab_size, (4, 8)) for _ in range(STEPS)]
+    torch.manual_seed(1234)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for tokens in batches:
+        total, sums = torch.zeros(()), {}
+        for chunk in tokens.chunk(pieces):
+            loss, grads = eager_step(model, (chunk,), gpt_loss, (chunk,))
+            total = total + loss
+            sums = {n: sums[n] + g if n in sums else g for n, g in grads.items()}
+        for name, parameter in model.named_parameters():
+            parameter.grad = sums[name] / pieces
+        optimizer.step()
+        losses.append(total / pieces)
+    return torch.stack(losses), model.state_dict()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "pipeline",
+    [
+        fxpar.Pipeline(stages=2, microbatches=2, schedule="1f1b", remat=True),
+        fxpar.Pipeline(stages=2, microbatches=2, schedule="gpipe", remat=False),
+        fxpar.Pipeline(stages=1, microbatches=2, data_parallel=2),
+    ],
+    ids=["1f1b-remat", "gpipe", "replicas"],
+)
+def test_pipelines_with_dropout_train_like_one_device_on_ranks_seeded_differently(
+    pipeline: fxpar.Pipeline,
+) -> None:
+    """Every rank draws every piece's masks in piece order (its replicas' too) and keeps its
+    own: the same as one device accumulating gradients over the same pieces."""
+    losses, state = _eager_pieces(pipeline.microbatches * pipeline.data_parallel)
+    for result in spawn(_train_pipeline, 2, pipeline, timeout_s=120):
+        torch.testing.assert_close(result["losses"], losses)
+        for name, value in state.items():
+            torch.testing.assert_close(result["state"][name], value, msg=name)
+
+
+def test_manual_plans_keep_a_random_input_whole_where_its_first_dim_does_not_split() -> None:
+    """DropConnect draws a mask shaped like a weight (5 rows), which no mesh of 2 splits: the
+    manual plans keep it whole instead of refusing it as if it were a batch tensor."""
+
+    class DropConnect(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 5)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            weight = F.dropout(self.linear.weight, 0.5, training=True)
+            return F.linear(x, weight, self.linear.bias)
+
+    model, x = DropConnect(), torch.randn(4, 4)
+    program = fxpar.capture(model, (x,), lambda out: out.square().mean())
+    flat = program.flat_inputs(model, x)
+    cluster = fxpar.Cluster((2,))
+    for solver in (fxpar.plans.data_parallel, fxpar.plans.fully_sharded):
+        plan = plan_program(copy.deepcopy(program), cluster, solver)
+        assert_equivalent(lower(plan.program, cluster), flat)

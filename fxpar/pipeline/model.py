@@ -9,12 +9,14 @@ Ranks are laid out stage-major: stage ``s`` runs on ranks ``s*D .. s*D + D-1`` f
 devices per stage (``Pipeline.data_parallel``), and replica ``d`` of every stage forms one
 pipeline, exchanging activations and gradients with the same ``d`` of its neighbours.
 
-One step, on every rank: cut the global batch into ``M`` micro-batches and take this replica's
-piece of each, run the stage's instruction list, then once per step: all-reduce the gradient
-sums within the stage's replicas, all-reduce the partial gradients of parameters held by
-several stages (tied weights) among their holders, divide by ``M * D`` (the loss is the mean
-over micro-batches, so the result is the full-batch step's gradient), and let each rank update
-its own stage's parameters with a ``torch.optim`` optimizer. Elementwise optimizers
+One step, on every rank: check the global batch (its shapes, and that every rank has the same
+one, see :mod:`fxpar.runtime.batches`), cut it into ``M`` micro-batches and take this
+replica's piece of each, run the stage's instruction list, then once per step: all-reduce the
+gradient sums within the stage's replicas, all-reduce the partial gradients of parameters
+held by several stages (tied weights) among their holders, divide by ``M * D`` for a mean loss
+(or by 1 when every piece's loss is already a share of the whole batch's, see
+:mod:`.semantics`), so the result is the whole batch's gradient, and let each rank update its
+own stage's parameters with a ``torch.optim`` optimizer. Elementwise optimizers
 (:mod:`fxpar.optim`) make each stage's update exactly its share of the single-device one, and
 copies of a tied weight stay identical because they take identical updates.
 
@@ -30,10 +32,12 @@ in and converted to their parameters' layouts once per step.
 names (:mod:`fxpar.checkpoint`), so pipelines and :class:`~fxpar.parallel.ParallelModel` of
 any layout load each other's checkpoints.
 
-**BatchNorm.** Statistics are computed per micro-batch (per replica piece), as GPipe does, and
+**Semantics.** Masked and ``ignore_index`` losses are divided by the whole batch's count, so the
+step is the whole batch's. What a pipeline cannot compute like the whole batch (BatchNorm's
+statistics are per micro-batch, as in GPipe; a loss that is not a sum or a mean) is logged as a
+warning when the model is built and listed in :attr:`PipelineModel.semantics`. BatchNorm's
 running statistics are updated once per micro-batch, in micro-batch order; with ``D > 1`` each
-replica keeps its own running statistics. So a model with batch statistics trains exactly like
-single-device training on the micro-batches, not on the whole batch.
+replica keeps its own.
 """
 
 from __future__ import annotations
@@ -54,19 +58,24 @@ from fxpar.capture import LossFn, capture
 from fxpar.cluster import Cluster, Coordinate
 from fxpar.errors import BatchError
 from fxpar.optim import AdamW, Optimizer, check_optimizer
+from fxpar.passes.canonicalize import Canonicalize
 from fxpar.pipeline.executor import StageResult, StageTrace, StageWorker
 from fxpar.pipeline.options import Pipeline, PipelineError
 from fxpar.pipeline.partition import even_split_points, partition
 from fxpar.pipeline.schedule import build_schedule, simulate
+from fxpar.pipeline.semantics import PipelineSemantics
 from fxpar.pipeline.sharded import ShardedStage, local_batch, shard_stage
 from fxpar.pipeline.split import SplitProgram, split_program
 from fxpar.planner import Plan, SolvedOnRankZero, plan_program
 from fxpar.program import Program, named_state, state_dict_aliases
+from fxpar.rng import RandomState
+from fxpar.runtime.batches import BatchSignature
 from fxpar.runtime.collectives import (
     Communicator,
     OneDeviceCommunicator,
     ProcessGroupCommunicator,
 )
+from fxpar.runtime.fingerprint import check_same_model
 from fxpar.sharding import assemble
 
 if TYPE_CHECKING:
@@ -87,6 +96,9 @@ class PipelineModel:
         gradients: this stage's gradients of the last step, as used by the update.
         trace: the last step's instruction timings on this rank.
         stage_choice: the stage DP's choice, when ``fxpar.compile`` planned the stages.
+        semantics: how the micro-batches' losses make the step's, and the notes on where the
+            step differs from training on the whole batch (empty when it does not).
+        check_batches: whether each step checks that every rank got the same batch.
     """
 
     def __init__(
@@ -100,13 +112,17 @@ class PipelineModel:
         optimizer: Optimizer | None = None,
         stage_cluster: Cluster | None = None,
         planner: Callable[[Program, Cluster], Plan] | None = None,
+        check_batches: bool = True,
     ) -> None:
         """``stage_cluster``: run an intra-op plan inside every stage, on a mesh of this shape
         (see the module docstring); ``planner(program, stage_cluster)`` makes the plan, the
         same on every rank (by default the ILP, solved on rank 0 and broadcast; e.g.
         ``functools.partial(fxpar.planner.plan_program, solver=fxpar.plans.tensor_parallel)``
-        for Megatron)."""
+        for Megatron). ``check_batches``: compare a digest of every batch across ranks before
+        each step (one small all-gather), so that a rank fed another batch fails loudly
+        instead of training on a mixture."""
         self.pipeline = pipeline
+        self.check_batches = check_batches
         self.optimizer_spec = check_optimizer(optimizer if optimizer is not None else AdamW())
         if stage_cluster is not None and pipeline.data_parallel != 1:
             raise PipelineError(
@@ -146,6 +162,8 @@ class PipelineModel:
         micro_inputs = _with_tensors(example_inputs, [t[:piece] for t in inputs])
         micro_targets = [t[:piece] for t in example_targets]
         program = capture(model, micro_inputs, loss_fn, example_targets=micro_targets)
+        # Means become sums over counts, so the loss's count can be the whole batch's.
+        program = Canonicalize().run(program)
         self.plan: Plan | None = None
         if stage_cluster is not None:
             planner = planner or functools.partial(plan_program, solver=SolvedOnRankZero(None))
@@ -161,9 +179,20 @@ class PipelineModel:
         )
         simulate(self.schedule)
         self.signature = program.signature
+        self.semantics: PipelineSemantics = self.split.semantics
+        if self.rank == 0:
+            for note in self.semantics.notes:
+                logger.warning("this pipeline does not train on the whole batch at once: %s", note)
+        placeholders = program.placeholders()
+        self._batch_signature = BatchSignature(
+            self.signature.inputs,
+            tuple(
+                _whole_batch(ir.require(placeholders[n], ir.ValueMeta).tensor, self._batch_size)
+                for n in self.signature.inputs
+            ),
+        )
         names = program.signature.parameters + program.signature.buffers
         self._aliases = state_dict_aliases(model, names)
-        placeholders = program.placeholders()
         self._shapes = {n: ir.require(placeholders[n], ir.ValueMeta).tensor.shape for n in names}
 
         self._stage_group, self._shared_groups = self._make_groups()
@@ -179,6 +208,7 @@ class PipelineModel:
             )
             forward, backward = self.sharded.forward, self.sharded.backward
         state = named_state(model)
+        check_same_model(state, names)
         held = set(self.split.stage_parameters(self.stage))
         self.parameters: dict[str, torch.Tensor] = {}
         for name in self.signature.parameters:
@@ -192,6 +222,8 @@ class PipelineModel:
                 self.buffers[name] = self._local(name, tensor)
         self._trainable = [n for n in self.signature.gradients if n in self.parameters]
         self.optimizer = self.optimizer_spec.build([self.parameters[n] for n in self._trainable])
+        self.random = RandomState.from_rank_zero(distributed)
+        """The generator the step's random ops draw from, the same on every rank."""
         self.gradients: dict[str, torch.Tensor] = {}
         self.trace: StageTrace | None = None
         self.stage_choice: StageChoice | None = None
@@ -236,11 +268,12 @@ class PipelineModel:
 
     # -- training -----------------------------------------------------------------------------
 
-    def step(self, *batch: torch.Tensor) -> torch.Tensor:
-        """One training step on the global batch (model inputs, then loss targets, the same on
-        every rank): the pipelined forward and backward, then one optimizer update. Returns
-        the loss of the whole batch, on every rank."""
-        loss = self.compute_gradients(*batch)
+    def step(self, *batch: torch.Tensor, **named_batch: torch.Tensor) -> torch.Tensor:
+        """One training step on the global batch (model inputs, then loss targets,
+        positionally or by name, the same on every rank and shaped like the example): the
+        pipelined forward and backward, then one optimizer update. Returns the loss of the
+        whole batch, on every rank."""
+        loss = self.compute_gradients(*batch, **named_batch)
         for name in self._trainable:
             self.parameters[name].grad = self.gradients[name]
         self.optimizer.step()
@@ -248,10 +281,14 @@ class PipelineModel:
         self.steps += 1
         return loss
 
-    def compute_gradients(self, *batch: torch.Tensor) -> torch.Tensor:
+    def compute_gradients(self, *batch: torch.Tensor, **named_batch: torch.Tensor) -> torch.Tensor:
         """The step without the update: fills :attr:`gradients` and :attr:`trace`, updates
         buffers, returns the loss."""
-        microbatches = self._microbatches(batch)
+        check_ranks = self.check_batches and self._distributed and dist.get_world_size() > 1
+        tensors = self._batch_signature.take(
+            batch, named_batch, check_ranks=check_ranks, rank=self.rank
+        )
+        microbatches = self._microbatches(tensors)
         result = self._worker.run(self.parameters, self.buffers, microbatches)
         self.trace = result.trace
         for name in self.buffers:
@@ -272,11 +309,14 @@ class PipelineModel:
                 dist.all_reduce(sums[name], group=self._stage_group)
         for name, group in self._shared_groups.items():
             dist.all_reduce(sums[name], group=group)
-        count = self.pipeline.microbatches * self.pipeline.data_parallel
+        count = self._divisor()
         return {name: value / count for name, value in sums.items()}
 
+    def _divisor(self) -> int:
+        return self.semantics.divisor(self.pipeline.microbatches * self.pipeline.data_parallel)
+
     def _reduce_loss(self, result: StageResult) -> torch.Tensor:
-        count = self.pipeline.microbatches * self.pipeline.data_parallel
+        count = self._divisor()
         # Only the last stage has losses, replicated over its stage mesh: one device of each
         # of its replicas contributes, and a sum over every rank spreads the mean to all.
         counted = result.loss_sum is not None and self._local_index == self.replica
@@ -341,24 +381,18 @@ class PipelineModel:
     # -- batches and groups -------------------------------------------------------------------
 
     def _microbatches(self, batch: Sequence[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """This replica's piece of every micro-batch of the (checked) global batch, with what
+        the units read besides (the whole batch's loss denominator)."""
         names = self.signature.inputs
-        if len(batch) != len(names):
-            raise BatchError(
-                f"step takes {len(names)} batch tensors {list(names)} (model inputs, then loss "
-                f"targets), got {len(batch)}"
-            )
-        for name, tensor in zip(names, batch, strict=True):
-            if not isinstance(tensor, torch.Tensor) or tensor.shape[0] != self._batch_size:
-                raise BatchError(
-                    f"batch tensor {name!r} must have {self._batch_size} rows (the example's "
-                    f"batch size), got {getattr(tensor, 'shape', type(tensor).__name__)}"
-                )
         count, replicas = self.pipeline.microbatches, self.pipeline.data_parallel
         piece = self._batch_size // (count * replicas)
-        pieces = []
-        for m in range(count):
-            start = (m * replicas + self.replica) * piece
-            pieces.append({n: t[start : start + piece] for n, t in zip(names, batch, strict=True)})
+        every_piece = [
+            {n: t[start : start + piece] for n, t in zip(names, batch, strict=True)}
+            for start in range(0, self._batch_size, piece)
+        ]
+        # Micro-batch m is pieces m*D .. m*D + D-1, one per replica.
+        # Every rank draws every piece's random inputs, so the draws are those of one device.
+        pieces = self.split.unit_inputs(every_piece, self.random.draw)[self.replica :: replicas]
         if self.sharded is not None:
             pieces = [local_batch(self.sharded, microbatch) for microbatch in pieces]
         return pieces
@@ -426,10 +460,12 @@ class PipelineModel:
         return tensor
 
     def __repr__(self) -> str:
+        notes = len(self.semantics.notes)
+        semantics = f"{notes} semantic notes (see .semantics)" if notes else "whole-batch step"
         return (
             f"PipelineModel(rank {self.rank}: stage {self.stage} of "
             f"{self.pipeline.num_stages}, replica {self.replica}; {len(self.parameters)} "
-            f"parameters; {self.pipeline})"
+            f"parameters; {self.pipeline}; {semantics})"
         )
 
 
@@ -451,6 +487,11 @@ def _with_tensors(
             k: next(replacements) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()
         }
     return tuple(next(replacements) if isinstance(v, torch.Tensor) else v for v in inputs)
+
+
+def _whole_batch(meta: ir.TensorMeta, batch_size: int) -> ir.TensorMeta:
+    """A batch tensor's meta at the whole batch's size, from its meta at one piece's."""
+    return ir.TensorMeta((batch_size, *meta.shape[1:]), meta.dtype)
 
 
 def _batch_size(tensors: Sequence[torch.Tensor], pieces: int) -> int:

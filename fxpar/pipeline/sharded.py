@@ -10,7 +10,8 @@ into the unit programs, and each unit is then lowered like a whole Program
 
 What fixes the layout of each value at a unit's boundary:
 
-- parameters, buffers and batch tensors: their planned specs;
+- parameters, buffers and batch tensors: their planned specs; the whole batch's loss
+  denominator (see :mod:`.semantics`): replicated;
 - what a unit receives, sends, stashes or restores: the spec the plan chose for that value
   where it is computed, on both sides of the boundary. Device ``c`` of stage ``s`` exchanges
   with device ``c`` of stages ``s ± 1``, which holds the same piece, so nothing is converted on
@@ -98,6 +99,9 @@ def shard_stage(
         raise PipelineError(
             f"the step has no plan for the stage mesh {cluster.mesh_shape}: {error}"
         ) from error
+    denominator = split.semantics.denominator
+    if denominator is not None:  # the whole batch's, the same on every device
+        specs[denominator.name] = replicated(len(cluster.mesh_shape))
     lower = _UnitLowering(split, cluster, coordinate, communicator, specs)
     forward, forward_collectives = lower.unit(split.forward[stage])
     backward, backward_collectives = lower.unit(split.backward[stage])

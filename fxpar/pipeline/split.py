@@ -26,11 +26,17 @@ Its gradient is the sum of one term per use, joined by ``add`` nodes that captur
 one stage; here those adds are dropped and each stage returns the sum of its own terms, a
 *partial* gradient. The runtime sums the partials of the holders once per step (an
 all-reduce over the holding stages), after which every copy takes the same update.
+
+**The whole batch's loss.** When the loss divides a sum by a count the batch decides (a
+masked mean, cross-entropy with ignored targets), every unit reads the whole batch's count as
+one more batch input instead of computing its micro-batch's own, and the micro-batches' losses
+and gradients are summed, not averaged (see :mod:`.semantics`, whose
+:class:`~.semantics.PipelineSemantics` the split carries).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,7 +47,9 @@ from fxpar.errors import LoweringError
 from fxpar.lowering import value_spec
 from fxpar.pipeline.options import PipelineError
 from fxpar.pipeline.partition import Half, Partition, Unit
+from fxpar.pipeline.semantics import LossDenominator, PipelineSemantics, pipeline_semantics
 from fxpar.program import Program, StepResult
+from fxpar.rng import RandomDraw, draw_all
 from fxpar.runtime.collectives import Communicator
 from fxpar.sharding import Sharding, Spec, Strategy
 
@@ -141,6 +149,9 @@ class SplitProgram:
     backward: tuple[StageProgram, ...]
     holders: Mapping[str, tuple[int, ...]]
     """For each parameter, the stages that keep a copy of it (more than one: tied weights)."""
+    semantics: PipelineSemantics
+    """How the micro-batches' losses and gradients make the step's, and where the step differs
+    from the whole batch's."""
 
     @property
     def num_stages(self) -> int:
@@ -151,7 +162,35 @@ class SplitProgram:
         return tuple(n for n in self.program.signature.parameters if stage in self.holders[n])
 
     def stage_buffers(self, stage: int) -> tuple[str, ...]:
-        return self.forward[stage].buffers
+        """Buffers stage ``stage`` holds: those its forward reads, and on stage 0 those that no
+        stage reads, so that every buffer is saved and gathered somewhere."""
+        held = self.forward[stage].buffers
+        if stage == 0:
+            read = {name for unit in self.forward for name in unit.buffers}
+            held += tuple(n for n in self.program.signature.buffers if n not in read)
+        return held
+
+    def unit_inputs(
+        self,
+        pieces: Sequence[Mapping[str, torch.Tensor]],
+        draw: Callable[[Sequence[RandomDraw]], list[torch.Tensor]] = draw_all,
+    ) -> list[dict[str, torch.Tensor]]:
+        """What the units read per piece of the whole batch (every micro-batch, every
+        replica's share): its batch tensors, its random inputs (``draw`` called once per piece,
+        in piece order, as a single-device loop over the pieces would draw them; by default
+        from torch's generator), and, when the loss has one, the whole batch's loss
+        denominator computed from all of ``pieces``."""
+        signature = self.program.signature
+        inputs = []
+        for piece in pieces:
+            drawn = draw(signature.random)
+            inputs.append({**piece, **dict(zip(signature.random_inputs, drawn, strict=True))})
+        denominator = self.semantics.denominator
+        if denominator is not None:
+            whole = denominator.compute(pieces)
+            for piece in inputs:
+                piece[denominator.name] = whole
+        return inputs
 
     def shared_parameters(self) -> dict[str, tuple[int, ...]]:
         """Trainable parameters held by several stages, whose partial gradients are summed."""
@@ -163,15 +202,16 @@ class SplitProgram:
         state: Mapping[str, torch.Tensor],
         microbatches: Sequence[Sequence[torch.Tensor]],
     ) -> StepResult:
-        """The whole pipelined step in one process, micro-batch after micro-batch: the loss is
-        the mean of the micro-batch losses, gradients the mean of theirs, and buffers are
-        updated once per micro-batch. The reference the distributed runtime must match."""
+        """The whole pipelined step in one process, micro-batch after micro-batch: the loss and
+        gradients are the sums or means of the micro-batches' as :attr:`semantics` says, and
+        buffers are updated once per micro-batch. The reference the distributed runtime must
+        match."""
         signature = self.program.signature
         buffers = {name: state[name] for name in signature.buffers}
         totals: dict[str, torch.Tensor] = {}
         losses = []
-        for pieces in microbatches:
-            batch = dict(zip(signature.inputs, pieces, strict=True))
+        pieces = [dict(zip(signature.inputs, piece, strict=True)) for piece in microbatches]
+        for batch in self.unit_inputs(pieces):
             stash: list[tuple[torch.Tensor, ...]] = []
             message: tuple[torch.Tensor, ...] = ()
             for stage in self.forward:
@@ -187,27 +227,23 @@ class SplitProgram:
                 message = out.sent
                 for name, gradient in out.gradients.items():
                     totals[name] = totals[name] + gradient if name in totals else gradient
-        count = len(microbatches)
+        count = self.semantics.divisor(len(microbatches))
         return StepResult(
-            loss=torch.stack(losses).mean(),
+            loss=torch.stack(losses).sum() / count,
             gradients={name: totals[name] / count for name in signature.gradients},
             buffers={name: buffers[name] for name in signature.buffer_updates},
         )
 
 
 def split_program(program: Program, partition: Partition, *, remat: bool) -> SplitProgram:
-    """Build the ``2K`` unit programs of ``program`` cut as ``partition`` says.
-
-    Raises:
-        PipelineError: remat was asked for a stage whose forward draws random numbers
-            (dropout), which recomputation would draw differently.
-    """
-    router = _Router(program, partition, remat)
+    """Build the ``2K`` unit programs of ``program`` cut as ``partition`` says. Random
+    draws are inputs of the Program (:mod:`fxpar.rng`), so a forward recomputed by remat
+    reads the draws its forward read."""
+    semantics = pipeline_semantics(program)
+    router = _Router(program, partition, remat, semantics.denominator)
     outputs = _output_roots(program, partition)
     for unit, node in outputs.roots():
         router.request(unit, node)
-    if remat:
-        _reject_random_recomputation(router, partition)
     stages = range(partition.num_stages)
     forward = tuple(router.build(Unit(Half.FORWARD, s), outputs) for s in stages)
     backward = tuple(router.build(Unit(Half.BACKWARD, s), outputs) for s in stages)
@@ -224,6 +260,7 @@ def split_program(program: Program, partition: Partition, *, remat: bool) -> Spl
         backward=backward,
         # An unused parameter still has a home, so it is saved and updated somewhere.
         holders={n: tuple(sorted(s)) if s else (0,) for n, s in holders.items()},
+        semantics=semantics,
     )
 
 
@@ -300,7 +337,13 @@ def _same_meta(a: fx.Node, b: fx.Node) -> bool:
 class _Router:
     """Demand-driven routing of values to the units that read them (see the module docstring)."""
 
-    def __init__(self, program: Program, partition: Partition, remat: bool) -> None:
+    def __init__(
+        self,
+        program: Program,
+        partition: Partition,
+        remat: bool,
+        denominator: LossDenominator | None = None,
+    ) -> None:
         self.program = program
         self.partition = partition
         self.remat = remat
@@ -310,8 +353,16 @@ class _Router:
         self.kinds = {
             **{placeholders[n]: "parameter" for n in signature.parameters},
             **{placeholders[n]: "buffer" for n in signature.buffers},
-            **{placeholders[n]: "batch" for n in signature.inputs},
+            # Random draws are per-piece inputs too, drawn before the step (fxpar.rng).
+            **{placeholders[n]: "batch" for n in signature.step_inputs},
         }
+        self.denominator: fx.Node | None = None
+        if denominator is not None:
+            # Read like a batch tensor wherever it is used, forward and backward alike.
+            (node,) = (n for n in program.graph.nodes if n.name == denominator.node)
+            self.names[node] = denominator.name
+            self.kinds[node] = "batch"
+            self.denominator = node
         self.position = {node: index for index, node in enumerate(program.graph.nodes)}
         self.computed: dict[Unit, set[fx.Node]] = {}
         self.ambient: dict[Unit, set[fx.Node]] = {}
@@ -392,7 +443,8 @@ class _Router:
             for kind in ("parameter", "buffer", "batch")
         }
         for node in (*by_kind["parameter"], *by_kind["buffer"], *by_kind["batch"]):
-            env[node] = _placeholder(graph, node, node.name)
+            label = self.names[node] if node is self.denominator else node.name
+            env[node] = _placeholder(graph, node, label)
         for node in received:
             env[node] = _placeholder(graph, node, f"received_{node.name}")
         for node in restored:
@@ -466,38 +518,3 @@ def _value(node: fx.Node) -> Value:
             f"{node.name!r} ({node.target}) crosses a stage boundary but is not a single tensor"
         )
     return Value(node.name, meta.tensor)
-
-
-def _reject_random_recomputation(router: _Router, partition: Partition) -> None:
-    for unit, nodes in router.computed.items():
-        if unit.half is not Half.BACKWARD:
-            continue
-        for node in nodes:
-            if partition.units[node].half is not Half.FORWARD:
-                continue
-            if _draws_random_numbers(node):
-                target = node.target
-                module = ir.require(node, ir.Region).module
-                raise PipelineError(
-                    f"remat would recompute {target} of module {module or '<root>'!r} in stage "
-                    f"{unit.stage}, which draws random numbers and would draw different ones; "
-                    "set dropout to 0 or use Pipeline(remat=False)"
-                )
-
-
-def _draws_random_numbers(node: fx.Node) -> bool:
-    """Whether ``node`` is a seeded random op; a dropout probability of 0 (attention kernels
-    take one) draws nothing."""
-    target = node.target
-    if torch.Tag.nondeterministic_seeded not in getattr(target, "tags", ()):
-        return False
-    schema = getattr(target, "_schema", None)
-    for index, argument in enumerate(schema.arguments if schema is not None else ()):
-        if argument.name in ("p", "dropout_p", "train"):
-            if index < len(node.args):
-                value = node.args[index]
-            else:
-                value = node.kwargs.get(argument.name, argument.default_value)
-            if value in (0, 0.0, False):
-                return False
-    return True

@@ -30,13 +30,15 @@ def simulate_pipeline(
 ) -> StepResult:
     """One pipelined step of ``split`` (its Program planned for the stage mesh ``cluster``):
     micro-batch after micro-batch, stage after stage, each unit run on every device of its
-    stage mesh in threads. Returns the whole loss, gradients (mean over micro-batches, in
-    their parameters' layout, reassembled) and buffer updates, like
-    :meth:`SplitProgram.run_microbatches`."""
+    stage mesh in threads. Returns the whole loss, gradients (summed or averaged over
+    micro-batches as ``split.semantics`` says, in their parameters' layout, reassembled) and
+    buffer updates, like :meth:`SplitProgram.run_microbatches`."""
     pipeline = _SimulatedPipeline(split, cluster, state, timeout)
-    for pieces in microbatches:
-        pipeline.microbatch(dict(zip(split.program.signature.inputs, pieces, strict=True)))
-    return pipeline.result(len(microbatches))
+    names = split.program.signature.inputs
+    pieces = [dict(zip(names, piece, strict=True)) for piece in microbatches]
+    for batch in split.unit_inputs(pieces):
+        pipeline.microbatch(batch)
+    return pipeline.result(split.semantics.divisor(len(microbatches)))
 
 
 Messages = dict[Coordinate, tuple[torch.Tensor, ...]]
@@ -123,7 +125,8 @@ class _SimulatedPipeline:
 
     def result(self, count: int) -> StepResult:
         """Gradients into their parameters' layouts (each stage's sync), the partial
-        gradients of tied weights summed, everything reassembled."""
+        gradients of tied weights summed, everything reassembled, the loss and gradients
+        divided by ``count``."""
         gradients: dict[str, dict[Coordinate, torch.Tensor]] = {}
         for s, sums in enumerate(self.sums):
             synced = self.on_stage(s, functools.partial(_sync, sums))
@@ -139,7 +142,7 @@ class _SimulatedPipeline:
                 updated[name] = assemble(pieces, specs[name], self.mesh)
         signature = self.split.program.signature
         return StepResult(
-            loss=torch.stack(self.losses).mean(),
+            loss=torch.stack(self.losses).sum() / count,
             gradients={
                 name: assemble(gradients[name], specs[name], self.mesh) / count
                 for name in signature.gradients

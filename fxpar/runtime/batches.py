@@ -1,0 +1,155 @@
+"""The batch a compiled step takes, checked before any rank runs on it.
+
+:class:`~fxpar.parallel.ParallelModel` and :class:`~fxpar.pipeline.PipelineModel` both take the
+global batch, whole and identical on every rank, and each rank cuts out its own pieces. So two
+things must hold before a step runs, or the step trains on something other than what the user
+meant, without a word:
+
+- the batch is the one the step was compiled for: as many tensors, bound by position or by
+  name, each with the example's full shape and dtype (:meth:`BatchSignature.bind`);
+- every rank has the same batch (:func:`check_same_batch`, unless ``check_batches=False``):
+  ranks fed by differently seeded loaders would otherwise each take their pieces of a
+  different batch and train on a mixture.
+
+"The same batch" means the same bits. Each rank hashes the bytes of every tensor and the ranks
+compare digests (one small all-gather). Comparing float checksums instead would call a batch
+containing NaN different from itself (NaN != NaN) and could miss low-order differences of
+large values; bit patterns have neither problem.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from fxpar import ir
+from fxpar.errors import BatchError
+
+_DIGEST_BYTES = 32
+
+
+@dataclass(frozen=True)
+class BatchSignature:
+    """The batch tensors a compiled step takes: their names (model inputs, then loss targets)
+    and the shape and dtype of each, for the whole global batch."""
+
+    names: tuple[str, ...]
+    metas: tuple[ir.TensorMeta, ...]
+
+    def bind(self, batch: Sequence[object], named: Mapping[str, object]) -> list[torch.Tensor]:
+        """The batch tensors in :attr:`names` order, from ``step(*batch, **named)``.
+
+        Raises:
+            BatchError: too many or too few tensors, an unknown or repeated name, something
+                that is not a tensor, or a shape or dtype other than the example's.
+        """
+        names = self.names
+        if len(batch) + len(named) != len(names) or len(batch) > len(names):
+            raise BatchError(
+                f"step takes {len(names)} batch tensors {list(names)} (model inputs, then loss "
+                f"targets), got {len(batch)} positional and {sorted(named)} by name"
+            )
+        by_name = dict(zip(names, batch, strict=False))
+        for name, tensor in named.items():
+            if name not in names or name in by_name:
+                raise BatchError(
+                    f"unexpected or repeated batch tensor {name!r}; expected {list(names)}"
+                )
+            by_name[name] = tensor
+        tensors = []
+        for name, meta in zip(names, self.metas, strict=True):
+            tensor = by_name[name]
+            if not isinstance(tensor, torch.Tensor):
+                raise BatchError(
+                    f"batch tensor {name!r} is a {type(tensor).__name__}; pass a tensor of {meta}"
+                )
+            if tuple(tensor.shape) != tuple(meta.shape) or tensor.dtype != meta.dtype:
+                raise BatchError(
+                    f"batch tensor {name!r} is {ir.TensorMeta.of(tensor)} but the model was "
+                    f"compiled for {meta}: the plan is specialised to the example's shapes. "
+                    "Pass batches of that shape (drop or pad a short last batch), or, to go on "
+                    "training at the new shape, save a checkpoint (.save(path) on every rank), "
+                    "compile for the new shape and .load(path) into it: compiling again alone "
+                    "would start over from the model's initial weights"
+                )
+            tensors.append(tensor)
+        return tensors
+
+    def take(
+        self,
+        batch: Sequence[object],
+        named: Mapping[str, object],
+        *,
+        check_ranks: bool,
+        rank: int = 0,
+    ) -> list[torch.Tensor]:
+        """:meth:`bind`, then, with ``check_ranks``, :func:`check_same_batch` (a collective
+        over the default process group: call it on every rank). A rank whose batch
+        :meth:`bind` rejects still joins the comparison, so that its peers fail with it
+        instead of waiting for it at the step's first collective."""
+        try:
+            tensors = self.bind(batch, named)
+        except BatchError:
+            if check_ranks:
+                blank = torch.zeros((len(self.names), _DIGEST_BYTES), dtype=torch.uint8)
+                _gather(blank, rejected=True)
+            raise
+        if check_ranks:
+            check_same_batch(tensors, rank=rank)
+        return tensors
+
+
+def batch_digest(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One row per tensor: a BLAKE2b digest of its dtype, shape and bytes (uint8, ``[n, 32]``)."""
+    rows = [torch.zeros((0, _DIGEST_BYTES), dtype=torch.uint8)]
+    for tensor in tensors:
+        data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        digest = hashlib.blake2b(digest_size=_DIGEST_BYTES)
+        digest.update(f"{tensor.dtype}{list(tensor.shape)}".encode())
+        digest.update(data.numpy().data)
+        rows.append(torch.frombuffer(bytearray(digest.digest()), dtype=torch.uint8)[None])
+    return torch.cat(rows)
+
+
+def check_same_batch(tensors: Sequence[torch.Tensor], *, rank: int) -> None:
+    """Raise on every rank unless every rank of the default process group holds bitwise the
+    same ``tensors``. A collective: call it on every rank.
+
+    Raises:
+        BatchError: some rank holds another batch, or rejected its own (see
+            :meth:`BatchSignature.take`).
+    """
+    mine = batch_digest(tensors)
+    everyone = _gather(mine, rejected=False)
+    rejected = [r for r, (_, refused) in enumerate(everyone) if refused]
+    if rejected:
+        raise BatchError(
+            f"ranks {rejected} were given batches that do not match the compiled step (their "
+            "own errors say how); every rank must pass the same global batch"
+        )
+    differing = [r for r, (theirs, _) in enumerate(everyone) if not torch.equal(theirs, mine)]
+    if differing:
+        raise BatchError(
+            f"rank {rank} got a different batch than ranks {differing}: the compiled model "
+            "expects the same global batch on every rank (each takes its own piece); seed the "
+            "data loader identically, or pass check_batches=False to fxpar.compile if you "
+            "mean it"
+        )
+
+
+def _gather(digests: torch.Tensor, *, rejected: bool) -> list[tuple[torch.Tensor, bool]]:
+    """Every rank's digests and whether it rejected its batch, in one all-gather: a status row
+    travels first."""
+    status = torch.zeros((1, _DIGEST_BYTES), dtype=torch.uint8)
+    status[0, 0] = int(rejected)
+    mine = torch.cat([status, digests])
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return [(theirs[1:], bool(theirs[0, 0])) for theirs in everyone]
+
+
+__all__ = ["BatchSignature", "batch_digest", "check_same_batch"]
