@@ -182,6 +182,9 @@ SYMBOLIC_ENTRIES = {
     "tensor_parallel": plans.tensor_parallel,
     "fully_sharded": plans.fully_sharded,
     "random_plan": lambda program, cluster: plans.random_plan(program, cluster, seed=0),
+    "plan_stages": lambda program, cluster: fxpar.pipeline.plan_stages(
+        program, cluster, fxpar.Pipeline(stages="auto", microbatches=1)
+    ),
 }
 
 

@@ -5,6 +5,8 @@
   programs (:class:`SplitProgram`).
 - :func:`build_schedule` turns GPipe or 1F1B into an instruction list per stage.
 - :class:`PipelineModel` trains on ``torch.distributed`` processes, one stage replica each.
+- :func:`pipeline_semantics` says how the micro-batches' losses make the step's, and where a
+  pipelined step differs from one on the whole batch (:class:`PipelineSemantics`).
 - :func:`plan_stages` chooses split points and devices per stage with the stage DP
   (``Pipeline(stages="auto")`` in :func:`fxpar.compile`).
 
@@ -19,6 +21,7 @@ from fxpar.pipeline.model import PipelineModel
 from fxpar.pipeline.options import Pipeline, PipelineError
 from fxpar.pipeline.partition import Half, Partition, Unit, even_split_points, partition
 from fxpar.pipeline.schedule import Instruction, Op, build_schedule, max_in_flight, simulate
+from fxpar.pipeline.semantics import PipelineSemantics, pipeline_semantics
 from fxpar.pipeline.split import SplitProgram, StageProgram, split_program
 from fxpar.pipeline.timeline import bubble_fractions, ideal_bubble, plot_timeline
 
@@ -32,6 +35,7 @@ __all__ = [
     "Pipeline",
     "PipelineError",
     "PipelineModel",
+    "PipelineSemantics",
     "SplitProgram",
     "StageChoice",
     "StageProgram",
@@ -45,6 +49,7 @@ __all__ = [
     "ideal_bubble",
     "max_in_flight",
     "partition",
+    "pipeline_semantics",
     "plan_stages",
     "plot_timeline",
     "simulate",

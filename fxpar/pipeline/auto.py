@@ -93,6 +93,7 @@ from fxpar.costmodel import collective_seconds
 from fxpar.passes.annotate_cost import AnnotateCost
 from fxpar.pipeline.options import Pipeline, PipelineError
 from fxpar.pipeline.partition import partition
+from fxpar.plans import require_concrete_shapes
 from fxpar.program import Program
 from fxpar.solvers.errors import format_bytes
 from fxpar.solvers.layers import DataEdge, cluster_layers
@@ -274,6 +275,7 @@ def plan_stages(
     max_layers = DEFAULT_MAX_LAYERS if layers is None else layers
     if max_layers < 1:
         raise PipelineError(f"layers must be a positive number of layers, got {layers}")
+    require_concrete_shapes(program, "choosing pipeline stages")
     model = _cost_model(program, cluster, pipeline, optimizer_states, stage_planner, ())
     atoms = model.atoms
     starts = _cluster_atoms(model, min(max_layers, atoms.count))
