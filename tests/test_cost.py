@@ -163,16 +163,24 @@ def test_symbolic_costs_are_sympy_expressions_that_evaluate_to_static_costs() ->
     symbolic = annotated(
         fxpar.capture(model, (tokens,), gpt_loss, example_targets=(tokens,), dynamic=True)
     )
-    batch_symbol, length_symbol = ir.require(
-        symbolic.placeholders()["input_0"], ir.ValueMeta
-    ).tensor.shape
+    placeholders = symbolic.placeholders()
+    # The targets are an input of their own (the example passes one tensor twice), with
+    # symbols of their own.
+    batch_symbol, length_symbol = ir.require(placeholders["input_0"], ir.ValueMeta).tensor.shape
+    target_batch, target_length = ir.require(placeholders["target_0"], ir.ValueMeta).tensor.shape
     assert isinstance(batch_symbol, sympy.Symbol) and isinstance(length_symbol, sympy.Symbol)
+    assert {target_batch, target_length}.isdisjoint({batch_symbol, length_symbol})
     symbolic_flops = flops_where(symbolic, lambda n: True)
     assert isinstance(symbolic_flops, sympy.Expr) and symbolic_flops.free_symbols
     for batch, length in ((2, 8), (3, 20)):
         other = torch.randint(0, 256, (batch, length))
         static = annotated(fxpar.capture(model, (other,), gpt_loss, example_targets=(other,)))
-        bindings = {batch_symbol: batch, length_symbol: length}
+        bindings = {
+            batch_symbol: batch,
+            length_symbol: length,
+            target_batch: batch,
+            target_length: length,
+        }
         assert ir.evaluate(symbolic_flops, bindings) == flops_where(static, lambda n: True)
         # Symbolic tracing may add copies the static graph avoids, so bytes are compared on
         # the products, which both graphs share.
