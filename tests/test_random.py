@@ -155,13 +155,20 @@ def test_random_state_leaves_the_users_generator_alone() -> None:
 STEPS = 3
 
 
-def _train_parallel(rank: int, world_size: int, solver_name: str, mesh: tuple[int, ...]) -> dict:  # type: ignore[type-arg]
-    torch.set_num_threads(1)
+def _model_and_batches() -> tuple[GPT, list[torch.Tensor]]:
+    """The model and batches every process and the reference build alike, then the seed whose
+    generator state fxpar copies from rank 0 at compile."""
     torch.manual_seed(0)
     model = GPT(CONFIG)
     batches = [torch.randint(0, CONFIG.vocab_size, (4, 8)) for _ in range(STEPS)]
+    torch.manual_seed(1234)
+    return model, batches
+
+
+def _train_parallel(rank: int, world_size: int, solver_name: str, mesh: tuple[int, ...]) -> dict:  # type: ignore[type-arg]
+    torch.set_num_threads(1)
     solver = None if solver_name == "ilp" else getattr(fxpar.plans, solver_name)
-    torch.manual_seed(1234)  # the state fxpar copies from rank 0
+    model, batches = _model_and_batches()
     parallel = fxpar.compile(
         model, fxpar.Cluster(mesh), (batches[0],), gpt_loss, example_targets=(batches[0],),
         optimizer=fxpar.optim.SGD(lr=0.1), solver=solver,
@@ -169,20 +176,6 @@ def _train_parallel(rank: int, world_size: int, solver_name: str, mesh: tuple[in
     torch.manual_seed(100 + rank)  # every rank's own generator differs from here on
     losses = [parallel.step(tokens, tokens) for tokens in batches]
     return {"losses": torch.stack(losses), "state": parallel.full_state_dict()}
-
-
-def _eager() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    torch.manual_seed(0)
-    model = GPT(CONFIG)
-    batches = [torch.randint(0, CONFIG.vocab_size, (4, 8)) for _ in range(STEPS)]
-    torch.manual_seed(1234)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    for tokens in batches:
-        loss, _ = eager_step(model, (tokens,), gpt_loss, (tokens,))
-        optimizer.step()
-        losses.append(loss)
-    return torch.stack(losses), model.state_dict()
 
 
 @pytest.mark.slow
@@ -193,7 +186,7 @@ def _eager() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
 def test_dropout_trains_like_one_device_on_ranks_seeded_differently(
     solver: str, mesh: tuple[int, ...]
 ) -> None:
-    losses, state = _eager()
+    losses, state = _eager_pieces(1)
     for result in spawn(_train_parallel, 2, solver, mesh, timeout_s=120):
         torch.testing.assert_close(result["losses"], losses)
         for name, value in state.items():
@@ -202,10 +195,7 @@ def test_dropout_trains_like_one_device_on_ranks_seeded_differently(
 
 def _train_pipeline(rank: int, world_size: int, pipeline: fxpar.Pipeline) -> dict:  # type: ignore[type-arg]
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = GPT(CONFIG)
-    batches = [torch.randint(0, CONFIG.vocab_size, (4, 8)) for _ in range(STEPS)]
-    torch.manual_seed(1234)
+    model, batches = _model_and_batches()
     pipelined = fxpar.compile(
         model, fxpar.Cluster((world_size,)), (batches[0],), gpt_loss,
         example_targets=(batches[0],), optimizer=fxpar.optim.SGD(lr=0.1), pipeline=pipeline,
@@ -216,11 +206,9 @@ def _train_pipeline(rank: int, world_size: int, pipeline: fxpar.Pipeline) -> dic
 
 
 def _eager_pieces(pieces: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Single-device gradient accumulation over ``pieces`` equal pieces of each batch."""
-    torch.manual_seed(0)
-    model = GPT(CONFIG)
-    batches = [torch.randint(0, CONFIG.vocab_size, (4, 8)) for _ in range(STEPS)]
-    torch.manual_seed(1234)
+    """Single-device training, accumulating gradients over ``pieces`` equal pieces of each
+    batch (1: plain training)."""
+    model, batches = _model_and_batches()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     for tokens in batches:
