@@ -1,18 +1,24 @@
-"""Train a small GPT with fxpar, launched the usual way, by torchrun:
+"""Train a small GPT with fxpar, launched the usual way, by torchrun, and resumable:
 
     torchrun --nproc-per-node 4 examples/train_gpt.py --steps 200
-    torchrun --nproc-per-node 4 examples/train_gpt.py --mesh 2x2 --checkpoint /tmp/gpt-ckpt
+    torchrun --nproc-per-node 4 examples/train_gpt.py --mesh 2x2 --checkpoint /tmp/gpt-ckpt \
+        --save-every 50 --steps 200
 
 Every process runs this same script (SPMD). fxpar reads the world from torchrun's environment
 (``fxpar.Cluster.from_env``), plans on rank 0 and shares the plan, and each process trains its
-own piece of the model. With ``--checkpoint`` the run resumes from the directory if it holds a
-checkpoint (saved under any mesh) and saves there at the end.
+own piece of the model.
+
+With ``--checkpoint DIR`` the run saves every ``--save-every`` steps into ``DIR/step-<N>`` and,
+when started again, resumes from the newest complete one (a save that was interrupted is
+skipped), under any mesh: the weights, optimizer state, step count and random state come from
+the checkpoint, and the data stream is fast-forwarded to the step it stopped at. So a run
+stopped and resumed ends with the loss of an uninterrupted one. ``--steps`` is the total.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import itertools
 
 import torch
 import torch.distributed as dist
@@ -24,9 +30,10 @@ from fxpar.models.corpus import batches, corpus_tokens
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=200, help="total steps of the run")
     parser.add_argument("--mesh", default=None, help="e.g. 2x2; default: from torchrun")
-    parser.add_argument("--checkpoint", default=None, help="directory to resume from / save to")
+    parser.add_argument("--checkpoint", default=None, help="directory of step checkpoints")
+    parser.add_argument("--save-every", type=int, default=0, help="0: only at the end")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -45,19 +52,29 @@ def main() -> None:
     )  # fmt: skip
     if rank == 0:
         print(parallel.plan.report(), flush=True)
-    if args.checkpoint and os.path.exists(os.path.join(args.checkpoint, ".metadata")):
-        parallel.load(args.checkpoint)
+    resume = fxpar.checkpoint.latest(args.checkpoint) if args.checkpoint else None
+    if resume is not None:
+        parallel.load(resume)
+        # The stream is deterministic: skip the batches the saved run had trained on.
+        data = itertools.chain([(tokens, targets)], data)
+        data = itertools.islice(data, parallel.steps, None)
+        tokens, targets = next(data)
         if rank == 0:
-            print(f"resumed from {args.checkpoint} at step {parallel.steps}", flush=True)
+            print(f"resumed from {resume} at step {parallel.steps}", flush=True)
 
-    for _ in range(args.steps):
+    loss = None
+    while parallel.steps < args.steps:
         loss = parallel.step(tokens, targets)
         if rank == 0 and (parallel.steps % 20 == 0 or parallel.steps == 1):
             print(f"step {parallel.steps:5d}  loss {loss.item():.4f}", flush=True)
+        if args.checkpoint and (
+            parallel.steps == args.steps
+            or (args.save_every and parallel.steps % args.save_every == 0)
+        ):
+            parallel.save(f"{args.checkpoint}/step-{parallel.steps:06d}")
         tokens, targets = next(data)
-
-    if args.checkpoint:
-        parallel.save(args.checkpoint)
+    if rank == 0 and loss is not None:
+        print(f"final loss {loss.item():.8f} at step {parallel.steps}", flush=True)
     dist.destroy_process_group()
 
 

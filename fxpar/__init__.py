@@ -19,7 +19,7 @@ import importlib
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from fxpar import errors, ir, models, optim, pipeline, plan_io, plans, report
+from fxpar import checkpoint, errors, ir, models, optim, pipeline, plan_io, plans, report
 from fxpar.capture import capture
 from fxpar.cluster import Cluster
 from fxpar.lowering import lower
@@ -48,6 +48,7 @@ __all__ = [
     "Signature",
     "StepResult",
     "capture",
+    "checkpoint",
     "compile",
     "errors",
     "ir",

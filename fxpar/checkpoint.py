@@ -1,19 +1,41 @@
 """Sharded checkpoints shared by :class:`~fxpar.parallel.ParallelModel` and
 :class:`~fxpar.pipeline.PipelineModel`.
 
-A checkpoint is a ``torch.distributed.checkpoint`` directory. Every tensor is stored under a
-name of the model, not of a rank: ``model/<parameter or buffer>``,
-``optimizer/<parameter>/<slot>`` and ``steps``, each rank contributing its local pieces as
-DTensors with their global shape and placements (a plain tensor when there is no process
-group). So a checkpoint written under one mesh, plan or pipeline loads under any other: each
-rank reads just the pieces its own layout needs, and a stage reads only the entries it holds.
+A checkpoint stores every tensor under a name of the model, not of a rank:
+``model/<parameter or buffer>``, ``optimizer/<parameter>/<slot>``, ``steps`` and ``random``
+(fxpar's random state, :mod:`fxpar.rng`), each rank contributing its local pieces as DTensors
+with their global shape and placements (a plain tensor when there is no process group). So a
+checkpoint written under one mesh, plan or pipeline loads under any other: each rank reads just
+the pieces its own layout needs, and a stage reads only the entries it holds.
+
+**Atomic.** The directory ``path`` holds versions, each a complete
+``torch.distributed.checkpoint`` directory, and a commit record, ``fxpar-checkpoint.json``,
+naming the current version and listing its files with their sizes. A save writes a new version
+beside the current one; only once every rank has finished writing does rank 0 replace the
+record (write to a temporary file, then ``os.replace``, which is atomic), and only then are
+older versions deleted. A save that dies part way (a rank killed, a full disk) leaves the
+record, and so the previous checkpoint, as it was. A load reads only the committed version, and
+refuses a directory without a record (an interrupted first save, or not an fxpar checkpoint) or
+whose files differ from the record's list.
+
+**Strict.** A load compares the checkpoint's entries with the whole model's (every parameter
+and buffer, ``steps`` and ``random``): an entry the model lacks, or a model entry the checkpoint
+lacks, is a :class:`~fxpar.errors.CheckpointError` naming them, unless ``strict=False``, which
+loads the entries both have, as :meth:`torch.nn.Module.load_state_dict` does. Optimizer state
+may be missing (a checkpoint saved before the first step has none; it starts from zero), but
+state for a parameter this model lacks, or a slot its optimizer does not keep (Adam's moments
+loaded into SGD), is unexpected too.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import uuid
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,48 +44,68 @@ import torch.distributed as dist
 from fxpar import ir
 from fxpar.errors import CheckpointError
 from fxpar.optim import Optimizer
+from fxpar.rng import RandomState
 from fxpar.sharding import Spec
 
 Wrap = Callable[[str, torch.Tensor], Any]
 """Turns the local piece of the named parameter (or of a state slot shaped like it) into what
 the checkpoint stores: a DTensor, or the tensor itself without a process group."""
 
+RECORD = "fxpar-checkpoint.json"
+"""The commit record's file name, inside the checkpoint directory."""
+_FORMAT = 1
+
 
 def save(state: Mapping[str, Any], path: str | os.PathLike[str], *, distributed: bool) -> None:
-    """Write ``state`` (names to DTensors or tensors). A collective when ``distributed``."""
+    """Write ``state`` (names to DTensors or tensors) as a new version of the checkpoint at
+    ``path`` and commit it (see the module docstring). A collective when ``distributed``."""
     from torch.distributed import checkpoint as dcp
 
+    root = Path(path)
+    rank = dist.get_rank() if distributed else 0
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+    version = _agree(f"v-{uuid.uuid4().hex[:16]}", distributed)
     with warnings.catch_warnings():
         # A one-device model saves without a process group, which is what torch warns of.
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.save(dict(state), checkpoint_id=os.fspath(path))
+        dcp.save(dict(state), checkpoint_id=os.fspath(root / version))
+    # Every rank has written its files (a rank that died made the collective above fail).
+    _settle(distributed)
+    if rank == 0:
+        _commit(root, version)
     _settle(distributed)
 
 
 def load(
-    state: Mapping[str, Any], path: str | os.PathLike[str], *, distributed: bool
+    state: Mapping[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    distributed: bool,
+    expected: Entries,
+    strict: bool = True,
 ) -> dict[str, Any]:
-    """Read the entries of ``state`` that the checkpoint at ``path`` has, in place into its
-    DTensors (plain tensors are filled in the returned dict: copy them back). Every entry but
-    optimizer slots must be in the checkpoint, with the same global shape.
+    """Read the entries of ``state`` that the committed checkpoint at ``path`` has, in place
+    into its DTensors (plain tensors are filled in the returned dict: copy them back).
+    ``expected`` names every entry the whole model saves (a pipeline stage's ``state`` holds
+    only its own); with ``strict``, the checkpoint must hold exactly those (see the module
+    docstring), with the same global shapes.
 
     Raises:
-        CheckpointError: there is no checkpoint at ``path``, or it is another model's.
+        CheckpointError: there is no committed checkpoint at ``path``, its files are not those
+            it committed, it is another model's (``strict``), or an entry's shape differs.
     """
     from torch.distributed import checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
+    version = committed_version(path)
     try:
-        metadata = FileSystemReader(os.fspath(path)).read_metadata()
+        metadata = FileSystemReader(os.fspath(version)).read_metadata()
     except Exception as error:
-        raise CheckpointError(f"cannot read a checkpoint at {path}: {error}") from error
+        raise CheckpointError(f"cannot read the checkpoint at {path}: {error}") from error
     saved = metadata.state_dict_metadata
-    missing = [k for k in state if k not in saved and not k.startswith("optimizer/")]
-    if missing:
-        raise CheckpointError(
-            f"the checkpoint at {path} lacks {missing[:5]} ({len(missing)} entries): it was "
-            "saved from a different model"
-        )
+    if strict:
+        expected.check(saved, path)
     for key, value in state.items():
         size = getattr(saved.get(key), "size", None)
         if size is not None and tuple(size) != tuple(value.shape):
@@ -74,9 +116,148 @@ def load(
     wanted = {key: value for key, value in state.items() if key in saved}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load(wanted, checkpoint_id=os.fspath(path))
+        dcp.load(wanted, checkpoint_id=os.fspath(version))
     _settle(distributed)
     return wanted
+
+
+def committed_version(path: str | os.PathLike[str]) -> Path:
+    """The directory of the version the checkpoint at ``path`` committed, after checking that
+    its files are the ones the record lists.
+
+    Raises:
+        CheckpointError: no record (nothing saved there, an interrupted first save, or not an
+            fxpar checkpoint), or files missing or changed since the commit.
+    """
+    root = Path(path)
+    record_path = root / RECORD
+    try:
+        record = json.loads(record_path.read_text())
+        version, files = record["version"], record["files"]
+        if record.get("format") != _FORMAT:
+            raise ValueError(f"format {record.get('format')!r}, expected {_FORMAT}")
+    except FileNotFoundError:
+        found = "nothing" if not root.exists() else f"{sorted(p.name for p in root.iterdir())}"
+        raise CheckpointError(
+            f"cannot read a checkpoint at {path}: it has no commit record ({RECORD}; found "
+            f"{found}). A save there was interrupted before every rank finished, or this is "
+            "not a checkpoint written by fxpar's save"
+        ) from None
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise CheckpointError(f"cannot read the commit record {record_path}: {error}") from error
+    directory = root / version
+    damaged = []
+    for name, size in files.items():
+        file = directory / name
+        if not file.is_file():
+            damaged.append(f"{name} is missing")
+        elif file.stat().st_size != size:
+            damaged.append(f"{name} has {file.stat().st_size} bytes, committed {size}")
+    if damaged:
+        raise CheckpointError(
+            f"the checkpoint at {path} is damaged: {'; '.join(damaged[:3])} "
+            f"({len(damaged)} files differ from its commit record); restore it, or load "
+            "another checkpoint"
+        )
+    return directory
+
+
+def latest(root: str | os.PathLike[str], prefix: str = "step-") -> Path | None:
+    """The newest committed checkpoint among the directories ``<root>/<prefix><N>``: the one
+    with the largest ``N`` whose commit record and files check out (a save interrupted before
+    its commit is passed over), or None. For runs that save periodically into step
+    directories and resume from the last (see examples/train_gpt.py)."""
+    found = []
+    for directory in Path(root).glob(f"{prefix}*"):
+        number = directory.name.removeprefix(prefix)
+        if number.isdigit():
+            found.append((int(number), directory))
+    for _, directory in sorted(found, reverse=True):
+        try:
+            committed_version(directory)
+        except CheckpointError:
+            continue
+        return directory
+    return None
+
+
+class Entries:
+    """The entries a whole model's checkpoint holds: the required ones (parameters and
+    buffers, ``steps``, ``random``) and the optional optimizer slots."""
+
+    def __init__(
+        self, state_names: Sequence[str], trainable: Sequence[str], optimizer: Optimizer
+    ) -> None:
+        self.required = frozenset({"steps", "random", *(f"model/{name}" for name in state_names)})
+        # Per-parameter counters (Adam's "step") are kept beside the slots shaped like it.
+        slots = (*optimizer.state_keys, "step")
+        self.optional = frozenset(
+            f"optimizer/{name}/{slot}" for name in trainable for slot in slots
+        )
+
+    def check(self, saved: Collection[str], path: str | os.PathLike[str]) -> None:
+        """Raise unless ``saved`` holds every required entry and nothing unknown."""
+        missing = sorted(self.required.difference(saved))
+        unexpected = sorted(set(saved) - self.required - self.optional)
+        if missing or unexpected:
+            problems = []
+            if unexpected:
+                problems.append(f"entries this model lacks: {_listed(unexpected)}")
+            if missing:
+                problems.append(f"no entry for {_listed(missing)}")
+            raise CheckpointError(
+                f"the checkpoint at {path} does not match this model ({'; '.join(problems)}): "
+                "it was saved from a different model or optimizer. Pass strict=False to load "
+                "the entries both have"
+            )
+
+
+def _listed(keys: Sequence[str]) -> str:
+    shown = ", ".join(keys[:5])
+    return shown + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+
+
+def _commit(root: Path, version: str) -> None:
+    """Point the record at ``version`` (atomically), then delete every other version."""
+    directory = root / version
+    files = {
+        str(file.relative_to(directory)): file.stat().st_size
+        for file in sorted(directory.rglob("*"))
+        if file.is_file()
+    }
+    record = {"format": _FORMAT, "version": version, "files": files}
+    temporary = root / f".{RECORD}.{version}.tmp"
+    with open(temporary, "w") as stream:
+        json.dump(record, stream, indent=1)
+        stream.flush()
+        os.fsync(stream.fileno())
+    os.replace(temporary, root / RECORD)
+    for entry in root.iterdir():
+        if entry.is_dir() and entry.name.startswith("v-") and entry.name != version:
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _agree(proposal: str, distributed: bool) -> str:
+    """Rank 0's ``proposal``, on every rank."""
+    if not distributed:
+        return proposal
+    chosen = [proposal]
+    dist.broadcast_object_list(chosen, src=0)
+    return str(chosen[0])
+
+
+def progress_entries(steps: int, random: RandomState) -> dict[str, torch.Tensor]:
+    """The entries of a run's progress: the step count and fxpar's random state (the same on
+    every rank), so a resumed run draws the numbers an uninterrupted one would."""
+    return {"steps": torch.tensor(steps, dtype=torch.int64), "random": random.state.clone()}
+
+
+def restore_progress(loaded: Mapping[str, Any], steps: int, random: RandomState) -> int:
+    """Set ``random`` from a load's entries and return the loaded step count (``steps``, and
+    ``random`` as it was, where a non-strict load found none)."""
+    if "random" in loaded:
+        random.state = loaded["random"].clone()
+    return int(loaded["steps"].item()) if "steps" in loaded else steps
 
 
 def optimizer_entries(

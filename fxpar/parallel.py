@@ -349,31 +349,46 @@ class ParallelModel:
         return self._dtensor(name, local).full_tensor()
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write a sharded checkpoint (a ``torch.distributed.checkpoint`` directory, see
-        :mod:`fxpar.checkpoint`): the parameters, buffers and optimizer state, each rank
-        writing its own pieces. A collective: call it on every rank."""
+        """Write a sharded checkpoint (see :mod:`fxpar.checkpoint`): the parameters, buffers,
+        optimizer state, step count and random state, each rank writing its own pieces. The
+        save is atomic: the previous checkpoint at ``path`` stays until every rank has written
+        the new one. A collective: call it on every rank."""
         distributed = self._device_mesh is not None
         checkpoint.save(
             self._checkpoint_state(include_missing=False), path, distributed=distributed
         )
 
-    def load(self, path: str | os.PathLike[str]) -> None:
+    def load(self, path: str | os.PathLike[str], *, strict: bool = True) -> None:
         """Read a checkpoint written by :meth:`save` (or by a :class:`PipelineModel` of the
         same model), under this model's mesh and plan, which may differ from those it was
-        saved with. A collective: call it on every rank."""
+        saved with. With ``strict`` (the default) the checkpoint must hold exactly this
+        model's entries; ``strict=False`` loads those both have. A collective: call it on
+        every rank.
+
+        Raises:
+            CheckpointError: no committed checkpoint at ``path``, a damaged one, another
+                model's (with ``strict``), or an entry of another shape.
+        """
         distributed = self._device_mesh is not None
         state = self._checkpoint_state(include_missing=True)
-        wanted = checkpoint.load(state, path, distributed=distributed)
+        expected = checkpoint.Entries(
+            self.signature.parameters + self.signature.buffers,
+            self.signature.gradients,
+            self.optimizer_spec,
+        )
+        wanted = checkpoint.load(
+            state, path, distributed=distributed, expected=expected, strict=strict
+        )
+        self.steps = checkpoint.restore_progress(wanted, self.steps, self.random)
         # Loads land in place in the local pieces (DTensors share their storage), except for
         # the plain tensors, which are copied back here.
-        self.steps = int(wanted["steps"].item())
         if not distributed:
             for key, value in wanted.items():
-                if key != "steps":
+                if key.startswith(("model/", "optimizer/")):
                     self._checkpoint_tensor(key).copy_(value)
 
     def _checkpoint_state(self, *, include_missing: bool) -> dict[str, Any]:
-        state: dict[str, Any] = {"steps": torch.tensor(self.steps, dtype=torch.int64)}
+        state: dict[str, Any] = checkpoint.progress_entries(self.steps, self.random)
         for name in self.signature.parameters + self.signature.buffers:
             state[f"model/{name}"] = self._dtensor(name, self._checkpoint_tensor(f"model/{name}"))
         trainable = dict(zip(self.signature.gradients, self.trainable, strict=True))

@@ -1,15 +1,18 @@
-"""The documented torchrun launches work: examples/train_gpt.py trains on 2 processes, saves a
-checkpoint, and a second launch under another mesh resumes from it; README's torchrun snippet
-runs as written."""
+"""The documented torchrun launches work: examples/train_gpt.py trains on 2 processes, saves
+step checkpoints, and a stopped run resumes to the loss of an uninterrupted one (under the same
+or another mesh); README's torchrun snippet runs as written."""
 
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+import fxpar
 
 pytestmark = pytest.mark.slow
 
@@ -23,14 +26,36 @@ def _torchrun(*args: str, script: Path = EXAMPLE, cwd: Path | None = None) -> st
     return done.stdout
 
 
-def test_train_gpt_under_torchrun_and_resume(tmp_path: Path) -> None:
-    checkpoint = str(tmp_path / "checkpoint")
-    first = _torchrun("--steps", "20", "--checkpoint", checkpoint)
-    assert "plan: ilp, optimal" in first
-    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", first)]
+def _final_loss(output: str) -> float:
+    (loss,) = re.findall(r"final loss (\d+\.\d+) at step 20", output)
+    return float(loss)
+
+
+def test_train_gpt_resumes_where_it_stopped(tmp_path: Path) -> None:
+    """A run stopped at step 12 and started again ends with the loss of an uninterrupted run
+    of 20 steps: exactly under the same mesh, to rounding under another; an interrupted save
+    (a step directory without a commit record) is passed over."""
+    uninterrupted = _torchrun("--steps", "20", "--save-every", "10",
+                              "--checkpoint", str(tmp_path / "a"))  # fmt: skip
+    assert "plan: ilp, optimal" in uninterrupted
+    losses = [float(x) for x in re.findall(r"step +\d+  loss (\d+\.\d+)", uninterrupted)]
     assert len(losses) == 2 and losses[1] < losses[0]  # steps 1 and 20; it learns
-    second = _torchrun("--steps", "1", "--mesh", "2", "--checkpoint", checkpoint)
-    assert "resumed from" in second and "at step 20" in second
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["step-000010", "step-000020"]
+
+    stopped = tmp_path / "b"
+    _torchrun("--steps", "12", "--save-every", "5", "--checkpoint", str(stopped))
+    torn = stopped / "step-000015"  # as a save killed before its commit leaves it
+    torn.mkdir()
+    (torn / "v-0").mkdir()
+    (torn / "v-0" / "__0_0.distcp").write_bytes(b"partial")
+    shutil.copytree(stopped, tmp_path / "c")
+    resumed = _torchrun("--steps", "20", "--save-every", "5", "--checkpoint", str(stopped))
+    assert f"resumed from {stopped / 'step-000012'} at step 12" in resumed
+    assert _final_loss(resumed) == _final_loss(uninterrupted)
+
+    elsewhere = _torchrun("--steps", "20", "--mesh", "1x2", "--checkpoint", str(tmp_path / "c"))
+    assert "at step 12" in elsewhere
+    assert _final_loss(elsewhere) == pytest.approx(_final_loss(uninterrupted), rel=1e-4)
 
 
 def test_readme_torchrun_snippet(tmp_path: Path) -> None:
@@ -39,4 +64,4 @@ def test_readme_torchrun_snippet(tmp_path: Path) -> None:
     script = tmp_path / "snippet.py"
     script.write_text(block + "\ndist.destroy_process_group()\n")
     _torchrun(script=script, cwd=tmp_path)
-    assert (tmp_path / "checkpoint" / ".metadata").exists()
+    assert fxpar.checkpoint.committed_version(tmp_path / "checkpoint").is_dir()

@@ -335,19 +335,35 @@ class PipelineModel:
     # -- checkpoints ----------------------------------------------------------------------------
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write a sharded checkpoint of this stage's parameters, buffers and optimizer state
-        (every rank writes its own pieces, under the model's own names; see
-        :mod:`fxpar.checkpoint`). It loads into any pipeline or :class:`ParallelModel` of the
-        same model, whatever its stages, mesh or plan. A collective: call it on every rank."""
+        """Write a sharded checkpoint of this stage's parameters, buffers and optimizer state,
+        with the step count and random state (every rank writes its own pieces, under the
+        model's own names; see :mod:`fxpar.checkpoint`). It loads into any pipeline or
+        :class:`ParallelModel` of the same model, whatever its stages, mesh or plan. The save
+        is atomic: the previous checkpoint at ``path`` stays until every rank has written the
+        new one. A collective: call it on every rank."""
         state = self._checkpoint_state(include_missing=False)
         checkpoint.save(state, path, distributed=self._distributed)
 
-    def load(self, path: str | os.PathLike[str]) -> None:
+    def load(self, path: str | os.PathLike[str], *, strict: bool = True) -> None:
         """Read the entries this stage holds from a checkpoint written by :meth:`save` or by
-        :meth:`ParallelModel.save <fxpar.parallel.ParallelModel.save>`. A collective."""
+        :meth:`ParallelModel.save <fxpar.parallel.ParallelModel.save>`. With ``strict`` (the
+        default) the checkpoint must hold exactly the whole model's entries; ``strict=False``
+        loads those both have. A collective.
+
+        Raises:
+            CheckpointError: as for :meth:`ParallelModel.load
+                <fxpar.parallel.ParallelModel.load>`.
+        """
         state = self._checkpoint_state(include_missing=True)
-        wanted = checkpoint.load(state, path, distributed=self._distributed)
-        self.steps = int(wanted["steps"].item())
+        expected = checkpoint.Entries(
+            self.signature.parameters + self.signature.buffers,
+            self.signature.gradients,
+            self.optimizer_spec,
+        )
+        wanted = checkpoint.load(
+            state, path, distributed=self._distributed, expected=expected, strict=strict
+        )
+        self.steps = checkpoint.restore_progress(wanted, self.steps, self.random)
         if not self._distributed:  # plain tensors: loaded into copies
             for key, value in wanted.items():
                 kind, _, rest = key.partition("/")
@@ -358,7 +374,7 @@ class PipelineModel:
                     self.optimizer.state[self.parameters[name]][slot].copy_(value)
 
     def _checkpoint_state(self, *, include_missing: bool) -> dict[str, Any]:
-        state: dict[str, Any] = {"steps": torch.tensor(self.steps, dtype=torch.int64)}
+        state: dict[str, Any] = checkpoint.progress_entries(self.steps, self.random)
         for name, tensor in {**self.parameters, **self.buffers}.items():
             state[f"model/{name}"] = self._wrap(name, tensor)
         trainable = {name: self.parameters[name] for name in self._trainable}
