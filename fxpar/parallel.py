@@ -306,8 +306,13 @@ class ParallelModel:
         return outputs[0]
 
     def loss(self, *batch: torch.Tensor, **named_batch: torch.Tensor) -> torch.Tensor:
-        """The loss of the current weights on a batch, changing nothing."""
-        return self._run(self._batch(batch, named_batch))[0]
+        """The loss of the current weights on a batch, changing nothing: random ops (dropout)
+        draw what the next step will draw, and the random state is left where it was."""
+        state = self.random.state
+        try:
+            return self._run(self._batch(batch, named_batch))[0]
+        finally:
+            self.random.state = state
 
     def _run(self, batch: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         inputs = [self.parameters[n] for n in self.signature.parameters]

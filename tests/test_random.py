@@ -266,3 +266,23 @@ def test_manual_plans_keep_a_random_input_whole_where_its_first_dim_does_not_spl
     for solver in (fxpar.plans.data_parallel, fxpar.plans.fully_sharded):
         plan = plan_program(copy.deepcopy(program), cluster, solver)
         assert_equivalent(lower(plan.program, cluster), flat)
+
+
+def test_loss_changes_nothing_not_even_the_random_state() -> None:
+    """ParallelModel.loss draws the next step's masks and leaves the random state alone, so a
+    step after it is the step without it."""
+    model, batches = _model_and_batches()
+    tokens = batches[0]
+    compiled = []
+    for _ in range(2):
+        torch.manual_seed(1234)  # the same random state for both
+        parallel = fxpar.compile(
+            model, fxpar.Cluster((1,)), (tokens,), gpt_loss, example_targets=(tokens,),
+            optimizer=fxpar.optim.SGD(lr=0.1),
+        )  # fmt: skip
+        compiled.append(parallel)
+    parallel, reference = compiled
+    first, second = parallel.loss(tokens, tokens), parallel.loss(tokens, tokens)
+    assert torch.equal(first, second)
+    assert torch.equal(parallel.step(tokens, tokens), first)
+    assert torch.equal(reference.step(tokens, tokens), first)
