@@ -44,6 +44,7 @@ import torch.distributed as dist
 from fxpar import ir
 from fxpar.errors import CheckpointError
 from fxpar.optim import Optimizer
+from fxpar.program import Signature
 from fxpar.rng import RandomState
 from fxpar.sharding import Spec
 
@@ -185,14 +186,13 @@ class Entries:
     """The entries a whole model's checkpoint holds: the required ones (parameters and
     buffers, ``steps``, ``random``) and the optional optimizer slots."""
 
-    def __init__(
-        self, state_names: Sequence[str], trainable: Sequence[str], optimizer: Optimizer
-    ) -> None:
-        self.required = frozenset({"steps", "random", *(f"model/{name}" for name in state_names)})
+    def __init__(self, signature: Signature, optimizer: Optimizer) -> None:
+        state_names = signature.parameters + signature.buffers
+        self.required = frozenset({"steps", "random", *(f"model/{n}" for n in state_names)})
         # Per-parameter counters (Adam's "step") are kept beside the slots shaped like it.
         slots = (*optimizer.state_keys, "step")
         self.optional = frozenset(
-            f"optimizer/{name}/{slot}" for name in trainable for slot in slots
+            f"optimizer/{name}/{slot}" for name in signature.gradients for slot in slots
         )
 
     def check(self, saved: Collection[str], path: str | os.PathLike[str]) -> None:

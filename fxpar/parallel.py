@@ -376,11 +376,7 @@ class ParallelModel:
         """
         distributed = self._device_mesh is not None
         state = self._checkpoint_state(include_missing=True)
-        expected = checkpoint.Entries(
-            self.signature.parameters + self.signature.buffers,
-            self.signature.gradients,
-            self.optimizer_spec,
-        )
+        expected = checkpoint.Entries(self.signature, self.optimizer_spec)
         wanted = checkpoint.load(
             state, path, distributed=distributed, expected=expected, strict=strict
         )

@@ -355,11 +355,7 @@ class PipelineModel:
                 <fxpar.parallel.ParallelModel.load>`.
         """
         state = self._checkpoint_state(include_missing=True)
-        expected = checkpoint.Entries(
-            self.signature.parameters + self.signature.buffers,
-            self.signature.gradients,
-            self.optimizer_spec,
-        )
+        expected = checkpoint.Entries(self.signature, self.optimizer_spec)
         wanted = checkpoint.load(
             state, path, distributed=self._distributed, expected=expected, strict=strict
         )
