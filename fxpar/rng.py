@@ -84,8 +84,7 @@ def can_draw_ahead(node: fx.Node) -> bool:
     """Whether a random ``node`` depends on nothing but shapes and plain arguments."""
     if node.target not in _SHAPE_ONLY:
         return False
-    tensors = [a for a in node.all_input_nodes]
-    return len(tensors) <= 1 and not any(
+    return len(node.all_input_nodes) <= 1 and not any(
         isinstance(value, torch.Generator) for value in (*node.args, *node.kwargs.values())
     )
 
