@@ -19,10 +19,19 @@ pytestmark = pytest.mark.slow
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
 
 
+# Rarely a gloo process aborts with this at exit, after its last collective and
+# destroy_process_group (seen in 1 of 6 launches of one fresh-clone CI run, in none of 30
+# launches of a local stress loop): a teardown race of gloo's worker threads in torch, not a
+# failure of the run, whose last step and save had finished.
+_TEARDOWN_ABORT = "terminate called without an active exception"
+
+
 def _torchrun(*args: str, script: Path = EXAMPLE, cwd: Path | None = None) -> str:
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)]
     done = subprocess.run([*command, *args], capture_output=True, text=True, timeout=300, cwd=cwd)
-    assert done.returncode == 0, done.stderr[-3000:]
+    finished = "final loss" in done.stdout  # printed after the last step and save
+    if done.returncode != 0 and not (finished and _TEARDOWN_ABORT in done.stderr):
+        raise AssertionError(done.stderr[-3000:])
     return done.stdout
 
 
