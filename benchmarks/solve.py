@@ -53,8 +53,8 @@ def main() -> None:
     args = parser.parse_args()
 
     import fxpar
-    from fxpar.planner import prepare_for_planning
-    from fxpar.planning import build_problem
+    from fxpar.planning.plan import prepare_for_planning
+    from fxpar.planning.problem import build_problem
     from fxpar.solvers.errors import InfeasiblePlanError
     from fxpar.solvers.ilp import ILPSolver, model_size
 

@@ -19,16 +19,19 @@ import importlib
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from fxpar import checkpoint, errors, ir, models, optim, pipeline, plan_io, plans, report
-from fxpar.capture import capture
+from fxpar import checkpoint, errors, ir, models, optim, pipeline
 from fxpar.cluster import Cluster
+from fxpar.ir import work_report as report
+from fxpar.ir.capture import capture
+from fxpar.ir.program import Program, Signature, StepResult
+from fxpar.ir.verify import verify
 from fxpar.lowering import lower
-from fxpar.parallel import ParallelModel, compile
 from fxpar.pipeline import Pipeline, PipelineModel
-from fxpar.planner import Plan, PlanOptions, plan
-from fxpar.program import Program, Signature, StepResult
+from fxpar.planning import manual as plans
+from fxpar.planning import plan_file as plan_io
+from fxpar.planning.plan import Plan, PlanOptions, plan
 from fxpar.runtime import launch as _launch
-from fxpar.verify import verify
+from fxpar.runtime.parallel import ParallelModel, compile
 
 # Imported for its side effect: the docs call fxpar.runtime.launch.spawn after `import fxpar`,
 # and fxpar/runtime/__init__.py leaves launch out.

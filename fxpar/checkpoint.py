@@ -1,4 +1,4 @@
-"""Sharded checkpoints shared by :class:`~fxpar.parallel.ParallelModel` and
+"""Sharded checkpoints shared by :class:`~fxpar.runtime.parallel.ParallelModel` and
 :class:`~fxpar.pipeline.PipelineModel`.
 
 A checkpoint stores every tensor under a name of the model, not of a rank:
@@ -43,9 +43,9 @@ import torch.distributed as dist
 
 from fxpar import ir
 from fxpar.errors import CheckpointError
+from fxpar.ir.program import Signature
+from fxpar.ir.rng import RandomState
 from fxpar.optim import Optimizer
-from fxpar.program import Signature
-from fxpar.rng import RandomState
 from fxpar.sharding import Spec
 
 Wrap = Callable[[str, torch.Tensor], Any]

@@ -240,7 +240,7 @@ def build_target(spec: str, batch: int, length: int) -> Target:
 
 
 def plan_command(args: argparse.Namespace) -> int:
-    from fxpar.planner import plan_program
+    from fxpar.planning.plan import plan_program
 
     mesh = fxpar.Cluster.parse_mesh(args.mesh)
     overrides = {} if args.memory_gib is None else {"memory": args.memory_gib * 2**30}

@@ -3,7 +3,7 @@
 Views (ops whose result aliases an input), ``getitem`` and symbolic-size arithmetic (nodes that
 produce no tensor) move no data: they cost zero FLOPs and zero bytes read or written, though
 their ``output_bytes`` still give the size of the value. Other ops read all their tensor
-arguments and write all their results; FLOPs come from a :class:`~fxpar.flops.FlopRegistry`.
+arguments and write all their results; FLOPs come from a :class:`~fxpar.ir.flops.FlopRegistry`.
 Costs are ints, or sympy expressions when the Program was captured with symbolic shapes.
 """
 
@@ -18,9 +18,9 @@ import torch
 import torch.fx as fx
 
 from fxpar import ir
-from fxpar.flops import FlopRegistry, default_flop_registry
+from fxpar.ir.flops import FlopRegistry, default_flop_registry
+from fxpar.ir.program import Program
 from fxpar.passes.base import Pass
-from fxpar.program import Program
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ import torch
 
 from fxpar import ir
 from fxpar.cluster import Cluster
+from fxpar.ir.program import Program
 from fxpar.passes.base import Pass
-from fxpar.program import Program
 from fxpar.rules import OpCall, RuleRegistry, default_rules, op_call
 from fxpar.sharding import Strategies, Strategy, all_specs
 

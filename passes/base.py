@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from fxpar.errors import FxparError, PassError
-from fxpar.program import Program
-from fxpar.verify import verify as verify_program
+from fxpar.ir.program import Program
+from fxpar.ir.verify import verify as verify_program
 
 logger = logging.getLogger(__name__)
 

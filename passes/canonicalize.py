@@ -24,8 +24,8 @@ import torch
 import torch.fx as fx
 
 from fxpar import ir
+from fxpar.ir.program import Program
 from fxpar.passes.base import Pass
-from fxpar.program import Program
 
 aten = torch.ops.aten
 _MEAN, _SUM = 1, 2  # torch's reduction enum

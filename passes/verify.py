@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fxpar.ir.program import Program
+from fxpar.ir.verify import verify
 from fxpar.passes.base import Pass
-from fxpar.program import Program
-from fxpar.verify import verify
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,9 @@ import torch
 import fxpar
 from fxpar import ir
 from fxpar.cli import main
+from fxpar.ir.work_report import cost_table, group_of
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.passes import AnnotateCost
-from fxpar.report import cost_table, group_of
 
 
 def tiny_target() -> tuple[torch.nn.Module, tuple[torch.Tensor], object, tuple[torch.Tensor]]:

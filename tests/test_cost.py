@@ -12,7 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import fxpar
 from fxpar import ir
-from fxpar.flops import default_flop_registry
+from fxpar.ir.flops import default_flop_registry
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.passes import AnnotateCost
 

@@ -20,7 +20,7 @@ from zoo import CNN
 import fxpar
 from fxpar import plans
 from fxpar.cluster import Cluster
-from fxpar.planner import plan_program
+from fxpar.planning.plan import plan_program
 from fxpar.testing import assert_equivalent
 
 transformers = pytest.importorskip("transformers")

@@ -12,8 +12,8 @@ from torch import nn
 import fxpar
 from fxpar import ir
 from fxpar.errors import FxparError, PassError, VerificationError
+from fxpar.ir.program import Program
 from fxpar.passes import AnnotateCost, Pass, PassManager, Verify, default_pipeline
-from fxpar.program import Program
 
 
 def small_program() -> Program:

@@ -26,7 +26,7 @@ from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.pipeline import Pipeline, PipelineError, partition, split_program
 from fxpar.pipeline.auto import StageChoice, evaluate_split, plan_stages
 from fxpar.pipeline.options import ScheduleName
-from fxpar.planner import plan_program
+from fxpar.planning.plan import plan_program
 from fxpar.solvers.stages import StageMemoryError
 
 BATCH = 16

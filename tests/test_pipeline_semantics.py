@@ -31,10 +31,10 @@ from torch import nn
 import fxpar
 from fxpar import plans
 from fxpar.cluster import Cluster
+from fxpar.ir.program import named_state
 from fxpar.optim import SGD
 from fxpar.passes.canonicalize import Canonicalize
 from fxpar.pipeline import Pipeline, PipelineModel, partition, split_program
-from fxpar.program import named_state
 from fxpar.runtime.launch import spawn
 from fxpar.testing.pipeline import simulate_pipeline
 

@@ -28,11 +28,11 @@ import fxpar
 from fxpar import ir, plans
 from fxpar.cluster import Cluster
 from fxpar.errors import FxparError
+from fxpar.ir.program import named_state
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.optim import SGD, AdamW
 from fxpar.pipeline import Pipeline, PipelineError, PipelineModel, partition, split_program
 from fxpar.pipeline.sharded import shard_stage, stage_devices
-from fxpar.program import named_state
 from fxpar.runtime.collectives import OneDeviceCommunicator
 from fxpar.testing import ModelCase
 from fxpar.testing import strategies as fst

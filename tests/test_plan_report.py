@@ -21,9 +21,9 @@ from fxpar import ir, plans
 from fxpar.cluster import Cluster
 from fxpar.errors import FxparError
 from fxpar.models import GPT, GPTConfig, gpt_loss
-from fxpar.plan_io import PlanFileError, parse_spec
-from fxpar.plan_report import compact_spec, layer_namer, plan_collectives, report_data
-from fxpar.planner import Plan, load_plan, plan_program
+from fxpar.planning.plan import Plan, load_plan, plan_program
+from fxpar.planning.plan_file import PlanFileError, parse_spec
+from fxpar.planning.report import compact_spec, layer_namer, plan_collectives, report_data
 from fxpar.rules import RuleRegistry
 from fxpar.sharding import Sharding
 from fxpar.solvers.greedy import GreedySolver

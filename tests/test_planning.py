@@ -12,8 +12,8 @@ from fxpar import ir, plans
 from fxpar.cluster import Cluster, GiB
 from fxpar.errors import FxparError, SymbolicShapeError
 from fxpar.models import GPT, GPTConfig, gpt_loss
-from fxpar.planner import Plan, plan_program, score
-from fxpar.planning import PlanOptions, build_problem
+from fxpar.planning.plan import Plan, plan_program, score
+from fxpar.planning.problem import PlanOptions, build_problem
 from fxpar.rules import default_rules, op_call
 from fxpar.sharding import Sharding
 from fxpar.solvers.errors import InfeasiblePlanError
@@ -110,7 +110,7 @@ def test_repeated_layers_are_solved_once_and_coarsening_shrinks_the_problem() ->
     tokens = torch.randint(0, 128, (8, 16))
     program = fxpar.capture(model, (tokens,), gpt_loss, example_targets=(tokens,))
     cluster = Cluster((4,))
-    prepared = fxpar.planner.prepare_for_planning(program, cluster)
+    prepared = fxpar.planning.plan.prepare_for_planning(program, cluster)
     full, full_layout = build_problem(
         prepared, cluster, PlanOptions(coarsen=False, dedup_layers=False)
     )
@@ -120,7 +120,7 @@ def test_repeated_layers_are_solved_once_and_coarsening_shrinks_the_problem() ->
     assert layout.stats["layers_merged"] > 0
     # The same data-parallel choice costs the same in all three problems.
     plans.data_parallel(prepared, cluster)
-    from fxpar.planning import assignment_of
+    from fxpar.planning.problem import assignment_of
 
     costs = [
         problem.objective(assignment_of(prepared, lay))  # type: ignore[arg-type]

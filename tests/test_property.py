@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 
-from fxpar.capture import capture
 from fxpar.cluster import Cluster
-from fxpar.planner import plan_program
+from fxpar.ir.capture import capture
+from fxpar.planning.plan import plan_program
 from fxpar.solvers.ilp import ILPSolver
 from fxpar.testing import ModelCase, assert_equivalent, assert_plan_equivalent
 from fxpar.testing import strategies as fst

@@ -20,10 +20,10 @@ from zoo import MLP
 
 import fxpar
 from fxpar.errors import CaptureError
+from fxpar.ir.rng import RandomState
 from fxpar.lowering import lower
 from fxpar.models import GPT, GPTConfig, gpt_loss
-from fxpar.planner import plan_program
-from fxpar.rng import RandomState
+from fxpar.planning.plan import plan_program
 from fxpar.runtime.launch import spawn
 from fxpar.testing import ModelCase, assert_equivalent, assert_plan_equivalent
 from fxpar.testing.strategies import _SequenceModel
@@ -144,7 +144,7 @@ def test_random_state_leaves_the_users_generator_alone() -> None:
     first = state.draw(program.signature.random)
     assert torch.equal(torch.get_rng_state(), before)
     torch.manual_seed(3)
-    eager = fxpar.rng.draw_all(program.signature.random)
+    eager = fxpar.ir.rng.draw_all(program.signature.random)
     assert all(torch.equal(a, b) for a, b in zip(first, eager, strict=True))
     second = state.draw(program.signature.random)
     assert not torch.equal(first[0], second[0])

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 
-from fxpar.reshard import ReshardStep, reshard_steps
 from fxpar.sharding import all_specs, assemble, local_shape, spec_str
+from fxpar.sharding.reshard import ReshardStep, reshard_steps
 from fxpar.testing.rules import distribute
 
 R, P = Replicate(), Partial()

@@ -14,10 +14,10 @@ from zoo import CNN, MLP
 import fxpar
 from fxpar import ir
 from fxpar.cluster import Cluster
+from fxpar.ir.program import Program
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.passes.annotate_strategies import AnnotateStrategies, _call_key
 from fxpar.passes.canonicalize import Canonicalize
-from fxpar.program import Program
 from fxpar.rules import AxisOption, OpCall, coverage, default_rules, op_call
 from fxpar.sharding import Strategies, Strategy, spec_str
 from fxpar.testing import validate_rules

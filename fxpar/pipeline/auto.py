@@ -34,16 +34,15 @@ each, so work and activations scale by ``1 / (M d)`` (assumed linear in the batc
 
 ``T`` is the roofline time of a node on one device, ``max(flops / F, bytes moved / memory
 bandwidth)``, summed over the range's forward or backward nodes; ``G`` the bytes of trainable
-parameters the range reads (each holder of a tied weight counts it), ``S`` of its buffers and
-frozen parameters; ``A_saved`` the bytes of the forward values (batch tensors included, views
-counted once at their base, parameters not at all) the range's backward reads; ``A_batch`` the
-batch tensors it reads; ``B_fwd(c)`` and ``B_back(c)`` the bytes of the values crossing the
-boundary before atom ``c`` forwards and backwards. ``allreduce`` is
-:func:`fxpar.costmodel.collective_seconds` (``alpha + 2 (d-1)/d G / beta``) on the innermost mesh
-axis that holds ``d`` consecutive ranks (a stage's replicas are consecutive ranks); sends use the
-slowest axis, which some pair of neighbouring stages may cross. The gradient reduction is charged
-``1/M`` of it per micro-batch, so it enters the step time once per step for the slowest stage.
-Costs are cached per (atom range, d).
+parameters the range reads (each holder of a tied weight counts it), ``S`` of its buffers and frozen
+parameters; ``A_saved`` the bytes of the forward values (batch tensors included, views counted once
+at their base, parameters not at all) the range's backward reads; ``A_batch`` the batch tensors it
+reads; ``B_fwd(c)`` and ``B_back(c)`` the bytes of the values crossing the boundary before atom
+``c`` forwards and backwards. ``allreduce`` is :func:`fxpar.planning.cost.collective_seconds`
+(``alpha + 2 (d-1)/d G / beta``) on the innermost mesh axis that holds ``d`` consecutive ranks (a
+stage's replicas are consecutive ranks); sends use the slowest axis, which some pair of neighbouring
+stages may cross. The gradient reduction is charged ``1/M`` of it per micro-batch, so it enters the
+step time once per step for the slowest stage. Costs are cached per (atom range, d).
 
 **Search.** The runtime gives every stage the same ``d`` devices, so for every ``d`` dividing the
 world size ``D`` (and ``M d`` dividing the batch) with ``K = D / d`` stages no more than the
@@ -58,7 +57,7 @@ solver, pins, options or rules are given with ``stages="auto"``). Then a stage o
 runs an intra-op plan on a stage mesh ``(d,)`` (with the links of the innermost mesh axis that
 holds ``d`` consecutive ranks), and the costs come from that plan. For every ``d``, the step is
 planned once on the stage mesh (``stage_planner(program, stage_cluster)``, the ILP by default),
-and the plan is read the way the plan report reads it (:func:`fxpar.plan_report.walk`): per
+and the plan is read the way the plan report reads it (:func:`fxpar.planning.report.walk`): per
 node, its roofline seconds under its strategy and the collectives it runs, with the bytes each
 device holds of every value. Layers ``[i, j)`` then cost, per micro-batch (``1/M`` of the
 planned step's work, assumed linear in the batch as above):
@@ -89,12 +88,12 @@ import torch.fx as fx
 
 from fxpar import ir
 from fxpar.cluster import Cluster
-from fxpar.costmodel import collective_seconds
+from fxpar.ir.program import Program
 from fxpar.passes.annotate_cost import AnnotateCost
 from fxpar.pipeline.options import Pipeline, PipelineError
 from fxpar.pipeline.partition import partition
-from fxpar.plans import require_concrete_shapes
-from fxpar.program import Program
+from fxpar.planning.cost import collective_seconds
+from fxpar.planning.manual import require_concrete_shapes
 from fxpar.solvers.errors import format_bytes
 from fxpar.solvers.layers import DataEdge, cluster_layers
 from fxpar.solvers.stages import (
@@ -107,12 +106,12 @@ from fxpar.solvers.stages import (
 )
 
 if TYPE_CHECKING:
-    from fxpar.planner import Plan
+    from fxpar.planning.plan import Plan
 
 logger = logging.getLogger(__name__)
 
 StagePlanner = Callable[[Program, Cluster], "Plan"]
-"""Plans a captured step on a stage mesh, e.g. ``fxpar.planner.plan_program``."""
+"""Plans a captured step on a stage mesh, e.g. ``fxpar.planning.plan.plan_program``."""
 
 DEFAULT_MAX_LAYERS = 16
 """Atoms beyond this many are clustered into layers: the stage DP is cubic in the layers."""
@@ -395,7 +394,7 @@ def _cost_model(
         atoms = _Atoms.build(program, extra_points)
         return _CostModel(atoms, cluster, pipeline, optimizer_states)
     # Planning canonicalizes the graph; do it before the atoms take its nodes.
-    from fxpar.planner import prepare_for_planning
+    from fxpar.planning.plan import prepare_for_planning
 
     prepare_for_planning(program, _stage_cluster(cluster, 1))
     atoms = _Atoms.build(program, extra_points)
@@ -807,8 +806,8 @@ class _PlannedCostModel(_CostModel):
         return self._plans[devices]
 
     def _plan(self, devices: int) -> _PlannedStep:
-        from fxpar.costmodel import local_bytes
-        from fxpar.plan_report import walk
+        from fxpar.planning.cost import local_bytes
+        from fxpar.planning.report import walk
 
         stage_cluster = _stage_cluster(self.cluster, devices)
         program = self.atoms.program

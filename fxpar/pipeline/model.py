@@ -29,7 +29,7 @@ stage mesh, exchanging activations with the same coordinate of the neighbouring 
 in and converted to their parameters' layouts once per step.
 
 **Checkpoints.** :meth:`PipelineModel.save` writes this stage's pieces under the model's own
-names (:mod:`fxpar.checkpoint`), so pipelines and :class:`~fxpar.parallel.ParallelModel` of
+names (:mod:`fxpar.checkpoint`), so pipelines and :class:`~fxpar.runtime.parallel.ParallelModel` of
 any layout load each other's checkpoints.
 
 **Semantics.** Masked and ``ignore_index`` losses are divided by the whole batch's count, so the
@@ -54,9 +54,11 @@ from torch import nn
 from torch.distributed.tensor import Replicate
 
 from fxpar import checkpoint, ir
-from fxpar.capture import LossFn, capture
 from fxpar.cluster import Cluster, Coordinate
 from fxpar.errors import BatchError
+from fxpar.ir.capture import LossFn, capture
+from fxpar.ir.program import Program, named_state, state_dict_aliases
+from fxpar.ir.rng import RandomState
 from fxpar.optim import AdamW, Optimizer, check_optimizer
 from fxpar.passes.canonicalize import Canonicalize
 from fxpar.pipeline.executor import StageResult, StageTrace, StageWorker
@@ -66,9 +68,7 @@ from fxpar.pipeline.schedule import build_schedule, simulate
 from fxpar.pipeline.semantics import PipelineSemantics
 from fxpar.pipeline.sharded import ShardedStage, local_batch, shard_stage
 from fxpar.pipeline.split import SplitProgram, split_program
-from fxpar.planner import Plan, SolvedOnRankZero, plan_program
-from fxpar.program import Program, named_state, state_dict_aliases
-from fxpar.rng import RandomState
+from fxpar.planning.plan import Plan, SolvedOnRankZero, plan_program
 from fxpar.runtime.batches import BatchSignature
 from fxpar.runtime.collectives import (
     Communicator,
@@ -117,7 +117,7 @@ class PipelineModel:
         """``stage_cluster``: run an intra-op plan inside every stage, on a mesh of this shape
         (see the module docstring); ``planner(program, stage_cluster)`` makes the plan, the
         same on every rank (by default the ILP, solved on rank 0 and broadcast; e.g.
-        ``functools.partial(fxpar.planner.plan_program, solver=fxpar.plans.tensor_parallel)``
+        ``functools.partial(fxpar.planning.plan.plan_program, solver=fxpar.plans.tensor_parallel)``
         for Megatron). ``check_batches``: compare a digest of every batch across ranks before
         each step (one small all-gather), so that a rank fed another batch fails loudly
         instead of training on a mixture."""
@@ -346,13 +346,13 @@ class PipelineModel:
 
     def load(self, path: str | os.PathLike[str], *, strict: bool = True) -> None:
         """Read the entries this stage holds from a checkpoint written by :meth:`save` or by
-        :meth:`ParallelModel.save <fxpar.parallel.ParallelModel.save>`. With ``strict`` (the
+        :meth:`ParallelModel.save <fxpar.runtime.parallel.ParallelModel.save>`. With ``strict`` (the
         default) the checkpoint must hold exactly the whole model's entries; ``strict=False``
         loads those both have. A collective.
 
         Raises:
             CheckpointError: as for :meth:`ParallelModel.load
-                <fxpar.parallel.ParallelModel.load>`.
+                <fxpar.runtime.parallel.ParallelModel.load>`.
         """
         state = self._checkpoint_state(include_missing=True)
         expected = checkpoint.Entries(self.signature, self.optimizer_spec)

@@ -33,9 +33,9 @@ from typing import NamedTuple
 import torch.fx as fx
 
 from fxpar import ir
-from fxpar.flops import default_flop_registry
+from fxpar.ir.flops import default_flop_registry
+from fxpar.ir.program import Program
 from fxpar.pipeline.options import PipelineError
-from fxpar.program import Program
 
 logger = logging.getLogger(__name__)
 

@@ -47,7 +47,7 @@ import torch
 import torch.fx as fx
 
 from fxpar import ir
-from fxpar.program import Program
+from fxpar.ir.program import Program
 
 aten = torch.ops.aten
 _MEAN, _SUM = 1, 2  # torch's reduction enum

@@ -44,12 +44,12 @@ import torch.fx as fx
 
 from fxpar import ir
 from fxpar.errors import LoweringError
+from fxpar.ir.program import Program, StepResult
+from fxpar.ir.rng import RandomDraw, draw_all
 from fxpar.lowering import value_spec
 from fxpar.pipeline.options import PipelineError
 from fxpar.pipeline.partition import Half, Partition, Unit
 from fxpar.pipeline.semantics import LossDenominator, PipelineSemantics, pipeline_semantics
-from fxpar.program import Program, StepResult
-from fxpar.rng import RandomDraw, draw_all
 from fxpar.runtime.collectives import Communicator
 from fxpar.sharding import Sharding, Spec, Strategy
 

@@ -11,7 +11,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from fxpar import ir
-from fxpar.program import Program
+from fxpar.ir.program import Program
 from fxpar.rules import matmul, nn, pointwise, reductions, views
 from fxpar.rules.registry import AxisOption, OpCall, Rule, RuleRegistry, expand, op_call
 

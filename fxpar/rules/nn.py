@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
-from fxpar.aten_ops import ATTENTION_BACKWARD, ATTENTION_FORWARD
+from fxpar.ir.aten_ops import ATTENTION_BACKWARD, ATTENTION_FORWARD
 from fxpar.rules.registry import AxisOption, OpCall, RuleRegistry
 
 aten = torch.ops.aten

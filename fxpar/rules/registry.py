@@ -24,7 +24,7 @@ from torch.distributed.tensor import Placement
 
 from fxpar import ir
 from fxpar.errors import SymbolicShapeError
-from fxpar.op_table import OpTable
+from fxpar.ir.op_table import OpTable
 from fxpar.sharding import Spec, Strategy, has_partial, is_valid, replicated
 
 R_ = torch.distributed.tensor.Replicate()

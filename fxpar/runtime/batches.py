@@ -1,9 +1,9 @@
 """The batch a compiled step takes, checked before any rank runs on it.
 
-:class:`~fxpar.parallel.ParallelModel` and :class:`~fxpar.pipeline.PipelineModel` both take the
-global batch, whole and identical on every rank, and each rank cuts out its own pieces. So two
-things must hold before a step runs, or the step trains on something other than what the user
-meant, without a word:
+:class:`~fxpar.runtime.parallel.ParallelModel` and :class:`~fxpar.pipeline.PipelineModel` both take
+the global batch, whole and identical on every rank, and each rank cuts out its own pieces. So two
+things must hold before a step runs, or the step trains on something other than what the user meant,
+without a word:
 
 - the batch is the one the step was compiled for: as many tensors, bound by position or by
   name, each with the example's full shape and dtype (:meth:`BatchSignature.bind`);

@@ -8,10 +8,10 @@ gradients and buffer updates with one device.
 
 from __future__ import annotations
 
-from fxpar.capture import capture
 from fxpar.cluster import Cluster
+from fxpar.ir.capture import capture
 from fxpar.lowering import SPMDProgram, lower
-from fxpar.plans import random_plan
+from fxpar.planning.manual import random_plan
 from fxpar.rules import RuleRegistry
 from fxpar.testing.equivalence import (
     Divergence,

@@ -11,9 +11,9 @@ from typing import TypeVar
 import torch
 
 from fxpar.cluster import Cluster, Coordinate
+from fxpar.ir.program import StepResult
 from fxpar.pipeline.sharded import ShardedStage, local_batch, shard_stage
 from fxpar.pipeline.split import SplitProgram, StageOutputs
-from fxpar.program import StepResult
 from fxpar.sharding import assemble
 from fxpar.testing.simulate import SimulatedMesh
 

@@ -20,8 +20,8 @@ from torch.distributed.tensor import Partial, Shard
 
 from fxpar import ir
 from fxpar.cluster import Cluster, Coordinate
+from fxpar.ir.program import Program
 from fxpar.lowering import localize_shape_arguments
-from fxpar.program import Program
 from fxpar.rules import RuleRegistry, default_rules, op_call
 from fxpar.sharding import Spec, Strategy, assemble, spec_str
 from fxpar.testing.simulate import record_values

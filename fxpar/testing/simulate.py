@@ -19,8 +19,8 @@ import torch.fx as fx
 
 from fxpar.cluster import Coordinate
 from fxpar.errors import FxparError
+from fxpar.ir.program import StepResult
 from fxpar.lowering import SPMDProgram
-from fxpar.program import StepResult
 
 R = TypeVar("R")
 

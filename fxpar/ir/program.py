@@ -23,7 +23,7 @@ from torch import nn
 
 from fxpar import ir
 from fxpar.errors import FxparError
-from fxpar.rng import RandomDraw, draw_all
+from fxpar.ir.rng import RandomDraw, draw_all
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,9 @@ Every placeholder and compute node of the Program must carry a :class:`~fxpar.sh
 annotation (``getitem`` follows its producer). For each rank, :func:`lower` walks the graph once:
 
 - each tensor argument is resharded from its producer's spec to the spec the consumer's strategy
-  requires, by the steps of :func:`fxpar.reshard.reshard_steps`: collectives become calls to
-  :mod:`fxpar.runtime.collectives` on the ``comm`` input, local slices become ``aten.slice``;
+  requires, by the steps of :func:`fxpar.sharding.reshard.reshard_steps`: collectives become
+  calls to :mod:`fxpar.runtime.collectives` on the ``comm`` input, local slices become
+  ``aten.slice``;
 - ops whose arguments spell out a shape (``view``, ``expand``, ...) get the local shape;
 - outputs leave in their required specs: the loss replicated, each gradient in its parameter's
   spec (this is where data parallelism's gradient all-reduce appears), each buffer update in its
@@ -28,8 +29,7 @@ import torch.fx as fx
 from fxpar import ir
 from fxpar.cluster import Cluster, Coordinate
 from fxpar.errors import LoweringError
-from fxpar.program import Program, StepResult
-from fxpar.reshard import ReshardStep, reshard_steps
+from fxpar.ir.program import Program, StepResult
 from fxpar.rules.registry import tensor_inputs
 from fxpar.runtime import collectives
 from fxpar.sharding import (
@@ -41,6 +41,7 @@ from fxpar.sharding import (
     shard_tensor,
     spec_str,
 )
+from fxpar.sharding.reshard import ReshardStep, reshard_steps
 
 aten = torch.ops.aten
 

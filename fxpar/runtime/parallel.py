@@ -35,16 +35,16 @@ import torch.fx as fx
 from torch import nn
 
 from fxpar import checkpoint, ir
-from fxpar.capture import LossFn, capture
 from fxpar.cluster import Cluster, Coordinate
 from fxpar.errors import CheckpointError, DistributedError, FxparError
+from fxpar.ir.capture import LossFn, capture
+from fxpar.ir.program import Program, named_state, state_dict_aliases
+from fxpar.ir.rng import RandomState
 from fxpar.lowering import SPMDProgram
 from fxpar.optim import AdamW, Optimizer, check_optimizer
 from fxpar.pipeline import Pipeline, PipelineModel
 from fxpar.pipeline.sharded import stage_devices
-from fxpar.planner import ManualPlan, Plan, PlanOptions, SolvedOnRankZero, plan_program
-from fxpar.program import Program, named_state, state_dict_aliases
-from fxpar.rng import RandomState
+from fxpar.planning.plan import ManualPlan, Plan, PlanOptions, SolvedOnRankZero, plan_program
 from fxpar.rules import RuleRegistry
 from fxpar.runtime.batches import BatchSignature
 from fxpar.runtime.collectives import OneDeviceCommunicator, ProcessGroupCommunicator

@@ -1,18 +1,18 @@
 """The plan report: where a plan spends its step time and its memory, layer by layer.
 
-:func:`report_data` reads a :class:`~fxpar.planner.Plan` into plain data (dicts, lists, strings
-and numbers, JSON-ready); :func:`render_text` turns that into the table of ``Plan.report()`` and
-:func:`plot` into the picture of ``Plan.plot(path)``. docs/plan_report.md explains the columns.
+:func:`report_data` reads a :class:`~fxpar.planning.plan.Plan` into plain data (dicts, lists,
+strings and numbers, JSON-ready); :func:`render_text` turns that into the table of ``Plan.report()``
+and :func:`plot` into the picture of ``Plan.plot(path)``. docs/plan_report.md explains the columns.
 
 Nothing here lowers the plan. One walk over the graph, in the lowering's order, replays what
 :func:`fxpar.lowering.lower` does at every edge (:func:`plan_collectives`): the producer's spec is
-resharded into the spec the consumer's strategy reads by :func:`fxpar.reshard.reshard_steps`, a
-value converted once per target spec is reused (a parameter once per phase), and the outputs
-leave in their required specs. So the collectives listed are exactly those of
-``plan.lower().collectives()``, at the cost of one graph walk instead of one lowering per rank.
-The same walk prices every edge as the cost model does, per consumer and without reuse, which
-is the header's communication time: compute plus that is the solver's objective. The difference
-between the two communication figures is what the lowering saves by reusing conversions.
+resharded into the spec the consumer's strategy reads by
+:func:`fxpar.sharding.reshard.reshard_steps`, a value converted once per target spec is reused (a
+parameter once per phase), and the outputs leave in their required specs. So the collectives listed
+are exactly those of ``plan.lower().collectives()``, at the cost of one graph walk instead of one
+lowering per rank. The same walk prices every edge as the cost model does, per consumer and without
+reuse, which is the header's communication time: compute plus that is the solver's objective. The
+difference between the two communication figures is what the lowering saves by reusing conversions.
 
 Layers are module path prefixes: ``blocks.3``, ``transformer.h.3``, ``model.layers.3`` for
 numbered layers; other modules are cut at the depth just below the layer container
@@ -36,17 +36,17 @@ from torch.distributed.tensor import Partial, Shard
 
 from fxpar import ir
 from fxpar.cluster import Cluster
-from fxpar.costmodel import collective_seconds, compute_seconds, local_bytes, reshard_seconds
 from fxpar.errors import FxparError
+from fxpar.ir.program import Program
 from fxpar.lowering import CollectiveRecord, needs_strategy, output_specs
-from fxpar.program import Program
-from fxpar.reshard import reshard_steps
+from fxpar.planning.cost import collective_seconds, compute_seconds, local_bytes, reshard_seconds
 from fxpar.rules import coverage
 from fxpar.rules.registry import tensor_inputs
 from fxpar.sharding import Sharding, Spec, local_shape, replicated
+from fxpar.sharding.reshard import reshard_steps
 
 if TYPE_CHECKING:
-    from fxpar.planner import Plan
+    from fxpar.planning.plan import Plan
 
 MEMORY_KINDS = ("params", "grads", "optimizer", "activations")
 SHORT_KIND = {"all_gather": "AG", "all_reduce": "AR", "reduce_scatter": "RS", "all_to_all": "A2A"}
@@ -56,7 +56,7 @@ ROOT_ROW = "<root>"
 
 def compact_spec(spec: Spec | None) -> str:
     """``S(0)R`` for ``(Shard(0), Replicate())``: one token per mesh axis, as plan files and the
-    report write specs (:func:`fxpar.plan_io.parse_spec` reads it back)."""
+    report write specs (:func:`fxpar.planning.plan_file.parse_spec` reads it back)."""
     if spec is None:
         return "-"
     tokens = []
@@ -79,7 +79,7 @@ class Walk:
 
     records: list[CollectiveRecord] = field(default_factory=list)
     record_seconds: list[float] = field(default_factory=list)
-    """Alpha-beta seconds of each record, by :func:`fxpar.costmodel.collective_seconds`."""
+    """Alpha-beta seconds of each record, by :func:`fxpar.planning.cost.collective_seconds`."""
     compute: dict[fx.Node, float] = field(default_factory=dict)
     """Roofline seconds of each op under its chosen strategy."""
     edge_seconds: float = 0.0
@@ -93,7 +93,7 @@ def _chosen(node: fx.Node) -> Sharding:
     if sharding is None:
         raise FxparError(
             f"node {node.name!r} ({node.target}) has no chosen strategy; report on a Plan "
-            "(fxpar.plan, fxpar.planner.load_plan) or annotate every node with a Sharding"
+            "(fxpar.plan, fxpar.planning.plan.load_plan) or annotate every node with a Sharding"
         )
     return sharding
 

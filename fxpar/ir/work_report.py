@@ -6,7 +6,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from fxpar import ir
-from fxpar.program import Program
+from fxpar.ir.program import Program
 
 _HEADER = ("module", "params", "fwd nodes", "bwd nodes", "fwd FLOPs", "bwd FLOPs", "bytes moved")
 

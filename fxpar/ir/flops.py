@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-from fxpar.aten_ops import ATTENTION_BACKWARD, ATTENTION_FORWARD
 from fxpar.ir import Size, TensorMeta, product, total
-from fxpar.op_table import OpTable
+from fxpar.ir.aten_ops import ATTENTION_BACKWARD, ATTENTION_FORWARD
+from fxpar.ir.op_table import OpTable
 
 aten = torch.ops.aten
 

@@ -25,17 +25,17 @@ import torch.distributed as dist
 from torch import nn
 
 from fxpar import ir
-from fxpar.capture import LossFn, capture
 from fxpar.cluster import Cluster
 from fxpar.errors import DistributedError, FxparError
+from fxpar.ir.capture import LossFn, capture
+from fxpar.ir.program import Program
 from fxpar.lowering import SPMDProgram, lower
 from fxpar.passes.annotate_cost import AnnotateCost
 from fxpar.passes.annotate_strategies import AnnotateStrategies
 from fxpar.passes.base import PassManager
 from fxpar.passes.canonicalize import Canonicalize
-from fxpar.plan_report import plot as plot_report
-from fxpar.plan_report import render_text, report_data
-from fxpar.planning import (
+from fxpar.planning.manual import require_concrete_shapes
+from fxpar.planning.problem import (
     Layout,
     PlanOptions,
     apply_solution,
@@ -43,8 +43,8 @@ from fxpar.planning import (
     build_problem,
     candidates,
 )
-from fxpar.plans import require_concrete_shapes
-from fxpar.program import Program
+from fxpar.planning.report import plot as plot_report
+from fxpar.planning.report import render_text, report_data
 from fxpar.rules import RuleRegistry, default_rules
 from fxpar.sharding import Sharding
 from fxpar.solvers.problem import IntraOpProblem, IntraOpSolution, IntraOpSolver
@@ -88,7 +88,7 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         """The plan as plain data: what :meth:`save` writes, with the plan report under
         ``"report"`` (the data :meth:`report` and :meth:`plot` draw)."""
-        from fxpar.plan_io import plan_document
+        from fxpar.planning.plan_file import plan_document
 
         return plan_document(self)
 
@@ -105,7 +105,7 @@ class Plan:
     def save(self, path: str | Path) -> Path:
         """Write the plan as editable JSON (see :mod:`fxpar.plan_io`); :func:`load_plan` reads
         it back onto a captured Program without solving."""
-        from fxpar.plan_io import save_plan
+        from fxpar.planning.plan_file import save_plan
 
         return save_plan(self, path)
 
@@ -262,8 +262,8 @@ def load_plan(
 ) -> Plan:
     """The plan saved by :meth:`Plan.save` at ``path``, applied to ``program`` (a capture of the
     same model) and scored by the cost model, without solving. ``cluster`` defaults to the saved
-    one; see :func:`fxpar.plan_io.load_plan` for what is checked."""
-    from fxpar.plan_io import load_plan as load
+    one; see :func:`fxpar.planning.plan_file.load_plan` for what is checked."""
+    from fxpar.planning.plan_file import load_plan as load
 
     return load(path, program, cluster, rules)
 

@@ -40,10 +40,10 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from fxpar import ir
 from fxpar.cluster import Cluster
 from fxpar.errors import FxparError
-from fxpar.plan_report import compact_spec, report_data
-from fxpar.planner import Plan, prepare_for_planning
-from fxpar.planning import PlanOptions, assignment_of, build_problem, candidates
-from fxpar.program import Program
+from fxpar.ir.program import Program
+from fxpar.planning.plan import Plan, prepare_for_planning
+from fxpar.planning.problem import PlanOptions, assignment_of, build_problem, candidates
+from fxpar.planning.report import compact_spec, report_data
 from fxpar.rules import RuleRegistry
 from fxpar.sharding import Sharding, Spec, Strategies, Strategy
 from fxpar.solvers.problem import IntraOpSolution

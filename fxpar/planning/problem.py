@@ -38,9 +38,9 @@ import torch.fx as fx
 
 from fxpar import ir
 from fxpar.cluster import Cluster
-from fxpar.costmodel import compute_seconds, local_bytes, reshard_seconds
 from fxpar.errors import FxparError
-from fxpar.program import Program
+from fxpar.ir.program import Program
+from fxpar.planning.cost import compute_seconds, local_bytes, reshard_seconds
 from fxpar.rules.registry import tensor_inputs
 from fxpar.sharding import Sharding, Spec, Strategies, Strategy, replicated, spec_str
 from fxpar.solvers.problem import Edge, IntraOpProblem

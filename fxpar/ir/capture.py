@@ -1,4 +1,4 @@
-"""Capture one training step of an ``nn.Module`` as a functional :class:`~fxpar.program.Program`.
+"""Capture one training step of an ``nn.Module`` as a functional :class:`~fxpar.ir.program.Program`.
 
 How it works:
 
@@ -49,8 +49,8 @@ from torch.fx.experimental.symbolic_shapes import (
 
 from fxpar import ir
 from fxpar.errors import CaptureError
-from fxpar.program import Program, Signature
-from fxpar.rng import RandomDraw, can_draw_ahead, draws_random_numbers
+from fxpar.ir.program import Program, Signature
+from fxpar.ir.rng import RandomDraw, can_draw_ahead, draws_random_numbers
 
 LossFn = Callable[..., torch.Tensor]
 

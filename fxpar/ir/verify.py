@@ -23,8 +23,8 @@ import torch.fx as fx
 
 from fxpar import ir
 from fxpar.errors import VerificationError
-from fxpar.program import Program
-from fxpar.rng import draws_random_numbers
+from fxpar.ir.program import Program
+from fxpar.ir.rng import draws_random_numbers
 
 
 def verify(program: Program) -> Program:

@@ -4,7 +4,7 @@
   the axis latency ``α`` plus its bytes over the axis bandwidth ``β``: all-reduce
   ``α + 2(n−1)/n·B/β``, all-gather ``α + (n−1)·B/β`` (it receives ``n−1`` pieces of ``B``),
   reduce-scatter and all-to-all ``α + (n−1)/n·B/β``. Local slices are free. A resharding costs
-  the sum of its steps (:func:`fxpar.reshard.reshard_steps`).
+  the sum of its steps (:func:`fxpar.sharding.reshard.reshard_steps`).
 - A strategy's compute time is its share of the node's work, by a roofline:
   ``max(flops / F, bytes / memory_bandwidth)``, where the share divides the node's FLOPs and bytes
   by the devices of every mesh axis on which the strategy splits the node (an axis where any
@@ -20,8 +20,8 @@ from torch.distributed.tensor import Partial, Shard
 
 from fxpar import ir
 from fxpar.cluster import Cluster
-from fxpar.reshard import reshard_steps
 from fxpar.sharding import Spec, Strategy, local_shape
+from fxpar.sharding.reshard import reshard_steps
 
 
 def collective_seconds(kind: str, local_bytes: float, devices: int, bandwidth: float,

@@ -41,10 +41,9 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from fxpar import ir
 from fxpar.cluster import Cluster
 from fxpar.errors import FxparError, SymbolicShapeError
+from fxpar.ir.program import Program
 from fxpar.passes.annotate_strategies import AnnotateStrategies
 from fxpar.passes.canonicalize import Canonicalize
-from fxpar.program import Program
-from fxpar.reshard import reshard_steps
 from fxpar.rules import RuleRegistry, default_rules
 from fxpar.rules.registry import tensor_inputs
 from fxpar.sharding import (
@@ -56,6 +55,7 @@ from fxpar.sharding import (
     replicated,
     spec_str,
 )
+from fxpar.sharding.reshard import reshard_steps
 
 SpecChooser = Callable[[str, ir.TensorMeta], Spec]
 

@@ -1,0 +1,33 @@
+"""Lowering: a planned Program to one program per rank, with local shapes and collectives.
+
+:mod:`fxpar.lowering.spmd` rewrites a graph whose every node carries its chosen strategy into
+per-rank GraphModules (:func:`lower`, :func:`lower_graph`).
+"""
+
+from __future__ import annotations
+
+from fxpar.lowering.spmd import (
+    CollectiveRecord,
+    LoweredGraph,
+    RankProgram,
+    SPMDProgram,
+    localize_shape_arguments,
+    lower,
+    lower_graph,
+    needs_strategy,
+    output_specs,
+    value_spec,
+)
+
+__all__ = [
+    "CollectiveRecord",
+    "LoweredGraph",
+    "RankProgram",
+    "SPMDProgram",
+    "localize_shape_arguments",
+    "lower",
+    "lower_graph",
+    "needs_strategy",
+    "output_specs",
+    "value_spec",
+]
