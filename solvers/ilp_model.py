@@ -50,6 +50,7 @@ solvers check every plan with :func:`memory_over`, by the problem's own figures.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from typing import NamedTuple
 
@@ -377,10 +378,42 @@ def column_costs(reduced: Reduced) -> tuple[Vector, float]:
 # --- Helpers ----------------------------------------------------------------------------------
 
 
+highs_logger = logging.getLogger("fxpar.solvers.ilp.highs")
+"""HiGHS's own log, one record per message at DEBUG. HiGHS writes nothing to the console; with
+this logger enabled for DEBUG when a HiGHS instance is made, that instance's log comes here (each
+message is a call into Python, so it is only asked for then)."""
+
+
+class QuietHighs(highspy.Highs):
+    """A :class:`highspy.Highs` that never writes to the console.
+
+    ``highspy.Highs.__init__`` installs its callback dispatcher with :meth:`enableCallbacks`, and
+    installing it makes HiGHS write its banner ("Running HiGHS 1.x ...") under the default
+    options, that is to stdout, before the constructor returns and any option could be set.
+    Output is turned off here, just before that call. The banner, written once per process, then
+    waits for the first solve with output on, whose log goes to :data:`highs_logger`.
+    """
+
+    def enableCallbacks(self) -> None:
+        self.setOptionValue("output_flag", False)
+        self.setOptionValue("log_to_console", False)
+        super().enableCallbacks()
+
+
+def _log_highs_message(event: highspy.HighsCallbackEvent) -> None:
+    message = event.message.rstrip("\n")
+    if message.strip():
+        highs_logger.debug("%s", message)
+
+
 def new_highs(threads: int | None) -> highspy.Highs:
-    """A silent HiGHS instance, with a pool of ``threads`` threads if given."""
-    highs = highspy.Highs()
-    highs.setOptionValue("output_flag", False)
+    """A HiGHS instance that writes nothing to the console and its log to :data:`highs_logger`,
+    with a pool of ``threads`` threads if given."""
+    highs = QuietHighs()
+    if highs_logger.isEnabledFor(logging.DEBUG):
+        highs.cbLogging.subscribe(_log_highs_message)
+        # With a logging callback and log_to_console off, output goes to the callback alone.
+        highs.setOptionValue("output_flag", True)
     if threads is not None:
         highs.setOptionValue("threads", threads)
         # The pool is built once per process; a different size is refused until it is reset.

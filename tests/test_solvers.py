@@ -176,7 +176,7 @@ def test_infeasible_memory_names_the_need_and_the_limit_without_calling_highs() 
         memory_limit=2 * GiB,
         names=("weight", "activation"),
     )
-    with mock.patch("fxpar.solvers.ilp.highspy.Highs", side_effect=AssertionError("called")):
+    with mock.patch("fxpar.solvers.ilp_model.QuietHighs", side_effect=AssertionError("called")):
         for solver in (ILPSolver(), ExhaustiveSolver(), GreedySolver()):
             with pytest.raises(InfeasiblePlanError) as caught:
                 solver.solve(problem)
@@ -203,7 +203,7 @@ def test_single_strategy_nodes_are_fixed_and_their_edges_still_count() -> None:
     assert solution.choice == (0, 1, 0)
     assert solution.objective == 0.0 + 1.0 + 2.0 + 0.0 + 4.0
     all_fixed = IntraOpProblem(((3.0,), (4.0,)), ((1.0,), (2.0,)), (Edge(0, 1, ((1.0,),)),))
-    with mock.patch("fxpar.solvers.ilp.highspy.Highs", side_effect=AssertionError("called")):
+    with mock.patch("fxpar.solvers.ilp_model.QuietHighs", side_effect=AssertionError("called")):
         solution = ILPSolver().solve(all_fixed)
     assert (solution.choice, solution.objective, solution.status) == ((0, 0), 8.0, "optimal")
 
