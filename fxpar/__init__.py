@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from fxpar import checkpoint, errors, ir, models, optim, pipeline
 from fxpar.cluster import Cluster
+from fxpar.compiler import compile, plan
 from fxpar.ir import work_report as report
 from fxpar.ir.capture import capture
 from fxpar.ir.program import Program, Signature, StepResult
@@ -29,9 +30,10 @@ from fxpar.lowering import lower
 from fxpar.pipeline import Pipeline, PipelineModel
 from fxpar.planning import manual as plans
 from fxpar.planning import plan_file as plan_io
-from fxpar.planning.plan import Plan, PlanOptions, plan
+from fxpar.planning.plan import Plan
+from fxpar.planning.problem import PlanOptions
 from fxpar.runtime import launch as _launch
-from fxpar.runtime.parallel import ParallelModel, compile
+from fxpar.runtime.parallel import ParallelModel
 
 # Imported for its side effect: the docs call fxpar.runtime.launch.spawn after `import fxpar`,
 # and fxpar/runtime/__init__.py leaves launch out.

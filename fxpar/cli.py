@@ -25,6 +25,11 @@ from fxpar.errors import FxparError
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.models.corpus import batches, corpus_tokens
 from fxpar.models.shapes import GPT2_SHAPES, LLAMA_LAYERS, llama
+from fxpar.passes import PassManager, default_pipeline
+from fxpar.pipeline import Pipeline, plan_stages
+from fxpar.planning.plan import plan_program
+from fxpar.runtime.launch import spawn
+from fxpar.solvers import ExhaustiveSolver, GreedySolver, ILPSolver
 
 MANUAL_PLANS: dict[str, Callable[..., fxpar.Program]] = {
     "data_parallel": plans.data_parallel,
@@ -105,7 +110,6 @@ def demo(args: argparse.Namespace) -> int:
         layers=args.layers, width=args.width, batch=args.batch, length=args.length,
         steps=args.steps, lr=args.lr, devices=args.devices, seed=args.seed, solver=args.solver,
     )  # fmt: skip
-    from fxpar.runtime.launch import spawn
 
     print(
         f"fxpar {fxpar.__version__} demo: a {settings.layers}-layer GPT (width {settings.width}, "
@@ -156,10 +160,9 @@ def _demo_rank(rank: int, world_size: int, settings: DemoSettings) -> list[float
     data = settings.data()
     cluster = fxpar.Cluster.preset("cpu", (world_size,))
     tokens, targets = data[0]
-    solver = _solver(settings.solver)
     parallel = fxpar.compile(
         settings.model(), cluster, (tokens,), gpt_loss, example_targets=(targets,),
-        optimizer=settings.optimizer, solver=solver,
+        optimizer=settings.optimizer, passes=_pipeline(settings.solver),
     )  # fmt: skip
     if rank == 0:
         print(parallel.plan.report(), flush=True)
@@ -174,19 +177,18 @@ def _demo_rank(rank: int, world_size: int, settings: DemoSettings) -> list[float
     return losses
 
 
-def _solver(name: str, time_limit: float | None = None) -> Any:
-    """A manual plan or a solver by name; ``time_limit`` for the ILP (its default if None)."""
-    from fxpar.solvers import ExhaustiveSolver, GreedySolver, ILPSolver
-
+def _pipeline(name: str, time_limit: float | None = None) -> PassManager:
+    """The default pipeline choosing with a manual plan or a solver given by name;
+    ``time_limit`` for the ILP (its default if None)."""
     if name in MANUAL_PLANS:
-        return MANUAL_PLANS[name]
+        return default_pipeline(manual=MANUAL_PLANS[name])
     if name == "ilp" and time_limit is not None:
-        return ILPSolver(time_limit=time_limit)
+        return default_pipeline(solver=ILPSolver(time_limit=time_limit))
     solvers = {"ilp": ILPSolver, "greedy": GreedySolver, "exhaustive": ExhaustiveSolver}
     if name not in solvers:
         choices = sorted([*solvers, *MANUAL_PLANS])
         raise FxparError(f"unknown solver {name!r}; choose from {choices}")
-    return solvers[name]()
+    return default_pipeline(solver=solvers[name]())
 
 
 # -- fxpar plan ------------------------------------------------------------------------------
@@ -240,7 +242,6 @@ def build_target(spec: str, batch: int, length: int) -> Target:
 
 
 def plan_command(args: argparse.Namespace) -> int:
-    from fxpar.planning.plan import plan_program
 
     mesh = fxpar.Cluster.parse_mesh(args.mesh)
     overrides = {} if args.memory_gib is None else {"memory": args.memory_gib * 2**30}
@@ -253,14 +254,12 @@ def plan_command(args: argparse.Namespace) -> int:
         target.model, target.example_inputs, target.loss_fn, example_targets=target.example_targets
     )
     captured = time.perf_counter() - start
-    plan = plan_program(program, cluster, _solver(args.solver, args.time_limit))
+    plan = plan_program(program, cluster, passes=_pipeline(args.solver, args.time_limit))
     print(
         f"captured in {captured:.1f} s, planned in {time.perf_counter() - start - captured:.1f} s\n"
     )
     print(plan.report())
     if args.microbatches:
-        from fxpar.pipeline import Pipeline, plan_stages
-
         pipeline = Pipeline(
             microbatches=args.microbatches, schedule=args.schedule, remat=args.remat
         )

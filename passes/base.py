@@ -3,7 +3,11 @@
 A pass is a frozen dataclass: a ``name`` class attribute, its options as fields, and a
 :meth:`Pass.run` that takes a Program and returns a Program (the same object, edited, or a new
 one). A :class:`PassManager` runs an explicit tuple of passes in order; with ``verify=True`` it
-checks the IR's invariants after each one, which is how the tests run it.
+checks the IR's invariants after each one, which is how the tests run it. An unexpected
+exception in a pass, or a broken IR invariant (a missing annotation), becomes a
+:class:`~fxpar.errors.PassError` naming the pass and those before it: the pipeline is wrong.
+fxpar's typed errors about the input (an infeasible plan, symbolic shapes, a bad pin) keep their
+type, with a note naming the pass.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar
 
-from fxpar.errors import FxparError, PassError
+from fxpar.errors import AnnotationError, FxparError, PassError, VerificationError
 from fxpar.ir.program import Program
 from fxpar.ir.verify import verify as verify_program
 
@@ -66,13 +70,15 @@ class PassManager:
             start = time.perf_counter()
             try:
                 result = current(program)
+            except FxparError as error:
+                if isinstance(error, (AnnotationError, VerificationError)):
+                    raise self._failed(current, completed, error) from error
+                # About the input, typed and saying what to do (an infeasible plan, symbolic
+                # shapes, a bad pin): callers catch it by its type, so it goes on with a note.
+                error.add_note(f"raised by pass {current.name!r}{_after(completed)}")
+                raise
             except Exception as error:
-                raise PassError(
-                    f"pass {current.name!r} failed{_after(completed)}: "
-                    f"{type(error).__name__}: {error}",
-                    pass_name=current.name,
-                    completed=tuple(completed),
-                ) from error
+                raise self._failed(current, completed, error) from error
             if not isinstance(result, Program):
                 raise PassError(
                     f"pass {current.name!r} returned {type(result).__name__}, not a Program",
@@ -85,6 +91,14 @@ class PassManager:
                 self._verify(program, after=current.name, completed=tuple(completed))
             completed.append(current.name)
         return program
+
+    @staticmethod
+    def _failed(current: Pass, completed: list[str], error: Exception) -> PassError:
+        return PassError(
+            f"pass {current.name!r} failed{_after(completed)}: {type(error).__name__}: {error}",
+            pass_name=current.name,
+            completed=tuple(completed),
+        )
 
     def _verify(self, program: Program, after: str | None, completed: tuple[str, ...]) -> None:
         try:
@@ -112,6 +126,11 @@ class PassManager:
         """The pipeline with the pass called ``name`` swapped for ``new``."""
         index = self._index(name)
         return self._with((*self.passes[:index], new, *self.passes[index + 1 :]))
+
+    def through(self, name: str) -> PassManager:
+        """The pipeline up to and including the pass called ``name`` (the steps that prepare
+        what ``name`` produces, e.g. ``through("annotate-strategies")`` before a manual plan)."""
+        return self._with(self.passes[: self._index(name) + 1])
 
     def without(self, *names: str) -> PassManager:
         """The pipeline without the passes called ``names``."""

@@ -9,12 +9,21 @@ and keeps ``node_memory[v][s]`` bytes alive on each device. An edge ``(u, v)`` c
 ``edge.costs[s][t]`` seconds when ``u`` takes ``s`` and ``v`` takes ``t`` (resharding ``u``'s
 output into the layout ``v`` needs). Minimize the total cost subject to the total memory being at
 most ``memory_limit`` bytes per device.
+
+What each choice stands for is plain data too, so a solver can also be a policy about *what* to
+shard ("never split a parameter", "experts on their own axis"): ``strategies[v][s]`` is the
+:class:`~fxpar.sharding.Strategy` (input and output specs, one torch placement per mesh axis)
+that strategy ``s`` of node ``v`` gives the node deciding for it, and ``kinds[v]`` says what that
+node is: ``"parameter"``, ``"buffer"``, ``"input"``, ``"random"``, or its ATen op
+(``"aten.mm.default"``). Problems written by hand may leave both empty.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
+
+from fxpar.sharding import Strategy
 
 Status = Literal["optimal", "feasible", "time_limit", "infeasible"]
 
@@ -36,6 +45,12 @@ class IntraOpProblem:
     memory_limit: float | None = None
     names: tuple[str, ...] = field(default=(), compare=False)
     """Node names, for messages only."""
+    strategies: tuple[tuple[Strategy, ...], ...] = field(default=(), compare=False)
+    """What each choice stands for: ``strategies[v][s]`` (module docstring)."""
+    kinds: tuple[str, ...] = field(default=(), compare=False)
+    """What each node is: parameter, buffer, input, random, or its ATen op."""
+    mesh_shape: tuple[int, ...] = field(default=(), compare=False)
+    """The mesh the strategies' placements refer to."""
 
     @property
     def num_nodes(self) -> int:

@@ -71,7 +71,7 @@ def test_pipeline_checks_the_whole_shape_dtype_and_names() -> None:
 def _parallel(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> Any:
     return fxpar.compile(
         model, Cluster((1,)), (tokens,), gpt_loss, example_targets=(targets,),
-        optimizer=AdamW(lr=1e-2), solver=plans.data_parallel,
+        optimizer=AdamW(lr=1e-2), manual=plans.data_parallel,
     )  # fmt: skip
 
 
@@ -160,7 +160,7 @@ def _two_ranks(rank: int, world_size: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     inputs, targets = _regression_batch()
     results: dict[str, Any] = {}
-    parallel = _regression(rank, world_size, solver=plans.data_parallel)
+    parallel = _regression(rank, world_size, manual=plans.data_parallel)
     results["parallel"] = parallel.step(inputs, targets)
     pipeline = Pipeline(stages=("2",), microbatches=4)
     pipelined = _regression(rank, world_size, pipeline=pipeline)

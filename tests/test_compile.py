@@ -261,5 +261,5 @@ def test_compile_pipeline_errors() -> None:
     with pytest.raises(FxparError, match=r"needs a cluster mesh of \(1, \*stage_mesh\)"):
         fxpar.compile(
             _model(), fxpar.Cluster((1,)), (tokens,), gpt_loss, example_targets=(targets,),
-            solver=plans.data_parallel, pipeline=fxpar.Pipeline(stages=1),
+            manual=plans.data_parallel, pipeline=fxpar.Pipeline(stages=1),
         )  # fmt: skip

@@ -48,12 +48,14 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def _compile(mesh: tuple[int, ...], solver: object, seed: int = 0) -> fxpar.ParallelModel:
+def _compile(
+    mesh: tuple[int, ...], manual: fxpar.passes.ManualPlan | None, seed: int = 0
+) -> fxpar.ParallelModel:
     torch.manual_seed(seed)
     tokens, targets = _batches()[0]
     return fxpar.compile(
         GPT(CONFIG), fxpar.Cluster(mesh), (tokens,), gpt_loss, example_targets=(targets,),
-        optimizer=OPTIMIZER, solver=solver,  # type: ignore[arg-type]
+        optimizer=OPTIMIZER, manual=manual,
     )  # fmt: skip
 
 
@@ -96,7 +98,7 @@ def _four_ranks(rank: int, world_size: int, checkpoint: str) -> dict[str, object
     try:  # 3 samples cannot be split over 4 data-parallel ranks
         fxpar.compile(
             GPT(CONFIG), fxpar.Cluster((world_size,)), (tokens[:3],), gpt_loss,
-            example_targets=(targets[:3],), solver=plans.data_parallel,
+            example_targets=(targets[:3],), manual=plans.data_parallel,
         )  # fmt: skip
     except FxparError as error:
         results["divisible_error"] = str(error)

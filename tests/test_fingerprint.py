@@ -56,7 +56,7 @@ def _compile_with_rank_one_wider(rank: int, world_size: int) -> dict[str, str]:
     config = CONFIG if rank == 0 else GPTConfig(**{**vars(CONFIG), "n_embd": 48})
     tokens = torch.randint(0, CONFIG.vocab_size, (4, 8), generator=torch.Generator())
     ways = {
-        "data_parallel": {"solver": plans.data_parallel},
+        "data_parallel": {"manual": plans.data_parallel},
         "pipeline": {"pipeline": Pipeline(stages=2, microbatches=2)},
     }
     raised = {}

@@ -161,7 +161,7 @@ def test_manual_plan_trains_like_one_device(model: str, plan: str) -> None:
     case = ZOO[model]()
     program = case.capture()
     cluster = Cluster((2, 2))
-    planned = plan_program(program, cluster, PLANS[plan])  # scored by the cost model too
+    planned = plan_program(program, cluster, manual=PLANS[plan])  # scored by the cost model too
     spmd = planned.lower()
     assert_equivalent(spmd, case.flat_inputs(program))
     if plan != "data_parallel":  # the plan really splits weights, not only the batch

@@ -82,7 +82,7 @@ def _run_cases(rank: int, world_size: int, cases: list[Pipeline], checkpoint_dir
         pipelined = fxpar_compile(
             model, Cluster((2, 2)), (tokens,), gpt_loss, example_targets=(targets,),
             optimizer=SGD(lr=LR), pipeline=pipeline,
-            solver=plans.tensor_parallel if solver == "megatron" else None,
+            manual=plans.tensor_parallel if solver == "megatron" else None,
         )  # fmt: skip
         loss = pipelined.step(tokens, targets)
         assert pipelined.sharded is not None
@@ -101,7 +101,7 @@ def _checkpoint_round_trip(directory: str) -> tuple[Any, ...]:
     common: dict[str, Any] = {"example_targets": (targets,), "optimizer": AdamW(lr=1e-2)}
     original = fxpar_compile(
         model, Cluster((2, 2)), (tokens,), gpt_loss, **common,
-        pipeline=Pipeline(stages=2, microbatches=2), solver=plans.tensor_parallel,
+        pipeline=Pipeline(stages=2, microbatches=2), manual=plans.tensor_parallel,
     )  # fmt: skip
     original.step(tokens, targets)
     original.save(directory)
@@ -110,7 +110,7 @@ def _checkpoint_round_trip(directory: str) -> tuple[Any, ...]:
         PipelineModel(_build()[0], Pipeline(stages=4, microbatches=2), (tokens,), gpt_loss,
                       **common),
         fxpar_compile(_build()[0], Cluster((4,)), (tokens,), gpt_loss, **common,
-                      solver=plans.fully_sharded),
+                      manual=plans.fully_sharded),
     ]  # fmt: skip
     outcomes = []
     for model_now in resumed:

@@ -346,7 +346,7 @@ def _gloo_cases(rank: int, world_size: int) -> tuple[list[Any], dict[str, torch.
             buffers = {name: state[name] for name, _ in model.named_buffers()}
     meshed = fxpar.compile(
         copy.deepcopy(model), Cluster((1, world_size)), batch, optimizer=SGD(lr=0.1),
-        pipeline=Pipeline(stages=1, microbatches=2), solver=plans.data_parallel,
+        pipeline=Pipeline(stages=1, microbatches=2), manual=plans.data_parallel,
     )  # fmt: skip
     results.append(("stage mesh (2,)", meshed.compute_gradients(**batch), dict(meshed.gradients)))
     return results, buffers

@@ -172,7 +172,7 @@ def test_errors_say_what_to_change() -> None:
     with pytest.raises(FxparError, match=r"mesh of \(2, \*stage_mesh\)"):
         fxpar.compile(
             model, Cluster((2,)), (tokens,), gpt_loss, example_targets=(targets,),
-            pipeline=Pipeline(stages=2), solver=plans.tensor_parallel,
+            pipeline=Pipeline(stages=2), manual=plans.tensor_parallel,
         )  # fmt: skip
     program = fxpar.capture(model, (tokens[:2],), gpt_loss, example_targets=(targets[:2],))
     split = split_program(program, partition(program, ("blocks.1",)), remat=False)
@@ -211,7 +211,7 @@ def test_auto_stages_with_a_solver_plan_the_stage_mesh() -> None:
     pipelined = fxpar.compile(
         copy.deepcopy(model), Cluster((1,)), (tokens,), gpt_loss,
         example_targets=(targets,), optimizer=SGD(lr=0.5),
-        pipeline=Pipeline(stages="auto", microbatches=2), solver=plans.tensor_parallel,
+        pipeline=Pipeline(stages="auto", microbatches=2), manual=plans.tensor_parallel,
     )  # fmt: skip
     choice = pipelined.stage_choice
     assert choice is not None and choice.stage_cluster is not None
@@ -232,13 +232,13 @@ def test_checkpoint_moves_between_pipeline_and_parallel_model(tmp_path: Path) ->
         return fxpar.compile(
             copy.deepcopy(model), Cluster((1, 1)), (tokens,), gpt_loss,
             example_targets=(targets,), optimizer=AdamW(lr=1e-2),
-            pipeline=Pipeline(stages=1, microbatches=2), solver=plans.data_parallel,
+            pipeline=Pipeline(stages=1, microbatches=2), manual=plans.data_parallel,
         )  # fmt: skip
 
     def parallel() -> fxpar.ParallelModel:
         return fxpar.compile(
             copy.deepcopy(model), Cluster((1,)), (tokens,), gpt_loss,
-            example_targets=(targets,), optimizer=AdamW(lr=1e-2), solver=plans.data_parallel,
+            example_targets=(targets,), optimizer=AdamW(lr=1e-2), manual=plans.data_parallel,
         )  # fmt: skip
 
     for first, second in ((pipeline, parallel), (parallel, pipeline)):

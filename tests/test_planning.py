@@ -67,14 +67,14 @@ def test_large_batch_with_ample_memory_is_data_parallel() -> None:
     assert all(ir.require(n, Sharding).strategy.outputs[0] == (Shard(0),) for n in matmuls)
     activation_bytes = 64 * 32 * CONFIG.n_embd * 4 // 4
     assert all(r.bytes < activation_bytes for r in chosen.lower().collectives())
-    dp = plan_program(gpt_program(batch=64, length=32)[1], cluster, plans.data_parallel)
+    dp = plan_program(gpt_program(batch=64, length=32)[1], cluster, manual=plans.data_parallel)
     assert score(chosen) <= score(dp) * (1 + 1e-9)
 
 
 def test_tight_memory_gives_megatron_or_something_cheaper() -> None:
     cluster = THROUGHPUT_BOUND
-    megatron = plan_program(gpt_program(batch=4)[1], cluster, plans.tensor_parallel)
-    replicated = plan_program(gpt_program(batch=4)[1], cluster, plans.data_parallel)
+    megatron = plan_program(gpt_program(batch=4)[1], cluster, manual=plans.tensor_parallel)
+    replicated = plan_program(gpt_program(batch=4)[1], cluster, manual=plans.data_parallel)
     megatron_memory = megatron.problem.memory(megatron.solution.choice)
     assert replicated.problem.memory(replicated.solution.choice) > megatron_memory
     limit = megatron_memory * 1.0001
@@ -135,7 +135,7 @@ def test_solvers_are_interchangeable_and_agree_on_a_small_graph() -> None:
     results = {}
     for solver in (ILPSolver(), ExhaustiveSolver(max_combinations=10**7), GreedySolver()):
         program = fxpar.capture(model, (x,), lambda y: y.square().mean())
-        results[solver.name] = plan_program(program, Cluster((2,)), solver)
+        results[solver.name] = plan_program(program, Cluster((2,)), solver=solver)
     assert results["ilp"].solution.objective == pytest.approx(
         results["exhaustive"].solution.objective
     )
@@ -176,7 +176,7 @@ def symbolic_program() -> fxpar.Program:
 SYMBOLIC_ENTRIES = {
     "plan_program": lambda program, cluster: plan_program(program, cluster),
     "plan_program_manual": lambda program, cluster: plan_program(
-        program, cluster, plans.data_parallel
+        program, cluster, manual=plans.data_parallel
     ),
     "data_parallel": plans.data_parallel,
     "tensor_parallel": plans.tensor_parallel,

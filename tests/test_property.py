@@ -27,6 +27,6 @@ def test_ilp_plans_train_like_one_device(case: ModelCase, cluster: Cluster) -> N
     """Whatever the solver picks from the cost model, the plan lowers and trains exactly."""
     program = capture(case.model, case.inputs, case.loss_fn, example_targets=case.targets)
     flat = program.flat_inputs(case.model, *case.inputs, *case.targets)
-    chosen = plan_program(program, cluster, ILPSolver(time_limit=10.0))
+    chosen = plan_program(program, cluster, solver=ILPSolver(time_limit=10.0))
     assert chosen.solution.status in ("optimal", "time_limit")
     assert_equivalent(chosen.lower(), flat)

@@ -132,7 +132,7 @@ def test_named_plans_and_the_ilp_with_dropout_train_like_the_program() -> None:
         cluster = fxpar.Cluster(mesh)
         for solver in (fxpar.plans.data_parallel, fxpar.plans.tensor_parallel,
                        fxpar.plans.fully_sharded, None):  # fmt: skip
-            plan = plan_program(copy.deepcopy(program), cluster, solver)
+            plan = plan_program(copy.deepcopy(program), cluster, manual=solver)
             assert_equivalent(lower(plan.program, cluster), flat)
 
 
@@ -167,11 +167,11 @@ def _model_and_batches() -> tuple[GPT, list[torch.Tensor]]:
 
 def _train_parallel(rank: int, world_size: int, solver_name: str, mesh: tuple[int, ...]) -> dict:  # type: ignore[type-arg]
     torch.set_num_threads(1)
-    solver = None if solver_name == "ilp" else getattr(fxpar.plans, solver_name)
+    manual = None if solver_name == "ilp" else getattr(fxpar.plans, solver_name)
     model, batches = _model_and_batches()
     parallel = fxpar.compile(
         model, fxpar.Cluster(mesh), (batches[0],), gpt_loss, example_targets=(batches[0],),
-        optimizer=fxpar.optim.SGD(lr=0.1), solver=solver,
+        optimizer=fxpar.optim.SGD(lr=0.1), manual=manual,
     )  # fmt: skip
     torch.manual_seed(100 + rank)  # every rank's own generator differs from here on
     losses = [parallel.step(tokens, tokens) for tokens in batches]
@@ -264,7 +264,7 @@ def test_manual_plans_keep_a_random_input_whole_where_its_first_dim_does_not_spl
     flat = program.flat_inputs(model, x)
     cluster = fxpar.Cluster((2,))
     for solver in (fxpar.plans.data_parallel, fxpar.plans.fully_sharded):
-        plan = plan_program(copy.deepcopy(program), cluster, solver)
+        plan = plan_program(copy.deepcopy(program), cluster, manual=solver)
         assert_equivalent(lower(plan.program, cluster), flat)
 
 
@@ -333,5 +333,5 @@ def test_encoder_decoders_and_masked_lms_with_dropout_train_like_eager(family: s
     flat = program.flat_inputs(model, *inputs.values())
     cluster = fxpar.Cluster((2, 2))
     for solver in (fxpar.plans.data_parallel, fxpar.plans.fully_sharded):
-        plan = plan_program(copy.deepcopy(program), cluster, solver)
+        plan = plan_program(copy.deepcopy(program), cluster, manual=solver)
         assert_equivalent(lower(plan.program, cluster), flat)

@@ -172,7 +172,8 @@ def test_annotation_asks_each_distinct_call_once_and_matches_asking_every_node()
 
     rules.strategies = counting  # type: ignore[method-assign]
     mesh = (2, 2)
-    AnnotateStrategies(Cluster(mesh), rules).run(program)
+    program.cluster = Cluster(mesh)
+    AnnotateStrategies(rules).run(program)
     ops = [n for n in program.graph.nodes if ir.get(n, Strategies) and n.op == "call_function"]
     assert len(asked) < len(ops) / 2  # three identical blocks
     for node in ops:

@@ -16,13 +16,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.fx as fx
 from torch import nn
 
 from fxpar import ir
-from fxpar.errors import FxparError
+from fxpar.cluster import Cluster
+from fxpar.errors import AnnotationError, FxparError, SymbolicShapeError
 from fxpar.ir.rng import RandomDraw, draw_all
 
 
@@ -83,15 +85,54 @@ class StepResult:
     buffers: dict[str, torch.Tensor]
 
 
+A = TypeVar("A")
+
+
 class Program:
     """A captured training step: a GraphModule of ATen ops and its :class:`Signature`.
 
     Passes read and annotate ``program.graph``; :meth:`run` executes it on real tensors.
+
+    ``cluster`` is the target the Program is being compiled for, as a module's target triple is
+    in LLVM: None after capture, set by :func:`fxpar.plan` and :func:`fxpar.compile` before the
+    passes run, and read by the passes whose answer depends on the mesh (the candidate
+    strategies, the solver). Facts about the whole Program (the problem a solver was given and
+    its answer, say) are program-level annotations: :meth:`annotate`, :meth:`get` and
+    :meth:`require` mirror :func:`fxpar.ir.annotate` for nodes.
     """
 
     def __init__(self, graph_module: fx.GraphModule, signature: Signature) -> None:
         self.graph_module = graph_module
         self.signature = signature
+        self.cluster: Cluster | None = None
+        self._annotations: dict[type, object] = {}
+
+    def annotate(self, value: object) -> None:
+        """Attach a program-level fact, replacing any earlier one of the same type."""
+        self._annotations[type(value)] = value
+
+    def get(self, kind: type[A]) -> A | None:
+        """The program-level annotation of type ``kind``, or None."""
+        return self._annotations.get(kind)  # type: ignore[return-value]
+
+    def require(self, kind: type[A]) -> A:
+        """The program-level annotation of type ``kind``; raises AnnotationError if missing."""
+        found = self.get(kind)
+        if found is None:
+            raise AnnotationError(
+                f"the Program has no {kind.__name__} annotation; run the pass that produces it "
+                "first (see fxpar.passes.default_pipeline())"
+            )
+        return found
+
+    def require_cluster(self, step: str) -> Cluster:
+        """The cluster the Program is compiled for; ``step`` names who asks, for the error."""
+        if self.cluster is None:
+            raise FxparError(
+                f"{step} needs to know the cluster: set program.cluster = fxpar.Cluster(...) "
+                "first, or run the passes through fxpar.plan / fxpar.compile, which set it"
+            )
+        return self.cluster
 
     @property
     def graph(self) -> fx.Graph:
@@ -181,6 +222,32 @@ class Program:
             f"Program({len(self.signature.parameters)} parameters, "
             f"{len(self.signature.buffers)} buffers, inputs={list(self.signature.inputs)}, "
             f"{counts[ir.Phase.FORWARD]} forward and {counts[ir.Phase.BACKWARD]} backward nodes)"
+        )
+
+
+def require_concrete_shapes(program: Program, step: str) -> None:
+    """Raise :class:`~fxpar.errors.SymbolicShapeError` if ``program`` was captured with
+    ``dynamic=True``. ``step`` names what the caller was asked to do, for the message.
+
+    Checked up front because the sharding rules compare sizes with the mesh (does a dim split
+    evenly? is a view's dim merged or split?), which a symbol cannot answer: deep inside a rule
+    that surfaces as sympy's "cannot determine truth value of Relational"."""
+    names = {node: name for name, node in program.placeholders().items()}
+    symbolic = [
+        (names.get(node, node.name), meta)
+        for node in program.graph.nodes
+        for meta in (ir.get(node, ir.ValueMeta) or ir.ValueMeta(())).tensors
+        if meta.is_symbolic
+    ]
+    if symbolic:
+        placeholders = set(names.values())
+        inputs = [(name, meta) for name, meta in symbolic if name in placeholders]
+        shown = ", ".join(f"{name!r} {meta}" for name, meta in (inputs or symbolic)[:3])
+        raise SymbolicShapeError(
+            f"{step} needs concrete shapes, but this Program has symbolic ones ({shown}): it "
+            "was captured with dynamic=True. How a tensor is split over the mesh depends on "
+            "its sizes, so capture again with dynamic=False and example inputs of the size you "
+            "will train with (one capture and plan per batch shape)"
         )
 
 

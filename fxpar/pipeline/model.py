@@ -60,6 +60,7 @@ from fxpar.ir.capture import LossFn, capture
 from fxpar.ir.program import Program, named_state, state_dict_aliases
 from fxpar.ir.rng import RandomState
 from fxpar.optim import AdamW, Optimizer, check_optimizer
+from fxpar.passes import default_pipeline, for_compile
 from fxpar.passes.canonicalize import Canonicalize
 from fxpar.pipeline.executor import StageResult, StageTrace, StageWorker
 from fxpar.pipeline.options import Pipeline, PipelineError
@@ -68,7 +69,7 @@ from fxpar.pipeline.schedule import build_schedule, simulate
 from fxpar.pipeline.semantics import PipelineSemantics
 from fxpar.pipeline.sharded import ShardedStage, local_batch, shard_stage
 from fxpar.pipeline.split import SplitProgram, split_program
-from fxpar.planning.plan import Plan, SolvedOnRankZero, plan_program
+from fxpar.planning.plan import Plan, plan_program
 from fxpar.runtime.batches import BatchSignature
 from fxpar.runtime.collectives import (
     Communicator,
@@ -117,7 +118,7 @@ class PipelineModel:
         """``stage_cluster``: run an intra-op plan inside every stage, on a mesh of this shape
         (see the module docstring); ``planner(program, stage_cluster)`` makes the plan, the
         same on every rank (by default the ILP, solved on rank 0 and broadcast; e.g.
-        ``functools.partial(fxpar.planning.plan.plan_program, solver=fxpar.plans.tensor_parallel)``
+        ``functools.partial(fxpar.planning.plan.plan_program, manual=fxpar.plans.tensor_parallel)``
         for Megatron). ``check_batches``: compare a digest of every batch across ranks before
         each step (one small all-gather), so that a rank fed another batch fails loudly
         instead of training on a mixture."""
@@ -166,7 +167,9 @@ class PipelineModel:
         program = Canonicalize().run(program)
         self.plan: Plan | None = None
         if stage_cluster is not None:
-            planner = planner or functools.partial(plan_program, solver=SolvedOnRankZero(None))
+            planner = planner or functools.partial(
+                plan_program, passes=for_compile(default_pipeline())
+            )
             self.plan = planner(program, stage_cluster)
             program = self.plan.program
         stages = pipeline.stages

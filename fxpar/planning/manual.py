@@ -40,11 +40,10 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from fxpar import ir
 from fxpar.cluster import Cluster
-from fxpar.errors import FxparError, SymbolicShapeError
-from fxpar.ir.program import Program
-from fxpar.passes.annotate_strategies import AnnotateStrategies
-from fxpar.passes.canonicalize import Canonicalize
-from fxpar.rules import RuleRegistry, default_rules
+from fxpar.errors import FxparError
+from fxpar.ir.program import Program, require_concrete_shapes
+from fxpar.passes import RulesUsed, default_pipeline
+from fxpar.rules import RuleRegistry
 from fxpar.rules.registry import tensor_inputs
 from fxpar.sharding import (
     Sharding,
@@ -61,36 +60,21 @@ SpecChooser = Callable[[str, ir.TensorMeta], Spec]
 
 
 def prepare(program: Program, cluster: Cluster, rules: RuleRegistry | None = None) -> Program:
-    """Canonicalize ``program`` and annotate the candidate strategies of every node."""
+    """``program`` with every node's candidate strategies for ``cluster``: the default
+    pipeline up to "annotate-strategies", unless that already ran for this cluster (and these
+    rules). Inside :func:`fxpar.plan` and :func:`fxpar.compile` it did, and the manual plan
+    chooses among the candidates the pipeline left, a user pass's edits included."""
     require_concrete_shapes(program, "a manual plan (fxpar.plans)")
-    program = Canonicalize().run(program)
-    return AnnotateStrategies(cluster, rules or default_rules()).run(program)
-
-
-def require_concrete_shapes(program: Program, step: str) -> None:
-    """Raise :class:`~fxpar.errors.SymbolicShapeError` if ``program`` was captured with
-    ``dynamic=True``. ``step`` names what the caller was asked to do, for the message.
-
-    Checked up front because the sharding rules compare sizes with the mesh (does a dim split
-    evenly? is a view's dim merged or split?), which a symbol cannot answer: deep inside a rule
-    that surfaces as sympy's "cannot determine truth value of Relational"."""
-    names = {node: name for name, node in program.placeholders().items()}
-    symbolic = [
-        (names.get(node, node.name), meta)
-        for node in program.graph.nodes
-        for meta in (ir.get(node, ir.ValueMeta) or ir.ValueMeta(())).tensors
-        if meta.is_symbolic
-    ]
-    if symbolic:
-        placeholders = set(names.values())
-        inputs = [(name, meta) for name, meta in symbolic if name in placeholders]
-        shown = ", ".join(f"{name!r} {meta}" for name, meta in (inputs or symbolic)[:3])
-        raise SymbolicShapeError(
-            f"{step} needs concrete shapes, but this Program has symbolic ones ({shown}): it "
-            "was captured with dynamic=True. How a tensor is split over the mesh depends on "
-            "its sizes, so capture again with dynamic=False and example inputs of the size you "
-            "will train with (one capture and plan per batch shape)"
-        )
+    used = program.get(RulesUsed)
+    if (
+        program.cluster == cluster
+        and used is not None
+        and (rules is None or rules is used.rules)
+        and all(ir.get(node, Strategies) is not None for node in program.placeholders().values())
+    ):
+        return program
+    program.cluster = cluster
+    return default_pipeline(rules=rules).through("annotate-strategies").run(program)
 
 
 def propagate(program: Program, cluster: Cluster, placeholder_spec: SpecChooser) -> Program:

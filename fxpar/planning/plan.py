@@ -1,55 +1,43 @@
-"""``fxpar.plan``: capture a model and choose how to shard every tensor automatically.
+"""The Plan: a Program whose every node carries its chosen strategy, and the function that
+makes one from a captured Program by running the pass pipeline.
 
-The steps, as in DESIGN.md: capture → canonicalize → annotate cost → annotate strategies →
-build the intra-op problem (coarsening, repeated layers) → solve → write the choice back. The
-solver is pluggable: anything with ``solve(IntraOpProblem) -> IntraOpSolution`` (the HiGHS ILP
-by default, or the exhaustive or greedy solvers), or a manual plan from :mod:`fxpar.plans`, which
-is scored by the same cost model so plans can be compared.
+:func:`plan_program` sets the Program's target cluster and runs THE pipeline
+(:func:`fxpar.passes.default_pipeline`, or the ``passes`` given): canonicalize → annotate cost →
+annotate strategies → choose strategies (a solver on the intra-op problem, a manual plan, or a
+plan file). :meth:`Plan.of` reads the recorded choice back.
 
 A Plan reads itself out (:meth:`Plan.report`, :meth:`Plan.to_dict`, :meth:`Plan.plot`, see
-:mod:`fxpar.plan_report`) and is saved as an editable JSON file and loaded back without solving
-(:meth:`Plan.save`, :func:`load_plan`, see :mod:`fxpar.plan_io`).
+:mod:`fxpar.planning.report`) and is saved as an editable JSON file and loaded back without
+solving (:meth:`Plan.save`, :func:`load_plan`, see :mod:`fxpar.planning.plan_file`).
 """
 
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-from torch import nn
-
 from fxpar import ir
 from fxpar.cluster import Cluster
-from fxpar.errors import DistributedError, FxparError
-from fxpar.ir.capture import LossFn, capture
+from fxpar.errors import FxparError
 from fxpar.ir.program import Program
 from fxpar.lowering import SPMDProgram, lower
-from fxpar.passes.annotate_cost import AnnotateCost
-from fxpar.passes.annotate_strategies import AnnotateStrategies
-from fxpar.passes.base import PassManager
-from fxpar.passes.canonicalize import Canonicalize
-from fxpar.planning.manual import require_concrete_shapes
-from fxpar.planning.problem import (
-    Layout,
-    PlanOptions,
-    apply_solution,
-    assignment_of,
-    build_problem,
-    candidates,
+from fxpar.passes import (
+    ApplyPlanFile,
+    ChosenStrategies,
+    ManualPlan,
+    PassManager,
+    RulesUsed,
+    default_pipeline,
 )
+from fxpar.planning.plan_file import plan_document, save_plan, saved_cluster
+from fxpar.planning.problem import Layout, PlanOptions, assignment_of, build_problem, candidates
 from fxpar.planning.report import plot as plot_report
 from fxpar.planning.report import render_text, report_data
-from fxpar.rules import RuleRegistry, default_rules
+from fxpar.rules import RuleRegistry
 from fxpar.sharding import Sharding
 from fxpar.solvers.problem import IntraOpProblem, IntraOpSolution, IntraOpSolver
-
-ManualPlan = Callable[[Program, Cluster], Program]
 
 
 @dataclass(frozen=True)
@@ -64,6 +52,22 @@ class Plan:
     layout: Layout
     options: PlanOptions = field(default_factory=PlanOptions)
     rules: RuleRegistry | None = field(default=None, compare=False)
+
+    @classmethod
+    def of(cls, program: Program) -> Plan:
+        """The plan a pipeline left on ``program``: its cluster, the recorded choice and the
+        rules that gave the candidates."""
+        chosen = program.require(ChosenStrategies)
+        used = program.get(RulesUsed)
+        return cls(
+            program,
+            program.require_cluster("a Plan"),
+            chosen.problem,
+            chosen.solution,
+            chosen.layout,
+            options=chosen.options,
+            rules=used.rules if used is not None else None,
+        )
 
     def lower(self) -> SPMDProgram:
         """The per-rank programs of this plan."""
@@ -88,8 +92,6 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         """The plan as plain data: what :meth:`save` writes, with the plan report under
         ``"report"`` (the data :meth:`report` and :meth:`plot` draw)."""
-        from fxpar.planning.plan_file import plan_document
-
         return plan_document(self)
 
     def report(self) -> str:
@@ -105,8 +107,6 @@ class Plan:
     def save(self, path: str | Path) -> Path:
         """Write the plan as editable JSON (see :mod:`fxpar.plan_io`); :func:`load_plan` reads
         it back onto a captured Program without solving."""
-        from fxpar.planning.plan_file import save_plan
-
         return save_plan(self, path)
 
     def explain(self, node_name: str) -> str:
@@ -146,102 +146,58 @@ def _strategy_of(unit: Any, option: int) -> str:
     return str(candidates(unit.root)[unit.allowed[option]])
 
 
-@dataclass(frozen=True)
-class SolvedOnRankZero:
-    """Solve on rank 0 and broadcast the answer. Solvers with time limits (or floating-point
-    ties) could answer differently on different ranks, and ranks lowering different plans
-    would exchange mismatched pieces or wait forever; one answer for all rules that out."""
-
-    solver: IntraOpSolver | None
-
-    @property
-    def name(self) -> str:
-        return getattr(self.solver, "name", "ilp")
-
-    def solve(self, problem: IntraOpProblem) -> IntraOpSolution:
-        solver = self.solver
-        if solver is None:
-            from fxpar.solvers.ilp import ILPSolver
-
-            solver = ILPSolver()
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return solver.solve(problem)
-        answer: list[object] = [None]
-        if dist.get_rank() == 0:
-            try:
-                answer[0] = (len(problem.node_costs), solver.solve(problem))
-            except Exception as error:  # re-raised on every rank below, rank 0 included
-                answer[0] = error
-        dist.broadcast_object_list(answer, src=0)
-        if isinstance(answer[0], Exception):
-            raise answer[0]
-        size: int
-        solution: IntraOpSolution
-        size, solution = answer[0]  # type: ignore[misc]
-        if size != len(problem.node_costs):
-            raise DistributedError(
-                f"rank 0 planned a problem of {size} decisions, this rank "
-                f"({dist.get_rank()}) one of {len(problem.node_costs)}: the ranks captured "
-                "different models or example inputs; call fxpar.compile with the same arguments "
-                "on every rank"
-            )
-        return solution
-
-
 def prepare_for_planning(
     program: Program, cluster: Cluster, rules: RuleRegistry | None = None
 ) -> Program:
-    """Canonicalize, annotate costs and candidate strategies (idempotent)."""
-    require_concrete_shapes(program, "planning")
-    passes = (Canonicalize(), AnnotateCost(), AnnotateStrategies(cluster, rules or default_rules()))
-    return PassManager(passes).run(program)
+    """The default pipeline's steps before the choice (canonicalize, annotate cost, annotate
+    candidate strategies) on ``program`` for ``cluster``."""
+    program.cluster = cluster
+    return default_pipeline(rules=rules).through("annotate-strategies").run(program)
+
+
+def pipeline_of(
+    passes: PassManager | None,
+    *,
+    solver: IntraOpSolver | None = None,
+    manual: ManualPlan | None = None,
+    options: PlanOptions | None = None,
+    rules: RuleRegistry | None = None,
+) -> PassManager:
+    """``passes``, or the default pipeline built from the other arguments (which belong to
+    :func:`~fxpar.passes.default_pipeline` when ``passes`` is given)."""
+    if passes is None:
+        return default_pipeline(solver=solver, manual=manual, options=options, rules=rules)
+    given = [
+        name
+        for name, value in (
+            ("solver", solver), ("manual", manual), ("options", options), ("rules", rules),
+        )
+        if value is not None
+    ]  # fmt: skip
+    if given:
+        raise FxparError(
+            f"passes= is the whole pipeline, so {', '.join(given)} would be ignored: build the "
+            f"pipeline with them, e.g. default_pipeline({given[0]}=...).insert_before(...)"
+        )
+    return passes
 
 
 def plan_program(
     program: Program,
     cluster: Cluster,
-    solver: IntraOpSolver | ManualPlan | None = None,
     *,
+    passes: PassManager | None = None,
+    solver: IntraOpSolver | None = None,
+    manual: ManualPlan | None = None,
     options: PlanOptions | None = None,
     rules: RuleRegistry | None = None,
 ) -> Plan:
-    """Choose a strategy for every node of a captured Program."""
-    options = options or PlanOptions()
-    program = prepare_for_planning(program, cluster, rules)
-    if solver is not None and not hasattr(solver, "solve"):
-        return _manual(program, cluster, solver, options, rules)
-    if solver is None:
-        from fxpar.solvers.ilp import ILPSolver
-
-        solver = ILPSolver()
-    problem, layout = build_problem(program, cluster, options)
-    solution = solver.solve(problem)  # type: ignore[union-attr]
-    apply_solution(program, layout, solution.choice)
-    return Plan(program, cluster, problem, solution, layout, options=options, rules=rules)
-
-
-def _manual(
-    program: Program,
-    cluster: Cluster,
-    manual: ManualPlan,
-    options: PlanOptions,
-    rules: RuleRegistry | None,
-) -> Plan:
-    start = time.perf_counter()
-    program = manual(program, cluster)
-    # Scored without coarsening or merged layers, so that any assignment is representable.
-    exact = replace(options, coarsen=False, dedup_layers=False, pins={})
-    problem, layout = build_problem(program, cluster, exact)
-    choice = assignment_of(program, layout)
-    if choice is None:
-        raise FxparError(
-            f"the manual plan {getattr(manual, '__name__', manual)!r} left nodes without a strategy"
-        )
-    name = getattr(manual, "__name__", "manual")
-    solution = IntraOpSolution(
-        choice, problem.objective(choice), "feasible", math.nan, name, time.perf_counter() - start
-    )
-    return Plan(program, cluster, problem, solution, layout, options=exact, rules=rules)
+    """Run ``passes`` (the default pipeline when None; see :func:`pipeline_of` for the other
+    arguments) on a captured ``program`` for ``cluster`` and read the choice as a Plan."""
+    passes = pipeline_of(passes, solver=solver, manual=manual, options=options, rules=rules)
+    program.cluster = cluster
+    program = passes.run(program)
+    return Plan.of(program)
 
 
 def score(plan: Plan) -> float:
@@ -261,44 +217,23 @@ def load_plan(
     rules: RuleRegistry | None = None,
 ) -> Plan:
     """The plan saved by :meth:`Plan.save` at ``path``, applied to ``program`` (a capture of the
-    same model) and scored by the cost model, without solving. ``cluster`` defaults to the saved
-    one; see :func:`fxpar.planning.plan_file.load_plan` for what is checked."""
-    from fxpar.planning.plan_file import load_plan as load
+    same model with the same example shapes) and scored by the cost model, without solving.
 
-    return load(path, program, cluster, rules)
-
-
-def plan(
-    model: nn.Module,
-    cluster: Cluster,
-    example_inputs: Sequence[Any] | Mapping[str, Any],
-    loss_fn: LossFn | None = None,
-    *,
-    example_targets: Sequence[torch.Tensor] = (),
-    solver: IntraOpSolver | ManualPlan | None = None,
-    pins: Mapping[str, Any] | None = None,
-    options: PlanOptions | None = None,
-    rules: RuleRegistry | None = None,
-) -> Plan:
-    """Capture ``model``'s training step and shard it over ``cluster``.
-
-    ``solver`` is the HiGHS ILP by default; pass ``ExhaustiveSolver()``, ``GreedySolver()`` or a
-    manual plan such as ``fxpar.plans.data_parallel`` instead. ``pins`` maps name patterns of
-    parameters, buffers, inputs or graph nodes to the spec they must have, e.g.
-    ``{"*.mlp.fc.weight": (Shard(0),)}``.
-    """
-    options = options or PlanOptions()
-    if pins:
-        options = replace(options, pins=dict(pins))
-    program = capture(model, example_inputs, loss_fn, example_targets=example_targets)
-    return plan_program(program, cluster, solver, options=options, rules=rules)
+    The default pipeline runs with :class:`~fxpar.passes.ApplyPlanFile` as its choice.
+    ``cluster`` defaults to the one saved in the file; another cluster must have the same mesh
+    shape (the plan is then priced on it). ``rules`` must give the nodes the candidates they had
+    when the plan was made. Raises :class:`~fxpar.planning.plan_file.PlanFileError` naming the
+    node or input that does not fit."""
+    cluster = saved_cluster(path, cluster)
+    passes = default_pipeline(rules=rules).replace("choose-strategies", ApplyPlanFile(path))
+    return plan_program(program, cluster, passes=passes)
 
 
 __all__ = [
     "Plan",
     "PlanOptions",
     "load_plan",
-    "plan",
+    "pipeline_of",
     "plan_program",
     "prepare_for_planning",
     "score",

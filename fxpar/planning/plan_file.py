@@ -33,7 +33,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
@@ -41,12 +41,13 @@ from fxpar import ir
 from fxpar.cluster import Cluster
 from fxpar.errors import FxparError
 from fxpar.ir.program import Program
-from fxpar.planning.plan import Plan, prepare_for_planning
-from fxpar.planning.problem import PlanOptions, assignment_of, build_problem, candidates
+from fxpar.planning.problem import Layout, PlanOptions, assignment_of, build_problem, candidates
 from fxpar.planning.report import compact_spec, report_data
-from fxpar.rules import RuleRegistry
 from fxpar.sharding import Sharding, Spec, Strategies, Strategy
-from fxpar.solvers.problem import IntraOpSolution
+from fxpar.solvers.problem import IntraOpProblem, IntraOpSolution
+
+if TYPE_CHECKING:
+    from fxpar.planning.plan import Plan
 
 logger = logging.getLogger(__name__)
 
@@ -167,37 +168,39 @@ def save_plan(plan: Plan, path: str | Path) -> Path:
 # -- loading ------------------------------------------------------------------------------------
 
 
-def load_plan(
-    path: str | Path,
-    program: Program,
-    cluster: Cluster | None = None,
-    rules: RuleRegistry | None = None,
-) -> Plan:
-    """The plan saved at ``path`` applied to ``program`` (captured from the same model with the
-    same example shapes), scored by the cost model without running a solver.
+def read_plan(path: str | Path) -> dict[str, Any]:
+    """The plan document saved at ``path``, checked for its format and version."""
+    return _read(Path(path))
 
-    ``cluster`` defaults to the one saved in the file; another cluster must have the same mesh
-    shape (the plan is then priced on it). ``rules`` must give the nodes the candidates they had
-    when the plan was made. Raises :class:`PlanFileError` naming the node or input that does
-    not fit.
-    """
-    start = time.perf_counter()
+
+def saved_cluster(path: str | Path, cluster: Cluster | None = None) -> Cluster:
+    """The cluster to load the plan at ``path`` on: ``cluster`` if given (it must have the
+    saved mesh shape; the plan is then priced on it), else the one saved in the file."""
     document = _read(Path(path))
-    saved_cluster = cluster_from_dict(_section(document, "cluster", dict))
+    saved = cluster_from_dict(_section(document, "cluster", dict))
     if cluster is None:
-        cluster = saved_cluster
-    elif cluster.mesh_shape != saved_cluster.mesh_shape:
+        return saved
+    if cluster.mesh_shape != saved.mesh_shape:
         raise PlanFileError(
-            f"the plan in {path} is for a mesh of shape {saved_cluster.mesh_shape}, but the "
+            f"the plan in {path} is for a mesh of shape {saved.mesh_shape}, but the "
             f"cluster given has mesh {cluster.mesh_shape}; pass a cluster with mesh "
-            f"{saved_cluster.mesh_shape}, or plan again for this one"
+            f"{saved.mesh_shape}, or plan again for this one"
         )
+    return cluster
+
+
+def apply_plan(
+    program: Program, cluster: Cluster, document: Mapping[str, Any], path: str | Path
+) -> tuple[IntraOpProblem, IntraOpSolution, Layout, PlanOptions]:
+    """Give every node of ``program`` (annotated with its candidates) its strategy from a
+    plan ``document`` and score the result by the cost model, without running a solver.
+    Raises :class:`PlanFileError` naming the node or input that does not fit."""
+    start = time.perf_counter()
     saved_options = _section(document, "options", dict)
     options = PlanOptions(
         optimizer_states=int(saved_options.get("optimizer_states", 2)),
         memory_limit=saved_options.get("memory_limit"),
     )
-    program = prepare_for_planning(program, cluster, rules)
     _apply(program, cluster, document)
     # Scored like a manual plan. The exact problem (no coarsening, no merged layers) fits any
     # assignment but is slow to build on large graphs; an unedited plan from the solver fits
@@ -225,7 +228,7 @@ def load_plan(
             "the plan loaded from %s needs %.1f MiB per device, over the limit of %.1f MiB",
             path, memory / 2**20, problem.memory_limit / 2**20,
         )  # fmt: skip
-    return Plan(program, cluster, problem, solution, layout, options=options, rules=rules)
+    return problem, solution, layout, options
 
 
 def _read(path: Path) -> dict[str, Any]:
@@ -346,10 +349,12 @@ __all__ = [
     "FORMAT",
     "VERSION",
     "PlanFileError",
+    "apply_plan",
     "cluster_from_dict",
     "cluster_to_dict",
-    "load_plan",
     "parse_spec",
     "plan_document",
+    "read_plan",
     "save_plan",
+    "saved_cluster",
 ]

@@ -1,14 +1,9 @@
-"""``fxpar.compile``: a model, a cluster and an optimizer in; a model that trains in parallel out.
+"""``ParallelModel``: this rank's share of a model compiled by :func:`fxpar.compile`.
 
-It reads like the diagram in DESIGN.md::
-
-    capture(model) -> plan (passes + solver, solved once on rank 0) -> lower -> ParallelModel
-
-Every process of the job calls :func:`compile` with the same arguments (SPMD, as under
-``torchrun``) and gets a :class:`ParallelModel` that holds only its own pieces of the
+Every process of the job gets a :class:`ParallelModel` that holds only its own pieces of the
 parameters, buffers and optimizer state, and runs only its own program. Nothing about which
-solver chose the plan reaches the runtime: it sees per-rank programs and the specs of their
-inputs and outputs.
+solver chose the plan reaches it: it sees per-rank programs and the specs of their inputs and
+outputs.
 
 What a step does on each rank: take this rank's piece of the global batch, run the rank's
 program (forward, loss, backward, with the collectives the plan needs; gradients come out in
@@ -22,12 +17,10 @@ needs.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
-from typing import Any, cast, overload
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -35,197 +28,23 @@ import torch.fx as fx
 from torch import nn
 
 from fxpar import checkpoint, ir
-from fxpar.cluster import Cluster, Coordinate
-from fxpar.errors import CheckpointError, DistributedError, FxparError
-from fxpar.ir.capture import LossFn, capture
-from fxpar.ir.program import Program, named_state, state_dict_aliases
+from fxpar.cluster import Coordinate
+from fxpar.errors import CheckpointError
+from fxpar.ir.program import named_state, state_dict_aliases
 from fxpar.ir.rng import RandomState
 from fxpar.lowering import SPMDProgram
-from fxpar.optim import AdamW, Optimizer, check_optimizer
-from fxpar.pipeline import Pipeline, PipelineModel
-from fxpar.pipeline.sharded import stage_devices
-from fxpar.planning.plan import ManualPlan, Plan, PlanOptions, SolvedOnRankZero, plan_program
-from fxpar.rules import RuleRegistry
+from fxpar.optim import Optimizer
+from fxpar.planning.plan import Plan
 from fxpar.runtime.batches import BatchSignature
 from fxpar.runtime.collectives import OneDeviceCommunicator, ProcessGroupCommunicator
 from fxpar.runtime.fingerprint import check_same_model
-from fxpar.sharding import Spec, shard_tensor
-from fxpar.solvers.problem import IntraOpSolver
+from fxpar.sharding import shard_tensor
 
 logger = logging.getLogger(__name__)
 
 
-@overload
-def compile(
-    model: nn.Module,
-    cluster: Cluster,
-    example_inputs: Sequence[Any] | Mapping[str, Any],
-    loss_fn: LossFn | None = None,
-    *,
-    example_targets: Sequence[torch.Tensor] = (),
-    optimizer: Optimizer | None = None,
-    solver: IntraOpSolver | ManualPlan | None = None,
-    pins: Mapping[str, Spec] | None = None,
-    options: PlanOptions | None = None,
-    rules: RuleRegistry | None = None,
-    check_batches: bool = True,
-    pipeline: None = None,
-) -> ParallelModel: ...
-
-
-@overload
-def compile(
-    model: nn.Module,
-    cluster: Cluster,
-    example_inputs: Sequence[Any] | Mapping[str, Any],
-    loss_fn: LossFn | None = None,
-    *,
-    example_targets: Sequence[torch.Tensor] = (),
-    optimizer: Optimizer | None = None,
-    solver: IntraOpSolver | ManualPlan | None = None,
-    pins: Mapping[str, Spec] | None = None,
-    options: PlanOptions | None = None,
-    rules: RuleRegistry | None = None,
-    check_batches: bool = True,
-    pipeline: Pipeline,
-) -> PipelineModel: ...
-
-
-def compile(
-    model: nn.Module,
-    cluster: Cluster,
-    example_inputs: Sequence[Any] | Mapping[str, Any],
-    loss_fn: LossFn | None = None,
-    *,
-    example_targets: Sequence[torch.Tensor] = (),
-    optimizer: Optimizer | None = None,
-    solver: IntraOpSolver | ManualPlan | None = None,
-    pins: Mapping[str, Spec] | None = None,
-    options: PlanOptions | None = None,
-    rules: RuleRegistry | None = None,
-    check_batches: bool = True,
-    pipeline: Pipeline | None = None,
-) -> ParallelModel | PipelineModel:
-    """Plan ``model``'s training step for ``cluster`` and build this process's share of it.
-
-    Call it on every rank with the same arguments, after ``torch.distributed`` is initialized
-    (``torchrun`` plus ``init_process_group``, or :func:`fxpar.runtime.launch.spawn`); a
-    single-device cluster needs no process group. The weights of rank 0's ``model`` are the
-    ones trained: they are broadcast, as DistributedDataParallel does, so every rank starts
-    from the same state even if the models were initialized differently.
-
-    Args:
-        model: the module to train, with real weights. Its parameters are copied; the model
-            itself is left as it is.
-        cluster: the device mesh and what its devices can do; its size must equal the world
-            size.
-        example_inputs, loss_fn, example_targets: as for :func:`fxpar.capture`. Batches given
-            to :meth:`ParallelModel.step` must have the same shapes.
-        optimizer: :class:`fxpar.optim.AdamW` (the default) or :class:`fxpar.optim.SGD`.
-        solver: how to choose the plan (see :func:`fxpar.plan`); it runs on rank 0 only and
-            its answer is broadcast, so every rank lowers the same plan.
-        pins, options, rules: as for :func:`fxpar.plan`.
-        check_batches: compare a digest of every batch across ranks before each step (one
-            small all-gather), so a rank fed a different batch fails loudly instead of
-            training on a mixture; pipelines too.
-        pipeline: run the step as a synchronous pipeline instead (see
-            :class:`fxpar.pipeline.Pipeline` and docs/pipelines.md): returns a
-            :class:`~fxpar.pipeline.PipelineModel`. On a cluster of mesh ``(K, *stage_mesh)``
-            (``K`` stages first) each stage runs its share of an intra-op plan on its stage
-            mesh, chosen by ``solver`` (the ILP by default; ``pins``, ``options`` and
-            ``rules`` apply); otherwise each stage runs data-parallel on
-            ``pipeline.data_parallel`` devices.
-    """
-    optimizer = check_optimizer(optimizer if optimizer is not None else AdamW())
-    intra_op = any(option is not None for option in (solver, pins, options, rules))
-    if pipeline is None:
-        device_mesh = _device_mesh(cluster)
-    _check_materialized(model)
-    options = replace(options or PlanOptions(), optimizer_states=optimizer.state_copies)
-    if pins:
-        options = replace(options, pins=dict(pins))
-    if solver is None or hasattr(solver, "solve"):  # manual plans are deterministic as they are
-        solver = SolvedOnRankZero(cast("IntraOpSolver | None", solver))
-    planner = functools.partial(plan_program, solver=solver, options=options, rules=rules)
-    if pipeline is not None:
-        return _compile_pipeline(
-            model, cluster, example_inputs, loss_fn, example_targets, optimizer, pipeline,
-            planner=planner, intra_op=intra_op, check_batches=check_batches,
-        )  # fmt: skip
-    program = capture(model, example_inputs, loss_fn, example_targets=example_targets)
-    plan = planner(program, cluster)
-    return ParallelModel(plan, model, optimizer, device_mesh, check_batches=check_batches)
-
-
-def _compile_pipeline(
-    model: nn.Module,
-    cluster: Cluster,
-    example_inputs: Sequence[Any] | Mapping[str, Any],
-    loss_fn: LossFn | None,
-    example_targets: Sequence[torch.Tensor],
-    optimizer: Optimizer,
-    pipeline: Pipeline,
-    *,
-    planner: Callable[[Program, Cluster], Plan],
-    intra_op: bool,
-    check_batches: bool,
-) -> PipelineModel:
-    """A pipeline whose stages run an intra-op plan on the cluster's mesh without its first
-    axis (when that axis is the stages, or a solver, pins, options or rules ask for a plan),
-    or data-parallel replicas."""
-    stages_first = (
-        pipeline.stages != "auto"
-        and pipeline.data_parallel == 1
-        and cluster.ndim >= 2
-        and cluster.mesh_shape[0] == pipeline.num_stages
-    )
-    if intra_op or stages_first:
-        choice = None
-        if pipeline.stages == "auto":
-            from fxpar.pipeline import plan_stages
-
-            program = capture(model, example_inputs, loss_fn, example_targets=example_targets)
-            choice = plan_stages(
-                program, cluster, pipeline, optimizer_states=optimizer.state_copies,
-                stage_planner=planner,
-            )  # fmt: skip
-            logger.info("stages chosen by the stage DP:\n%s", choice.report())
-            pipeline, stage_cluster = choice.pipeline, choice.stage_cluster
-            assert stage_cluster is not None
-        else:
-            stage_cluster = stage_devices(cluster, pipeline.num_stages)
-        pipelined = PipelineModel(
-            model, pipeline, example_inputs, loss_fn, example_targets=example_targets,
-            optimizer=optimizer, stage_cluster=stage_cluster, planner=planner,
-            check_batches=check_batches,
-        )  # fmt: skip
-        pipelined.stage_choice = choice
-        return pipelined
-    choice = None
-    if pipeline.stages == "auto":
-        from fxpar.pipeline import plan_stages
-
-        program = capture(model, example_inputs, loss_fn, example_targets=example_targets)
-        choice = plan_stages(program, cluster, pipeline, optimizer_states=optimizer.state_copies)
-        pipeline = choice.pipeline
-        logger.info("stages chosen by the stage DP:\n%s", choice.report())
-    if cluster.world_size != pipeline.world_size:
-        raise DistributedError(
-            f"{pipeline} runs on {pipeline.world_size} devices ({pipeline.num_stages} stages x "
-            f"{pipeline.data_parallel} per stage) but the cluster has {cluster.world_size}: "
-            "make stages x data_parallel equal the number of processes, or give a cluster "
-            "mesh of (stages, *stage_mesh) to run an intra-op plan inside each stage"
-        )
-    pipelined = PipelineModel(
-        model, pipeline, example_inputs, loss_fn, example_targets=example_targets,
-        optimizer=optimizer, check_batches=check_batches,
-    )  # fmt: skip
-    pipelined.stage_choice = choice
-    return pipelined
-
-
 class ParallelModel:
-    """This rank's share of a model compiled by :func:`compile`.
+    """This rank's share of a model compiled by :func:`fxpar.compile`.
 
     Attributes:
         plan: the chosen plan (the same on every rank): strategies, costs, solver's answer.
@@ -439,28 +258,4 @@ class ParallelModel:
         )
 
 
-def _device_mesh(cluster: Cluster) -> Any:
-    if cluster.world_size == 1 and not dist.is_initialized():
-        return None
-    cluster.check_process_group()
-    if cluster.device_type != "cpu":
-        raise DistributedError(
-            f"fxpar.compile runs per-rank programs on CPU processes (gloo) in this release; the "
-            f"cluster says {cluster.device_type!r}. Plan for GPUs with fxpar.plan, or pass "
-            "device_type='cpu' to run"
-        )
-    return cluster.device_mesh()
-
-
-def _check_materialized(model: nn.Module) -> None:
-    on_meta = [n for n, p in model.named_parameters() if p.is_meta]
-    if on_meta:
-        raise FxparError(
-            f"{type(model).__name__} has parameters on the meta device ({on_meta[0]!r}, ...): "
-            "fxpar.compile trains real weights. Plan without weights with fxpar.plan, or "
-            "materialize the model (model.to_empty(device='cpu') and initialize, or load a "
-            "checkpoint) first"
-        )
-
-
-__all__ = ["ParallelModel", "compile"]
+__all__ = ["ParallelModel"]

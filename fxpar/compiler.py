@@ -1,0 +1,287 @@
+"""``fxpar.plan`` and ``fxpar.compile``: the compiler, end to end, as in DESIGN.md::
+
+    capture(model)          one training step as a functional ATen graph on fake tensors
+    passes(program)         canonicalize -> annotate cost -> annotate strategies -> choose
+                            strategies (THE pipeline, fxpar.passes.default_pipeline, or yours)
+    lower(plan)             one program per rank, with collectives
+    ParallelModel           this rank's program, its pieces of the state, the optimizer
+
+:func:`plan` stops after the passes and returns the :class:`~fxpar.planning.plan.Plan`;
+:func:`compile` goes on to lower it and build this process's share of the model (or a
+:class:`~fxpar.pipeline.PipelineModel` when ``pipeline=`` asks for stages). Every process of a
+job calls :func:`compile` with the same arguments (SPMD, as under ``torchrun``); the choice is
+made on rank 0 and broadcast, so every rank lowers the same plan. Nothing about how the plan was
+chosen reaches the runtime: it sees per-rank programs and the specs of their inputs and outputs.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Any, overload
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fxpar.cluster import Cluster
+from fxpar.errors import DistributedError, FxparError
+from fxpar.ir.capture import LossFn, capture
+from fxpar.optim import AdamW, Optimizer, check_optimizer
+from fxpar.passes import ManualPlan, PassManager, for_compile
+from fxpar.pipeline import Pipeline, PipelineModel, plan_stages
+from fxpar.pipeline.auto import StagePlanner
+from fxpar.pipeline.sharded import stage_devices
+from fxpar.planning.plan import Plan, pipeline_of, plan_program
+from fxpar.planning.problem import PlanOptions
+from fxpar.rules import RuleRegistry
+from fxpar.runtime.parallel import ParallelModel
+from fxpar.sharding import Spec
+from fxpar.solvers.problem import IntraOpSolver
+
+logger = logging.getLogger(__name__)
+
+
+def plan(
+    model: nn.Module,
+    cluster: Cluster,
+    example_inputs: Sequence[Any] | Mapping[str, Any],
+    loss_fn: LossFn | None = None,
+    *,
+    example_targets: Sequence[torch.Tensor] = (),
+    passes: PassManager | None = None,
+    solver: IntraOpSolver | None = None,
+    manual: ManualPlan | None = None,
+    pins: Mapping[str, Spec] | None = None,
+    options: PlanOptions | None = None,
+    rules: RuleRegistry | None = None,
+) -> Plan:
+    """Capture ``model``'s training step and choose how to shard it over ``cluster``.
+
+    ``passes`` is the pass pipeline to run (:func:`fxpar.passes.default_pipeline` when None),
+    e.g. ``default_pipeline().insert_before("annotate-strategies", MyPass())``. Without it, the
+    default pipeline is built from ``solver`` (the HiGHS ILP by default; ``ExhaustiveSolver()``,
+    ``GreedySolver()`` or any object with ``solve(IntraOpProblem) -> IntraOpSolution``) or
+    ``manual`` (a manual plan such as ``fxpar.plans.data_parallel``), ``options`` and
+    ``rules``. ``pins`` maps name patterns of parameters, buffers, inputs or graph nodes to the
+    spec they must have, e.g. ``{"*.mlp.fc.weight": (Shard(0),)}``.
+    """
+    passes = _pipeline(passes, solver, manual, pins, options, rules)
+    program = capture(model, example_inputs, loss_fn, example_targets=example_targets)
+    return plan_program(program, cluster, passes=passes)
+
+
+@overload
+def compile(
+    model: nn.Module,
+    cluster: Cluster,
+    example_inputs: Sequence[Any] | Mapping[str, Any],
+    loss_fn: LossFn | None = None,
+    *,
+    example_targets: Sequence[torch.Tensor] = (),
+    optimizer: Optimizer | None = None,
+    passes: PassManager | None = None,
+    solver: IntraOpSolver | None = None,
+    manual: ManualPlan | None = None,
+    pins: Mapping[str, Spec] | None = None,
+    options: PlanOptions | None = None,
+    rules: RuleRegistry | None = None,
+    check_batches: bool = True,
+    pipeline: None = None,
+) -> ParallelModel: ...
+
+
+@overload
+def compile(
+    model: nn.Module,
+    cluster: Cluster,
+    example_inputs: Sequence[Any] | Mapping[str, Any],
+    loss_fn: LossFn | None = None,
+    *,
+    example_targets: Sequence[torch.Tensor] = (),
+    optimizer: Optimizer | None = None,
+    passes: PassManager | None = None,
+    solver: IntraOpSolver | None = None,
+    manual: ManualPlan | None = None,
+    pins: Mapping[str, Spec] | None = None,
+    options: PlanOptions | None = None,
+    rules: RuleRegistry | None = None,
+    check_batches: bool = True,
+    pipeline: Pipeline,
+) -> PipelineModel: ...
+
+
+def compile(
+    model: nn.Module,
+    cluster: Cluster,
+    example_inputs: Sequence[Any] | Mapping[str, Any],
+    loss_fn: LossFn | None = None,
+    *,
+    example_targets: Sequence[torch.Tensor] = (),
+    optimizer: Optimizer | None = None,
+    passes: PassManager | None = None,
+    solver: IntraOpSolver | None = None,
+    manual: ManualPlan | None = None,
+    pins: Mapping[str, Spec] | None = None,
+    options: PlanOptions | None = None,
+    rules: RuleRegistry | None = None,
+    check_batches: bool = True,
+    pipeline: Pipeline | None = None,
+) -> ParallelModel | PipelineModel:
+    """Plan ``model``'s training step for ``cluster`` and build this process's share of it.
+
+    Call it on every rank with the same arguments, after ``torch.distributed`` is initialized
+    (``torchrun`` plus ``init_process_group``, or :func:`fxpar.runtime.launch.spawn`); a
+    single-device cluster needs no process group. The weights of rank 0's ``model`` are the
+    ones trained: they are broadcast, as DistributedDataParallel does, so every rank starts
+    from the same state even if the models were initialized differently.
+
+    Args:
+        model: the module to train, with real weights. Its parameters are copied; the model
+            itself is left as it is.
+        cluster: the device mesh and what its devices can do; its size must equal the world
+            size.
+        example_inputs, loss_fn, example_targets: as for :func:`fxpar.capture`. Batches given
+            to :meth:`ParallelModel.step` must have the same shapes.
+        optimizer: :class:`fxpar.optim.AdamW` (the default) or :class:`fxpar.optim.SGD`.
+        passes, solver, manual, pins, options, rules: how to choose the plan, as for
+            :func:`fxpar.plan`. A solver runs on rank 0 only and its answer is broadcast, so
+            every rank lowers the same plan (:func:`fxpar.passes.for_compile`).
+        check_batches: compare a digest of every batch across ranks before each step (one
+            small all-gather), so a rank fed a different batch fails loudly instead of
+            training on a mixture; pipelines too.
+        pipeline: run the step as a synchronous pipeline instead (see
+            :class:`fxpar.pipeline.Pipeline` and docs/pipelines.md): returns a
+            :class:`~fxpar.pipeline.PipelineModel`. On a cluster of mesh ``(K, *stage_mesh)``
+            (``K`` stages first) each stage runs its share of an intra-op plan on its stage
+            mesh, chosen by ``solver`` (the ILP by default; ``pins``, ``options`` and
+            ``rules`` apply); otherwise each stage runs data-parallel on
+            ``pipeline.data_parallel`` devices.
+    """
+    optimizer = check_optimizer(optimizer if optimizer is not None else AdamW())
+    intra_op = any(value is not None for value in (passes, solver, manual, pins, options, rules))
+    passes = _pipeline(passes, solver, manual, pins, options, rules)
+    passes = for_compile(passes, optimizer_states=optimizer.state_copies)
+    if pipeline is None:
+        device_mesh = _device_mesh(cluster)
+    _check_materialized(model)
+    planner = functools.partial(plan_program, passes=passes)
+    if pipeline is not None:
+        return _compile_pipeline(
+            model, cluster, example_inputs, loss_fn, example_targets, optimizer, pipeline,
+            planner=planner, intra_op=intra_op, check_batches=check_batches,
+        )  # fmt: skip
+    program = capture(model, example_inputs, loss_fn, example_targets=example_targets)
+    plan = plan_program(program, cluster, passes=passes)
+    return ParallelModel(plan, model, optimizer, device_mesh, check_batches=check_batches)
+
+
+def _compile_pipeline(
+    model: nn.Module,
+    cluster: Cluster,
+    example_inputs: Sequence[Any] | Mapping[str, Any],
+    loss_fn: LossFn | None,
+    example_targets: Sequence[torch.Tensor],
+    optimizer: Optimizer,
+    pipeline: Pipeline,
+    *,
+    planner: StagePlanner,
+    intra_op: bool,
+    check_batches: bool,
+) -> PipelineModel:
+    """A pipeline whose stages run an intra-op plan on the cluster's mesh without its first
+    axis (when that axis is the stages, or a solver, manual plan, pins, options, rules or
+    passes ask for a plan),
+    or data-parallel replicas."""
+    stages_first = (
+        pipeline.stages != "auto"
+        and pipeline.data_parallel == 1
+        and cluster.ndim >= 2
+        and cluster.mesh_shape[0] == pipeline.num_stages
+    )
+    if intra_op or stages_first:
+        choice = None
+        if pipeline.stages == "auto":
+            program = capture(model, example_inputs, loss_fn, example_targets=example_targets)
+            choice = plan_stages(
+                program, cluster, pipeline, optimizer_states=optimizer.state_copies,
+                stage_planner=planner,
+            )  # fmt: skip
+            logger.info("stages chosen by the stage DP:\n%s", choice.report())
+            pipeline, stage_cluster = choice.pipeline, choice.stage_cluster
+            assert stage_cluster is not None
+        else:
+            stage_cluster = stage_devices(cluster, pipeline.num_stages)
+        pipelined = PipelineModel(
+            model, pipeline, example_inputs, loss_fn, example_targets=example_targets,
+            optimizer=optimizer, stage_cluster=stage_cluster, planner=planner,
+            check_batches=check_batches,
+        )  # fmt: skip
+        pipelined.stage_choice = choice
+        return pipelined
+    choice = None
+    if pipeline.stages == "auto":
+        program = capture(model, example_inputs, loss_fn, example_targets=example_targets)
+        choice = plan_stages(program, cluster, pipeline, optimizer_states=optimizer.state_copies)
+        pipeline = choice.pipeline
+        logger.info("stages chosen by the stage DP:\n%s", choice.report())
+    if cluster.world_size != pipeline.world_size:
+        raise DistributedError(
+            f"{pipeline} runs on {pipeline.world_size} devices ({pipeline.num_stages} stages x "
+            f"{pipeline.data_parallel} per stage) but the cluster has {cluster.world_size}: "
+            "make stages x data_parallel equal the number of processes, or give a cluster "
+            "mesh of (stages, *stage_mesh) to run an intra-op plan inside each stage"
+        )
+    pipelined = PipelineModel(
+        model, pipeline, example_inputs, loss_fn, example_targets=example_targets,
+        optimizer=optimizer, check_batches=check_batches,
+    )  # fmt: skip
+    pipelined.stage_choice = choice
+    return pipelined
+
+
+def _pipeline(
+    passes: PassManager | None,
+    solver: IntraOpSolver | None,
+    manual: ManualPlan | None,
+    pins: Mapping[str, Spec] | None,
+    options: PlanOptions | None,
+    rules: RuleRegistry | None,
+) -> PassManager:
+    if pins:
+        if passes is not None:
+            raise FxparError(
+                "passes= is the whole pipeline, so pins= would be ignored: give the pins to its "
+                "choose-strategies pass, e.g. default_pipeline(options=PlanOptions(pins=...))"
+            )
+        options = replace(options or PlanOptions(), pins=dict(pins))
+    return pipeline_of(passes, solver=solver, manual=manual, options=options, rules=rules)
+
+
+def _device_mesh(cluster: Cluster) -> Any:
+    if cluster.world_size == 1 and not dist.is_initialized():
+        return None
+    cluster.check_process_group()
+    if cluster.device_type != "cpu":
+        raise DistributedError(
+            f"fxpar.compile runs per-rank programs on CPU processes (gloo) in this release; the "
+            f"cluster says {cluster.device_type!r}. Plan for GPUs with fxpar.plan, or pass "
+            "device_type='cpu' to run"
+        )
+    return cluster.device_mesh()
+
+
+def _check_materialized(model: nn.Module) -> None:
+    on_meta = [n for n, p in model.named_parameters() if p.is_meta]
+    if on_meta:
+        raise FxparError(
+            f"{type(model).__name__} has parameters on the meta device ({on_meta[0]!r}, ...): "
+            "fxpar.compile trains real weights. Plan without weights with fxpar.plan, or "
+            "materialize the model (model.to_empty(device='cpu') and initialize, or load a "
+            "checkpoint) first"
+        )
+
+
+__all__ = ["compile", "plan"]

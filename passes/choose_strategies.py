@@ -1,0 +1,160 @@
+"""Choose one strategy for every node: by a solver, or by a hand-written plan.
+
+Both passes are called ``choose-strategies``, so either can stand in the pipeline's slot for
+the choice (``default_pipeline().replace("choose-strategies", ApplyManualPlan(data_parallel))``).
+Both leave a :class:`~fxpar.sharding.Sharding` on every node that needs one and record the
+choice as a program-level :class:`ChosenStrategies`: the plain-data problem, the answer and how
+problem nodes map back to graph nodes, which :class:`fxpar.Plan` reads.
+
+- :class:`SolveStrategies` builds the intra-op problem (coarsened, repeated layers merged, see
+  :mod:`fxpar.planning.problem`) and hands it to a solver: the HiGHS ILP by default, or any
+  object with ``solve(IntraOpProblem) -> IntraOpSolution`` (:mod:`fxpar.solvers`).
+- :class:`ApplyPlanFile` gives every node its strategy from a plan saved by
+  :meth:`fxpar.Plan.save` (:mod:`fxpar.planning.plan_file`), checked against its candidates.
+- :class:`ApplyManualPlan` runs a manual plan (``fxpar.plans.data_parallel`` or any function
+  ``(Program, Cluster) -> Program`` that annotates every node) and scores it under the same
+  cost model, on the exact problem (no coarsening, no merged layers, so that any assignment is
+  one of its choices), so plans from both can be compared.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from fxpar import ir
+from fxpar.cluster import Cluster
+from fxpar.errors import FxparError
+from fxpar.ir.program import Program
+from fxpar.passes.base import Pass
+from fxpar.planning.plan_file import apply_plan, read_plan
+from fxpar.planning.problem import (
+    Layout,
+    PlanOptions,
+    apply_solution,
+    assignment_of,
+    build_problem,
+)
+from fxpar.planning.rank_zero import SolvedOnRankZero
+from fxpar.sharding import Sharding, Strategies, spec_str
+from fxpar.solvers.ilp import ILPSolver
+from fxpar.solvers.problem import IntraOpProblem, IntraOpSolution, IntraOpSolver
+
+ManualPlan = Callable[[Program, Cluster], Program]
+"""A hand-written plan: annotates every node of a Program with its strategy for a cluster."""
+
+
+@dataclass(frozen=True)
+class ChosenStrategies:
+    """The choice a ``choose-strategies`` pass made, as plain data: the problem it was chosen
+    from, the answer, the map from problem nodes to graph nodes and the options used."""
+
+    problem: IntraOpProblem
+    solution: IntraOpSolution
+    layout: Layout
+    options: PlanOptions
+
+
+@dataclass(frozen=True)
+class SolveStrategies(Pass):
+    """Build the intra-op problem of the Program on ``program.cluster`` and let ``solver``
+    choose (the HiGHS ILP when None).
+
+    ``on_rank_zero``: solve on rank 0 only and broadcast the answer, so that every rank lowers
+    the same plan (:func:`fxpar.compile` sets it; planning in one process needs nothing)."""
+
+    name = "choose-strategies"
+    solver: IntraOpSolver | None = None
+    options: PlanOptions = field(default_factory=PlanOptions)
+    on_rank_zero: bool = False
+
+    def __post_init__(self) -> None:
+        if self.solver is not None and not callable(getattr(self.solver, "solve", None)):
+            hint = ""
+            if callable(self.solver):
+                hint = (
+                    f"; {getattr(self.solver, '__name__', self.solver)!r} looks like a manual "
+                    "plan: pass it as manual= (fxpar.plan, fxpar.compile, default_pipeline) or "
+                    "use ApplyManualPlan"
+                )
+            raise FxparError(
+                "a solver is an object with solve(IntraOpProblem) -> IntraOpSolution "
+                f"(see fxpar.solvers), got {type(self.solver).__name__}{hint}"
+            )
+
+    def run(self, program: Program) -> Program:
+        cluster = program.require_cluster(f"the {self.name!r} pass")
+        problem, layout = build_problem(program, cluster, self.options)
+        solver: IntraOpSolver = self.solver if self.solver is not None else ILPSolver()
+        if self.on_rank_zero:
+            solver = SolvedOnRankZero(solver)
+        solution = solver.solve(problem)
+        apply_solution(program, layout, solution.choice)
+        program.annotate(ChosenStrategies(problem, solution, layout, self.options))
+        return program
+
+
+@dataclass(frozen=True)
+class ApplyManualPlan(Pass):
+    """Choose every node's strategy with the manual plan ``plan`` and score it by the cost
+    model; ``options`` give the memory model's optimizer state count (pins do not apply)."""
+
+    name = "choose-strategies"
+    plan: ManualPlan
+    options: PlanOptions = field(default_factory=PlanOptions)
+
+    def run(self, program: Program) -> Program:
+        cluster = program.require_cluster(f"the {self.name!r} pass")
+        start = time.perf_counter()
+        program = self.plan(program, cluster)
+        exact = replace(self.options, coarsen=False, dedup_layers=False, pins={})
+        problem, layout = build_problem(program, cluster, exact)
+        choice = assignment_of(program, layout)
+        label = getattr(self.plan, "__name__", "manual")
+        if choice is None:
+            raise FxparError(f"the manual plan {label!r} {_first_misfit(program)}")
+        solution = IntraOpSolution(
+            choice, problem.objective(choice), "feasible", math.nan, label,
+            time.perf_counter() - start,
+        )  # fmt: skip
+        program.annotate(ChosenStrategies(problem, solution, layout, exact))
+        return program
+
+
+@dataclass(frozen=True)
+class ApplyPlanFile(Pass):
+    """Choose every node's strategy as the plan file at ``path`` says, without solving."""
+
+    name = "choose-strategies"
+    path: str | Path
+
+    def run(self, program: Program) -> Program:
+        cluster = program.require_cluster(f"the {self.name!r} pass")
+        problem, solution, layout, options = apply_plan(
+            program, cluster, read_plan(self.path), self.path
+        )
+        program.annotate(ChosenStrategies(problem, solution, layout, options))
+        return program
+
+
+def _first_misfit(program: Program) -> str:
+    """What a manual plan did wrong: the first node it left without a strategy, or gave one
+    that is not among its candidates (a pass before it may have removed that candidate)."""
+    for node in program.graph.nodes:
+        strategies = ir.get(node, Strategies)
+        if strategies is None:
+            continue
+        sharding = ir.get(node, Sharding)
+        if sharding is None:
+            return f"left node {node.name!r} ({node.target}) without a strategy"
+        if sharding.strategy not in strategies.candidates:
+            offered = sorted({spec_str(c.outputs[0]) for c in strategies.candidates})
+            return (
+                f"gave node {node.name!r} the output spec {spec_str(sharding.strategy.outputs[0])}"
+                f", which is not among its candidates (outputs {offered}); a pass before the "
+                "choice may have removed it"
+            )
+    return "gave a choice the problem cannot represent"
