@@ -271,7 +271,7 @@ def test_choice_with_intra_op_stages_is_the_brute_force_optimum() -> None:
     model = GPT(GPTConfig(n_layer=2, n_embd=64, n_head=4, vocab_size=64, block_size=16))
     tokens = torch.randint(0, 64, (BATCH, 16))
     program = fxpar.capture(model, (tokens,), gpt_loss, example_targets=(tokens,))
-    planner = functools.partial(plan_program, solver=plans.tensor_parallel)
+    planner = functools.partial(plan_program, manual=plans.tensor_parallel)
     cluster = Cluster((4,), bandwidth=(1e9,))
     pipeline = Pipeline(microbatches=4)
     choice = plan_stages(program, cluster, pipeline, stage_planner=planner)

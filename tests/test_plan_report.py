@@ -1,5 +1,5 @@
-"""The plan report, plan files and plan pictures: the report's collectives are the lowering's,
-its times add up to the solver's objective and its memory to the memory model's; a saved plan
+"""The plan report, plan files and plan pictures: the report's collectives are the lowering's
+(its times and memory are the solver's: tests/test_cost_model.py); a saved plan
 loads back identical and trains like one device, an edited placement is honoured, and bad files
 fail naming what to fix."""
 
@@ -48,7 +48,7 @@ def ilp_plan() -> tuple[GPT, Plan, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def dp_plan() -> Plan:
-    return plan_program(captured()[1], Cluster((2,)), plans.data_parallel)
+    return plan_program(captured()[1], Cluster((2,)), manual=plans.data_parallel)
 
 
 def strategies(plan: Plan) -> dict[str, object]:
@@ -80,12 +80,7 @@ def test_report_collectives_and_totals_agree_with_lowering_and_cost_model(
     assert sizes == Counter({k: sum(r.bytes for r in lowered if (r.kind, r.axis) == k)
                              for k in counts})  # fmt: skip
     header = data["header"]
-    # Compute plus the cost model's communication is the objective the plan was chosen by,
-    # and the layers' memory adds up to the memory model's.
-    assert header["compute_seconds"] + header["communication_seconds"] == pytest.approx(
-        plan.solution.objective, rel=1e-9
-    )
-    assert header["memory_bytes"] == pytest.approx(plan.problem.memory(plan.solution.choice))
+    # tests/test_cost_model.py checks that the header's time and memory are the solver's.
     # Lowering reuses conversions that the cost model prices per consumer: never more.
     assert header["collective_seconds"] <= header["communication_seconds"] * (1 + 1e-9)
     json.dumps(plan.to_dict())  # plain data all the way down
@@ -110,7 +105,7 @@ def test_text_report_has_header_layers_weights_and_collapsed_repeats(dp_plan: Pl
 def test_ops_without_a_sharding_rule_are_listed() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Tanh())
     program = fxpar.capture(model, (torch.randn(8, 8),), lambda y: y.square().sum())
-    bare = plan_program(program, Cluster((2,)), GreedySolver(), rules=RuleRegistry())
+    bare = plan_program(program, Cluster((2,)), solver=GreedySolver(), rules=RuleRegistry())
     assert "aten.addmm.default" in report_data(bare)["no_rule"]
     assert "run replicated (no sharding rule):" in bare.report()
 

@@ -5,12 +5,10 @@ captured Program on a Cluster; :func:`evaluate_split` scores split points chosen
 same costs. Both return a :class:`StageChoice`, whose ``pipeline`` runs as is on
 :class:`~fxpar.pipeline.PipelineModel`.
 
-**Atoms.** A stage may begin at a *cut candidate*: a repeated layer (``blocks.3``) or another
-module at the depth of the repeated layers' container (``wte``, ``ln_f``, ``head``, ``<loss>``;
-``transformer.wte`` when the layers are ``transformer.h.i``), in forward order. The model's first
-such module is not a candidate (stage 0 starts with the model). :func:`partition` with every
-candidate as a split point checks them and assigns each node, backward nodes included (they
-follow their forward op), to an *atom*: the ops between two consecutive candidates.
+**Atoms** (:mod:`fxpar.pipeline.atoms`). A stage may begin at a *cut candidate*: a repeated layer
+(``blocks.3``) or another module at the depth of the repeated layers' container (``wte``,
+``ln_f``, ``head``, ``<loss>``), in forward order; an *atom* is the ops between two consecutive
+candidates, backward nodes included.
 
 **Layers.** With more than ``layers`` atoms (default 16, since the stage DP is cubic in the
 layers), :func:`~fxpar.solvers.layers.cluster_layers` (Alpa's layer construction) merges them
@@ -18,60 +16,19 @@ into that many contiguous layers of balanced cost (forward plus backward seconds
 fewest bytes, counted at every boundary a value crosses (``count="per_boundary"``), because the
 runtime relays a value through the stages in between.
 
-**Costs of layers ``[i, j)`` on ``d`` devices** (the stage time and memory of
-:class:`~fxpar.solvers.stages.StageCost`). ``program`` is the step on the *global* batch; the
-runtime cuts it into ``M`` micro-batches and each of the stage's ``d`` replicas takes ``1/d`` of
-each, so work and activations scale by ``1 / (M d)`` (assumed linear in the batch):
-
-    time   = (T_fwd + T_bwd + [remat] T_fwd) / (M d)                     compute
-           + allreduce(G, d) / M                                          gradients, once a step
-           + [i > 0] (alpha + B_back(i) / (M d) / beta)                   gradients sent back
-           + [j < L] (alpha + B_fwd(j) / (M d) / beta)                    activations sent on
-    static = (2 + optimizer_states) G + S   (+ [remat] A_saved / (M d), one recompute at a time)
-    activation per micro-batch in flight
-           = A_saved / (M d)                       without remat
-           = (B_fwd(i) + A_batch) / (M d)          with remat (only what the stage received)
-
-``T`` is the roofline time of a node on one device, ``max(flops / F, bytes moved / memory
-bandwidth)``, summed over the range's forward or backward nodes; ``G`` the bytes of trainable
-parameters the range reads (each holder of a tied weight counts it), ``S`` of its buffers and frozen
-parameters; ``A_saved`` the bytes of the forward values (batch tensors included, views counted once
-at their base, parameters not at all) the range's backward reads; ``A_batch`` the batch tensors it
-reads; ``B_fwd(c)`` and ``B_back(c)`` the bytes of the values crossing the boundary before atom
-``c`` forwards and backwards. ``allreduce`` is :func:`fxpar.planning.cost.collective_seconds`
-(``alpha + 2 (d-1)/d G / beta``) on the innermost mesh axis that holds ``d`` consecutive ranks (a
-stage's replicas are consecutive ranks); sends use the slowest axis, which some pair of neighbouring
-stages may cross. The gradient reduction is charged ``1/M`` of it per micro-batch, so it enters the
-step time once per step for the slowest stage. Costs are cached per (atom range, d).
+**Costs** of layers ``[i, j)`` on ``d`` devices (:mod:`fxpar.pipeline.stage_costs`): compute by
+the roofline of :mod:`fxpar.planning.cost`, gradient all-reduce, sends between stages, and the
+memory of weights, optimizer state and the activations the backward keeps, with the schedule's
+micro-batches in flight; or, with ``stage_planner``, those of the intra-op plan each stage runs.
 
 **Search.** The runtime gives every stage the same ``d`` devices, so for every ``d`` dividing the
-world size ``D`` (and ``M d`` dividing the batch) with ``K = D / d`` stages no more than the
-layers, :func:`~fxpar.solvers.stages.solve_stages` solves a problem on mesh ``(D,)`` whose only
-submesh is ``(d,)``, minimizing ``sum_k t_k + (M - 1) max_k t_k`` under ``cluster.memory`` per
-device with the schedule's micro-batches in flight; the best ``d`` wins. This is Alpa's "intra-op
-plan cost for each (layer range, submesh)", restricted to the one intra-op plan the pipeline
-runtime runs inside a stage: data parallelism.
-
-**Intra-op plans inside stages** (``stage_planner``, which :func:`fxpar.compile` passes when a
-solver, pins, options or rules are given with ``stages="auto"``). Then a stage of ``d`` devices
-runs an intra-op plan on a stage mesh ``(d,)`` (with the links of the innermost mesh axis that
-holds ``d`` consecutive ranks), and the costs come from that plan. For every ``d``, the step is
-planned once on the stage mesh (``stage_planner(program, stage_cluster)``, the ILP by default),
-and the plan is read the way the plan report reads it (:func:`fxpar.planning.report.walk`): per
-node, its roofline seconds under its strategy and the collectives it runs, with the bytes each
-device holds of every value. Layers ``[i, j)`` then cost, per micro-batch (``1/M`` of the
-planned step's work, assumed linear in the batch as above):
-
-    time   = (T_fwd + T_bwd + [remat] T_fwd + C) / M + C_grad / M + sends of local bytes
-    static = (2 + optimizer_states) G_local + S_local   (+ [remat] A_saved_local / M)
-
-where ``C`` are the seconds of the collectives the range's ops run and ``C_grad`` those that
-bring its gradients into their parameters' layouts (once a step). The plan is made for the whole
-step, so each range is costed under the strategies that plan chose for it, not re-planned per
-range; with repeated layers that is the same plan. Each stage mesh is planned with
-``cluster.memory`` times the number of stages it implies, since a device holds about one
-stage's share of the weights the plan covers. Stages share one stage-mesh shape, as the runtime
-requires, and the search is over ``d`` as above.
+world size ``D`` (and ``M d`` dividing the batch) with ``K = D / d`` stages no more than the layers,
+:func:`~fxpar.solvers.stages.solve_stages` solves a problem on mesh ``(D,)`` whose only submesh is
+``(d,)``, minimizing ``sum_k t_k + (M - 1) max_k t_k`` under ``cluster.memory`` per device with the
+schedule's micro-batches in flight; the best ``d`` wins. This is Alpa's "intra-op plan cost for each
+(layer range, submesh)", restricted to the one intra-op plan the pipeline runtime runs inside a
+stage: data parallelism. With ``stage_planner``, the search is the same over stage meshes ``(d,)``
+(one intra-op plan per ``d``, see :mod:`fxpar.pipeline.stage_costs`).
 """
 
 from __future__ import annotations
@@ -79,23 +36,24 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import operator
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import torch.fx as fx
-
-from fxpar import ir
 from fxpar.cluster import Cluster
 from fxpar.ir.program import Program
-from fxpar.passes.annotate_cost import AnnotateCost
+from fxpar.pipeline.atoms import Atoms
 from fxpar.pipeline.options import Pipeline, PipelineError
 from fxpar.pipeline.partition import partition
-from fxpar.planning.cost import collective_seconds
+from fxpar.pipeline.stage_costs import (
+    PlannedStageCostModel,
+    StageCostModel,
+    StagePlanner,
+    stage_cluster,
+)
 from fxpar.planning.manual import require_concrete_shapes
 from fxpar.solvers.errors import format_bytes
-from fxpar.solvers.layers import DataEdge, cluster_layers
+from fxpar.solvers.layers import cluster_layers
 from fxpar.solvers.stages import (
     StageCost,
     StageMemoryError,
@@ -105,13 +63,7 @@ from fxpar.solvers.stages import (
     solve_stages,
 )
 
-if TYPE_CHECKING:
-    from fxpar.planning.plan import Plan
-
 logger = logging.getLogger(__name__)
-
-StagePlanner = Callable[[Program, Cluster], "Plan"]
-"""Plans a captured step on a stage mesh, e.g. ``fxpar.planning.plan.plan_program``."""
 
 DEFAULT_MAX_LAYERS = 16
 """Atoms beyond this many are clustered into layers: the stage DP is cubic in the layers."""
@@ -389,259 +341,22 @@ def _cost_model(
     optimizer_states: int,
     stage_planner: StagePlanner | None,
     extra_points: Sequence[str],
-) -> _CostModel:
+) -> StageCostModel:
+    atoms = Atoms.build(program, extra_points)
     if stage_planner is None:
-        atoms = _Atoms.build(program, extra_points)
-        return _CostModel(atoms, cluster, pipeline, optimizer_states)
-    # Planning canonicalizes the graph; do it before the atoms take its nodes.
-    from fxpar.planning.plan import prepare_for_planning
-
-    prepare_for_planning(program, _stage_cluster(cluster, 1))
-    atoms = _Atoms.build(program, extra_points)
-    return _PlannedCostModel(atoms, cluster, pipeline, optimizer_states, stage_planner)
+        return StageCostModel(atoms, cluster, pipeline, optimizer_states)
+    return PlannedStageCostModel(atoms, cluster, pipeline, optimizer_states, stage_planner)
 
 
 def _with_stage_mesh(choice: StageChoice, cluster: Cluster, devices: int) -> StageChoice:
     return dataclasses.replace(
         choice,
         pipeline=dataclasses.replace(choice.pipeline, data_parallel=1),
-        stage_cluster=_stage_cluster(cluster, devices),
+        stage_cluster=stage_cluster(cluster, devices),
     )
 
 
-# -- atoms: the ops between two cut candidates ------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Atoms:
-    names: tuple[str, ...]
-    """The candidate each atom begins at (atom 0: the model's first module)."""
-    modules: tuple[tuple[str, ...], ...]
-    nodes: tuple[tuple[fx.Node, ...], ...]
-    atom_of: dict[fx.Node, int]
-    trainable: dict[fx.Node, int]
-    """Trainable parameter placeholders and their bytes."""
-    frozen: dict[fx.Node, int]
-    """Buffers and frozen parameters."""
-    batch: dict[fx.Node, int]
-    """Batch tensors (inputs and targets)."""
-    batch_size: int | None
-    forward_crossing: tuple[int, ...]
-    """Bytes crossing the boundary before atom ``c`` from an earlier to a later atom."""
-    backward_crossing: tuple[int, ...]
-    """Bytes crossing the boundary before atom ``c`` from a later to an earlier atom."""
-    edges: tuple[DataEdge, ...]
-    """Atom-level edges for layer clustering, one per value, spanning all atoms it reaches."""
-    program: Program
-
-    @property
-    def count(self) -> int:
-        return len(self.names)
-
-    def index_of(self, name: str) -> int:
-        return self.names.index(name)
-
-    @staticmethod
-    def build(program: Program, extra_points: Sequence[str]) -> _Atoms:
-        _ensure_costs(program)
-        forward = [n for n in program.graph.nodes if _region(n).phase is ir.Phase.FORWARD]
-        units = _units(forward)
-        first = {name: _first_position(forward, name) for name in extra_points}
-        # A user's split point may begin where a candidate does (``blocks.1.ln_1``): keep the
-        # user's name there, so the choice reports the stages as the user named them.
-        by_position = {position: name for name, position in units[1:]}
-        by_position.update({position: name for name, position in first.items()})
-        early = [name for name, position in first.items() if position <= units[0][1]]
-        if early:
-            raise PipelineError(
-                f"split point {early[0]!r} begins at or before the model's first module "
-                f"{units[0][0]!r}, so stage 0 would hold no module; name a later module"
-            )
-        points = [by_position[p] for p in sorted(by_position)]
-        parts = partition(program, points)
-        names = (units[0][0], *points)
-        count = len(names)
-        atom_of = {node: unit.stage for node, unit in parts.units.items()}
-        modules: list[list[str]] = [[] for _ in range(count)]
-        for name, position in units:
-            atom = atom_of[forward[position]]
-            if name not in modules[atom]:
-                modules[atom].append(name)
-        for atom, name in enumerate(names):
-            if name not in modules[atom]:
-                modules[atom].insert(0, name)
-        nodes: list[list[fx.Node]] = [[] for _ in range(count)]
-        for node in program.graph.nodes:
-            if node in atom_of:
-                nodes[atom_of[node]].append(node)
-        trainable, frozen, batch = _placeholders(program)
-        forward_crossing, backward_crossing, edges = _crossings(program, atom_of, count)
-        return _Atoms(
-            names=names,
-            modules=tuple(tuple(m) for m in modules),
-            nodes=tuple(tuple(n) for n in nodes),
-            atom_of=atom_of,
-            trainable=trainable,
-            frozen=frozen,
-            batch=batch,
-            batch_size=_batch_size(batch),
-            forward_crossing=forward_crossing,
-            backward_crossing=backward_crossing,
-            edges=edges,
-            program=program,
-        )
-
-
-def _ensure_costs(program: Program) -> None:
-    if any(n.op != "output" and ir.get(n, ir.Cost) is None for n in program.graph.nodes):
-        AnnotateCost().run(program)
-
-
-def _region(node: fx.Node) -> ir.Region:
-    return ir.require(node, ir.Region)
-
-
-def _units(forward: Sequence[fx.Node]) -> list[tuple[str, int]]:
-    """Cut candidates ``(module name, first forward position)`` in forward order, the model's
-    first module included: the repeated layers, and other modules cut to the depth of their
-    container. Modules above that depth (the root, the container's parents) run between
-    candidates and go with the one before them."""
-    containers: dict[str, list[str]] = {}
-    for node in forward:
-        parts = _region(node).module.split(".")
-        for depth, part in enumerate(parts):
-            if part.isdigit():
-                layers = containers.setdefault(".".join(parts[:depth]), [])
-                layer = ".".join(parts[: depth + 1])
-                if layer not in layers:
-                    layers.append(layer)
-                break
-    container = max(containers, key=lambda c: len(containers[c]), default=None)
-    depth = len(container.split(".")) if container else 1
-    units: dict[str, int] = {}
-    for position, node in enumerate(forward):
-        module = _region(node).module
-        if not module:
-            continue
-        parts = module.split(".")
-        if container is not None and module.startswith(container + "."):
-            name = ".".join(parts[: depth + 1])
-        else:
-            name = ".".join(parts[:depth])
-            if container is not None and (container + ".").startswith(name + "."):
-                continue  # an ancestor of the layers: naming it would cut before all of them
-            if name == container:
-                continue
-        units.setdefault(name, position)
-    if not units:
-        raise PipelineError(
-            "the captured step's forward ops belong to no named module, so there is nowhere to "
-            "cut it into stages"
-        )
-    return sorted(units.items(), key=lambda item: item[1])
-
-
-def _first_position(forward: Sequence[fx.Node], module: str) -> int:
-    for position, node in enumerate(forward):
-        name = _region(node).module
-        if name == module or name.startswith(module + "."):
-            return position
-    raise PipelineError(f"split point {module!r} names no module that runs in the forward pass")
-
-
-def _placeholders(
-    program: Program,
-) -> tuple[dict[fx.Node, int], dict[fx.Node, int], dict[fx.Node, int]]:
-    signature = program.signature
-    placeholders = program.placeholders()
-    trainable_names = set(signature.gradients)
-    trainable: dict[fx.Node, int] = {}
-    frozen: dict[fx.Node, int] = {}
-    batch: dict[fx.Node, int] = {}
-    for name, node in placeholders.items():
-        size = _output_bytes(node)
-        if name in signature.step_inputs:  # the batch and the random draws
-            batch[node] = size
-        elif name in trainable_names:
-            trainable[node] = size
-        else:
-            frozen[node] = size
-    return trainable, frozen, batch
-
-
-def _batch_size(batch: dict[fx.Node, int]) -> int | None:
-    sizes = set()
-    for node in batch:
-        for meta in ir.require(node, ir.ValueMeta).tensors:
-            if meta.shape:
-                sizes.add(ir.evaluate(meta.shape[0]))
-    return min(sizes) if sizes else None
-
-
-def _output_bytes(node: fx.Node) -> int:
-    cost = ir.get(node, ir.Cost)
-    if cost is not None:
-        return ir.evaluate(cost.output_bytes)
-    return sum(ir.evaluate(t.nbytes) for t in ir.require(node, ir.ValueMeta).tensors)
-
-
-def _crossings(
-    program: Program,
-    atom_of: dict[fx.Node, int],
-    count: int,
-    nbytes_of: Callable[[fx.Node], int] | None = None,
-) -> tuple[tuple[int, ...], tuple[int, ...], tuple[DataEdge, ...]]:
-    nbytes_of = nbytes_of or _output_bytes
-    forward = [0] * (count + 1)
-    backward = [0] * (count + 1)
-    edges: list[DataEdge] = []
-    for node in program.graph.nodes:
-        home = atom_of.get(node)
-        if home is None:
-            continue  # parameters and batch tensors never travel: every stage reads its own
-        readers = {atom_of[user] for user in node.users if user in atom_of}
-        later, earlier = max(readers, default=home), min(readers, default=home)
-        nbytes = nbytes_of(node)
-        if nbytes == 0 or later == earlier == home:
-            continue
-        # Relayed through every stage in between, so it crosses each boundary once.
-        for boundary in range(home + 1, later + 1):
-            forward[boundary] += nbytes
-        for boundary in range(earlier + 1, home + 1):
-            backward[boundary] += nbytes
-        edges.append(DataEdge(min(earlier, home), max(later, home), nbytes))
-    return tuple(forward), tuple(backward), tuple(edges)
-
-
-def _node_seconds(node: fx.Node, cluster: Cluster) -> float:
-    cost = ir.get(node, ir.Cost)
-    if cost is None:
-        return 0.0
-    flops = ir.evaluate(cost.flops)
-    moved = ir.evaluate(cost.bytes_read) + ir.evaluate(cost.bytes_written)
-    return max(flops / cluster.flops, moved / cluster.memory_bandwidth)
-
-
-def _storage(node: fx.Node) -> fx.Node:
-    """The node that owns ``node``'s memory: itself, or the base of the view it is."""
-    while (
-        node.op == "call_function"
-        and node.target is not operator.getitem
-        and isinstance(node.args[0] if node.args else None, fx.Node)
-        and _moves_no_data(node)
-    ):
-        base = node.args[0]
-        assert isinstance(base, fx.Node)
-        node = base
-    return node
-
-
-def _moves_no_data(node: fx.Node) -> bool:
-    cost = ir.get(node, ir.Cost)
-    return cost is not None and ir.evaluate(cost.bytes_written) == ir.evaluate(cost.flops) == 0
-
-
-def _cluster_atoms(model: _CostModel, num_layers: int) -> tuple[int, ...]:
+def _cluster_atoms(model: StageCostModel, num_layers: int) -> tuple[int, ...]:
     """The first atom of every layer."""
     atoms = model.atoms
     if num_layers >= atoms.count:
@@ -651,249 +366,9 @@ def _cluster_atoms(model: _CostModel, num_layers: int) -> tuple[int, ...]:
     return tuple(start for start, _ in layering.ranges)
 
 
-# -- costs of an atom range on d devices -------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _RangeFacts:
-    forward_seconds: float
-    backward_seconds: float
-    trainable_bytes: int
-    frozen_bytes: int
-    saved_bytes: int
-    batch_bytes: int
-
-    @property
-    def seconds(self) -> float:
-        return self.forward_seconds + self.backward_seconds
-
-
-class _CostModel:
-    """Stage costs of atom ranges, cached per range and per (range, devices)."""
-
-    def __init__(
-        self, atoms: _Atoms, cluster: Cluster, pipeline: Pipeline, optimizer_states: int
-    ) -> None:
-        if optimizer_states < 0:
-            raise PipelineError(f"optimizer_states must be >= 0, got {optimizer_states}")
-        self.atoms = atoms
-        self.cluster = cluster
-        self.pipeline = pipeline
-        self.optimizer_states = optimizer_states
-        self.phases = {node: _region(node).phase for node in atoms.atom_of}
-        self._ranges: dict[tuple[int, int], _RangeFacts] = {}
-        self._costs: dict[tuple[int, int, int], StageCost] = {}
-
-    def facts(self, start: int, stop: int) -> _RangeFacts:
-        key = (start, stop)
-        if key not in self._ranges:
-            self._ranges[key] = self._measure(start, stop)
-        return self._ranges[key]
-
-    def _measure(self, start: int, stop: int) -> _RangeFacts:
-        return self._facts(
-            start, stop, lambda node: _node_seconds(node, self.cluster), _output_bytes
-        )
-
-    def _facts(
-        self,
-        start: int,
-        stop: int,
-        seconds: Callable[[fx.Node], float],
-        nbytes: Callable[[fx.Node], int],
-    ) -> _RangeFacts:
-        """The range's seconds and bytes, each node and value priced by ``seconds`` and
-        ``nbytes`` (per device)."""
-        atoms = self.atoms
-        nodes = [node for atom in range(start, stop) for node in atoms.nodes[atom]]
-        forward_seconds = backward_seconds = 0.0
-        read: set[fx.Node] = set()
-        saved: set[fx.Node] = set()
-        for node in nodes:
-            read.update(node.all_input_nodes)
-            if self.phases[node] is not ir.Phase.BACKWARD:
-                forward_seconds += seconds(node)
-                continue
-            backward_seconds += seconds(node)
-            for value in node.all_input_nodes:
-                base = _storage(value)
-                if base in atoms.batch or self.phases.get(base) is ir.Phase.FORWARD:
-                    saved.add(base)
-        return _RangeFacts(
-            forward_seconds=forward_seconds,
-            backward_seconds=backward_seconds,
-            trainable_bytes=sum(nbytes(n) for n in read if n in atoms.trainable),
-            frozen_bytes=sum(nbytes(n) for n in read if n in atoms.frozen),
-            saved_bytes=sum(nbytes(n) for n in saved),
-            batch_bytes=sum(nbytes(n) for n in read if n in atoms.batch),
-        )
-
-    def cost(self, start: int, stop: int, devices: int) -> StageCost:
-        key = (start, stop, devices)
-        if key not in self._costs:
-            self._costs[key] = self._stage_cost(start, stop, devices)
-        return self._costs[key]
-
-    def _stage_cost(self, start: int, stop: int, devices: int) -> StageCost:
-        facts = self.facts(start, stop)
-        bandwidth, latency = _link(self.cluster, devices)
-        reduce = collective_seconds(
-            "all_reduce", facts.trainable_bytes, devices, bandwidth, latency
-        )
-        atoms = self.atoms
-        return self._price(
-            start, stop, facts, atoms.forward_crossing, atoms.backward_crossing,
-            share=self.pipeline.microbatches * devices, per_step=reduce,
-        )  # fmt: skip
-
-    def _price(
-        self,
-        start: int,
-        stop: int,
-        facts: _RangeFacts,
-        forward_crossing: Sequence[int],
-        backward_crossing: Sequence[int],
-        *,
-        share: int,
-        per_step: float,
-        per_microbatch: float = 0.0,
-    ) -> StageCost:
-        """The stage cost of layers ``[start, stop)`` (module docstring): ``facts`` and the
-        crossing bytes are for the work a micro-batch gives the stage's devices times
-        ``share``; ``per_step`` seconds are spent once a step (gradient synchronisation),
-        ``per_microbatch`` seconds (``share`` times over) beside the compute."""
-        pipeline, cluster = self.pipeline, self.cluster
-        compute = facts.forward_seconds + facts.backward_seconds + per_microbatch
-        if pipeline.remat:
-            compute += facts.forward_seconds
-        send_bandwidth, send_latency = min(cluster.bandwidth), max(cluster.latency)
-        sent = [backward_crossing[start] if start > 0 else 0]
-        sent.append(forward_crossing[stop] if stop < self.atoms.count else 0)
-        send = sum(send_latency + nbytes / share / send_bandwidth for nbytes in sent if nbytes)
-        static = float((2 + self.optimizer_states) * facts.trainable_bytes + facts.frozen_bytes)
-        if pipeline.remat:
-            received = forward_crossing[start] if start > 0 else 0
-            activation = (received + facts.batch_bytes) / share
-            static += facts.saved_bytes / share
-        else:
-            activation = facts.saved_bytes / share
-        return StageCost(
-            time=compute / share + per_step / pipeline.microbatches + send,
-            static_memory=static,
-            activation_memory=float(activation),
-        )
-
-
-class _PlannedCostModel(_CostModel):
-    """Stage costs under the intra-op plan a stage mesh of ``d`` devices runs (module
-    docstring), one plan per ``d``."""
-
-    def __init__(
-        self,
-        atoms: _Atoms,
-        cluster: Cluster,
-        pipeline: Pipeline,
-        optimizer_states: int,
-        planner: StagePlanner,
-    ) -> None:
-        super().__init__(atoms, cluster, pipeline, optimizer_states)
-        self.planner = planner
-        self._plans: dict[int, _PlannedStep] = {}
-
-    def planned(self, devices: int) -> _PlannedStep:
-        if devices not in self._plans:
-            self._plans[devices] = self._plan(devices)
-        return self._plans[devices]
-
-    def _plan(self, devices: int) -> _PlannedStep:
-        from fxpar.planning.cost import local_bytes
-        from fxpar.planning.report import walk
-
-        stage_cluster = _stage_cluster(self.cluster, devices)
-        program = self.atoms.program
-        plan = self.planner(program, stage_cluster)
-        found = walk(plan.program, stage_cluster)
-        by_name = {node.name: node for node in program.graph.nodes}
-        compute = {node.name: seconds for node, seconds in found.compute.items()}
-        values: dict[str, int] = {}
-        for node, specs in found.specs.items():
-            value = ir.get(node, ir.ValueMeta)
-            if value is None or node.op == "output":
-                continue
-            values[node.name] = sum(
-                local_bytes(meta, spec, stage_cluster)
-                for meta, spec in zip(value.outputs, specs, strict=True)
-                if meta is not None and spec is not None
-            )
-        comm: dict[str, float] = {}
-        sync: dict[str, float] = {}
-        for record, seconds in zip(found.records, found.record_seconds, strict=True):
-            if record.phase is ir.Phase.OUTPUT:
-                sync[record.tensor] = sync.get(record.tensor, 0.0) + seconds
-            else:
-                comm[record.consumer] = comm.get(record.consumer, 0.0) + seconds
-        local = {node: values.get(node.name, 0) for node in by_name.values()}
-        forward, backward, _ = _crossings(
-            program, self.atoms.atom_of, self.atoms.count, lambda n: local[n]
-        )
-        return _PlannedStep(compute, comm, sync, local, forward, backward)
-
-    def _stage_cost(self, start: int, stop: int, devices: int) -> StageCost:
-        step = self.planned(devices)
-        facts = self._facts(
-            start, stop, lambda n: step.compute.get(n.name, 0.0), lambda n: step.local.get(n, 0)
-        )
-        names = [node.name for atom in range(start, stop) for node in self.atoms.nodes[atom]]
-        # The plan is per device already: a micro-batch is 1/M of the planned step.
-        return self._price(
-            start, stop, facts, step.forward_crossing, step.backward_crossing,
-            share=self.pipeline.microbatches,
-            per_step=sum(step.sync.get(name, 0.0) for name in names),
-            per_microbatch=sum(step.comm.get(name, 0.0) for name in names),
-        )  # fmt: skip
-
-
-@dataclass(frozen=True)
-class _PlannedStep:
-    """The step as planned on one stage mesh, per device: seconds of each op (by node name),
-    of the collectives each op runs and of those that synchronise each gradient, the bytes of
-    every value, and the bytes crossing each atom boundary."""
-
-    compute: dict[str, float]
-    comm: dict[str, float]
-    sync: dict[str, float]
-    local: dict[fx.Node, int]
-    forward_crossing: tuple[int, ...]
-    backward_crossing: tuple[int, ...]
-
-
-def _stage_cluster(cluster: Cluster, devices: int) -> Cluster:
-    """The stage mesh ``(devices,)`` of a pipeline on ``cluster``: the links of the innermost
-    axis holding ``devices`` consecutive ranks, and the memory of one device times the number of
-    stages (the plan covers every stage's weights; a device holds about one stage's share)."""
-    bandwidth, latency = _link(cluster, devices)
-    return dataclasses.replace(
-        cluster,
-        mesh_shape=(devices,),
-        axis_names=("devices",),
-        bandwidth=(bandwidth,),
-        latency=(latency,),
-        memory=cluster.memory * (cluster.world_size // devices),
-    )
-
-
-def _link(cluster: Cluster, devices: int) -> tuple[float, float]:
-    """Bandwidth and latency among ``devices`` consecutive ranks: the innermost mesh axis whose
-    block of trailing axes they fit in evenly (ranks are row-major)."""
-    block = 1
-    for axis in reversed(range(cluster.ndim)):
-        block *= cluster.mesh_shape[axis]
-        if block % devices == 0:
-            return cluster.bandwidth[axis], cluster.latency[axis]
-    return min(cluster.bandwidth), max(cluster.latency)
-
-
-def _problem(model: _CostModel, starts: Sequence[int], devices: int, world: int) -> StageProblem:
+def _problem(
+    model: StageCostModel, starts: Sequence[int], devices: int, world: int
+) -> StageProblem:
     stops = (*starts[1:], model.atoms.count)
 
     def table(first: int, last: int, submesh: tuple[int, ...]) -> StageCost:
@@ -914,7 +389,7 @@ def _divisors(count: int) -> list[int]:
     return [d for d in range(1, count + 1) if count % d == 0]
 
 
-def _batch_obstacle(atoms: _Atoms, pipeline: Pipeline, devices: int) -> str:
+def _batch_obstacle(atoms: Atoms, pipeline: Pipeline, devices: int) -> str:
     pieces = pipeline.microbatches * devices
     if atoms.batch_size is not None and atoms.batch_size % pieces:
         return (
@@ -925,7 +400,7 @@ def _batch_obstacle(atoms: _Atoms, pipeline: Pipeline, devices: int) -> str:
 
 
 def _degree_obstacle(
-    atoms: _Atoms, pipeline: Pipeline, devices: int, stages: int, num_layers: int
+    atoms: Atoms, pipeline: Pipeline, devices: int, stages: int, num_layers: int
 ) -> str:
     if stages > num_layers:
         return f"{stages} stages need {stages - 1} cut points, the model has {num_layers - 1}"
@@ -933,7 +408,7 @@ def _degree_obstacle(
 
 
 def _choice(
-    atoms: _Atoms,
+    atoms: Atoms,
     starts: Sequence[int],
     layer_names: tuple[tuple[str, ...], ...],
     plan: StagePlan,
@@ -977,4 +452,11 @@ def _format_seconds(seconds: float) -> str:
     return f"{seconds * 1e6:.3g} us"
 
 
-__all__ = ["DEFAULT_MAX_LAYERS", "DegreeOutcome", "StageChoice", "evaluate_split", "plan_stages"]
+__all__ = [
+    "DEFAULT_MAX_LAYERS",
+    "DegreeOutcome",
+    "StageChoice",
+    "StagePlanner",
+    "evaluate_split",
+    "plan_stages",
+]

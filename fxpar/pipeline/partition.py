@@ -25,7 +25,6 @@ from __future__ import annotations
 import enum
 import logging
 import operator
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -35,7 +34,9 @@ import torch.fx as fx
 from fxpar import ir
 from fxpar.ir.flops import default_flop_registry
 from fxpar.ir.program import Program
+from fxpar.passes.annotate_cost import node_cost
 from fxpar.pipeline.options import PipelineError
+from fxpar.planning.cost import repeated_layers
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +77,7 @@ def partition(program: Program, split_points: Sequence[str]) -> Partition:
             are not in the order the model runs them.
     """
     forward = [n for n in program.graph.nodes if _phase(n) is ir.Phase.FORWARD]
-    starts = [_first_position(forward, point) for point in split_points]
+    starts = [first_position(forward, point) for point in split_points]
     for (previous, before), (point, start) in zip(
         zip(split_points, starts, strict=True),
         zip(split_points[1:], starts[1:], strict=False),
@@ -109,7 +110,8 @@ def even_split_points(program: Program, num_stages: int) -> tuple[str, ...]:
     if num_stages == 1:
         return ()
     forward = [n for n in program.graph.nodes if _phase(n) is ir.Phase.FORWARD]
-    layers = _repeated_layers(forward)
+    repeated = repeated_layers(ir.require(node, ir.Region).module for node in forward)
+    layers = [] if repeated is None else repeated[1]
     if len(layers) < num_stages:
         found = ", ".join(layers[:6]) or "none"
         raise PipelineError(
@@ -118,13 +120,11 @@ def even_split_points(program: Program, num_stages: int) -> tuple[str, ...]:
             "modules where stages begin"
         )
     registry = default_flop_registry()
-    from fxpar.passes.annotate_cost import node_cost
-
     flops = [float(ir.evaluate(node_cost(n, registry).flops)) + 1.0 for n in forward]
     prefix = [0.0]
     for value in flops:
         prefix.append(prefix[-1] + value)
-    candidates = [(name, _first_position(forward, name)) for name in layers[1:]]
+    candidates = [(name, first_position(forward, name)) for name in layers[1:]]
     chosen: list[str] = []
     for k in range(1, num_stages):
         target = prefix[-1] * k / num_stages
@@ -132,7 +132,7 @@ def even_split_points(program: Program, num_stages: int) -> tuple[str, ...]:
         # Leave enough later layers for the stages still to place.
         remaining = remaining[: len(remaining) - (num_stages - 1 - k)]
         if chosen:
-            last = _first_position(forward, chosen[-1])
+            last = first_position(forward, chosen[-1])
             remaining = [c for c in remaining if c[1] > last]
         name, _ = min(remaining, key=lambda c: abs(prefix[c[1]] - target))
         chosen.append(name)
@@ -140,27 +140,8 @@ def even_split_points(program: Program, num_stages: int) -> tuple[str, ...]:
     return tuple(chosen)
 
 
-def _repeated_layers(forward: Sequence[fx.Node]) -> list[str]:
-    """Children ``<container>.<i>`` of the container with the most numbered children, in run
-    order."""
-    containers: dict[str, list[str]] = {}
-    for node in forward:
-        module = ir.require(node, ir.Region).module
-        parts = module.split(".")
-        for depth, part in enumerate(parts):
-            if re.fullmatch(r"\d+", part):
-                container = ".".join(parts[:depth])
-                layer = ".".join(parts[: depth + 1])
-                names = containers.setdefault(container, [])
-                if layer not in names:
-                    names.append(layer)
-                break
-    if not containers:
-        return []
-    return max(containers.values(), key=len)
-
-
-def _first_position(forward: Sequence[fx.Node], module: str) -> int:
+def first_position(forward: Sequence[fx.Node], module: str) -> int:
+    """Where ``module`` (or a submodule of it) first runs among the ``forward`` nodes."""
     for position, node in enumerate(forward):
         name = ir.require(node, ir.Region).module
         if name == module or name.startswith(module + "."):

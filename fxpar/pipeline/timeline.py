@@ -12,6 +12,7 @@ import os
 from collections.abc import Sequence
 
 from fxpar.pipeline.executor import StageTrace
+from fxpar.pipeline.options import PipelineError
 
 _COLORS = {"forward": "#4C72B0", "backward": "#DD8452"}
 
@@ -46,8 +47,6 @@ def plot_timeline(
         import matplotlib.pyplot as plt
         from matplotlib.patches import Patch
     except ImportError as error:  # pragma: no cover - depends on the environment
-        from fxpar.pipeline.options import PipelineError
-
         raise PipelineError("plot_timeline needs matplotlib: pip install 'fxpar[plot]'") from error
     start, end = step_window(traces)
     ordered = sorted(traces, key=lambda t: t.rank)

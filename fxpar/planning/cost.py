@@ -1,27 +1,56 @@
-"""The cost model: seconds and bytes of strategies and reshardings on a Cluster.
+"""The cost and memory model: seconds and bytes of strategies, reshardings and values on a Cluster.
+
+The ILP problem builder (:mod:`fxpar.planning.problem`), the plan report
+(:mod:`fxpar.planning.report`), manual-plan scoring and the stage DP (:mod:`fxpar.pipeline.auto`)
+all price work and memory here, so that they never disagree on what a plan costs.
+
+**Time.**
 
 - A collective on mesh axis ``a`` of ``n`` devices moving a local tensor of ``B`` bytes costs
   the axis latency ``α`` plus its bytes over the axis bandwidth ``β``: all-reduce
   ``α + 2(n−1)/n·B/β``, all-gather ``α + (n−1)·B/β`` (it receives ``n−1`` pieces of ``B``),
   reduce-scatter and all-to-all ``α + (n−1)/n·B/β``. Local slices are free. A resharding costs
   the sum of its steps (:func:`fxpar.sharding.reshard.reshard_steps`).
-- A strategy's compute time is its share of the node's work, by a roofline:
-  ``max(flops / F, bytes / memory_bandwidth)``, where the share divides the node's FLOPs and bytes
-  by the devices of every mesh axis on which the strategy splits the node (an axis where any
-  input or output is sharded, or an output is partial). Replicated work is done in full.
+- A node's compute time is a roofline, ``max(flops / F, bytes / memory_bandwidth)``
+  (:func:`roofline_seconds`). Under a strategy the node's FLOPs and bytes are divided by the
+  devices of every mesh axis on which the strategy splits it (an axis where any input or output
+  is sharded, or an output is partial); replicated work is done in full.
+
+**Memory.**
+
+- A value costs each device the bytes of its local piece (:func:`local_bytes`).
+- A parameter costs its piece, its gradient's and ``optimizer_states`` more of the same size
+  (:func:`parameter_memory`); a buffer, frozen parameter or batch tensor one piece.
+- Activations: the values the backward reads from the forward (:func:`saved_for_backward`), each
+  counted once at the storage that holds it. A view (a transpose, a reshape) holds no memory of
+  its own: a backward read of it keeps its base alive, so the base is counted, once however many
+  views of it are read, and a view of a parameter adds nothing to the parameter. A ``getitem``
+  owns its element of a tuple, so only the elements read are counted.
+
+**Layers.** A module path sits in a *numbered layer* when one of its components is an index
+(``blocks.3.attn`` in ``blocks.3``, ``transformer.h.0.mlp`` in ``transformer.h.0``, ``2`` in a
+model that is itself a Sequential): :func:`numbered_layer`. The container with the most numbered
+children holds the model's repeated layers (:func:`repeated_layers`).
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import operator
+from collections import defaultdict
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass
 
+import torch.fx as fx
 from torch.distributed.tensor import Partial, Shard
 
 from fxpar import ir
 from fxpar.cluster import Cluster
 from fxpar.sharding import Spec, Strategy, local_shape
 from fxpar.sharding.reshard import reshard_steps
+
+# -- time ---------------------------------------------------------------------------------------
 
 
 def collective_seconds(kind: str, local_bytes: float, devices: int, bandwidth: float,
@@ -70,15 +99,167 @@ def split_factor(strategy: Strategy, mesh_shape: tuple[int, ...]) -> int:
     return factor
 
 
-def compute_seconds(cost: ir.Cost, strategy: Strategy, cluster: Cluster) -> float:
-    """The roofline time of a node's share of work under ``strategy``."""
-    share = split_factor(strategy, cluster.mesh_shape)
+def roofline_seconds(cost: ir.Cost, cluster: Cluster, share: int = 1) -> float:
+    """The roofline time of ``1 / share`` of a node's work on one device of ``cluster``."""
     flops = ir.evaluate(cost.flops) / share
     moved = (ir.evaluate(cost.bytes_read) + ir.evaluate(cost.bytes_written)) / share
     return max(flops / cluster.flops, moved / cluster.memory_bandwidth)
+
+
+def compute_seconds(cost: ir.Cost, strategy: Strategy, cluster: Cluster) -> float:
+    """The roofline time of a node's share of work under ``strategy``."""
+    return roofline_seconds(cost, cluster, split_factor(strategy, cluster.mesh_shape))
+
+
+def node_seconds(node: fx.Node, cluster: Cluster) -> float:
+    """The roofline time of all of ``node``'s work on one device (0 for a node without a Cost:
+    a placeholder or the output)."""
+    cost = ir.get(node, ir.Cost)
+    return 0.0 if cost is None else roofline_seconds(cost, cluster)
+
+
+# -- bytes --------------------------------------------------------------------------------------
 
 
 def local_bytes(meta: ir.TensorMeta, spec: Spec, cluster: Cluster) -> int:
     """Bytes of one device's piece of a tensor."""
     shape = tuple(ir.evaluate(s) for s in meta.shape)
     return math.prod(local_shape(shape, spec, cluster.mesh_shape)) * meta.dtype.itemsize
+
+
+def value_bytes(value: ir.ValueMeta, specs: Sequence[Spec | None], cluster: Cluster) -> int:
+    """Bytes of one device's pieces of every tensor a node produces, laid out as ``specs``."""
+    return sum(
+        local_bytes(meta, spec, cluster)
+        for meta, spec in zip(value.outputs, specs, strict=True)
+        if meta is not None and spec is not None
+    )
+
+
+def parameter_memory(nbytes: float, trainable: bool, optimizer_states: int) -> dict[str, float]:
+    """Bytes a parameter (or buffer, or batch tensor) of ``nbytes`` per device keeps: itself and,
+    when trainable, its gradient and ``optimizer_states`` tensors of the optimizer's."""
+    if not trainable:
+        return {"params": nbytes, "grads": 0.0, "optimizer": 0.0}
+    return {"params": nbytes, "grads": nbytes, "optimizer": optimizer_states * nbytes}
+
+
+# -- saved activations --------------------------------------------------------------------------
+
+
+def moves_no_data(node: fx.Node) -> bool:
+    """True for a view: an op that computes and writes nothing (by its Cost)."""
+    cost = ir.get(node, ir.Cost)
+    return cost is not None and ir.evaluate(cost.bytes_written) == ir.evaluate(cost.flops) == 0
+
+
+def storage(node: fx.Node) -> fx.Node:
+    """The node that owns ``node``'s memory: itself, or the base of the view it is. A
+    ``getitem`` owns its element of the tuple it reads."""
+    while (
+        node.op == "call_function"
+        and node.target is not operator.getitem
+        and isinstance(node.args[0] if node.args else None, fx.Node)
+        and moves_no_data(node)
+    ):
+        base = node.args[0]
+        assert isinstance(base, fx.Node)
+        node = base
+    return node
+
+
+def saved_for_backward(nodes: Iterable[fx.Node]) -> set[fx.Node]:
+    """The storage (:func:`storage`) of every value that a backward node among ``nodes`` reads
+    and that the forward pass or the step's inputs produced: forward values (a ``getitem``
+    standing for its element of a tuple) and placeholders. Placeholders are included (the batch
+    is an activation to a pipeline stage); the memory model of a whole step counts them as
+    parameters and inputs instead."""
+    saved: set[fx.Node] = set()
+    for node in nodes:
+        region = ir.get(node, ir.Region)
+        if region is None or region.phase is not ir.Phase.BACKWARD:
+            continue
+        for value in node.all_input_nodes:
+            base = storage(value)
+            if base.op == "placeholder":
+                saved.add(base)
+                continue
+            produced = ir.get(base, ir.Region)
+            if produced is not None and produced.phase is ir.Phase.FORWARD:
+                saved.add(base)
+    return saved
+
+
+def saved_outputs(nodes: Iterable[fx.Node]) -> dict[fx.Node, frozenset[int]]:
+    """:func:`saved_for_backward` as the ops producing the saved values, each with the indices
+    of its saved outputs. Placeholders are left out: a whole step's memory counts them as
+    parameters and inputs."""
+    saved: defaultdict[fx.Node, set[int]] = defaultdict(set)
+    for value in saved_for_backward(nodes):
+        if value.op == "placeholder":
+            continue
+        if value.target is operator.getitem:
+            source, index = value.args
+            assert isinstance(source, fx.Node) and isinstance(index, int)
+            saved[source].add(index)
+        else:
+            saved[value].add(0)
+    return {node: frozenset(indices) for node, indices in saved.items()}
+
+
+def saved_bytes(
+    value: ir.ValueMeta, specs: Sequence[Spec | None], outputs: Collection[int], cluster: Cluster
+) -> int:
+    """Bytes per device of the ``outputs`` (indices) of a node that the backward keeps."""
+    kept = [spec if index in outputs else None for index, spec in enumerate(specs)]
+    return value_bytes(value, kept, cluster)
+
+
+# -- layers -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NumberedLayer:
+    """The numbered layer a module sits in: child ``index`` of ``container``."""
+
+    container: str
+    """The module path holding the layers (``blocks``, ``transformer.h``; ``""`` for the model
+    itself)."""
+    index: str
+
+    @property
+    def name(self) -> str:
+        """``blocks.3``: the layer's module path."""
+        return f"{self.container}.{self.index}" if self.container else self.index
+
+    @property
+    def pattern(self) -> str:
+        """``blocks.*``: every layer of the container."""
+        return f"{self.container}.*" if self.container else "*"
+
+
+def numbered_layer(module: str) -> NumberedLayer | None:
+    """The layer of ``module``'s first all-digit component (``blocks.3`` for ``blocks.3.attn``);
+    None for a module outside numbered layers."""
+    parts = module.split(".") if module else []
+    for depth, part in enumerate(parts):
+        if part.isdigit():
+            return NumberedLayer(".".join(parts[:depth]), part)
+    return None
+
+
+def repeated_layers(modules: Iterable[str]) -> tuple[str, list[str]] | None:
+    """The container with the most numbered layers among ``modules`` and its layers, in the
+    order ``modules`` first name them (on a tie, the container named first); None without
+    numbered layers."""
+    containers: dict[str, list[str]] = {}
+    for module in modules:
+        layer = numbered_layer(module)
+        if layer is not None:
+            names = containers.setdefault(layer.container, [])
+            if layer.name not in names:
+                names.append(layer.name)
+    if not containers:
+        return None
+    container = max(containers, key=lambda c: len(containers[c]))
+    return container, containers[container]

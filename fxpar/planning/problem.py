@@ -14,11 +14,12 @@
    the shared decisions.
 3. **Costs.** A unit's cost for a strategy is the compute time of its nodes (and the
    resharding inside it); an edge's matrix is the resharding time from the producer unit's layout
-   to the layout the consumer's strategy requires (:mod:`fxpar.costmodel`). The loss must end
+   to the layout the consumer's strategy requires (:mod:`fxpar.planning.cost`). The loss must end
    replicated and each gradient in its parameter's layout: those are costs too.
-4. **Memory** per device: every parameter with its gradient and optimizer state
-   (``2 + optimizer_states`` copies of its local piece), the batch, and the forward activations
-   the backward reads.
+4. **Memory** per device, by :mod:`fxpar.planning.cost`: every parameter with its gradient and
+   optimizer state (``2 + optimizer_states`` copies of its local piece), buffers and the batch,
+   and the forward activations the backward reads, each at the storage holding it (a unit
+   charges the saved values it produces).
 
 :func:`apply_solution` writes the chosen strategies back as Sharding annotations.
 """
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import fnmatch
 import operator
-import re
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -40,7 +40,15 @@ from fxpar import ir
 from fxpar.cluster import Cluster
 from fxpar.errors import FxparError
 from fxpar.ir.program import Program
-from fxpar.planning.cost import compute_seconds, local_bytes, reshard_seconds
+from fxpar.planning.cost import (
+    compute_seconds,
+    local_bytes,
+    numbered_layer,
+    parameter_memory,
+    reshard_seconds,
+    saved_bytes,
+    saved_outputs,
+)
 from fxpar.rules.registry import tensor_inputs
 from fxpar.sharding import Sharding, Spec, Strategies, Strategy, replicated, spec_str
 from fxpar.solvers.problem import Edge, IntraOpProblem
@@ -238,12 +246,12 @@ class _Builder:
             return representative
         instances: dict[tuple[str, str], list[int]] = defaultdict(list)
         for index, unit in enumerate(self.units):
-            key = _layer_of(ir.require(unit.root, ir.Region).module)
-            if key is not None:
-                instances[key].append(index)
+            layer = numbered_layer(ir.require(unit.root, ir.Region).module)
+            if layer is not None:
+                instances[layer.container, layer.index].append(index)
         by_class: dict[str, list[tuple[str, list[int]]]] = defaultdict(list)
-        for (layer_class, layer_index), members in instances.items():
-            by_class[layer_class].append((layer_index, members))
+        for (container, layer_index), members in instances.items():
+            by_class[container].append((layer_index, members))
         for layers in by_class.values():
             signatures: dict[tuple[object, ...], list[int]] = {}
             for _, members in layers:
@@ -285,7 +293,7 @@ class _Builder:
         sizes = [len(self.units[r].allowed) for r in reps]
         node_costs = [[0.0] * n for n in sizes]
         node_memory = [[0.0] * n for n in sizes]
-        saved = self._saved_for_backward()
+        saved = saved_outputs(self.program.graph.nodes)
         unit_cost_cache: dict[int, tuple[list[float], list[float]]] = {}
         for u in range(len(self.units)):
             rep = representative[u]
@@ -341,6 +349,12 @@ class _Builder:
             edges=edges,
             memory_limit=self.cluster.memory if memory_limit is None else memory_limit,
             names=tuple(self.units[r].root.name for r in reps),
+            strategies=tuple(
+                tuple(candidates(self.units[r].root)[c] for c in self.units[r].allowed)
+                for r in reps
+            ),
+            kinds=tuple(self._kind(self.units[r].root) for r in reps),
+            mesh_shape=self.cluster.mesh_shape,
         )
         graph_nodes = sum(1 for _ in self.program.graph.nodes)
         stats = {
@@ -353,7 +367,9 @@ class _Builder:
         layout = Layout(self.units, self.unit_of, node_of_unit, stats)
         return problem, layout
 
-    def _unit_costs(self, unit: _Unit, saved: set[fx.Node]) -> tuple[list[float], list[float]]:
+    def _unit_costs(
+        self, unit: _Unit, saved: Mapping[fx.Node, frozenset[int]]
+    ) -> tuple[list[float], list[float]]:
         costs, memory = [], []
         root = unit.root
         for choice, index in enumerate(unit.allowed):
@@ -373,35 +389,19 @@ class _Builder:
             memory.append(bytes_kept)
         return costs, memory
 
-    def _memory(self, node: fx.Node, strategy: Strategy, saved: set[fx.Node]) -> float:
+    def _memory(
+        self, node: fx.Node, strategy: Strategy, saved: Mapping[fx.Node, frozenset[int]]
+    ) -> float:
         value = ir.require(node, ir.ValueMeta)
         if node.op == "placeholder":
             spec = strategy.outputs[0]
             assert spec is not None
-            copies = 1
-            if self.names.get(node) in self.program.signature.gradients:
-                copies = 2 + self.options.optimizer_states
-            return copies * local_bytes(value.tensor, spec, self.cluster)
+            trainable = self.names.get(node) in self.program.signature.gradients
+            nbytes = local_bytes(value.tensor, spec, self.cluster)
+            return sum(parameter_memory(nbytes, trainable, self.options.optimizer_states).values())
         if node not in saved:
             return 0.0
-        return float(
-            sum(
-                local_bytes(meta, spec, self.cluster)
-                for meta, spec in zip(value.outputs, strategy.outputs, strict=True)
-                if meta is not None and spec is not None
-            )
-        )
-
-    def _saved_for_backward(self) -> set[fx.Node]:
-        saved = set()
-        for node in self.program.graph.nodes:
-            region = ir.get(node, ir.Region)
-            if region is None or region.phase is not ir.Phase.FORWARD:
-                continue
-            readers = [ir.get(user, ir.Region) for user in node.users]
-            if any(r is not None and r.phase is ir.Phase.BACKWARD for r in readers):
-                saved.add(self._source(node)[0])
-        return saved
+        return float(saved_bytes(value, strategy.outputs, saved[node], self.cluster))
 
     def _dependencies(
         self, representative: list[int]
@@ -446,23 +446,24 @@ class _Builder:
             )
             yield result, target_unit, required_layout, meta, key
 
+    def _kind(self, node: fx.Node) -> str:
+        """What a problem node is, for :attr:`IntraOpProblem.kinds`."""
+        if node.op != "placeholder":
+            return str(node.target)
+        name = self.names[node]
+        signature = self.program.signature
+        if name in signature.parameters:
+            return "parameter"
+        if name in signature.buffers:
+            return "buffer"
+        return "input" if name in signature.inputs else "random"
+
     def _position(self, node: fx.Node) -> tuple[int, int]:
         """Where a value sits inside its unit: (member index, output index)."""
         source, index = self._source(node)
         unit = self.units[self.unit_of[source]]
         member = -1 if source is unit.root else unit.members.index(source)
         return member, index
-
-
-_LAYER = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
-
-
-def _layer_of(module: str) -> tuple[str, str] | None:
-    """``("blocks.*", "3")`` for a module path under ``blocks.3``; None outside numbered layers."""
-    match = _LAYER.match(module)
-    if match is None:
-        return None
-    return f"{match.group(1)}.*", match.group(2)
 
 
 def _results(program: Program) -> list[fx.Node]:

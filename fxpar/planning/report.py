@@ -14,17 +14,21 @@ lowering per rank. The same walk prices every edge as the cost model does, per c
 reuse, which is the header's communication time: compute plus that is the solver's objective. The
 difference between the two communication figures is what the lowering saves by reusing conversions.
 
+Every op's compute time and every value's bytes come from the cost and memory model
+(:mod:`fxpar.planning.cost`) that the problem builder uses, so the layers' memory adds up to the
+solver's and their compute plus the priced communication to its objective.
+
 Layers are module path prefixes: ``blocks.3``, ``transformer.h.3``, ``model.layers.3`` for
-numbered layers; other modules are cut at the depth just below the layer container
-(``wte``, ``transformer.ln_f``, ``model.embed_tokens``, ``lm_head``). ``<inputs>`` holds the
-batch, ``<root>`` the model's own top-level ops and ``<loss>`` a separate loss function.
+numbered layers (:func:`fxpar.planning.cost.numbered_layer`); other modules are cut at the
+depth just below the layer container (``wte``, ``transformer.ln_f``, ``model.embed_tokens``,
+``lm_head``). ``<inputs>`` holds the batch, ``<root>`` the model's own top-level ops and
+``<loss>`` a separate loss function.
 """
 
 from __future__ import annotations
 
 import math
 import operator
-import re
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -39,7 +43,7 @@ from fxpar.cluster import Cluster
 from fxpar.errors import FxparError
 from fxpar.ir.program import Program
 from fxpar.lowering import CollectiveRecord, needs_strategy, output_specs
-from fxpar.planning.cost import collective_seconds, compute_seconds, local_bytes, reshard_seconds
+from fxpar.planning import cost
 from fxpar.rules import coverage
 from fxpar.rules.registry import tensor_inputs
 from fxpar.sharding import Sharding, Spec, local_shape, replicated
@@ -109,7 +113,7 @@ def walk(program: Program, cluster: Cluster) -> Walk:
         current = found.specs[source][0]
         assert current is not None
         meta = ir.require(source, ir.ValueMeta).tensor
-        found.edge_seconds += reshard_seconds(current, want, meta, cluster)
+        found.edge_seconds += cost.reshard_seconds(current, want, meta, cluster)
         # The lowering's reuse rule (fxpar.lowering._RankLowering._convert).
         key = (source, want, phase if source.op == "placeholder" else None)
         if current == want or key in converted:
@@ -126,7 +130,7 @@ def walk(program: Program, cluster: Cluster) -> Walk:
                     )
                 )
                 axis = step.axis
-                seconds = collective_seconds(
+                seconds = cost.collective_seconds(
                     step.kind, nbytes, mesh[axis], cluster.bandwidth[axis], cluster.latency[axis]
                 )
                 found.record_seconds.append(seconds)
@@ -153,9 +157,9 @@ def walk(program: Program, cluster: Cluster) -> Walk:
             for source, want in zip(tensor_inputs(node), strategy.inputs, strict=True):
                 convert(source, want, node, phase)
             found.specs[node] = strategy.outputs
-            cost = ir.get(node, ir.Cost)
-            if cost is not None:
-                found.compute[node] = compute_seconds(cost, strategy, cluster)
+            work = ir.get(node, ir.Cost)
+            if work is not None:
+                found.compute[node] = cost.compute_seconds(work, strategy, cluster)
     return found
 
 
@@ -167,22 +171,22 @@ def plan_collectives(program: Program, cluster: Cluster) -> list[CollectiveRecor
 
 # -- layers -------------------------------------------------------------------------------------
 
-_NUMBERED = re.compile(r"^(.*?)\.(\d+)(?:\.|$)")
-
 
 def layer_namer(modules: Iterable[str]) -> Callable[[str], str]:
     """A function from a module path to its layer's name (see the module docstring)."""
-    containers = [m.group(1) for m in map(_NUMBERED.match, modules) if m is not None]
-    depth = 1 + min((c.count(".") + 1 for c in containers), default=0)
+    containers = [
+        layer.container for layer in map(cost.numbered_layer, modules) if layer is not None
+    ]
+    depth = 1 + min((len(c.split(".")) if c else 0 for c in containers), default=0)
 
     def name(module: str) -> str:
         if not module:
             return ROOT_ROW
         if module.startswith("<"):
             return module
-        match = _NUMBERED.match(module)
-        if match is not None:
-            return f"{match.group(1)}.{match.group(2)}"
+        layer = cost.numbered_layer(module)
+        if layer is not None:
+            return layer.name
         return ".".join(module.split(".")[:depth])
 
     return name
@@ -190,23 +194,8 @@ def layer_namer(modules: Iterable[str]) -> Callable[[str], str]:
 
 def _layer_class(name: str) -> str:
     """``blocks.*`` for ``blocks.3``: layers that may be collapsed into one row."""
-    match = _NUMBERED.match(name)
-    return name if match is None else f"{match.group(1)}.*"
-
-
-def _saved_for_backward(program: Program) -> set[fx.Node]:
-    """Forward values a backward node reads: the activations the memory model keeps."""
-    saved = set()
-    for node in program.graph.nodes:
-        region = ir.get(node, ir.Region)
-        if region is None or region.phase is not ir.Phase.FORWARD:
-            continue
-        readers = [ir.get(user, ir.Region) for user in node.users]
-        if any(r is not None and r.phase is ir.Phase.BACKWARD for r in readers):
-            source = node.args[0] if node.target is operator.getitem else node
-            assert isinstance(source, fx.Node)
-            saved.add(source)
-    return saved
+    layer = cost.numbered_layer(name)
+    return name if layer is None else layer.pattern
 
 
 @dataclass
@@ -253,12 +242,12 @@ def report_data(plan: Plan) -> dict[str, Any]:
         layer.first = min(layer.first, first)
         layer_of[node] = layer
 
-    saved = _saved_for_backward(program)
+    saved = cost.saved_outputs(program.graph.nodes)
     for node, layer in layer_of.items():
         if node.op == "placeholder":
             spec = found.specs[node][0]
             assert spec is not None
-            nbytes = float(local_bytes(ir.require(node, ir.ValueMeta).tensor, spec, cluster))
+            nbytes = float(cost.local_bytes(ir.require(node, ir.ValueMeta).tensor, spec, cluster))
             name = names[node]
             if name in step_inputs:
                 layer.memory["activations"] += nbytes
@@ -267,18 +256,15 @@ def report_data(plan: Plan) -> dict[str, Any]:
             layer.weights[name.removeprefix(prefix) if name.startswith(prefix) else name] = (
                 compact_spec(spec)
             )
-            layer.memory["params"] += nbytes
-            if name in gradients:
-                layer.memory["grads"] += nbytes
-                layer.memory["optimizer"] += optimizer_states * nbytes
+            kept = cost.parameter_memory(nbytes, name in gradients, optimizer_states)
+            for kind, kind_bytes in kept.items():
+                layer.memory[kind] += kind_bytes
             continue
         layer.compute += found.compute.get(node, 0.0)
         if node in saved and ir.get(node, Sharding) is not None:
             value = ir.require(node, ir.ValueMeta)
-            layer.memory["activations"] += sum(
-                local_bytes(meta, spec, cluster)
-                for meta, spec in zip(value.outputs, found.specs[node], strict=True)
-                if meta is not None and spec is not None
+            layer.memory["activations"] += cost.saved_bytes(
+                value, found.specs[node], saved[node], cluster
             )
         if regions[node].phase is ir.Phase.FORWARD and any(
             user.op == "output"
@@ -404,7 +390,9 @@ def _collapse(rows: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
         if len(group) == 1:
             labelled.append((first, group[0]))
         else:
-            span = f"{first}-{last.rsplit('.', 1)[1]}"
+            layer = cost.numbered_layer(last)
+            assert layer is not None  # only numbered layers are collapsed
+            span = f"{first}-{layer.index}"
             labelled.append((f"{span} (x{len(group)}, identical)", group[0]))
     return labelled
 
