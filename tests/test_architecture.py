@@ -1,0 +1,99 @@
+"""The layout keeps its promises (docs/architecture.md): the architecture document names exactly
+the modules the tree has, no module imports another in a cycle or from inside a function, and
+no module is much over 800 lines."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import networkx as nx
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = {"fxpar": "fxpar", "passes": "fxpar.passes", "solvers": "fxpar.solvers"}
+MAX_LINES = 820
+
+
+def _sources() -> dict[str, Path]:
+    """Every module of the three source folders, by its installed name."""
+    found = {}
+    for folder, package in PACKAGES.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            name = ".".join((package, *parts)).removesuffix(".__init__")
+            if package == "fxpar" and parts[0] in ("passes", "solvers"):
+                continue  # not a folder of fxpar/, but be safe
+            found[name] = path
+    return found
+
+
+def _imports(path: Path, inside_functions: bool, modules: set[str]) -> set[str]:
+    """The fxpar modules (of ``modules``) that ``path`` imports at module level
+    (``inside_functions``: only those it imports inside a function). ``from a import b`` reads
+    submodule ``a.b`` when there is one, else ``a``; the root package ``fxpar`` (the public API,
+    which imports everything) is not counted. Imports under ``if TYPE_CHECKING:`` run only for
+    type checkers and are left out."""
+    tree = ast.parse(path.read_text())
+    skipped: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped.update(id(n) for n in ast.walk(node))
+    nested: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            nested.update(id(n) for n in ast.walk(node))
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped or (id(node) in nested) != inside_functions:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fxpar"):
+            for alias in node.names:
+                submodule = f"{node.module}.{alias.name}"
+                found.add(submodule if submodule in modules else node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("fxpar"))
+    return found - {"fxpar"}
+
+
+def test_the_architecture_document_names_every_module_and_only_those() -> None:
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    named = set(re.findall(r"`((?:fxpar|passes|solvers)/[\w/]+\.py)`", text))
+    tree = {str(path.relative_to(ROOT)) for path in _sources().values()}
+    assert sorted(tree - named) == [], "modules docs/architecture.md does not place"
+    assert sorted(named - tree) == [], "docs/architecture.md names modules that do not exist"
+
+
+def test_no_module_imports_another_in_a_cycle() -> None:
+    sources = _sources()
+    graph = nx.DiGraph()
+    for name, path in sources.items():
+        graph.add_node(name)
+        for imported in _imports(path, inside_functions=False, modules=set(sources)):
+            if imported in sources and imported != name:
+                graph.add_edge(name, imported)
+    # A package's __init__ importing its own submodules is how it re-exports them; a cycle
+    # through the package itself is one only if a submodule imports the package back.
+    cycles = [c for c in nx.simple_cycles(graph) if len(c) > 1]
+    assert cycles == [], f"import cycles: {cycles[:3]}"
+
+
+def test_no_import_hides_in_a_function() -> None:
+    """A dependency is visible at the top of the module that has it: imports inside functions
+    hid the cycles this layout removed. fxpar/__init__.py's lazy ``testing`` (it needs the
+    test extra) is the exception, and it goes through importlib."""
+    sources = _sources()
+    hidden = {
+        name: sorted(_imports(path, inside_functions=True, modules=set(sources)))
+        for name, path in sources.items()
+    }
+    assert {name: found for name, found in hidden.items() if found} == {}
+
+
+def test_no_module_is_much_over_800_lines() -> None:
+    long = {
+        str(path.relative_to(ROOT)): lines
+        for path in _sources().values()
+        if (lines := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert long == {}
