@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from fxpar import ir
 from fxpar.ir.program import Program
-from fxpar.rules import matmul, nn, pointwise, reductions, views
+from fxpar.rules import indexing, matmul, nn, pointwise, reductions, scans, views
 from fxpar.rules.registry import AxisOption, OpCall, Rule, RuleRegistry, expand, op_call
 
 __all__ = [
@@ -31,7 +31,7 @@ __all__ = [
 def default_rules() -> RuleRegistry:
     """A fresh registry holding fxpar's rules for ATen ops."""
     rules = RuleRegistry()
-    for family in (pointwise, matmul, reductions, views, nn):
+    for family in (pointwise, matmul, reductions, views, nn, scans, indexing):
         family.register(rules)
     return rules
 

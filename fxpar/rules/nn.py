@@ -211,7 +211,8 @@ _POOL_BACKWARD = (
 
 
 def register(rules: RuleRegistry) -> None:
-    rules.register(aten._softmax, aten._log_softmax, aten._softmax_backward_data,
+    rules.register(aten._softmax, aten._safe_softmax, aten._log_softmax,
+                   aten._softmax_backward_data,
                    aten._log_softmax_backward_data)(_softmax)  # fmt: skip
     rules.register(aten.native_layer_norm)(_layer_norm)
     rules.register(aten.native_layer_norm_backward)(_layer_norm_backward)

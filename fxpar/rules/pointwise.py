@@ -4,6 +4,7 @@ A pointwise op shards any output dim by sharding the same dim of every input tha
 size; inputs that broadcast along that dim stay replicated. Partial values pass through ops that
 are linear in them: ``add``/``sub`` of two partials, ``mul``/``div`` of a partial by a replicated
 factor, ``neg``, copies, and the backward ops that are linear in the incoming gradient.
+Creation ops shaped like an input (``zeros_like``, ``new_zeros``) take any output spec.
 """
 
 from __future__ import annotations
@@ -31,7 +32,13 @@ _LINEAR_IN: dict[object, tuple[frozenset[int], ...]] = {
     aten.sigmoid_backward.default: (frozenset({0}),),
     aten.tanh_backward.default: (frozenset({0}),),
     aten.where.self: (frozenset({1, 2}),),
+    aten.hardswish_backward.default: (frozenset({0}),),
+    aten.hardsigmoid_backward.default: (frozenset({0}),),
+    aten.softplus_backward.default: (frozenset({0}),),
 }
+# Elementwise ops that ATen does not tag pointwise.
+_UNTAGGED = (aten.hardswish.default, aten.floor_divide.default, aten.floor_divide.Scalar,
+             aten._conj.default)  # fmt: skip
 
 
 def pointwise_options(call: OpCall) -> list[AxisOption]:
@@ -85,10 +92,28 @@ def register(rules: RuleRegistry) -> None:
         for op in (getattr(packet, overload) for overload in packet.overloads())
         if torch.Tag.pointwise in op.tags and not op._schema.is_mutable
     ]
-    rules.register(*pointwise_ops, *_ADDITIVE, *_LINEAR_IN)(pointwise)
+    rules.register(*pointwise_ops, *_UNTAGGED, *_ADDITIVE, *_LINEAR_IN)(pointwise)
 
     def like(call: OpCall) -> list[AxisOption]:
         # zeros_like and friends read only the shape: a partial input gives a replicated output.
         return [*pointwise_options(call), AxisOption((R,), (P,))]
 
     rules.register(aten.zeros_like, aten.ones_like, aten.full_like, aten.empty_like)(like)
+    rules.register(aten.new_zeros, aten.new_ones, aten.new_full, aten.new_empty)(_new)
+
+
+def _new(call: OpCall) -> list[AxisOption]:
+    """new_zeros(self, size) and friends read only ``self``'s dtype and device, and lowering
+    passes each device its local size: the output takes any spec, ``self`` any placement. Offered:
+    each output shard with ``self`` replicated or sharded alike, and a replicated output beside
+    any placement of ``self`` (so a sharded or partial ``self`` is never gathered for nothing)."""
+    (source,), out = call.inputs, call.outputs[0]
+    assert out is not None
+    options = []
+    for d in range(len(out.shape)):
+        options.append(AxisOption((Shard(d),), (R,)))
+        if len(source.shape) > d:
+            options.append(AxisOption((Shard(d),), (Shard(d),)))
+    options += [AxisOption((R,), (Shard(d),)) for d in range(len(source.shape))]
+    options.append(AxisOption((R,), (P,)))
+    return options

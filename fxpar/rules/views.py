@@ -1,5 +1,5 @@
 """Shape ops: views and reshapes, permutations, expand, (un)squeeze, split/unbind/slice/select,
-cat/stack, gather, and their backward ops.
+cat/stack, gather, flip, complex views, and their backward ops.
 
 A reshape groups dims of the input and the output into runs with equal products. Sharding a run
 in ``c`` pieces is the same on both sides only through the run's first dim on each side, and only
@@ -251,6 +251,23 @@ def _gather(call: OpCall) -> list[AxisOption]:
     return options
 
 
+def _view_as_complex(call: OpCall) -> list[AxisOption]:
+    """view_as_complex ([..., 2] -> [...]) and view_as_real ([...] -> [..., 2]): the pair dim is
+    the real and imaginary part of one number and stays whole; the others keep their index."""
+    source, out = call.inputs[0], call.outputs[0]
+    assert out is not None
+    shared = min(len(source.shape), len(out.shape))
+    return _moved(call, {d: (d if d < shared else None) for d in range(len(source.shape))},
+                  len(source.shape))  # fmt: skip
+
+
+def _flip(call: OpCall) -> list[AxisOption]:
+    """flip(self, dims): a flipped dim's chunks change places, so only the others shard."""
+    rank = len(call.inputs[0].shape)
+    flipped = {_dim(d, rank) for d in call.arg(1, "dims")}
+    return _moved(call, {d: None for d in flipped}, rank)
+
+
 def register(rules: RuleRegistry) -> None:
     rules.register(aten.view, aten._unsafe_view, aten.reshape, aten.view_copy)(_reshape)
     rules.register(aten.permute)(_permute)
@@ -266,3 +283,5 @@ def register(rules: RuleRegistry) -> None:
     rules.register(aten.cat)(_cat)
     rules.register(aten.stack)(_stack)
     rules.register(aten.gather)(_gather)
+    rules.register(aten.view_as_complex, aten.view_as_real)(_view_as_complex)
+    rules.register(aten.flip)(_flip)

@@ -60,7 +60,7 @@ def distribute(
 
 
 def _noise(like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    if like.is_floating_point():
+    if like.is_floating_point() or like.is_complex():
         # Addends of the value's own magnitude, so cancellation costs no more precision than
         # the reassociation a real reduction does.
         # Infinite entries (attention masks) cannot be split: they stay whole on device 0.
@@ -161,7 +161,7 @@ def _check(
             return f"output {index} ({spec_str(spec)}) does not reassemble: {error}"
         if got.shape != want.shape:
             return f"output {index} reassembles to {tuple(got.shape)}, expected {tuple(want.shape)}"
-        if want.is_floating_point():
+        if want.is_floating_point() or want.is_complex():
             # Tolerance relative to the output's scale: sums of addends lose absolute precision.
             finite = want.isfinite()
             bound = atol + rtol * (want[finite].abs().max().item() if finite.any() else 0.0)

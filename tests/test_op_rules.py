@@ -1,0 +1,263 @@
+"""Sharding rules op by op: for each ATen op in the table, on small real tensors, the rule offers
+more than the replicated strategy (or the op is listed as deliberately replicated, with why), and
+every strategy it offers on 1-D and 2-D meshes matches the op on whole tensors. Tiny modules
+that use the ops capture with no fallback, and a complex RoPE plans and lowers to per-rank
+programs equal to one device."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+
+import fxpar
+from fxpar import ir
+from fxpar.cluster import Cluster
+from fxpar.ir.program import Program, Signature
+from fxpar.rules import AxisOption, coverage, default_rules, op_call
+from fxpar.sharding import Sharding
+from fxpar.testing import assert_equivalent, validate_rules
+
+aten = torch.ops.aten
+MESHES = [(2,), (2, 2)]
+
+
+@dataclass(frozen=True)
+class OpCase:
+    """One call of ``op``: positional arguments, tensors included, and keyword arguments."""
+
+    name: str
+    op: Any
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    defined_values: bool = True
+    """False for ``new_empty``: its values are uninitialized, only its layout can be checked."""
+
+
+def single_op_program(case: OpCase) -> tuple[Program, list[torch.Tensor]]:
+    """A Program of one node calling ``case.op``, with a placeholder per tensor argument."""
+    graph = fx.Graph()
+    flat: list[torch.Tensor] = []
+
+    def placeholder(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            node = graph.placeholder(f"input_{len(flat)}")
+            node.meta["val"] = value
+            flat.append(value)
+            return node
+        if isinstance(value, (list, tuple)):
+            return type(value)(placeholder(v) for v in value)
+        return value
+
+    args = tuple(placeholder(a) for a in case.args)
+    kwargs = {k: placeholder(v) for k, v in case.kwargs.items()}
+    node = graph.call_function(case.op, args, kwargs)
+    node.meta["val"] = case.op(*case.args, **case.kwargs)
+    graph.output((node,))
+    for n in graph.nodes:
+        if n.op != "output":
+            ir.annotate(n, ir.ValueMeta.of(n.meta["val"]))
+    names = tuple(n.name for n in graph.nodes if n.op == "placeholder")
+    signature = Signature(parameters=(), buffers=(), inputs=names, gradients=(), buffer_updates=())
+    return Program(fx.GraphModule(nn.Module(), graph), signature), flat
+
+
+def _g(*shape: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _pairs() -> torch.Tensor:
+    return _g(2, 4, 4, 2)
+
+
+def _complex() -> torch.Tensor:
+    return torch.view_as_complex(_g(2, 4, 4, 2))
+
+
+def _ints(high: int, *shape: int) -> torch.Tensor:
+    return torch.randint(0, high, shape, generator=torch.Generator().manual_seed(1))
+
+
+def _distinct(*shape: int) -> torch.Tensor:
+    # No ties: sort and topk indices are then unique.
+    order = torch.randperm(torch.Size(shape).numel(), generator=torch.Generator().manual_seed(2))
+    return order.reshape(shape).float()
+
+
+CASES = [
+    OpCase("hardswish", aten.hardswish.default, (_g(4, 8),)),
+    OpCase("hardsigmoid", aten.hardsigmoid.default, (_g(4, 8),)),
+    OpCase("hardswish_backward", aten.hardswish_backward.default, (_g(4, 8), _g(4, 8, seed=1))),
+    OpCase("hardsigmoid_backward", aten.hardsigmoid_backward.default, (_g(4, 8), _g(4, 8, seed=1))),
+    OpCase(
+        "softplus_backward",
+        aten.softplus_backward.default,
+        (_g(4, 8), _g(4, 8, seed=1), 1.0, 20.0),
+    ),
+    OpCase("_safe_softmax", aten._safe_softmax.default, (_g(4, 4, 8), -1)),
+    OpCase("floor_divide", aten.floor_divide.default, (_g(4, 8) * 10, _g(8, seed=1).abs() + 1)),
+    OpCase("_conj", aten._conj.default, (_complex(),)),
+    OpCase(
+        "mul (complex)", aten.mul.Tensor, (_complex(), torch.view_as_complex(_g(4, 4, 2, seed=1)))
+    ),
+    OpCase("cumsum", aten.cumsum.default, (_g(4, 8), 1)),
+    OpCase("cumsum (dim 0)", aten.cumsum.default, (_g(4, 8), 0)),
+    OpCase("sort", aten.sort.default, (_distinct(4, 8), -1)),
+    OpCase("sort.stable", aten.sort.stable, (_distinct(4, 8),), {"stable": True, "dim": 0}),
+    OpCase("topk", aten.topk.default, (_distinct(4, 8), 2, -1)),
+    OpCase("new_zeros", aten.new_zeros.default, (_g(4, 8), [4, 8])),
+    OpCase("new_ones", aten.new_ones.default, (_g(4, 8), [8, 4])),
+    OpCase("new_full", aten.new_full.default, (_g(4, 8), [4, 8], 3.0)),
+    OpCase("new_empty", aten.new_empty.default, (_g(4, 8), [4, 8]), defined_values=False),
+    OpCase("constant_pad_nd", aten.constant_pad_nd.default, (_g(4, 8, 6), [1, 1])),
+    OpCase("constant_pad_nd (value)", aten.constant_pad_nd.default, (_g(4, 6), [0, 0, 1, 1], 2.0)),
+    OpCase("slice_scatter", aten.slice_scatter.default, (_g(4, 8), _g(4, 4, seed=1), 1, 2, 6)),
+    OpCase("select_scatter", aten.select_scatter.default, (_g(4, 8), _g(8, seed=1), 0, 1)),
+    OpCase("flip", aten.flip.default, (_g(4, 8, 2), [0, 2])),
+    OpCase("view_as_complex", aten.view_as_complex.default, (_pairs(),)),
+    OpCase("view_as_real", aten.view_as_real.default, (_complex(),)),
+    OpCase("index.Tensor", aten.index.Tensor, (_g(8, 4), [_ints(8, 4, 2)])),
+    OpCase("index.Tensor (dim 1)", aten.index.Tensor, (_g(4, 8, 2), [None, _ints(8, 4)])),
+    OpCase(
+        "index_put (accumulate)",
+        aten.index_put.default,
+        (_g(8, 4), [_ints(8, 4)], _g(4, 4, seed=1), True),
+    ),
+    OpCase(
+        "index_put", aten.index_put.default, (_g(8, 4), [torch.arange(4) * 2], _g(4, 4, seed=1))
+    ),
+    OpCase("scatter.src", aten.scatter.src, (_g(4, 8), 1, _distinct(4, 8).long() % 8, _g(4, 8))),
+    OpCase("scatter.value", aten.scatter.value, (_g(4, 8), 1, _ints(8, 4, 2), 1.5)),
+    OpCase("scatter_add", aten.scatter_add.default, (_g(4, 8), 1, _ints(8, 4, 8), _g(4, 8))),
+    OpCase("gather", aten.gather.default, (_g(4, 8), 1, _ints(8, 4, 8))),
+    OpCase("histc", aten.histc.default, (_g(4, 8), 10, -2.0, 2.0)),
+]
+
+DELIBERATELY_REPLICATED: dict[str, str] = {
+    "histc (data range)": "min == max: the bins span the global min and max, which no shard knows",
+    "index.Tensor (two indices)": "several index tensors broadcast together across dims",
+    "as_strided": "strides address the whole tensor's storage, which no shard holds",
+    "as_strided_scatter": "strides address the whole tensor's storage, which no shard holds",
+}
+REPLICATED_CASES = [
+    OpCase("histc (data range)", aten.histc.default, (_g(4, 8), 10)),
+    OpCase("index.Tensor (two indices)", aten.index.Tensor, (_g(8, 4), [_ints(8, 4), _ints(4, 4)])),
+    OpCase("as_strided", aten.as_strided.default, (_g(4, 8), [4, 4], [8, 1])),
+    OpCase(
+        "as_strided_scatter",
+        aten.as_strided_scatter.default,
+        (_g(4, 8), _g(4, 4), [4, 4], [8, 1]),
+    ),
+]
+
+
+def _ids(cases: list[OpCase]) -> list[str]:
+    return [case.name for case in cases]
+
+
+def _strategies(case: OpCase, mesh: tuple[int, ...]) -> list[Any]:
+    program, _ = single_op_program(case)
+    node = next(n for n in program.graph.nodes if n.op == "call_function")
+    return default_rules().strategies(op_call(node, mesh))
+
+
+def test_the_table_lists_every_replicated_case_with_a_reason() -> None:
+    assert {case.name for case in REPLICATED_CASES} == set(DELIBERATELY_REPLICATED)
+    assert not {case.name for case in CASES} & set(DELIBERATELY_REPLICATED)
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=["1d", "2d"])
+@pytest.mark.parametrize("case", CASES, ids=_ids(CASES))
+def test_the_rule_offers_more_than_replication(case: OpCase, mesh: tuple[int, ...]) -> None:
+    assert len(_strategies(case, mesh)) > 1
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=["1d", "2d"])
+@pytest.mark.parametrize("case", REPLICATED_CASES, ids=_ids(REPLICATED_CASES))
+def test_deliberately_replicated_ops_get_only_replication(
+    case: OpCase, mesh: tuple[int, ...]
+) -> None:
+    assert len(_strategies(case, mesh)) == 1, DELIBERATELY_REPLICATED[case.name]
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=["1d", "2d"])
+@pytest.mark.parametrize("case", CASES + REPLICATED_CASES, ids=_ids(CASES + REPLICATED_CASES))
+def test_every_strategy_matches_the_op_on_whole_tensors(
+    case: OpCase, mesh: tuple[int, ...]
+) -> None:
+    program, flat = single_op_program(case)
+    violations = validate_rules(program, flat, Cluster(mesh), default_rules())
+    if not case.defined_values:
+        violations = [v for v in violations if "differs by" not in v.problem]
+    assert not violations, "\n".join(map(str, violations[:10]))
+
+
+def test_a_wrong_rule_is_caught_op_by_op() -> None:
+    """Sharding the scanned dim of cumsum is wrong: the validator says so."""
+    rules = default_rules()
+    scanned = Shard(1)
+    rules.register(aten.cumsum.default)(lambda call: [AxisOption((scanned,), (scanned,))])
+    program, flat = single_op_program(CASES[_ids(CASES).index("cumsum")])
+    violations = validate_rules(program, flat, Cluster((2,)), rules)
+    assert violations and "differs" in violations[0].problem
+
+
+class Activations(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.hardswish(self.fc(x))
+        h = torch.nn.functional.hardsigmoid(h) + h.cumsum(dim=1)
+        values, _ = h.sort(dim=-1)
+        top, _ = h.topk(2, dim=-1)
+        return values.sum() + top.sum()
+
+
+class RoPE(nn.Module):
+    """torchtitan's rotary embedding: pairs of features rotated by complex frequencies."""
+
+    def __init__(self, seq: int = 4, dim: int = 8) -> None:
+        super().__init__()
+        self.fc = nn.Linear(dim, dim)
+        angles = torch.outer(torch.arange(seq).float(), torch.arange(dim // 2).float() + 1)
+        self.register_buffer("freqs", torch.polar(torch.ones_like(angles), angles))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)  # (batch, seq, dim)
+        pairs = torch.view_as_complex(h.float().reshape(*h.shape[:-1], -1, 2))
+        rotated = torch.view_as_real(pairs * self.freqs).flatten(2)
+        return rotated.pow(2).mean()
+
+
+@pytest.mark.parametrize("model", [Activations(), RoPE()], ids=["activations", "rope"])
+def test_captured_modules_fall_back_on_none_of_the_covered_ops(model: nn.Module) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(4, 4, 8)
+    program = fxpar.capture(model, (x,))
+    report = coverage(program, default_rules())
+    assert not report.fallback, str(report)
+    for mesh in MESHES:
+        violations = validate_rules(program, program.flat_inputs(model, x), Cluster(mesh))
+        assert not violations, "\n".join(map(str, violations[:10]))
+
+
+def test_rope_planned_by_the_ilp_matches_one_device() -> None:
+    torch.manual_seed(0)
+    model, x = RoPE(), torch.randn(4, 4, 8)
+    plan = fxpar.plan(model, fxpar.Cluster((2,)), (x,), solver=fxpar.solvers.ILPSolver())
+    complex_views = [
+        ir.require(n, Sharding).strategy
+        for n in plan.program.graph.nodes
+        if n.target in (aten.view_as_complex.default, aten.view_as_real.default)
+    ]
+    assert complex_views and all(s.outputs[0] != (Replicate(),) for s in complex_views), (
+        "the plan should shard the rotation, not run it whole"
+    )
+    assert_equivalent(plan.lower(), plan.program.flat_inputs(model, x))
