@@ -9,8 +9,9 @@ extra communication. fxpar therefore runs ``torch.optim``'s own implementations 
 pieces; the classes here only describe the optimizer (frozen, comparable, picklable) and tell
 the planner how many copies of each parameter its state holds.
 
-Optimizers that read across elements (norm-based ones such as LAMB or Adafactor, or gradient
-clipping by global norm) would need collectives and are not offered.
+Optimizers that read across elements (norm-based ones such as LAMB or Adafactor) would need
+collectives and are not offered. Gradient clipping by the global norm needs one all-reduce and
+is :meth:`fxpar.ParallelModel.clip_grad_norm_`.
 """
 
 from __future__ import annotations

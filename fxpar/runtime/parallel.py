@@ -18,6 +18,7 @@ needs.
 from __future__ import annotations
 
 import logging
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -26,10 +27,11 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
+from torch.distributed.tensor import Shard
 
 from fxpar import checkpoint, ir
 from fxpar.cluster import Coordinate
-from fxpar.errors import CheckpointError
+from fxpar.errors import BatchError, CheckpointError, FxparError
 from fxpar.ir.program import named_state, state_dict_aliases
 from fxpar.ir.rng import RandomState
 from fxpar.lowering import SPMDProgram
@@ -105,24 +107,118 @@ class ParallelModel:
 
     # -- training ---------------------------------------------------------------------------
 
-    def step(self, *batch: torch.Tensor, **named_batch: torch.Tensor) -> torch.Tensor:
+    def step(
+        self,
+        *batch: torch.Tensor,
+        max_grad_norm: float | None = None,
+        accumulate: int = 1,
+        **named_batch: torch.Tensor,
+    ) -> torch.Tensor:
         """One training step on the global batch: forward, backward, optimizer update.
 
         The batch is given whole and identically on every rank (model inputs, then loss
         targets, positionally or by name), shaped like the example it was compiled with; each
         rank takes its own piece. Returns the loss, a scalar, the same on every rank.
+
+        ``max_grad_norm``: clip the gradients to this global norm first
+        (:meth:`clip_grad_norm_`). ``accumulate``: the batch is ``accumulate`` compiled batches
+        stacked on dim 0; each is run in turn (:meth:`backward` with ``scale=1/accumulate``)
+        before one update, which equals one step on the whole batch for a loss that is a mean
+        over equal pieces (the returned loss is the mean of the pieces' losses).
         """
+        if accumulate < 1:
+            raise FxparError(f"accumulate must be at least 1, got {accumulate}")
+        losses = [
+            self.backward(*piece, scale=1.0 / accumulate, **named_piece)
+            for piece, named_piece in _pieces(batch, named_batch, accumulate)
+        ]
+        if max_grad_norm is not None:
+            self.clip_grad_norm_(max_grad_norm)
+        self.optimizer_step()
+        self.zero_grad()
+        return torch.stack(losses).mean() if accumulate > 1 else losses[0]
+
+    def backward(
+        self, *batch: torch.Tensor, scale: float = 1.0, **named_batch: torch.Tensor
+    ) -> torch.Tensor:
+        """Forward and backward on a batch (as :meth:`step` takes it), without an update: this
+        rank's pieces of the gradients, times ``scale``, are added to the parameters' ``.grad``
+        (so calls accumulate, as ``loss.backward()`` does, until :meth:`zero_grad`), and the new
+        buffer values are stored. Returns the loss. The gradients are reduced inside each call;
+        with ``scale=1/k``, k calls on the pieces of a batch accumulate the gradient of the
+        mean loss over the whole batch."""
         outputs = self._run(self._batch(batch, named_batch))
         gradients = outputs[1 : 1 + len(self.trainable)]
         for parameter, gradient in zip(self.trainable, gradients, strict=True):
-            parameter.grad = gradient
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+            if scale != 1.0:
+                gradient = gradient * scale
+            if parameter.grad is None:
+                parameter.grad = gradient
+            else:
+                parameter.grad.add_(gradient)
         updates = outputs[1 + len(self.trainable) :]
         for name, value in zip(self.signature.buffer_updates, updates, strict=True):
             self.buffers[name].copy_(value)
-        self.steps += 1
         return outputs[0]
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale the accumulated gradients so that their global norm is at most ``max_norm``,
+        as :func:`torch.nn.utils.clip_grad_norm_` does on one device; returns the norm before
+        clipping, the same on every rank.
+
+        The norm is exact over the whole model: each rank sums its pieces, a piece that is
+        replicated over some mesh axes counts once for all its copies, and one all-reduce over
+        every rank adds the sums (a maximum for ``norm_type=inf``). A collective: call it on
+        every rank."""
+        if max_norm < 0 or norm_type <= 0:
+            raise FxparError(
+                f"clip_grad_norm_ needs max_norm >= 0 and norm_type > 0, got {max_norm} and "
+                f"{norm_type}"
+            )
+        named = [
+            (name, p.grad)
+            for name, p in zip(self.signature.gradients, self.trainable, strict=True)
+            if p.grad is not None
+        ]
+        if not named:
+            return torch.tensor(0.0)
+        dtype = named[0][1].dtype
+        infinite = math.isinf(norm_type)
+        total = torch.zeros((), dtype=torch.float64)
+        for name, grad in named:
+            local = grad.detach().to(torch.float64).abs()
+            if infinite:
+                total = torch.maximum(total, local.max() if local.numel() else total)
+            else:
+                copies = self._copies(name)
+                total = total + local.pow(norm_type).sum() / copies
+        if self._device_mesh is not None:
+            op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
+            dist.all_reduce(total, op=op)
+        norm = (total if infinite else total.pow(1.0 / norm_type)).to(dtype)
+        coefficient = torch.clamp(max_norm / (norm.to(torch.float64) + 1e-6), max=1.0)
+        for _, grad in named:
+            grad.mul_(coefficient.to(grad.dtype))
+        return norm
+
+    def optimizer_step(self) -> None:
+        """Update the parameters from their accumulated gradients (this rank's pieces)."""
+        self.optimizer.step()
+        self.steps += 1
+
+    def zero_grad(self) -> None:
+        """Forget the accumulated gradients."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _copies(self, name: str) -> int:
+        """How many ranks hold the same piece of parameter ``name``: the sizes of the mesh axes
+        it is replicated over."""
+        spec = self._specs[name]
+        return math.prod(
+            size
+            for size, placement in zip(self.cluster.mesh_shape, spec, strict=True)
+            if not isinstance(placement, Shard)
+        )
 
     def loss(self, *batch: torch.Tensor, **named_batch: torch.Tensor) -> torch.Tensor:
         """The loss of the current weights on a batch, changing nothing: random ops (dropout)
@@ -256,6 +352,28 @@ class ParallelModel:
             f"ParallelModel(rank {self.rank} at {self.coordinate} of {self.cluster}; "
             f"{len(self.parameters)} parameters, {self.steps} steps; {self.plan.summary()})"
         )
+
+
+def _pieces(
+    batch: tuple[torch.Tensor, ...], named: Mapping[str, torch.Tensor], count: int
+) -> list[tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]]:
+    """``count`` equal pieces of a batch along dim 0 (the whole batch when ``count`` is 1)."""
+    if count == 1:
+        return [(batch, dict(named))]
+    tensors = [*batch, *named.values()]
+    sizes = {t.shape[0] if t.dim() else None for t in tensors}
+    if len(sizes) != 1 or None in sizes or next(iter(sizes)) % count:  # type: ignore[operator]
+        shapes = [tuple(t.shape) for t in tensors]
+        raise BatchError(
+            f"accumulate={count} splits the batch into {count} equal pieces on dim 0, but the "
+            f"batch tensors have shapes {shapes}: pass {count} compiled batches stacked on dim 0"
+        )
+    split = [t.chunk(count) for t in batch]
+    split_named = {key: t.chunk(count) for key, t in named.items()}
+    return [
+        (tuple(s[i] for s in split), {key: s[i] for key, s in split_named.items()})
+        for i in range(count)
+    ]
 
 
 __all__ = ["ParallelModel"]
