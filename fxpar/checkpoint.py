@@ -3,7 +3,7 @@
 
 A checkpoint stores every tensor under a name of the model, not of a rank:
 ``model/<parameter or buffer>``, ``optimizer/<parameter>/<slot>``, ``steps`` and ``random``
-(fxpar's random state, :mod:`fxpar.rng`), each rank contributing its local pieces as DTensors
+(fxpar's random state, :mod:`fxpar.ir.rng`), each rank contributing its local pieces as DTensors
 with their global shape and placements (a plain tensor when there is no process group). So a
 checkpoint written under one mesh, plan or pipeline loads under any other: each rank reads just
 the pieces its own layout needs, and a stage reads only the entries it holds.
@@ -25,12 +25,21 @@ loads the entries both have, as :meth:`torch.nn.Module.load_state_dict` does. Op
 may be missing (a checkpoint saved before the first step has none; it starts from zero), but
 state for a parameter this model lacks, or a slot its optimizer does not keep (Adam's moments
 loaded into SGD), is unexpected too.
+
+**Complete.** Besides the tensors, rank 0 writes ``optimizer_groups`` (the optimizer's
+hyperparameters per parameter group: the learning rate a scheduler set, ``initial_lr``, betas,
+...) and, when the caller gives one, ``extra``: any picklable object of the user's (an LR
+scheduler's ``state_dict()``, the data loader's position), returned by the load. Both are
+pickled, so load only checkpoints you trust, as with ``torch.load(weights_only=False)``.
+Checkpoints written before these entries existed load as they are.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import pickle
 import shutil
 import uuid
 import warnings
@@ -192,7 +201,11 @@ class Entries:
         # Per-parameter counters (Adam's "step") are kept beside the slots shaped like it.
         slots = (*optimizer.state_keys, "step")
         self.optional = frozenset(
-            f"optimizer/{name}/{slot}" for name in signature.gradients for slot in slots
+            {
+                *(f"optimizer/{name}/{slot}" for name in signature.gradients for slot in slots),
+                GROUPS,
+                EXTRA,
+            }
         )
 
     def check(self, saved: Collection[str], path: str | os.PathLike[str]) -> None:
@@ -258,6 +271,56 @@ def restore_progress(loaded: Mapping[str, Any], steps: int, random: RandomState)
     if "random" in loaded:
         random.state = loaded["random"].clone()
     return int(loaded["steps"].item()) if "steps" in loaded else steps
+
+
+GROUPS = "optimizer_groups"
+"""The entry holding the optimizer's hyperparameters, per parameter group."""
+EXTRA = "extra"
+"""The entry holding the user's own state, given to ``save(path, extra=...)``."""
+
+
+def object_entries(
+    optimizer: torch.optim.Optimizer, extra: object, *, rank: int, loading: bool
+) -> dict[str, io.BytesIO]:
+    """The pickled entries: the optimizer's hyperparameters and the user's ``extra`` (when not
+    None). Rank 0 writes them (every rank holds the same); for a load every rank reads them."""
+    if loading:
+        return {GROUPS: io.BytesIO(), EXTRA: io.BytesIO()}
+    if rank != 0:
+        return {}
+    groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    entries = {GROUPS: io.BytesIO(pickle.dumps(groups))}
+    if extra is not None:
+        try:
+            entries[EXTRA] = io.BytesIO(pickle.dumps(extra))
+        except Exception as error:
+            raise CheckpointError(
+                f"extra= must be picklable to be saved: {type(error).__name__}: {error}; pass "
+                "state_dict()s and plain values (a scheduler's state_dict(), not the scheduler)"
+            ) from error
+    return entries
+
+
+def restore_objects(
+    loaded: Mapping[str, Any], optimizer: torch.optim.Optimizer, path: str | os.PathLike[str]
+) -> Any:
+    """Set ``optimizer``'s hyperparameters from a load's entries and return the user's
+    ``extra`` (None when the checkpoint has none)."""
+    if GROUPS in loaded:
+        groups = _unpickled(loaded[GROUPS])
+        if len(groups) != len(optimizer.param_groups):
+            raise CheckpointError(
+                f"the checkpoint at {path} has {len(groups)} optimizer parameter groups, this "
+                f"optimizer {len(optimizer.param_groups)}"
+            )
+        for group, saved in zip(optimizer.param_groups, groups, strict=True):
+            group.update(saved)
+    return _unpickled(loaded[EXTRA]) if EXTRA in loaded else None
+
+
+def _unpickled(stream: io.BytesIO) -> Any:
+    stream.seek(0)
+    return pickle.loads(stream.read())
 
 
 def optimizer_entries(

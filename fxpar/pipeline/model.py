@@ -337,32 +337,39 @@ class PipelineModel:
 
     # -- checkpoints ----------------------------------------------------------------------------
 
-    def save(self, path: str | os.PathLike[str]) -> None:
+    def save(self, path: str | os.PathLike[str], *, extra: object = None) -> None:
         """Write a sharded checkpoint of this stage's parameters, buffers and optimizer state,
-        with the step count and random state (every rank writes its own pieces, under the
+        with the optimizer's hyperparameters, the step count, the random state and your
+        picklable ``extra`` (returned by :meth:`load`) (every rank writes its own pieces, under the
         model's own names; see :mod:`fxpar.checkpoint`). It loads into any pipeline or
         :class:`ParallelModel` of the same model, whatever its stages, mesh or plan. The save
         is atomic: the previous checkpoint at ``path`` stays until every rank has written the
         new one. A collective: call it on every rank."""
         state = self._checkpoint_state(include_missing=False)
+        state.update(
+            checkpoint.object_entries(self.optimizer, extra, rank=self.rank, loading=False)
+        )
         checkpoint.save(state, path, distributed=self._distributed)
 
-    def load(self, path: str | os.PathLike[str], *, strict: bool = True) -> None:
+    def load(self, path: str | os.PathLike[str], *, strict: bool = True) -> Any:
         """Read the entries this stage holds from a checkpoint written by :meth:`save` or by
         :meth:`ParallelModel.save <fxpar.runtime.parallel.ParallelModel.save>`. With ``strict`` (the
         default) the checkpoint must hold exactly the whole model's entries; ``strict=False``
-        loads those both have. A collective.
+        loads those both have. Returns the ``extra`` given to :meth:`save` (None if none). A
+        collective.
 
         Raises:
             CheckpointError: as for :meth:`ParallelModel.load
                 <fxpar.runtime.parallel.ParallelModel.load>`.
         """
         state = self._checkpoint_state(include_missing=True)
+        state.update(checkpoint.object_entries(self.optimizer, None, rank=self.rank, loading=True))
         expected = checkpoint.Entries(self.signature, self.optimizer_spec)
         wanted = checkpoint.load(
             state, path, distributed=self._distributed, expected=expected, strict=strict
         )
         self.steps = checkpoint.restore_progress(wanted, self.steps, self.random)
+        extra = checkpoint.restore_objects(wanted, self.optimizer, path)
         if not self._distributed:  # plain tensors: loaded into copies
             for key, value in wanted.items():
                 kind, _, rest = key.partition("/")
@@ -371,6 +378,7 @@ class PipelineModel:
                 elif kind == "optimizer":
                     name, _, slot = rest.rpartition("/")
                     self.optimizer.state[self.parameters[name]][slot].copy_(value)
+        return extra
 
     def _checkpoint_state(self, *, include_missing: bool) -> dict[str, Any]:
         state: dict[str, Any] = checkpoint.progress_entries(self.steps, self.random)

@@ -268,22 +268,26 @@ class ParallelModel:
             return local.clone()
         return self._dtensor(name, local).full_tensor()
 
-    def save(self, path: str | os.PathLike[str]) -> None:
+    def save(self, path: str | os.PathLike[str], *, extra: object = None) -> None:
         """Write a sharded checkpoint (see :mod:`fxpar.checkpoint`): the parameters, buffers,
-        optimizer state, step count and random state, each rank writing its own pieces. The
-        save is atomic: the previous checkpoint at ``path`` stays until every rank has written
-        the new one. A collective: call it on every rank."""
+        optimizer state and hyperparameters (the learning rate a scheduler set), step count and
+        random state, each rank writing its own pieces, and ``extra``, any picklable state of
+        yours (``{"scheduler": scheduler.state_dict(), "data": position}``), which :meth:`load`
+        returns. The save is atomic: the previous checkpoint at ``path`` stays until every rank
+        has written the new one. A collective: call it on every rank."""
         distributed = self._device_mesh is not None
-        checkpoint.save(
-            self._checkpoint_state(include_missing=False), path, distributed=distributed
+        state = self._checkpoint_state(include_missing=False)
+        state.update(
+            checkpoint.object_entries(self.optimizer, extra, rank=self.rank, loading=False)
         )
+        checkpoint.save(state, path, distributed=distributed)
 
-    def load(self, path: str | os.PathLike[str], *, strict: bool = True) -> None:
+    def load(self, path: str | os.PathLike[str], *, strict: bool = True) -> Any:
         """Read a checkpoint written by :meth:`save` (or by a :class:`PipelineModel` of the
         same model), under this model's mesh and plan, which may differ from those it was
         saved with. With ``strict`` (the default) the checkpoint must hold exactly this
-        model's entries; ``strict=False`` loads those both have. A collective: call it on
-        every rank.
+        model's entries; ``strict=False`` loads those both have. Returns the ``extra`` given
+        to :meth:`save` (None if none). A collective: call it on every rank.
 
         Raises:
             CheckpointError: no committed checkpoint at ``path``, a damaged one, another
@@ -291,17 +295,20 @@ class ParallelModel:
         """
         distributed = self._device_mesh is not None
         state = self._checkpoint_state(include_missing=True)
+        state.update(checkpoint.object_entries(self.optimizer, None, rank=self.rank, loading=True))
         expected = checkpoint.Entries(self.signature, self.optimizer_spec)
         wanted = checkpoint.load(
             state, path, distributed=distributed, expected=expected, strict=strict
         )
         self.steps = checkpoint.restore_progress(wanted, self.steps, self.random)
+        extra = checkpoint.restore_objects(wanted, self.optimizer, path)
         # Loads land in place in the local pieces (DTensors share their storage), except for
         # the plain tensors, which are copied back here.
         if not distributed:
             for key, value in wanted.items():
                 if key.startswith(("model/", "optimizer/")):
                     self._checkpoint_tensor(key).copy_(value)
+        return extra
 
     def _checkpoint_state(self, *, include_missing: bool) -> dict[str, Any]:
         state: dict[str, Any] = checkpoint.progress_entries(self.steps, self.random)
