@@ -17,6 +17,7 @@ chosen reaches the runtime: it sees per-rank programs and the specs of their inp
 from __future__ import annotations
 
 import functools
+import glob
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -28,16 +29,16 @@ from torch import nn
 
 from fxpar.cluster import Cluster
 from fxpar.errors import DistributedError, FxparError
-from fxpar.ir.capture import LossFn, capture
+from fxpar.ir.capture import LossFn, batch_tensors, capture, with_batch_tensors
 from fxpar.optim import AdamW, Optimizer, check_optimizer
-from fxpar.passes import ManualPlan, PassManager, for_compile
+from fxpar.passes import ManualPlan, PassManager, SolveStrategies, for_compile
 from fxpar.pipeline import Pipeline, PipelineModel, plan_stages
 from fxpar.pipeline.auto import StagePlanner
 from fxpar.pipeline.sharded import stage_devices
 from fxpar.planning.plan import Plan, pipeline_of, plan_program
 from fxpar.planning.problem import PlanOptions
 from fxpar.rules import RuleRegistry
-from fxpar.runtime.parallel import ParallelModel
+from fxpar.runtime.parallel import ParallelModel, Replan
 from fxpar.sharding import Spec
 from fxpar.solvers.problem import IntraOpSolver
 
@@ -175,7 +176,10 @@ def compile(
         )  # fmt: skip
     program = capture(model, example_inputs, loss_fn, example_targets=example_targets)
     plan = plan_program(program, cluster, passes=passes)
-    return ParallelModel(plan, model, optimizer, device_mesh, check_batches=check_batches)
+    replan = _replanner(model, example_inputs, loss_fn, cluster, passes)
+    return ParallelModel(
+        plan, model, optimizer, device_mesh, check_batches=check_batches, replan=replan
+    )
 
 
 def _compile_pipeline(
@@ -240,6 +244,37 @@ def _compile_pipeline(
     )  # fmt: skip
     pipelined.stage_choice = choice
     return pipelined
+
+
+def _replanner(
+    model: nn.Module,
+    example_inputs: Sequence[Any] | Mapping[str, Any],
+    loss_fn: LossFn | None,
+    cluster: Cluster,
+    passes: PassManager,
+) -> Replan:
+    """How a ParallelModel plans a batch of other shapes: capture again with those tensors in
+    the example's places (it keeps a reference to ``model`` for that; its weights are not
+    read) and run the same passes with every parameter and buffer pinned to the spec it has."""
+    count = len(batch_tensors(example_inputs))
+
+    def replan(tensors: Sequence[torch.Tensor], state: Mapping[str, Spec]) -> Plan:
+        inputs = with_batch_tensors(example_inputs, tensors[:count])
+        program = capture(model, inputs, loss_fn, example_targets=tensors[count:])
+        return plan_program(program, cluster, passes=_keeping(passes, state))
+
+    return replan
+
+
+def _keeping(passes: PassManager, state: Mapping[str, Spec]) -> PassManager:
+    """``passes`` with a solver's choice pinned to keep ``state``'s specs (names escaped, as
+    pins are patterns). Other choose-strategies passes are left as they are."""
+    choose = next((p for p in passes.passes if p.name == "choose-strategies"), None)
+    if not isinstance(choose, SolveStrategies):
+        return passes
+    pins = {**choose.options.pins, **{glob.escape(name): spec for name, spec in state.items()}}
+    options = replace(choose.options, pins=pins)
+    return passes.replace("choose-strategies", replace(choose, options=options))
 
 
 def _pipeline(

@@ -3,7 +3,8 @@
 - in one process: a pipeline rejects a batch whose shape differs beyond dimension 0, or whose
   dtype differs, and takes batch tensors by name; a batch of a new shape says how to go on
   training, and doing what it says (save, compile for the new shape, load) continues exactly
-  like single-device training, for ParallelModel and PipelineModel alike;
+  like single-device training (a ParallelModel plans new shapes by itself:
+  tests/test_batch_shapes.py);
 - the digest that compares batches across ranks is equal for equal bits, NaN included;
 - on 2 gloo processes: batches holding NaN (a regression with missing targets) are the same
   batch on every rank, for ParallelModel and pipelines, and train like one device; a pipeline
@@ -68,13 +69,6 @@ def test_pipeline_checks_the_whole_shape_dtype_and_names() -> None:
     assert by_name.shape == () and pipelined.steps == 1
 
 
-def _parallel(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> Any:
-    return fxpar.compile(
-        model, Cluster((1,)), (tokens,), gpt_loss, example_targets=(targets,),
-        optimizer=AdamW(lr=1e-2), manual=plans.data_parallel,
-    )  # fmt: skip
-
-
 def _pipeline(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> Any:
     return PipelineModel(
         model, Pipeline(stages=1, microbatches=2), (tokens,), gpt_loss,
@@ -82,7 +76,7 @@ def _pipeline(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor) -> 
     )  # fmt: skip
 
 
-@pytest.mark.parametrize("build", [_parallel, _pipeline], ids=["parallel", "pipeline"])
+@pytest.mark.parametrize("build", [_pipeline], ids=["pipeline"])
 def test_a_new_shape_goes_on_from_a_checkpoint(build: Any, tmp_path: Path) -> None:
     """Two AdamW steps at [4, 8], then a batch of [2, 16]: the error says to save, compile
     for the new shape and load; doing exactly that (into a model initialized differently)
@@ -193,12 +187,19 @@ def test_batches_are_checked_alike_on_every_rank() -> None:
         torch.testing.assert_close(results["pipeline"], expected, msg=f"rank {rank}")
         assert f"rank {rank} got a different batch than ranks [{1 - rank}]" in results["different"]
         assert torch.isfinite(results["unchecked"])  # trained on a mixture, as asked
-    for name in ("parallel", "pipeline"):
+    # A pipeline is compiled for one shape: rank 1 refuses its batch and rank 0 hears of it.
+    assert (
+        "'input_0' is float32[7, 4] but the model was compiled for float32[8, 4]"
+        in ranks[1]["pipeline shape"]
+    )
+    assert "ranks [1] were given batches that do not match" in ranks[0]["pipeline shape"]
+    # A ParallelModel would plan rank 1's new shape, but the ranks first compare batches,
+    # and both say they differ (no rank goes on to plan alone and wait for the other).
+    for rank in (0, 1):
         assert (
-            "'input_0' is float32[7, 4] but the model was compiled for float32[8, 4]"
-            in (ranks[1][f"{name} shape"])
+            f"rank {rank} got a different batch than ranks [{1 - rank}]"
+            in (ranks[rank]["parallel shape"])
         )
-        assert "ranks [1] were given batches that do not match" in ranks[0][f"{name} shape"]
 
 
 def test_check_batches_reaches_the_pipeline() -> None:

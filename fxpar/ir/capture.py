@@ -264,6 +264,30 @@ class _TrainStep:
         return (loss, *grads)
 
 
+def batch_tensors(inputs: Sequence[Any] | Mapping[str, Any]) -> list[torch.Tensor]:
+    """The tensors of example inputs as :func:`capture` takes them, in the order the Program's
+    batch placeholders have them (other values, such as flags, left out)."""
+    if isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    values = list(inputs.values()) if isinstance(inputs, Mapping) else list(inputs)
+    return [v for v in values if isinstance(v, torch.Tensor)]
+
+
+def with_batch_tensors(
+    inputs: Sequence[Any] | Mapping[str, Any], tensors: Sequence[torch.Tensor]
+) -> Sequence[Any] | Mapping[str, Any]:
+    """``inputs`` with its tensors replaced by ``tensors`` (in :func:`batch_tensors` order),
+    other values kept: the same call on another batch."""
+    if isinstance(inputs, torch.Tensor):
+        return (tensors[0],)
+    replacements = iter(tensors)
+    if isinstance(inputs, Mapping):
+        return {
+            k: next(replacements) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()
+        }
+    return tuple(next(replacements) if isinstance(v, torch.Tensor) else v for v in inputs)
+
+
 def _loss_of(output: Any) -> torch.Tensor:
     if isinstance(output, torch.Tensor):
         return output

@@ -56,7 +56,7 @@ from torch.distributed.tensor import Replicate
 from fxpar import checkpoint, ir
 from fxpar.cluster import Cluster, Coordinate
 from fxpar.errors import BatchError
-from fxpar.ir.capture import LossFn, capture
+from fxpar.ir.capture import LossFn, batch_tensors, capture, with_batch_tensors
 from fxpar.ir.program import Program, named_state, state_dict_aliases
 from fxpar.ir.rng import RandomState
 from fxpar.optim import AdamW, Optimizer, check_optimizer
@@ -157,10 +157,10 @@ class PipelineModel:
         replicas = pipeline.data_parallel
 
         pieces = pipeline.microbatches * replicas
-        inputs = _batch_tensors(example_inputs)
+        inputs = batch_tensors(example_inputs)
         self._batch_size = _batch_size([*inputs, *example_targets], pieces)
         piece = self._batch_size // pieces
-        micro_inputs = _with_tensors(example_inputs, [t[:piece] for t in inputs])
+        micro_inputs = with_batch_tensors(example_inputs, [t[:piece] for t in inputs])
         micro_targets = [t[:piece] for t in example_targets]
         program = capture(model, micro_inputs, loss_fn, example_targets=micro_targets)
         # Means become sums over counts, so the loss's count can be the whole batch's.
@@ -490,26 +490,6 @@ class PipelineModel:
             f"{self.pipeline.num_stages}, replica {self.replica}; {len(self.parameters)} "
             f"parameters; {self.pipeline}; {semantics})"
         )
-
-
-def _batch_tensors(inputs: Sequence[Any] | Mapping[str, Any]) -> list[torch.Tensor]:
-    if isinstance(inputs, torch.Tensor):
-        inputs = (inputs,)
-    values = list(inputs.values()) if isinstance(inputs, Mapping) else list(inputs)
-    return [v for v in values if isinstance(v, torch.Tensor)]
-
-
-def _with_tensors(
-    inputs: Sequence[Any] | Mapping[str, Any], tensors: Sequence[torch.Tensor]
-) -> Sequence[Any] | Mapping[str, Any]:
-    if isinstance(inputs, torch.Tensor):
-        return (tensors[0],)
-    replacements = iter(tensors)
-    if isinstance(inputs, Mapping):
-        return {
-            k: next(replacements) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()
-        }
-    return tuple(next(replacements) if isinstance(v, torch.Tensor) else v for v in inputs)
 
 
 def _whole_batch(meta: ir.TensorMeta, batch_size: int) -> ir.TensorMeta:

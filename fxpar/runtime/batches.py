@@ -47,6 +47,42 @@ class BatchSignature:
             BatchError: too many or too few tensors, an unknown or repeated name, something
                 that is not a tensor, or a shape or dtype other than the example's.
         """
+        by_name = self._by_name(batch, named)
+        tensors = []
+        for name, meta in zip(self.names, self.metas, strict=True):
+            tensor = by_name[name]
+            if not isinstance(tensor, torch.Tensor):
+                raise BatchError(
+                    f"batch tensor {name!r} is a {type(tensor).__name__}; pass a tensor of {meta}"
+                )
+            if tuple(tensor.shape) != tuple(meta.shape) or tensor.dtype != meta.dtype:
+                raise BatchError(
+                    f"batch tensor {name!r} is {ir.TensorMeta.of(tensor)} but the model was "
+                    f"compiled for {meta}: a pipeline's plan is specialised to the example's "
+                    "shapes (a ParallelModel plans new shapes by itself). Pass batches of that "
+                    "shape (drop or pad a short last batch), or, to go on "
+                    "training at the new shape, save a checkpoint (.save(path) on every rank), "
+                    "compile for the new shape and .load(path) into it: compiling again alone "
+                    "would start over from the model's initial weights"
+                )
+            tensors.append(tensor)
+        return tensors
+
+    def given(
+        self, batch: Sequence[object], named: Mapping[str, object]
+    ) -> tuple[ir.TensorMeta, ...] | None:
+        """The shape and dtype of each tensor of ``step(*batch, **named)``, in :attr:`names`
+        order; None when it does not bind (:meth:`bind` says why)."""
+        try:
+            by_name = self._by_name(batch, named)
+        except BatchError:
+            return None
+        tensors = [by_name[name] for name in self.names]
+        if not all(isinstance(t, torch.Tensor) for t in tensors):
+            return None
+        return tuple(ir.TensorMeta.of(t) for t in tensors)  # type: ignore[arg-type]
+
+    def _by_name(self, batch: Sequence[object], named: Mapping[str, object]) -> dict[str, object]:
         names = self.names
         if len(batch) + len(named) != len(names) or len(batch) > len(names):
             raise BatchError(
@@ -60,24 +96,7 @@ class BatchSignature:
                     f"unexpected or repeated batch tensor {name!r}; expected {list(names)}"
                 )
             by_name[name] = tensor
-        tensors = []
-        for name, meta in zip(names, self.metas, strict=True):
-            tensor = by_name[name]
-            if not isinstance(tensor, torch.Tensor):
-                raise BatchError(
-                    f"batch tensor {name!r} is a {type(tensor).__name__}; pass a tensor of {meta}"
-                )
-            if tuple(tensor.shape) != tuple(meta.shape) or tensor.dtype != meta.dtype:
-                raise BatchError(
-                    f"batch tensor {name!r} is {ir.TensorMeta.of(tensor)} but the model was "
-                    f"compiled for {meta}: the plan is specialised to the example's shapes. "
-                    "Pass batches of that shape (drop or pad a short last batch), or, to go on "
-                    "training at the new shape, save a checkpoint (.save(path) on every rank), "
-                    "compile for the new shape and .load(path) into it: compiling again alone "
-                    "would start over from the model's initial weights"
-                )
-            tensors.append(tensor)
-        return tensors
+        return by_name
 
     def take(
         self,

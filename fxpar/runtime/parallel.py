@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -40,13 +40,22 @@ from fxpar.planning.plan import Plan
 from fxpar.runtime.batches import BatchSignature
 from fxpar.runtime.collectives import OneDeviceCommunicator, ProcessGroupCommunicator
 from fxpar.runtime.fingerprint import check_same_model
-from fxpar.sharding import shard_tensor
+from fxpar.sharding import Spec, shard_tensor
 
 logger = logging.getLogger(__name__)
+
+Replan = Callable[[Sequence[torch.Tensor], Mapping[str, Spec]], Plan]
+"""Plans the step again for a batch of other shapes (its tensors, in the Program's order),
+keeping every parameter and buffer in the spec given: :func:`fxpar.compile` makes one."""
 
 
 class ParallelModel:
     """This rank's share of a model compiled by :func:`fxpar.compile`.
+
+    A batch of other shapes than the example's (a short last batch, another sequence length)
+    is planned on first sight, with every parameter and buffer kept in its layout, and that
+    plan is kept for the next batch of those shapes; ``plan``, ``spmd`` and ``program`` are
+    those of the shapes last run.
 
     Attributes:
         plan: the chosen plan (the same on every rank): strategies, costs, solver's answer.
@@ -63,25 +72,22 @@ class ParallelModel:
         device_mesh: Any,
         *,
         check_batches: bool = True,
+        replan: Replan | None = None,
     ) -> None:
-        self.plan = plan
         self.cluster = plan.cluster
-        self.spmd: SPMDProgram = plan.lower()
-        self.signature = plan.program.signature
         self.optimizer_spec = optimizer
         self.check_batches = check_batches
         self._device_mesh = device_mesh
+        self._replan = replan
         self.rank = dist.get_rank() if device_mesh is not None else 0
         self.coordinate: Coordinate = self.cluster.coordinate(self.rank)
-        self.program: fx.GraphModule = self.spmd.ranks[self.rank].graph_module
         self._communicator = (
             ProcessGroupCommunicator(device_mesh)
             if device_mesh is not None
             else OneDeviceCommunicator()
         )
-        placeholders = plan.program.placeholders()
-        self._specs = dict(zip(placeholders, self.spmd.input_specs, strict=True))
-        self._metas = {name: ir.require(n, ir.ValueMeta).tensor for name, n in placeholders.items()}
+        self._adopt(plan, plan.lower())
+        self._compiled = {self._batch_signature().metas: (self.plan, self.spmd)}
 
         state = named_state(model)
         names = self.signature.parameters + self.signature.buffers
@@ -99,6 +105,16 @@ class ParallelModel:
         self.random = RandomState.from_rank_zero(distributed=device_mesh is not None)
         """The generator the step's random ops draw from, the same on every rank."""
         self.steps = 0
+
+    def _adopt(self, plan: Plan, spmd: SPMDProgram) -> None:
+        """Run steps by ``plan``, lowered as ``spmd`` (one of them per batch shape)."""
+        self.plan = plan
+        self.spmd = spmd
+        self.signature = plan.program.signature
+        self.program: fx.GraphModule = spmd.ranks[self.rank].graph_module
+        placeholders = plan.program.placeholders()
+        self._specs = dict(zip(placeholders, spmd.input_specs, strict=True))
+        self._metas = {name: ir.require(n, ir.ValueMeta).tensor for name, n in placeholders.items()}
 
     @property
     def programs(self) -> tuple[fx.GraphModule, ...]:
@@ -244,10 +260,47 @@ class ParallelModel:
     def _batch(
         self, batch: tuple[torch.Tensor, ...], named: Mapping[str, torch.Tensor]
     ) -> list[torch.Tensor]:
-        names = self.signature.inputs
-        expected = BatchSignature(names, tuple(self._metas[name] for name in names))
+        expected = self._batch_signature()
         check_ranks = self.check_batches and self._device_mesh is not None
+        given = expected.given(batch, named)
+        if self._replan is not None and given is not None and given != expected.metas:
+            self._use_shapes(BatchSignature(expected.names, given), batch, named, check_ranks)
+            expected = self._batch_signature()
         return expected.take(batch, named, check_ranks=check_ranks, rank=self.rank)
+
+    def _batch_signature(self) -> BatchSignature:
+        names = self.signature.inputs
+        return BatchSignature(names, tuple(self._metas[name] for name in names))
+
+    def _use_shapes(
+        self,
+        signature: BatchSignature,
+        batch: tuple[torch.Tensor, ...],
+        named: Mapping[str, torch.Tensor],
+        check_ranks: bool,
+    ) -> None:
+        """Switch to the plan for a batch of other shapes, planned on first sight (on every
+        rank together: the ranks first check that they hold the same batch) with every
+        parameter and buffer pinned to the layout it has, so that no state moves."""
+        if signature.metas not in self._compiled:
+            assert self._replan is not None
+            tensors = signature.take(batch, named, check_ranks=check_ranks, rank=self.rank)
+            state = self.signature.parameters + self.signature.buffers
+            kept = {name: self._specs[name] for name in state}
+            plan = self._replan(tensors, kept)
+            spmd = plan.lower()
+            specs = dict(zip(plan.program.placeholders(), spmd.input_specs, strict=True))
+            moved = [name for name in state if specs.get(name) != kept[name]]
+            if moved:
+                raise FxparError(
+                    f"the plan for batch shapes {list(signature.metas)} lays out "
+                    f"{moved[:3]} differently from the plan being trained, and state does not "
+                    "move between plans: use a solver (pins keep the layout) rather than a "
+                    "manual plan or a fixed choose-strategies pass for varying shapes"
+                )
+            logger.info("planned a step for batch shapes %s", list(signature.metas))
+            self._compiled[signature.metas] = (plan, spmd)
+        self._adopt(*self._compiled[signature.metas])
 
     # -- state --------------------------------------------------------------------------------
 

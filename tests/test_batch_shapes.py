@@ -1,0 +1,100 @@
+"""A batch of another shape (a short last batch, another sequence length) keeps training the
+same model: ParallelModel plans that shape on first sight, with every parameter and buffer kept
+in its layout, and the losses and weights equal single-device training on the same batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fxpar
+from fxpar.errors import FxparError
+from fxpar.ir.program import Program
+from fxpar.models import GPT, GPTConfig, gpt_loss
+from fxpar.runtime.launch import spawn
+
+CONFIG = GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size=16, bias=False)
+SHAPES = [(4, 8), (2, 8), (4, 16), (4, 8), (2, 8)]
+
+
+def _batches() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(7)
+    return [torch.randint(0, CONFIG.vocab_size, s, generator=generator) for s in SHAPES]
+
+
+def _single_device() -> dict[str, object]:
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
+    losses = []
+    for tokens in _batches():
+        loss = gpt_loss(model(tokens), tokens)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return {"losses": losses, "state": model.state_dict()}
+
+
+def _train(rank: int, world_size: int, plan: str) -> dict[str, object]:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    tokens = _batches()[0]
+    parallel = fxpar.compile(
+        GPT(CONFIG), fxpar.Cluster((world_size,)), (tokens,), gpt_loss,
+        example_targets=(tokens,), optimizer=fxpar.optim.SGD(lr=0.2),
+        manual=None if plan == "ilp" else getattr(fxpar.plans, plan),
+    )  # fmt: skip
+    first = parallel.plan
+    losses, plans = [], []
+    for batch in _batches():
+        losses.append(parallel.step(batch, batch).item())
+        plans.append(parallel.plan)
+    # One plan per shape, made once: coming back to a shape reuses its plan.
+    assert plans[0] is first and plans[3] is first and plans[4] is plans[1]
+    return {"losses": losses, "state": parallel.full_state_dict()}
+
+
+def _check(result: dict[str, object], reference: dict[str, object]) -> None:
+    assert result["losses"] == pytest.approx(reference["losses"], rel=1e-5)
+    for name, value in reference["state"].items():  # type: ignore[attr-defined]
+        torch.testing.assert_close(result["state"][name], value, rtol=1e-4, atol=1e-6)  # type: ignore[index]
+
+
+def test_new_batch_shapes_train_like_one_device_in_one_process() -> None:
+    _check(_train(0, 1, "ilp"), _single_device())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan", ["ilp", "tensor_parallel", "data_parallel"])
+def test_new_batch_shapes_train_like_one_device_on_gloo(plan: str) -> None:
+    reference = _single_device()
+    for result in spawn(_train, 2, plan, timeout_s=180):
+        _check(result, reference)
+
+
+def _shape_dependent(program: Program, cluster: fxpar.Cluster) -> Program:
+    """A manual plan that splits the weights only for small batches: its layouts differ by
+    shape, which a trained model cannot follow."""
+    batch = program.placeholders()[program.signature.inputs[0]]
+    small = fxpar.ir.require(batch, fxpar.ir.ValueMeta).tensor.shape[0] < 4
+    return (fxpar.plans.tensor_parallel if small else fxpar.plans.data_parallel)(program, cluster)
+
+
+def _refused(rank: int, world_size: int) -> str:
+    torch.set_num_threads(1)
+    tokens = _batches()[0]
+    parallel = fxpar.compile(
+        GPT(CONFIG), fxpar.Cluster((world_size,)), (tokens,), gpt_loss,
+        example_targets=(tokens,), manual=_shape_dependent,
+    )  # fmt: skip
+    parallel.step(tokens, tokens)
+    short = _batches()[1]
+    with pytest.raises(FxparError, match=r"lays out .* differently from the plan being trained"):
+        parallel.step(short, short)
+    return "refused"
+
+
+@pytest.mark.slow
+def test_a_plan_that_would_move_the_state_is_refused() -> None:
+    assert spawn(_refused, 2, timeout_s=120) == ["refused", "refused"]
