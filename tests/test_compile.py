@@ -166,8 +166,8 @@ def test_batch_errors() -> None:
     tokens, targets = _batches(1)[0]
     with pytest.raises(BatchError, match=r"step takes 2 batch tensors \['input_0', 'target_0'\]"):
         parallel.step(tokens)
-    with pytest.raises(BatchError, match="compiled for int64\\[4, 8\\]"):
-        parallel.step(tokens[:3], targets[:3])
+    # A batch of another shape is planned, not refused (tests/test_batch_shapes.py).
+    assert torch.isfinite(parallel.step(tokens[:3], targets[:3]))
     with pytest.raises(BatchError, match="unexpected or repeated batch tensor 'labels'"):
         parallel.step(tokens, labels=targets)
     assert parallel.step(input_0=tokens, target_0=targets).shape == ()

@@ -74,50 +74,55 @@ class OneDeviceCommunicator:
 
 
 class ProcessGroupCommunicator:
-    """Collectives on the per-axis process groups of a DeviceMesh.
+    """Collectives on the per-axis process groups of a DeviceMesh, with torch.distributed's
+    native tensor collectives (``all_gather_into_tensor``, ``reduce_scatter_tensor``,
+    ``all_to_all_single``), which gloo and NCCL both run.
 
-    Works on gloo and NCCL. Gloo has no reduce-scatter or all-to-all for these shapes, so
-    they are built from all-reduce and all-gather there (same result, more traffic).
+    Those collectives work on dim 0 of a contiguous buffer; another dim is moved to the front
+    first (one copy, where the old list-of-pieces form made one too), and results come back
+    contiguous. ``all_reduce`` reduces a contiguous copy: the input may have other readers in
+    the per-rank program, so it is not reduced in place.
     """
 
     def __init__(self, device_mesh: object) -> None:
         self.device_mesh = device_mesh
         self._groups = [device_mesh.get_group(axis) for axis in range(device_mesh.ndim)]  # type: ignore[attr-defined]
-        self._gloo = dist.get_backend() == "gloo"
 
     def _size(self, axis: int) -> int:
         return dist.get_world_size(self._groups[axis])
 
-    def _index(self, axis: int) -> int:
-        return dist.get_group_rank(self._groups[axis], dist.get_rank())
-
     def all_gather(self, tensor: torch.Tensor, dim: int, axis: int) -> torch.Tensor:
-        pieces = [torch.empty_like(tensor) for _ in range(self._size(axis))]
-        dist.all_gather(pieces, tensor.contiguous(), group=self._groups[axis])
-        return torch.cat(pieces, dim=dim)
+        front = tensor.movedim(dim, 0).contiguous()
+        output = front.new_empty((self._size(axis) * front.shape[0], *front.shape[1:]))
+        dist.all_gather_into_tensor(output, front, group=self._groups[axis])
+        return output.movedim(0, dim).contiguous()
 
     def all_reduce(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
-        result = tensor.clone().contiguous()
+        # One copy, contiguous whatever the input's strides (a transposed gradient).
+        result = tensor.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(result, group=self._groups[axis])
         return result
 
     def reduce_scatter(self, tensor: torch.Tensor, dim: int, axis: int) -> torch.Tensor:
-        size = self._size(axis)
-        if self._gloo:
-            return self.all_reduce(tensor, axis).chunk(size, dim)[self._index(axis)].contiguous()
-        inputs = [c.contiguous() for c in tensor.chunk(size, dim)]
-        output = torch.empty_like(inputs[0])
-        dist.reduce_scatter(output, inputs, group=self._groups[axis])
-        return output
+        front = tensor.movedim(dim, 0).contiguous()
+        output = front.new_empty((front.shape[0] // self._size(axis), *front.shape[1:]))
+        dist.reduce_scatter_tensor(output, front, group=self._groups[axis])
+        return output.movedim(0, dim).contiguous()
 
     def all_to_all(
         self, tensor: torch.Tensor, split_dim: int, concat_dim: int, axis: int
     ) -> torch.Tensor:
         size = self._size(axis)
-        if self._gloo:
-            gathered = self.all_gather(tensor, concat_dim, axis)
-            return gathered.chunk(size, split_dim)[self._index(axis)].contiguous()
-        inputs = [c.contiguous() for c in tensor.chunk(size, split_dim)]
-        outputs = [torch.empty_like(inputs[0]) for _ in range(size)]
-        dist.all_to_all(outputs, inputs, group=self._groups[axis])
-        return torch.cat(outputs, dim=concat_dim)
+        # Chunk j of split_dim goes to device j: with split_dim in front, that is chunk j of
+        # dim 0, as all_to_all_single sends it; what arrives is stacked on dim 0 in order.
+        front = tensor.movedim(split_dim, 0).contiguous()
+        received = torch.empty_like(front)
+        dist.all_to_all_single(received, front, group=self._groups[axis])
+        piece = (front.shape[0] // size, *front.shape[1:])
+        stacked = received.view(size, *piece)
+        # Where concat_dim sits among a piece's dims (split_dim first, the others in order).
+        at = 1 + concat_dim if concat_dim < split_dim else concat_dim
+        merged = stacked.movedim(0, at)  # the device index right before concat_dim
+        shape = list(piece)
+        shape[at] *= size
+        return merged.reshape(shape).movedim(0, split_dim).contiguous()
