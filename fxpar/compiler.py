@@ -69,7 +69,9 @@ def plan(
     ``rules``. ``pins`` maps name patterns of parameters, buffers, inputs or graph nodes to the
     spec they must have, e.g. ``{"*.mlp.fc.weight": (Shard(0),)}``.
     """
-    passes = _pipeline(passes, solver, manual, pins, options, rules)
+    passes = pipeline_of(
+        passes, solver=solver, manual=manual, options=options, rules=rules, pins=pins
+    )
     program = capture(model, example_inputs, loss_fn, example_targets=example_targets)
     return plan_program(program, cluster, passes=passes)
 
@@ -163,7 +165,9 @@ def compile(
     """
     optimizer = check_optimizer(optimizer if optimizer is not None else AdamW())
     intra_op = any(value is not None for value in (passes, solver, manual, pins, options, rules))
-    passes = _pipeline(passes, solver, manual, pins, options, rules)
+    passes = pipeline_of(
+        passes, solver=solver, manual=manual, options=options, rules=rules, pins=pins
+    )
     passes = for_compile(passes, optimizer_states=optimizer.state_copies)
     if pipeline is None:
         device_mesh = _device_mesh(cluster)
@@ -197,8 +201,7 @@ def _compile_pipeline(
 ) -> PipelineModel:
     """A pipeline whose stages run an intra-op plan on the cluster's mesh without its first
     axis (when that axis is the stages, or a solver, manual plan, pins, options, rules or
-    passes ask for a plan),
-    or data-parallel replicas."""
+    passes ask for a plan), or data-parallel replicas."""
     stages_first = (
         pipeline.stages != "auto"
         and pipeline.data_parallel == 1
@@ -269,30 +272,12 @@ def _replanner(
 def _keeping(passes: PassManager, state: Mapping[str, Spec]) -> PassManager:
     """``passes`` with a solver's choice pinned to keep ``state``'s specs (names escaped, as
     pins are patterns). Other choose-strategies passes are left as they are."""
-    choose = next((p for p in passes.passes if p.name == "choose-strategies"), None)
+    choose = passes.get("choose-strategies")
     if not isinstance(choose, SolveStrategies):
         return passes
     pins = {**choose.options.pins, **{glob.escape(name): spec for name, spec in state.items()}}
     options = replace(choose.options, pins=pins)
     return passes.replace("choose-strategies", replace(choose, options=options))
-
-
-def _pipeline(
-    passes: PassManager | None,
-    solver: IntraOpSolver | None,
-    manual: ManualPlan | None,
-    pins: Mapping[str, Spec] | None,
-    options: PlanOptions | None,
-    rules: RuleRegistry | None,
-) -> PassManager:
-    if pins:
-        if passes is not None:
-            raise FxparError(
-                "passes= is the whole pipeline, so pins= would be ignored: give the pins to its "
-                "choose-strategies pass, e.g. default_pipeline(options=PlanOptions(pins=...))"
-            )
-        options = replace(options or PlanOptions(), pins=dict(pins))
-    return pipeline_of(passes, solver=solver, manual=manual, options=options, rules=rules)
 
 
 def _device_mesh(cluster: Cluster) -> Any:

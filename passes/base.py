@@ -62,6 +62,10 @@ class PassManager:
     def names(self) -> tuple[str, ...]:
         return tuple(p.name for p in self.passes)
 
+    def get(self, name: str) -> Pass | None:
+        """The pass called ``name``, or None when the pipeline has none."""
+        return next((p for p in self.passes if p.name == name), None)
+
     def run(self, program: Program) -> Program:
         if self.verify:
             self._verify(program, after=None, completed=())

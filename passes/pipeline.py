@@ -68,10 +68,9 @@ def for_compile(passes: PassManager, *, optimizer_states: int | None = None) -> 
     the same plan, and the memory model counts ``optimizer_states`` copies of each parameter's
     piece (the optimizer's). A ``choose-strategies`` pass of the user's own must make the same
     choice on every rank by itself."""
-    chosen = [p for p in passes.passes if p.name == "choose-strategies"]
-    if not chosen:
+    choose = passes.get("choose-strategies")
+    if choose is None:
         return passes
-    choose = chosen[0]
     if isinstance(choose, (SolveStrategies, ApplyManualPlan)) and optimizer_states is not None:
         choose = replace(choose, options=replace(choose.options, optimizer_states=optimizer_states))
     if isinstance(choose, SolveStrategies):

@@ -13,6 +13,7 @@ from hypothesis import HealthCheck, settings
 from torch import nn
 
 import fxpar
+from fxpar.ir.capture import batch_tensors
 from fxpar.models import gpt_loss
 
 settings.register_profile(
@@ -65,8 +66,29 @@ def train_beside_sgd(
 
 
 def batch_of(inputs: Sequence[Any] | Mapping[str, Any], targets: Sequence[torch.Tensor]) -> list:
-    values = inputs.values() if isinstance(inputs, Mapping) else inputs
-    return [v for v in values if isinstance(v, torch.Tensor)] + list(targets)
+    return [*batch_tensors(inputs), *targets]
+
+
+def train_eager(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Sequence[torch.Tensor],
+    *,
+    max_norm: float | None = None,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+) -> tuple[list[float], list[float]]:
+    """Single-device training with ``gpt_loss``, each batch its own targets: the losses and,
+    with ``max_norm``, the norms ``torch.nn.utils.clip_grad_norm_`` clipped from."""
+    losses, norms = [], []
+    for tokens in batches:
+        loss, _ = eager_step(model, (tokens,), gpt_loss, (tokens,))
+        if max_norm is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        losses.append(loss.item())
+    return losses, norms
 
 
 def assert_matches_eager(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import train_eager
 
 import fxpar
 from fxpar.errors import FxparError
@@ -26,13 +27,7 @@ def _single_device() -> dict[str, object]:
     torch.manual_seed(0)
     model = GPT(CONFIG)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.2)
-    losses = []
-    for tokens in _batches():
-        loss = gpt_loss(model(tokens), tokens)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
+    losses, _ = train_eager(model, optimizer, _batches())
     return {"losses": losses, "state": model.state_dict()}
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import train_eager
 
 import fxpar
 from fxpar.errors import CheckpointError
@@ -35,15 +36,7 @@ def _single_device() -> list[float]:
     model = GPT(CONFIG)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _schedule)
-    losses = []
-    for tokens in _batches():
-        loss = gpt_loss(model(tokens), tokens)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        scheduler.step()
-        losses.append(loss.item())
-    return losses
+    return train_eager(model, optimizer, _batches(), scheduler=scheduler)[0]
 
 
 def _compile(mesh: tuple[int, ...]) -> fxpar.ParallelModel:

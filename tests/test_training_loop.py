@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+from conftest import train_eager
 
 import fxpar
 from fxpar.errors import BatchError, FxparError
@@ -37,15 +38,7 @@ def _single_device(size: int, max_norm: float | None) -> dict[str, object]:
     torch.manual_seed(0)
     model = GPT(CONFIG)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    losses, norms = [], []
-    for tokens in _batches(size):
-        loss = gpt_loss(model(tokens), tokens)
-        optimizer.zero_grad()
-        loss.backward()
-        if max_norm is not None:
-            norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
-        optimizer.step()
-        losses.append(loss.item())
+    losses, norms = train_eager(model, optimizer, _batches(size), max_norm=max_norm)
     return {"losses": losses, "norms": norms, "state": model.state_dict()}
 
 

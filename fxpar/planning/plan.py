@@ -14,7 +14,8 @@ solving (:meth:`Plan.save`, :func:`load_plan`, see :mod:`fxpar.planning.plan_fil
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,7 @@ from fxpar.planning.problem import Layout, PlanOptions, assignment_of, build_pro
 from fxpar.planning.report import plot as plot_report
 from fxpar.planning.report import render_text, report_data
 from fxpar.rules import RuleRegistry
-from fxpar.sharding import Sharding
+from fxpar.sharding import Sharding, Spec
 from fxpar.solvers.problem import IntraOpProblem, IntraOpSolution, IntraOpSolver
 
 
@@ -162,9 +163,18 @@ def pipeline_of(
     manual: ManualPlan | None = None,
     options: PlanOptions | None = None,
     rules: RuleRegistry | None = None,
+    pins: Mapping[str, Spec] | None = None,
 ) -> PassManager:
     """``passes``, or the default pipeline built from the other arguments (which belong to
-    :func:`~fxpar.passes.default_pipeline` when ``passes`` is given)."""
+    :func:`~fxpar.passes.default_pipeline` when ``passes`` is given); ``pins`` go into the
+    options (see :func:`fxpar.plan`)."""
+    if pins:
+        if passes is not None:
+            raise FxparError(
+                "passes= is the whole pipeline, so pins= would be ignored: give the pins to its "
+                "choose-strategies pass, e.g. default_pipeline(options=PlanOptions(pins=...))"
+            )
+        options = replace(options or PlanOptions(), pins=dict(pins))
     if passes is None:
         return default_pipeline(solver=solver, manual=manual, options=options, rules=rules)
     given = [
@@ -191,10 +201,13 @@ def plan_program(
     manual: ManualPlan | None = None,
     options: PlanOptions | None = None,
     rules: RuleRegistry | None = None,
+    pins: Mapping[str, Spec] | None = None,
 ) -> Plan:
     """Run ``passes`` (the default pipeline when None; see :func:`pipeline_of` for the other
     arguments) on a captured ``program`` for ``cluster`` and read the choice as a Plan."""
-    passes = pipeline_of(passes, solver=solver, manual=manual, options=options, rules=rules)
+    passes = pipeline_of(
+        passes, solver=solver, manual=manual, options=options, rules=rules, pins=pins
+    )
     program.cluster = cluster
     program = passes.run(program)
     return Plan.of(program)

@@ -113,7 +113,7 @@ class ParallelModel:
         self.signature = plan.program.signature
         self.program: fx.GraphModule = spmd.ranks[self.rank].graph_module
         placeholders = plan.program.placeholders()
-        self._specs = dict(zip(placeholders, spmd.input_specs, strict=True))
+        self._specs = _input_specs(plan, spmd)
         self._metas = {name: ir.require(n, ir.ValueMeta).tensor for name, n in placeholders.items()}
 
     @property
@@ -289,7 +289,7 @@ class ParallelModel:
             kept = {name: self._specs[name] for name in state}
             plan = self._replan(tensors, kept)
             spmd = plan.lower()
-            specs = dict(zip(plan.program.placeholders(), spmd.input_specs, strict=True))
+            specs = _input_specs(plan, spmd)
             moved = [name for name in state if specs.get(name) != kept[name]]
             if moved:
                 raise FxparError(
@@ -412,6 +412,11 @@ class ParallelModel:
             f"ParallelModel(rank {self.rank} at {self.coordinate} of {self.cluster}; "
             f"{len(self.parameters)} parameters, {self.steps} steps; {self.plan.summary()})"
         )
+
+
+def _input_specs(plan: Plan, spmd: SPMDProgram) -> dict[str, Spec]:
+    """The spec each placeholder of ``plan`` arrives in on a rank, by name."""
+    return dict(zip(plan.program.placeholders(), spmd.input_specs, strict=True))
 
 
 def _pieces(
