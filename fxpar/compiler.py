@@ -16,11 +16,12 @@ chosen reaches the runtime: it sees per-rank programs and the specs of their inp
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import logging
-from collections.abc import Mapping, Sequence
-from dataclasses import replace
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any, overload
 
 import torch
@@ -29,7 +30,7 @@ from torch import nn
 
 from fxpar.cluster import Cluster
 from fxpar.errors import DistributedError, FxparError
-from fxpar.ir.capture import LossFn, batch_tensors, capture, with_batch_tensors
+from fxpar.ir.capture import LossFn, StepKind, batch_tensors, capture, with_batch_tensors
 from fxpar.optim import AdamW, Optimizer, check_optimizer
 from fxpar.passes import ManualPlan, PassManager, SolveStrategies, for_compile
 from fxpar.pipeline import Pipeline, PipelineModel, plan_stages
@@ -38,7 +39,8 @@ from fxpar.pipeline.sharded import stage_devices
 from fxpar.planning.plan import Plan, pipeline_of, plan_program
 from fxpar.planning.problem import PlanOptions
 from fxpar.rules import RuleRegistry
-from fxpar.runtime.parallel import ParallelModel, Replan
+from fxpar.runtime.parallel import ParallelModel
+from fxpar.runtime.steps import CallInputs
 from fxpar.sharding import Spec
 from fxpar.solvers.problem import IntraOpSolver
 
@@ -92,6 +94,7 @@ def compile(
     options: PlanOptions | None = None,
     rules: RuleRegistry | None = None,
     check_batches: bool = True,
+    batch: str = "global",
     pipeline: None = None,
 ) -> ParallelModel: ...
 
@@ -112,6 +115,7 @@ def compile(
     options: PlanOptions | None = None,
     rules: RuleRegistry | None = None,
     check_batches: bool = True,
+    batch: str = "global",
     pipeline: Pipeline,
 ) -> PipelineModel: ...
 
@@ -131,6 +135,7 @@ def compile(
     options: PlanOptions | None = None,
     rules: RuleRegistry | None = None,
     check_batches: bool = True,
+    batch: str = "global",
     pipeline: Pipeline | None = None,
 ) -> ParallelModel | PipelineModel:
     """Plan ``model``'s training step for ``cluster`` and build this process's share of it.
@@ -155,6 +160,13 @@ def compile(
         check_batches: compare a digest of every batch across ranks before each step (one
             small all-gather), so a rank fed a different batch fails loudly instead of
             training on a mixture; pipelines too.
+        batch: ``"global"`` (the default): every rank passes the whole batch and takes its
+            own piece. ``"local"``: each rank passes only its own rows, ``1/world_size`` of
+            the batch on dim 0 of every batch tensor (what a ``DistributedSampler`` with the
+            default ``num_replicas`` and ``rank`` gives it); the batch trained on is every
+            rank's rows concatenated in rank order. Where the plan splits a batch tensor on
+            dim 0 over every mesh axis, a rank's rows are its piece and nothing moves;
+            otherwise the rows are all-gathered first. Not for pipelines.
         pipeline: run the step as a synchronous pipeline instead (see
             :class:`fxpar.pipeline.Pipeline` and docs/pipelines.md): returns a
             :class:`~fxpar.pipeline.PipelineModel`. On a cluster of mesh ``(K, *stage_mesh)``
@@ -172,18 +184,26 @@ def compile(
     if pipeline is None:
         device_mesh = _device_mesh(cluster)
     _check_materialized(model)
-    planner = functools.partial(plan_program, passes=passes)
+    if batch not in ("global", "local"):
+        raise FxparError(f"batch must be 'global' or 'local', got {batch!r}")
+    stage_planner = functools.partial(plan_program, passes=passes)
     if pipeline is not None:
+        if batch != "global":
+            raise FxparError(
+                "batch='local' is for fxpar.compile without a pipeline; a pipeline takes the "
+                "whole batch on every rank"
+            )
         return _compile_pipeline(
             model, cluster, example_inputs, loss_fn, example_targets, optimizer, pipeline,
-            planner=planner, intra_op=intra_op, check_batches=check_batches,
+            planner=stage_planner, intra_op=intra_op, check_batches=check_batches,
         )  # fmt: skip
     program = capture(model, example_inputs, loss_fn, example_targets=example_targets)
     plan = plan_program(program, cluster, passes=passes)
-    replan = _replanner(model, example_inputs, loss_fn, cluster, passes)
+    planner = _Planner(model, example_inputs, loss_fn, cluster, passes)
     return ParallelModel(
-        plan, model, optimizer, device_mesh, check_batches=check_batches, replan=replan
-    )
+        plan, model, optimizer, device_mesh, check_batches=check_batches, planner=planner,
+        batch=batch,
+    )  # fmt: skip
 
 
 def _compile_pipeline(
@@ -249,32 +269,65 @@ def _compile_pipeline(
     return pipelined
 
 
-def _replanner(
-    model: nn.Module,
-    example_inputs: Sequence[Any] | Mapping[str, Any],
-    loss_fn: LossFn | None,
-    cluster: Cluster,
-    passes: PassManager,
-) -> Replan:
-    """How a ParallelModel plans a batch of other shapes: capture again with those tensors in
-    the example's places (it keeps a reference to ``model`` for that; its weights are not
-    read) and run the same passes with every parameter and buffer pinned to the spec it has."""
-    count = len(batch_tensors(example_inputs))
+@dataclass(frozen=True)
+class _Planner:
+    """How a ParallelModel plans the steps it is asked for beyond the one compiled (see
+    :mod:`fxpar.runtime.steps`): capture again with the call's tensors (it keeps a reference
+    to ``model`` for that, and sets its train/eval mode while tracing; its weights are not
+    read), then run the same passes with every parameter and buffer pinned to its spec."""
 
-    def replan(tensors: Sequence[torch.Tensor], state: Mapping[str, Spec]) -> Plan:
-        inputs = with_batch_tensors(example_inputs, tensors[:count])
-        program = capture(model, inputs, loss_fn, example_targets=tensors[count:])
-        return plan_program(program, cluster, passes=_keeping(passes, state))
+    model: nn.Module
+    example_inputs: Sequence[Any] | Mapping[str, Any]
+    loss_fn: LossFn | None
+    cluster: Cluster
+    passes: PassManager
 
-    return replan
+    def plan_step(
+        self,
+        kind: StepKind,
+        training: bool,
+        batch: Sequence[torch.Tensor],
+        state: Mapping[str, Spec],
+    ) -> Plan:
+        count = len(batch_tensors(self.example_inputs))
+        inputs = with_batch_tensors(self.example_inputs, batch[:count])
+        with _mode(self.model, training):
+            program = capture(
+                self.model, inputs, self.loss_fn, example_targets=batch[count:], step=kind
+            )
+        # A loss evaluation has no gradients to place: the solver chooses its activations.
+        passes = _keeping(self.passes, state, solve=kind != "train")
+        return plan_program(program, self.cluster, passes=passes)
+
+    def plan_forward(self, training: bool, inputs: CallInputs, state: Mapping[str, Spec]) -> Plan:
+        with _mode(self.model, training):
+            program = capture(self.model, inputs, step="forward")
+        return plan_program(program, self.cluster, passes=_keeping(self.passes, state, solve=True))
 
 
-def _keeping(passes: PassManager, state: Mapping[str, Spec]) -> PassManager:
+@contextlib.contextmanager
+def _mode(model: nn.Module, training: bool) -> Iterator[None]:
+    """``model`` in train or eval mode for the block, its own mode (per module) after."""
+    modes = {module: module.training for module in model.modules()}
+    model.train(training)
+    try:
+        yield
+    finally:
+        for module, mode in modes.items():
+            module.training = mode
+
+
+def _keeping(passes: PassManager, state: Mapping[str, Spec], *, solve: bool = False) -> PassManager:
     """``passes`` with a solver's choice pinned to keep ``state``'s specs (names escaped, as
-    pins are patterns). Other choose-strategies passes are left as they are."""
+    pins are patterns). Other choose-strategies passes are left as they are, unless ``solve``
+    asks for the default solver in their place (a manual plan or a plan file is written for
+    the training step, not for a forward or a loss evaluation)."""
     choose = passes.get("choose-strategies")
     if not isinstance(choose, SolveStrategies):
-        return passes
+        if not solve:
+            return passes
+        options = getattr(choose, "options", PlanOptions())
+        choose = SolveStrategies(options=options, on_rank_zero=True)
     pins = {**choose.options.pins, **{glob.escape(name): spec for name, spec in state.items()}}
     options = replace(choose.options, pins=pins)
     return passes.replace("choose-strategies", replace(choose, options=options))

@@ -15,6 +15,7 @@ from conftest import train_eager
 
 import fxpar
 from fxpar.errors import BatchError, FxparError
+from fxpar.lowering import lower
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.runtime.launch import spawn
 
@@ -132,3 +133,57 @@ def test_infinity_norm_equals_torch_on_one_device() -> None:
     assert parallel.clip_grad_norm_(1e-3, norm_type=math.inf).item() == pytest.approx(
         expected.item(), rel=1e-6
     )
+
+
+def _no_sync(rank: int, world_size: int, plan: str, mesh: tuple[int, ...]) -> dict[str, object]:
+    parallel = _compile(world_size, plan, mesh)
+    losses = []
+    for tokens in _batches(8):
+        first, second = tokens.chunk(2)
+        with parallel.no_sync():
+            loss = parallel.backward(first, first, scale=0.5)
+            # Unreduced pieces are kept apart: .grad waits for the reduction.
+            assert all(p.grad is None for p in parallel.trainable)
+        loss = (loss + parallel.backward(second, second, scale=0.5)) / 2
+        assert all(p.grad is not None for p in parallel.trainable)
+        parallel.optimizer_step()
+        parallel.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "state": parallel.full_state_dict()}
+
+
+@pytest.mark.parametrize(("plan", "mesh"), [("data_parallel", (2,)), ("ilp", (2, 2))])
+def test_backward_under_no_sync_reduces_once_and_equals_one_step(
+    plan: str, mesh: tuple[int, ...]
+) -> None:
+    reference = _single_device(8, None)
+    for result in spawn(_no_sync, math.prod(mesh), plan, mesh, timeout_s=120):
+        _assert_trains_like(result, reference)
+
+
+@pytest.mark.parametrize(
+    ("plan", "deferred"),
+    [("data_parallel", True), ("fully_sharded", False)],
+)
+def test_accumulation_leaves_gradients_unreduced_where_it_costs_no_memory(
+    plan: str, deferred: bool
+) -> None:
+    """Data parallelism's gradient all-reduces leave the micro-step program (they run once per
+    update instead); a fully sharded plan keeps its reduce-scatters, whose pieces are
+    smaller than the unreduced gradient."""
+    tokens = _batches(4)[0]
+    planned = fxpar.plan(
+        GPT(CONFIG), fxpar.Cluster((2,)), (tokens,), gpt_loss, example_targets=(tokens,),
+        manual=getattr(fxpar.plans, plan),
+    )  # fmt: skip
+    loss = planned.program.graph.output_node().args[0][0].name
+
+    def gradient_syncs(**options: bool) -> list[object]:
+        records = lower(planned.program, planned.cluster, **options).records
+        return [r for r in records if r.phase.name == "OUTPUT" and r.tensor != loss]
+
+    syncing, kept = gradient_syncs(), gradient_syncs(defer_gradients=True)
+    assert syncing  # every plan here reduces some gradient
+    assert (len(kept) < len(syncing)) is deferred
+    if plan == "data_parallel":
+        assert kept == []

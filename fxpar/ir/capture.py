@@ -25,7 +25,7 @@ import sysconfig
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.fx as fx
@@ -49,10 +49,15 @@ from torch.fx.experimental.symbolic_shapes import (
 
 from fxpar import ir
 from fxpar.errors import CaptureError
-from fxpar.ir.program import Program, Signature
+from fxpar.ir.program import OutputTree, Program, Signature
 from fxpar.ir.rng import RandomDraw, can_draw_ahead, draws_random_numbers
 
 LossFn = Callable[..., torch.Tensor]
+
+StepKind = Literal["train", "loss", "forward"]
+"""What :func:`capture` traces: a training step, a loss evaluation, or the model's forward."""
+
+_STEP_KINDS: tuple[StepKind, ...] = ("train", "loss", "forward")
 
 # Keys of the ``custom`` node metadata that torch.fx copies onto every node traced while a
 # ``torch.fx.traceback.annotate`` block is open. Capture turns them into Region annotations.
@@ -77,6 +82,7 @@ def capture(
     *,
     example_targets: Sequence[torch.Tensor] = (),
     dynamic: bool = False,
+    step: StepKind = "train",
 ) -> Program:
     """Trace one training step of ``model`` into a functional Program of ATen ops.
 
@@ -90,10 +96,16 @@ def capture(
         example_targets: tensors passed to ``loss_fn`` after the model's output.
         dynamic: trace every batch dimension larger than one as a symbol, so shapes and costs
             are sympy expressions valid for any batch and sequence size.
+        step: what to trace. ``"train"``: forward, loss and backward. ``"loss"``: forward and
+            loss only (evaluation). ``"forward"``: the model alone (inference); ``loss_fn`` and
+            targets are not taken, and the Program returns the tensors of the model's output
+            (flattened as a pytree; :attr:`Signature.output_tree` rebuilds it).
 
     Returns:
         A Program whose graph maps (parameters, buffers, batch) to (loss, gradients, buffer
-        updates); see :mod:`fxpar.program`.
+        updates), or to (loss, buffer updates) or (outputs, buffer updates) for the other
+        ``step`` kinds; see :mod:`fxpar.ir.program`. The model's train/eval mode at the call is
+        the one traced (dropout, BatchNorm's statistics).
 
     Raises:
         CaptureError: the step cannot be traced (data-dependent control flow, an op fake
@@ -101,8 +113,14 @@ def capture(
     """
     if not isinstance(model, nn.Module):
         raise CaptureError(f"capture expects an nn.Module, got {type(model).__name__}")
+    if step not in _STEP_KINDS:
+        raise CaptureError(f"step must be one of {list(_STEP_KINDS)}, got {step!r}")
     if loss_fn is None and example_targets:
         raise CaptureError("example_targets were given without a loss_fn to receive them")
+    if step == "forward" and (loss_fn is not None or example_targets):
+        raise CaptureError(
+            "step='forward' traces the model alone: leave loss_fn and example_targets out"
+        )
 
     batch = _Batch.of(example_inputs, tuple(example_targets))
     params = dict(model.named_parameters())
@@ -117,31 +135,35 @@ def capture(
         _fake_batch_tensor(fake_mode, t, device, dynamic) for t in _unaliased(batch.tensors)
     ]
 
-    step = _TrainStep(model, loss_fn, batch, tuple(params), tuple(buffers))
+    traced_step = _TrainStep(model, loss_fn, batch, tuple(params), tuple(buffers), step)
     try:
         with (
             _compiling(),
-            _module_regions(model, step.module_stack),
+            _module_regions(model, traced_step.module_stack),
             fx_traceback.preserve_node_meta(),
+            torch.enable_grad() if step == "train" else torch.no_grad(),
         ):
             traced = make_fx(
-                step.trace,
+                traced_step.trace,
                 tracing_mode="symbolic" if dynamic else "fake",
                 _allow_non_fake_inputs=False,
             )(*fake_state, *fake_batch)
     except CaptureError:
         raise
     except Exception as error:
-        raise _capture_error(model, step.module_stack, error) from error
+        raise _capture_error(model, traced_step.module_stack, error) from error
 
     _reject_unbacked_shapes(traced)
+    trains = step == "train"
     signature = Signature(
         parameters=tuple(params),
         buffers=tuple(buffers),
         inputs=batch.names,
-        gradients=tuple(name for name, p in params.items() if p.requires_grad),
-        buffer_updates=step.buffer_updates,
+        gradients=tuple(name for name, p in params.items() if p.requires_grad and trains),
+        buffer_updates=traced_step.buffer_updates,
         random=_random_ops_to_inputs(traced, taken=set(batch.names), dynamic=dynamic),
+        outputs=traced_step.output_names,
+        output_tree=traced_step.output_tree,
     )
     return Program(_clean_graph(traced, signature), signature)
 
@@ -192,15 +214,19 @@ class _Batch:
 
 @dataclass
 class _TrainStep:
-    """The function make_fx traces: forward, loss, backward, with functionalization."""
+    """The function make_fx traces: forward, loss, backward (or as much of it as ``kind``
+    asks for), with functionalization."""
 
     model: nn.Module
     loss_fn: LossFn | None
     batch: _Batch
     param_names: tuple[str, ...]
     buffer_names: tuple[str, ...]
+    kind: StepKind = "train"
     module_stack: list[tuple[str, str]] = field(default_factory=list)
     buffer_updates: tuple[str, ...] = ()
+    output_names: tuple[str, ...] = ("loss",)
+    output_tree: OutputTree | None = None
 
     def trace(self, *flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
         with FunctionalTensorMode():
@@ -237,6 +263,12 @@ class _TrainStep:
         args, kwargs, targets = self.batch.rebuild(flat[num_params + num_buffers :])
         with fx_traceback.annotate({_PHASE: ir.Phase.FORWARD.value, _MODULE: ""}):
             output = torch.func.functional_call(self.model, (params, buffers), args, kwargs)
+            if self.kind == "forward":
+                self.output_tree = OutputTree.of(output)
+                self.output_names = tuple(
+                    f"output_{i}" for i in range(len(self.output_tree.tensor_positions))
+                )
+                return self.output_tree.tensors(output)
             if self.loss_fn is not None:
                 with fx_traceback.annotate({_MODULE: ir.LOSS_REGION}):
                     loss = self.loss_fn(output, *targets)
@@ -248,6 +280,8 @@ class _TrainStep:
                 f"the loss must be a scalar tensor, got {shape}; reduce it (e.g. .mean()) in "
                 "loss_fn or in the model"
             )
+        if self.kind == "loss":
+            return (loss,)
         if not loss.requires_grad:
             raise CaptureError(
                 "the loss does not depend on any trainable parameter; check requires_grad "

@@ -15,11 +15,12 @@ same inputs gives the same outputs, and the caller decides what to do with the n
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 from torch import nn
 
 from fxpar import ir
@@ -42,6 +43,11 @@ class Signature:
     """Buffers the step writes, in output order."""
     random: tuple[RandomDraw, ...] = ()
     """How to draw each random input, in graph order (``draw.name`` names its placeholder)."""
+    outputs: tuple[str, ...] = ("loss",)
+    """The values the graph returns before the gradients: ``("loss",)`` for a training or loss
+    step, the model's output tensors (``output_0``, ...) for a forward-only one."""
+    output_tree: OutputTree | None = field(default=None, compare=False)
+    """For a forward-only Program, how its output tensors make the model's output."""
 
     @property
     def random_inputs(self) -> tuple[str, ...]:
@@ -63,26 +69,70 @@ class Signature:
         return len(self.placeholder_names)
 
     @property
+    def is_forward(self) -> bool:
+        """Whether the Program is the model's forward alone (no loss, no gradients)."""
+        return self.output_tree is not None
+
+    @property
     def num_outputs(self) -> int:
-        return 1 + len(self.gradients) + len(self.buffer_updates)
+        return len(self.outputs) + len(self.gradients) + len(self.buffer_updates)
 
     def name_outputs(self, outputs: Sequence[torch.Tensor]) -> StepResult:
-        """Name a flat ``(loss, *gradients, *buffer_updates)`` tuple."""
-        num_grads = len(self.gradients)
+        """Name a flat ``(*outputs, *gradients, *buffer_updates)`` tuple."""
+        first, num_grads = len(self.outputs), len(self.gradients)
         return StepResult(
-            loss=outputs[0],
-            gradients=dict(zip(self.gradients, outputs[1 : 1 + num_grads], strict=True)),
-            buffers=dict(zip(self.buffer_updates, outputs[1 + num_grads :], strict=True)),
+            loss=None if self.is_forward else outputs[0],
+            gradients=dict(zip(self.gradients, outputs[first : first + num_grads], strict=True)),
+            buffers=dict(zip(self.buffer_updates, outputs[first + num_grads :], strict=True)),
+            outputs=tuple(outputs[:first]),
         )
 
 
 @dataclass(frozen=True)
 class StepResult:
-    """What one training step computes, by name."""
+    """What one step computes, by name: a training step's loss, gradients and new buffers; a
+    forward-only step's ``outputs`` (``loss`` None, no gradients)."""
 
-    loss: torch.Tensor
+    loss: torch.Tensor | None
     gradients: dict[str, torch.Tensor]
     buffers: dict[str, torch.Tensor]
+    outputs: tuple[torch.Tensor, ...] = ()
+
+
+@dataclass(frozen=True, eq=False)
+class OutputTree:
+    """How a model's output (a tensor, a tuple, a dict, a Hugging Face ``ModelOutput``: any
+    pytree) is made of the tensors a forward-only Program returns. Leaves that are not tensors
+    (None, flags) are kept as they were when the model was traced."""
+
+    spec: pytree.TreeSpec
+    constants: tuple[object, ...]
+    """Every leaf, in flattening order, with None where a tensor goes."""
+    tensor_positions: tuple[int, ...]
+
+    @staticmethod
+    def of(output: object) -> OutputTree:
+        leaves, spec = pytree.tree_flatten(output)
+        positions = tuple(i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor))
+        if not positions:
+            raise FxparError(
+                f"the model returned {type(output).__name__} with no tensor in it; there is "
+                "nothing to compute"
+            )
+        constants = tuple(None if i in positions else leaf for i, leaf in enumerate(leaves))
+        return OutputTree(spec, constants, positions)
+
+    def tensors(self, output: object) -> tuple[torch.Tensor, ...]:
+        """The tensors of ``output`` (shaped like the traced one), in Program order."""
+        leaves = pytree.tree_leaves(output)
+        return tuple(leaves[i] for i in self.tensor_positions)
+
+    def rebuild(self, tensors: Sequence[object]) -> object:
+        """The model's output with ``tensors`` in the places of the traced ones."""
+        leaves = list(self.constants)
+        for position, tensor in zip(self.tensor_positions, tensors, strict=True):
+            leaves[position] = tensor
+        return pytree.tree_unflatten(leaves, self.spec)
 
 
 A = TypeVar("A")

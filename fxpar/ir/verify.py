@@ -59,9 +59,10 @@ def _check_signature(program: Program) -> None:
         raise VerificationError(
             f"graph returns {count} values, signature expects {signature.num_outputs}"
         )
-    loss = _tensor_meta(results[0])
-    if loss is None or loss.shape != ():
-        raise _fail(output, f"the loss must be a scalar tensor, found {loss}")
+    if not signature.is_forward:
+        loss = _tensor_meta(results[0])
+        if loss is None or loss.shape != ():
+            raise _fail(output, f"the loss must be a scalar tensor, found {loss}")
     by_name = dict(
         zip(
             signature.parameters + signature.buffers,
@@ -70,7 +71,7 @@ def _check_signature(program: Program) -> None:
         )
     )
     updated = signature.gradients + signature.buffer_updates
-    for name, result in zip(updated, results[1:], strict=True):
+    for name, result in zip(updated, results[len(signature.outputs) :], strict=True):
         expected, found = _tensor_meta(by_name[name]), _tensor_meta(result)
         if expected != found:
             raise _fail(output, f"output for {name!r} is {found}, but {name!r} is {expected}")

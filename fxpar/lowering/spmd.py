@@ -8,7 +8,8 @@ annotation (``getitem`` follows its producer). For each rank, :func:`lower` walk
   calls to :mod:`fxpar.runtime.collectives` on the ``comm`` input, local slices become
   ``aten.slice``;
 - ops whose arguments spell out a shape (``view``, ``expand``, ...) get the local shape;
-- outputs leave in their required specs: the loss replicated, each gradient in its parameter's
+- outputs leave in their required specs: the loss replicated (a forward's outputs as
+  computed, partial sums reduced), each gradient in its parameter's
   spec (this is where data parallelism's gradient all-reduce appears), each buffer update in its
   buffer's spec.
 
@@ -25,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.distributed.tensor import Partial, Replicate
 
 from fxpar import ir
 from fxpar.cluster import Cluster, Coordinate
@@ -132,12 +134,18 @@ _VIEWS_AS_RESHAPE = {
 }
 
 
-def lower(program: Program, cluster: Cluster) -> SPMDProgram:
-    """One GraphModule per rank of ``cluster`` from ``program`` and its chosen strategies."""
+def lower(program: Program, cluster: Cluster, *, defer_gradients: bool = False) -> SPMDProgram:
+    """One GraphModule per rank of ``cluster`` from ``program`` and its chosen strategies.
+
+    ``defer_gradients``: leave each gradient in the layout the backward made it in (partial
+    sums, typically) wherever that takes no more memory than its parameter's layout, instead
+    of converting it before the program returns (see :func:`deferred_gradient_specs`)."""
     _check_lowerable(program.graph, cluster.ndim)
     placeholders = [n for n in program.graph.nodes if n.op == "placeholder"]
     input_specs = tuple(value_spec(n) for n in placeholders)
     leaving = output_specs(program, cluster.ndim)
+    if defer_gradients:
+        leaving = deferred_gradient_specs(program, cluster.mesh_shape)
     ranks = []
     records: tuple[CollectiveRecord, ...] = ()
     for rank, coordinate in enumerate(cluster.coordinates()):
@@ -265,12 +273,75 @@ def value_spec(node: fx.Node) -> Spec:
 
 
 def output_specs(program: Program, mesh_ndim: int) -> tuple[Spec, ...]:
-    """The specs the step's outputs leave in: the loss replicated, each gradient and buffer
-    update in its parameter's or buffer's layout."""
+    """The specs the step's outputs leave in: the loss (or a forward's outputs) as computed
+    but with partial sums reduced, each gradient and buffer update in its parameter's or
+    buffer's layout."""
     placeholders = program.placeholders()
     signature = program.signature
+    results = program.graph.output_node().args[0]
+    assert isinstance(results, (tuple, list))
     state = signature.gradients + signature.buffer_updates
-    return (replicated(mesh_ndim), *(value_spec(placeholders[n]) for n in state))
+    leading = [_settled(result, mesh_ndim) for result in results[: len(signature.outputs)]]
+    return (*leading, *(value_spec(placeholders[n]) for n in state))
+
+
+def deferred_gradient_specs(program: Program, mesh_shape: tuple[int, ...]) -> tuple[Spec, ...]:
+    """:func:`output_specs`, but with each gradient in the spec the backward produced it in
+    where that piece is no larger than the piece of the parameter's spec.
+
+    Gradients are linear in the loss, so such pieces can be summed over several backward
+    passes and converted once (:func:`conversion_program`): gradient accumulation then
+    communicates once per update instead of once per micro-batch, as DDP's ``no_sync`` does.
+    A gradient whose conversion makes it smaller (the reduce-scatter of a fully sharded plan)
+    is converted in every pass, so accumulation never holds more than one piece of it."""
+    leaving = list(output_specs(program, len(mesh_shape)))
+    results = program.graph.output_node().args[0]
+    assert isinstance(results, (tuple, list))
+    first = len(program.signature.outputs)
+    for index in range(first, first + len(program.signature.gradients)):
+        result = results[index]
+        if not isinstance(result, fx.Node) or result.op == "get_attr":
+            continue
+        produced = value_spec(result)
+        shape = ir.require(result, ir.ValueMeta).tensor.shape
+        if ir.product(local_shape(shape, produced, mesh_shape)) <= ir.product(
+            local_shape(shape, leaving[index], mesh_shape)
+        ):
+            leaving[index] = produced
+    return tuple(leaving)
+
+
+def conversion_program(
+    metas: Sequence[ir.TensorMeta],
+    sources: Sequence[Spec],
+    targets: Sequence[Spec],
+    mesh_shape: tuple[int, ...],
+    coordinate: Coordinate,
+    *,
+    class_name: str = "Conversion",
+) -> LoweredGraph:
+    """A program of collectives (and local slices) only, that takes the communicator and one
+    local piece of each tensor of ``metas`` laid out as ``sources`` and returns each laid out
+    as ``targets``."""
+    graph = fx.Graph()
+    inputs = []
+    for index, meta in enumerate(metas):
+        node = graph.placeholder(f"value_{index}")
+        ir.annotate(node, ir.ValueMeta((meta,)))
+        ir.annotate(node, ir.Region(ir.Phase.INPUT, ""))
+        inputs.append(node)
+    graph.output(tuple(inputs))
+    module = fx.GraphModule(torch.nn.Module(), graph, class_name=class_name)
+    return lower_graph(module, mesh_shape, coordinate, sources, targets, class_name=class_name)
+
+
+def _settled(result: object, mesh_ndim: int) -> Spec:
+    """The spec a step's leading output leaves in: its producer's, with every partial sum
+    reduced (replicated) so that each device holds final values."""
+    if not isinstance(result, fx.Node) or result.op == "get_attr":
+        return replicated(mesh_ndim)
+    spec = value_spec(result)
+    return tuple(Replicate() if isinstance(p, Partial) else p for p in spec)
 
 
 def localize_shape_arguments(

@@ -130,7 +130,8 @@ class StageWorker:
     """Runs the instruction list of one stage replica.
 
     ``previous_rank``/``next_rank`` are the ranks of the same replica index in the stages
-    before and after (None at the ends).
+    before and after (None at the ends). A list without backwards (``schedule.forward_only``)
+    runs the forwards alone: it returns the losses and no gradients, and keeps no stash.
     """
 
     def __init__(
@@ -146,6 +147,7 @@ class StageWorker:
         self.forward = forward
         self.backward = backward
         self.instructions = tuple(instructions)
+        self._backwards = frozenset(i.microbatch for i in self.instructions if i.op is Op.BACKWARD)
         self.rank = rank
         self.stage = forward.unit.stage
         self._activations_in = _Channel(forward.received, previous_rank, _ACTIVATION)
@@ -182,9 +184,11 @@ class StageWorker:
                 inputs = received.pop((Op.RECV_ACTIVATION, m), ())
                 out = self.forward.run(parameters, buffers, microbatches[m], inputs)
                 outgoing[(Op.SEND_ACTIVATION, m)] = out.sent
-                stashes[m] = out.stashed
-                stash_bytes[m] = _storage_bytes(out.stashed, parameter_storages)
-                trace.peak_stash_bytes = max(trace.peak_stash_bytes, sum(stash_bytes.values()))
+                if m in self._backwards:  # else a forward-only list: nothing reads the stash
+                    stashes[m] = out.stashed
+                    stash_bytes[m] = _storage_bytes(out.stashed, parameter_storages)
+                    peak = max(trace.peak_stash_bytes, sum(stash_bytes.values()))
+                    trace.peak_stash_bytes = peak
                 buffers.update(out.buffer_updates)
                 if out.loss is not None:
                     losses.append(out.loss)

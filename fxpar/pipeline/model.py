@@ -38,12 +38,19 @@ statistics are per micro-batch, as in GPipe; a loss that is not a sum or a mean)
 warning when the model is built and listed in :attr:`PipelineModel.semantics`. BatchNorm's
 running statistics are updated once per micro-batch, in micro-batch order; with ``D > 1`` each
 replica keeps its own.
+
+**The loop.** :meth:`PipelineModel.step` is :meth:`~PipelineModel.backward` (gradients added to
+``.grad``), :meth:`~PipelineModel.clip_grad_norm_` (one all-reduce, every piece counted once),
+:meth:`~PipelineModel.optimizer_step` and :meth:`~PipelineModel.zero_grad`, as for
+:class:`~fxpar.runtime.parallel.ParallelModel`; :meth:`~PipelineModel.loss` runs the forward
+half of every stage's list (:func:`.schedule.forward_only`) and keeps nothing.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -51,11 +58,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import Replicate, Shard
 
 from fxpar import checkpoint, ir
 from fxpar.cluster import Cluster, Coordinate
-from fxpar.errors import BatchError
+from fxpar.errors import BatchError, FxparError
 from fxpar.ir.capture import LossFn, batch_tensors, capture, with_batch_tensors
 from fxpar.ir.program import Program, named_state, state_dict_aliases
 from fxpar.ir.rng import RandomState
@@ -65,7 +72,7 @@ from fxpar.passes.canonicalize import Canonicalize
 from fxpar.pipeline.executor import StageResult, StageTrace, StageWorker
 from fxpar.pipeline.options import Pipeline, PipelineError
 from fxpar.pipeline.partition import even_split_points, partition
-from fxpar.pipeline.schedule import build_schedule, simulate
+from fxpar.pipeline.schedule import build_schedule, forward_only, simulate
 from fxpar.pipeline.semantics import PipelineSemantics
 from fxpar.pipeline.sharded import ShardedStage, local_batch, shard_stage
 from fxpar.pipeline.split import SplitProgram, split_program
@@ -94,7 +101,9 @@ class PipelineModel:
         rank, stage, replica, coordinate: where this process sits (``coordinate`` in the
             stage mesh; ``()`` without one).
         parameters, buffers: this stage's tensors, by name (tied weights in each holder).
-        gradients: this stage's gradients of the last step, as used by the update.
+        gradients: this stage's gradients of the last :meth:`~PipelineModel.backward` (or
+            step), the whole batch's, before ``scale`` and clipping; the update reads the
+            accumulated ones, the parameters' ``.grad``.
         trace: the last step's instruction timings on this rank.
         stage_choice: the stage DP's choice, when ``fxpar.compile`` planned the stages.
         semantics: how the micro-batches' losses make the step's, and the notes on where the
@@ -224,6 +233,11 @@ class PipelineModel:
             if name in self.split.stage_buffers(self.stage):
                 self.buffers[name] = self._local(name, tensor)
         self._trainable = [n for n in self.signature.gradients if n in self.parameters]
+        self._norm_counted = [n for n in self._trainable if self._counts_in_norm(n)]
+        self._gradient_dtype = next(
+            (ir.require(placeholders[n], ir.ValueMeta).tensor.dtype for n in self._trainable),
+            torch.float32,
+        )
         self.optimizer = self.optimizer_spec.build([self.parameters[n] for n in self._trainable])
         self.random = RandomState.from_rank_zero(distributed)
         """The generator the step's random ops draw from, the same on every rank."""
@@ -233,14 +247,19 @@ class PipelineModel:
         """The stage DP's choice when the stages were planned (``stages="auto"``)."""
         self.steps = 0
         stride = per_stage
+        previous = self.rank - stride if self.stage > 0 else None
+        following = self.rank + stride if self.stage < pipeline.num_stages - 1 else None
         self._worker = StageWorker(
-            forward,
-            backward,
-            self.schedule[self.stage],
-            rank=self.rank,
-            previous_rank=self.rank - stride if self.stage > 0 else None,
-            next_rank=self.rank + stride if self.stage < pipeline.num_stages - 1 else None,
-        )
+            forward, backward, self.schedule[self.stage],
+            rank=self.rank, previous_rank=previous, next_rank=following,
+        )  # fmt: skip
+        # loss(): the forwards alone, which cannot deadlock either.
+        forward_lists = [forward_only(instructions) for instructions in self.schedule]
+        simulate(forward_lists)
+        self._forward_worker = StageWorker(
+            forward, backward, forward_lists[self.stage],
+            rank=self.rank, previous_rank=previous, next_rank=following,
+        )  # fmt: skip
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer, whole, under the model's own state_dict names (tied
@@ -271,33 +290,152 @@ class PipelineModel:
 
     # -- training -----------------------------------------------------------------------------
 
-    def step(self, *batch: torch.Tensor, **named_batch: torch.Tensor) -> torch.Tensor:
+    def step(
+        self,
+        *batch: torch.Tensor,
+        max_grad_norm: float | None = None,
+        accumulate: int = 1,
+        **named_batch: torch.Tensor,
+    ) -> torch.Tensor:
         """One training step on the global batch (model inputs, then loss targets,
         positionally or by name, the same on every rank and shaped like the example): the
         pipelined forward and backward, then one optimizer update. Returns the loss of the
-        whole batch, on every rank."""
+        whole batch, on every rank.
+
+        ``max_grad_norm``: clip the gradients to this global norm first
+        (:meth:`clip_grad_norm_`). ``accumulate``: the batch is ``accumulate`` compiled batches
+        stacked on dim 0; each runs through the pipeline in turn (:meth:`backward` with
+        ``scale=1/accumulate``) before one update, which equals one step on the whole batch
+        for a loss that is a mean over equal pieces (the returned loss is the mean of the
+        pieces' losses).
+
+        Raises:
+            FxparError: ``accumulate`` is not a whole number of at least 1, or ``max_grad_norm``
+                is negative.
+            BatchError: the batch does not cut into ``accumulate`` compiled batches.
+        """
+        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+            raise FxparError(f"accumulate must be at least 1 (a whole number), got {accumulate!r}")
+        if max_grad_norm is not None:
+            _check_clip_arguments(max_grad_norm, 2.0)
+        losses = [
+            self.backward(*piece, scale=1.0 / accumulate, **named_piece)
+            for piece, named_piece in _accumulation_pieces(batch, named_batch, accumulate)
+        ]
+        if max_grad_norm is not None:
+            self.clip_grad_norm_(max_grad_norm)
+        self.optimizer_step()
+        self.zero_grad()
+        return torch.stack(losses).mean() if accumulate > 1 else losses[0]
+
+    def backward(
+        self, *batch: torch.Tensor, scale: float = 1.0, **named_batch: torch.Tensor
+    ) -> torch.Tensor:
+        """The pipelined forward and backward on a global batch (as :meth:`step` takes it),
+        without an update: this stage's gradients of the whole batch's loss, reduced over its
+        replicas and the holders of tied weights, are added times ``scale`` to the held
+        parameters' ``.grad`` (so calls accumulate, as ``loss.backward()`` does, until
+        :meth:`zero_grad`), and the new buffer values are stored. Returns the loss, on every
+        rank. With ``scale=1/k``, k calls on the pieces of a batch accumulate the gradient of
+        the mean loss over the whole batch. A collective: call it on every rank."""
         loss = self.compute_gradients(*batch, **named_batch)
         for name in self._trainable:
-            self.parameters[name].grad = self.gradients[name]
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.steps += 1
+            parameter = self.parameters[name]
+            gradient = self.gradients[name]
+            # A copy, so clipping in place leaves :attr:`gradients` as the step computed it.
+            gradient = gradient * scale if scale != 1.0 else gradient.clone()
+            if parameter.grad is None:
+                parameter.grad = gradient
+            else:
+                parameter.grad.add_(gradient)
         return loss
 
     def compute_gradients(self, *batch: torch.Tensor, **named_batch: torch.Tensor) -> torch.Tensor:
-        """The step without the update: fills :attr:`gradients` and :attr:`trace`, updates
-        buffers, returns the loss."""
-        check_ranks = self.check_batches and self._distributed and dist.get_world_size() > 1
-        tensors = self._batch_signature.take(
-            batch, named_batch, check_ranks=check_ranks, rank=self.rank
-        )
-        microbatches = self._microbatches(tensors)
-        result = self._worker.run(self.parameters, self.buffers, microbatches)
+        """The step without the update, and without touching ``.grad``: fills
+        :attr:`gradients` and :attr:`trace`, updates buffers, returns the loss
+        (:meth:`backward` is this, adding the gradients to ``.grad``)."""
+        result = self._run(self._worker, batch, named_batch)
         self.trace = result.trace
         for name in self.buffers:
             self.buffers[name] = result.buffers[name]
         self.gradients = self._reduce_gradients(result)
         return self._reduce_loss(result)
+
+    def loss(self, *batch: torch.Tensor, **named_batch: torch.Tensor) -> torch.Tensor:
+        """The loss of the current weights on a global batch (as :meth:`step` takes it), on
+        every rank, changing nothing: only the forward instructions of the schedule run
+        (activations still pass from stage to stage, no backward, no gradients), buffer updates
+        are dropped, and random ops (dropout) draw what the next step will draw, the random
+        state being left where it was. It equals the loss :meth:`step` reports for that batch.
+        A collective: call it on every rank."""
+        state = self.random.state
+        try:
+            result = self._run(self._forward_worker, batch, named_batch)
+        finally:
+            self.random.state = state
+        return self._reduce_loss(result)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale the accumulated gradients (the held parameters' ``.grad``) so that their
+        global norm is at most ``max_norm``, as :func:`torch.nn.utils.clip_grad_norm_` does on
+        one device for the whole model; returns the norm before clipping, the same on every
+        rank.
+
+        The norm is exact over the whole model: every piece of every gradient is counted by
+        exactly one rank (a tied weight by the first stage holding it, a stage's gradients by
+        its replica 0, a piece replicated over axes of a stage mesh by the device at index 0 of
+        those axes; pieces sharded over an axis by each of its devices), and one all-reduce
+        over every rank adds the counted sums (takes their maximum for ``norm_type=inf``). A
+        collective: call it on every rank.
+
+        Raises:
+            FxparError: ``max_norm`` is negative or ``norm_type`` not positive.
+        """
+        _check_clip_arguments(max_norm, norm_type)
+        infinite = math.isinf(norm_type)
+        total = torch.zeros((), dtype=torch.float64)
+        grads = [self.parameters[n].grad for n in self._trainable]
+        for name in self._norm_counted:
+            grad = self.parameters[name].grad
+            if grad is None or not grad.numel():
+                continue
+            local = grad.detach().to(torch.float64).abs()
+            if infinite:
+                total = torch.maximum(total, local.max())
+            else:
+                total = total + local.pow(norm_type).sum()
+        if self._distributed and dist.get_world_size() > 1:
+            dist.all_reduce(total, op=dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM)
+        norm = (total if infinite else total.pow(1.0 / norm_type)).to(self._gradient_dtype)
+        # As torch computes it, in the gradients' dtype.
+        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for grad in grads:
+            if grad is not None:
+                grad.mul_(coefficient.to(grad.dtype))
+        return norm
+
+    def optimizer_step(self) -> None:
+        """Update this rank's parameters from their accumulated ``.grad``; copies of a tied
+        weight take identical updates, so they stay identical."""
+        self.optimizer.step()
+        self.steps += 1
+
+    def zero_grad(self) -> None:
+        """Forget the accumulated gradients (``.grad`` becomes None)."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def _run(
+        self,
+        worker: StageWorker,
+        batch: tuple[torch.Tensor, ...],
+        named_batch: Mapping[str, torch.Tensor],
+    ) -> StageResult:
+        """Check the global batch, cut this replica's micro-batches and run ``worker``."""
+        check_ranks = self.check_batches and self._distributed and dist.get_world_size() > 1
+        tensors = self._batch_signature.take(
+            batch, named_batch, check_ranks=check_ranks, rank=self.rank
+        )
+        return worker.run(self.parameters, self.buffers, self._microbatches(tensors))
 
     def _reduce_gradients(self, result: StageResult) -> dict[str, torch.Tensor]:
         computed = result.gradient_sums
@@ -314,6 +452,19 @@ class PipelineModel:
             dist.all_reduce(sums[name], group=group)
         count = self._divisor()
         return {name: value / count for name, value in sums.items()}
+
+    def _counts_in_norm(self, name: str) -> bool:
+        """Whether this rank counts its piece of ``name``'s gradient in the global norm: one
+        rank of those holding the same piece does."""
+        if self.split.holders[name][0] != self.stage or self.replica != 0:
+            return False
+        if self.sharded is None:
+            return True
+        placements = self.sharded.specs[name]
+        return all(
+            isinstance(placement, Shard) or index == 0
+            for placement, index in zip(placements, self.coordinate, strict=True)
+        )
 
     def _divisor(self) -> int:
         return self.semantics.divisor(self.pipeline.microbatches * self.pipeline.data_parallel)
@@ -490,6 +641,38 @@ class PipelineModel:
             f"{self.pipeline.num_stages}, replica {self.replica}; {len(self.parameters)} "
             f"parameters; {self.pipeline}; {semantics})"
         )
+
+
+def _check_clip_arguments(max_norm: float, norm_type: float) -> None:
+    if not max_norm >= 0 or not norm_type > 0:  # NaN fails both
+        raise FxparError(
+            "clip_grad_norm_ needs max_norm >= 0 and norm_type > 0, got "
+            f"max_norm={max_norm} and norm_type={norm_type}"
+        )
+
+
+def _accumulation_pieces(
+    batch: tuple[torch.Tensor, ...], named: Mapping[str, torch.Tensor], count: int
+) -> list[tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]]:
+    """``count`` equal pieces of a global batch along dim 0 (the batch itself for 1), each a
+    batch :meth:`PipelineModel.backward` takes."""
+    if count == 1:
+        return [(batch, dict(named))]
+    tensors = [*batch, *named.values()]
+    sizes = {t.shape[0] if t.dim() else None for t in tensors}
+    size = next(iter(sizes)) if len(sizes) == 1 else None
+    if size is None or size % count:
+        shapes = [tuple(t.shape) for t in tensors]
+        raise BatchError(
+            f"accumulate={count} splits the batch into {count} equal pieces on dim 0, but the "
+            f"batch tensors have shapes {shapes}: pass {count} compiled batches stacked on dim 0"
+        )
+    split = [t.chunk(count) for t in batch]
+    split_named = {key: t.chunk(count) for key, t in named.items()}
+    return [
+        (tuple(s[i] for s in split), {key: s[i] for key, s in split_named.items()})
+        for i in range(count)
+    ]
 
 
 def _whole_batch(meta: ir.TensorMeta, batch_size: int) -> ir.TensorMeta:

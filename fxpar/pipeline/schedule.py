@@ -99,6 +99,14 @@ def _stage_list(name: ScheduleName, stage: int, num_stages: int, count: int) -> 
     return tuple(instructions)
 
 
+def forward_only(instructions: Sequence[Instruction]) -> StageSchedule:
+    """The forward half of a stage's list, in its order: receive, forward and send activations
+    of every micro-batch, without the backward, the gradients' messages or the frees. Taken
+    from every stage's list together, the lists still cannot deadlock (:func:`simulate`)."""
+    kept = (Op.RECV_ACTIVATION, Op.FORWARD, Op.SEND_ACTIVATION)
+    return tuple(instruction for instruction in instructions if instruction.op in kept)
+
+
 def max_in_flight(instructions: Sequence[Instruction]) -> int:
     """The most micro-batches whose forward has run and whose stash is not yet freed."""
     alive = peak = 0

@@ -428,7 +428,8 @@ class _Builder:
                 yield source, u, required, meta, key
         placeholders = self.program.placeholders()
         state = self.program.signature.gradients + self.program.signature.buffer_updates
-        for name, result in zip(state, _results(self.program)[1:], strict=True):
+        results = _results(self.program)[len(self.program.signature.outputs) :]
+        for name, result in zip(state, results, strict=True):
             target_unit = self.unit_of[placeholders[name]]
             meta = ir.require(result, ir.ValueMeta).tensor
 
@@ -467,7 +468,7 @@ class _Builder:
 
 
 def _results(program: Program) -> list[fx.Node]:
-    """The output node's values: loss, gradients, buffer updates."""
+    """The output node's values: loss (or a forward's outputs), gradients, buffer updates."""
     return list(program.graph.output_node().args[0])  # type: ignore[arg-type]
 
 

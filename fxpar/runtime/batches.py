@@ -68,6 +68,12 @@ class BatchSignature:
             tensors.append(tensor)
         return tensors
 
+    def with_rows(self, ranks: int, *, local: bool) -> BatchSignature:
+        """The signature of each of ``ranks`` ranks' rows of this batch (``local``), or of
+        ``ranks`` ranks' rows together."""
+        change = local_rows if local else global_rows
+        return BatchSignature(self.names, tuple(change(m, ranks) for m in self.metas))
+
     def given(
         self, batch: Sequence[object], named: Mapping[str, object]
     ) -> tuple[ir.TensorMeta, ...] | None:
@@ -122,6 +128,34 @@ class BatchSignature:
         return tensors
 
 
+def global_rows(meta: ir.TensorMeta, ranks: int) -> ir.TensorMeta:
+    """The whole batch tensor's meta when each of ``ranks`` ranks holds rows of ``meta``."""
+    if not meta.shape:
+        raise BatchError(
+            f"with batch='local' each rank passes its own rows of every batch tensor, but one "
+            f"is a scalar ({meta}); give it a batch dimension or pass batch='global'"
+        )
+    return ir.TensorMeta((meta.shape[0] * ranks, *meta.shape[1:]), meta.dtype)
+
+
+def local_rows(meta: ir.TensorMeta, ranks: int) -> ir.TensorMeta:
+    """One of ``ranks`` ranks' rows of a batch tensor of ``meta`` (its size rounded down)."""
+    if not meta.shape:
+        return meta
+    return ir.TensorMeta((meta.shape[0] // ranks, *meta.shape[1:]), meta.dtype)
+
+
+def gather_rows(tensor: torch.Tensor, ranks: int, *, distributed: bool) -> torch.Tensor:
+    """Every rank's rows of a batch tensor, concatenated in rank order (an all-gather over the
+    default process group: call it on every rank)."""
+    if not distributed or ranks == 1:
+        return tensor
+    tensor = tensor.contiguous()
+    everyone = [torch.empty_like(tensor) for _ in range(ranks)]
+    dist.all_gather(everyone, tensor)
+    return torch.cat(everyone)
+
+
 def batch_digest(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """One row per tensor: a BLAKE2b digest of its dtype, shape and bytes (uint8, ``[n, 32]``)."""
     rows = [torch.zeros((0, _DIGEST_BYTES), dtype=torch.uint8)]
@@ -171,4 +205,11 @@ def _gather(digests: torch.Tensor, *, rejected: bool) -> list[tuple[torch.Tensor
     return [(theirs[1:], bool(theirs[0, 0])) for theirs in everyone]
 
 
-__all__ = ["BatchSignature", "batch_digest", "check_same_batch"]
+__all__ = [
+    "BatchSignature",
+    "batch_digest",
+    "check_same_batch",
+    "gather_rows",
+    "global_rows",
+    "local_rows",
+]

@@ -17,51 +17,62 @@ needs.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from fxpar import checkpoint, ir
 from fxpar.cluster import Coordinate
 from fxpar.errors import BatchError, CheckpointError, FxparError
+from fxpar.ir.capture import StepKind, batch_tensors, with_batch_tensors
 from fxpar.ir.program import named_state, state_dict_aliases
 from fxpar.ir.rng import RandomState
-from fxpar.lowering import SPMDProgram
+from fxpar.lowering import conversion_program
 from fxpar.optim import Optimizer
 from fxpar.planning.plan import Plan
-from fxpar.runtime.batches import BatchSignature
+from fxpar.runtime.batches import BatchSignature, gather_rows, global_rows
 from fxpar.runtime.collectives import OneDeviceCommunicator, ProcessGroupCommunicator
 from fxpar.runtime.fingerprint import check_same_model
+from fxpar.runtime.steps import (
+    CompiledStep,
+    StepKey,
+    StepPlanner,
+    call_inputs,
+    forward_key,
+    step_key,
+)
 from fxpar.sharding import Spec, shard_tensor
 
 logger = logging.getLogger(__name__)
-
-Replan = Callable[[Sequence[torch.Tensor], Mapping[str, Spec]], Plan]
-"""Plans the step again for a batch of other shapes (its tensors, in the Program's order),
-keeping every parameter and buffer in the spec given: :func:`fxpar.compile` makes one."""
 
 
 class ParallelModel:
     """This rank's share of a model compiled by :func:`fxpar.compile`.
 
-    A batch of other shapes than the example's (a short last batch, another sequence length)
-    is planned on first sight, with every parameter and buffer kept in its layout, and that
-    plan is kept for the next batch of those shapes; ``plan``, ``spmd`` and ``program`` are
-    those of the shapes last run.
+    Besides the training step it runs the model's forward (``parallel(*inputs)``) and a
+    forward-only loss (:meth:`loss`), in train or eval mode (:meth:`train`, :meth:`eval`), on
+    batches of any shapes. Each such call is captured and planned on first sight, with every
+    parameter and buffer kept in its layout, and that plan is kept for the next call of its
+    kind, mode and shapes (see :mod:`fxpar.runtime.steps`); ``plan``, ``spmd`` and
+    ``program`` are those of the training step last run.
 
     Attributes:
         plan: the chosen plan (the same on every rank): strategies, costs, solver's answer.
         spmd: the per-rank programs and the specs of their inputs and outputs.
         rank, coordinate: this process's rank and its place in the mesh.
         program: this rank's GraphModule; its code is ``program.code``.
+        training: whether calls run the model in train mode (as ``nn.Module.training``).
+        batch: ``"global"`` (every rank passes the whole batch) or ``"local"`` (each passes
+            its own rows, see :func:`fxpar.compile`).
     """
 
     def __init__(
@@ -72,13 +83,17 @@ class ParallelModel:
         device_mesh: Any,
         *,
         check_batches: bool = True,
-        replan: Replan | None = None,
+        planner: StepPlanner | None = None,
+        batch: str = "global",
     ) -> None:
+        if batch not in ("global", "local"):
+            raise FxparError(f"batch must be 'global' or 'local', got {batch!r}")
         self.cluster = plan.cluster
         self.optimizer_spec = optimizer
         self.check_batches = check_batches
+        self.batch = batch
         self._device_mesh = device_mesh
-        self._replan = replan
+        self._planner = planner
         self.rank = dist.get_rank() if device_mesh is not None else 0
         self.coordinate: Coordinate = self.cluster.coordinate(self.rank)
         self._communicator = (
@@ -86,11 +101,18 @@ class ParallelModel:
             if device_mesh is not None
             else OneDeviceCommunicator()
         )
-        self._adopt(plan, plan.lower())
-        self._compiled = {self._batch_signature().metas: (self.plan, self.spmd)}
+        self.training = model.training
+        first = CompiledStep.of(plan)
+        self._steps: dict[StepKey, CompiledStep] = {
+            step_key("train", self.training, first.batch.metas): first
+        }
+        self._adopt(first)
+        self.signature = plan.program.signature
+        names = self.signature.parameters + self.signature.buffers
+        self._state_specs = {name: first.specs[name] for name in names}
+        self._state_metas = {name: first.metas[name] for name in names}
 
         state = named_state(model)
-        names = self.signature.parameters + self.signature.buffers
         self._aliases = state_dict_aliases(model, names)
         check_same_model(state, names)
         self.parameters: dict[str, torch.Tensor] = {}
@@ -101,20 +123,23 @@ class ParallelModel:
             target = self.parameters if name in self.signature.parameters else self.buffers
             target[name] = piece
         self.trainable = [self.parameters[name] for name in self.signature.gradients]
+        self._gradient_index = {name: i for i, name in enumerate(self.signature.gradients)}
+        self._syncing = True
+        self._unsynced: dict[tuple[str, Spec], torch.Tensor] = {}
+        """Gradients summed unreduced inside no_sync, by parameter and the spec they are in."""
+        self._deferred_steps: dict[int, CompiledStep] = {}
+        self._conversions: dict[tuple[tuple[str, Spec], ...], fx.GraphModule] = {}
         self.optimizer = optimizer.build(self.trainable)
         self.random = RandomState.from_rank_zero(distributed=device_mesh is not None)
         """The generator the step's random ops draw from, the same on every rank."""
         self.steps = 0
 
-    def _adopt(self, plan: Plan, spmd: SPMDProgram) -> None:
-        """Run steps by ``plan``, lowered as ``spmd`` (one of them per batch shape)."""
-        self.plan = plan
-        self.spmd = spmd
-        self.signature = plan.program.signature
-        self.program: fx.GraphModule = spmd.ranks[self.rank].graph_module
-        placeholders = plan.program.placeholders()
-        self._specs = _input_specs(plan, spmd)
-        self._metas = {name: ir.require(n, ir.ValueMeta).tensor for name, n in placeholders.items()}
+    def _adopt(self, step: CompiledStep) -> None:
+        """Train by ``step`` (one of them per batch shape and mode)."""
+        self._step = step
+        self.plan = step.plan
+        self.spmd = step.spmd
+        self.program: fx.GraphModule = step.program(self.rank)
 
     @property
     def programs(self) -> tuple[fx.GraphModule, ...]:
@@ -144,10 +169,13 @@ class ParallelModel:
         """
         if accumulate < 1:
             raise FxparError(f"accumulate must be at least 1, got {accumulate}")
-        losses = [
-            self.backward(*piece, scale=1.0 / accumulate, **named_piece)
-            for piece, named_piece in _pieces(batch, named_batch, accumulate)
-        ]
+        pieces = _split_batch(batch, named_batch, accumulate)
+        losses = []
+        with self.no_sync():
+            for piece, named_piece in pieces[:-1]:
+                losses.append(self.backward(*piece, scale=1.0 / accumulate, **named_piece))
+        piece, named_piece = pieces[-1]
+        losses.append(self.backward(*piece, scale=1.0 / accumulate, **named_piece))
         if max_grad_norm is not None:
             self.clip_grad_norm_(max_grad_norm)
         self.optimizer_step()
@@ -160,22 +188,88 @@ class ParallelModel:
         """Forward and backward on a batch (as :meth:`step` takes it), without an update: this
         rank's pieces of the gradients, times ``scale``, are added to the parameters' ``.grad``
         (so calls accumulate, as ``loss.backward()`` does, until :meth:`zero_grad`), and the new
-        buffer values are stored. Returns the loss. The gradients are reduced inside each call;
-        with ``scale=1/k``, k calls on the pieces of a batch accumulate the gradient of the
-        mean loss over the whole batch."""
-        outputs = self._run(self._batch(batch, named_batch))
+        buffer values are stored. Returns the loss. With ``scale=1/k``, k calls on the pieces
+        of a batch accumulate the gradient of the mean loss over the whole batch.
+
+        Inside :meth:`no_sync` the gradients are kept where the backward made them (partial
+        sums, unreduced) and ``.grad`` is left alone; the first call outside it (or
+        :meth:`clip_grad_norm_` or :meth:`optimizer_step`) reduces everything kept at once."""
+        step, tensors = self._prepare("train", batch, named_batch)
+        self._adopt(step)
+        deferring = not self._syncing or bool(self._unsynced)
+        if deferring:
+            step = self._deferred(step)
+        outputs = self._run(step, tensors)
         gradients = outputs[1 : 1 + len(self.trainable)]
-        for parameter, gradient in zip(self.trainable, gradients, strict=True):
+        specs = step.gradient_specs
+        for name, gradient, spec in zip(self.signature.gradients, gradients, specs, strict=True):
             if scale != 1.0:
                 gradient = gradient * scale
-            if parameter.grad is None:
-                parameter.grad = gradient
+            if deferring:
+                kept = self._unsynced.setdefault((name, spec), gradient)
+                if kept is not gradient:
+                    kept.add_(gradient)
             else:
-                parameter.grad.add_(gradient)
+                self._add_gradient(name, gradient)
         updates = outputs[1 + len(self.trainable) :]
         for name, value in zip(self.signature.buffer_updates, updates, strict=True):
             self.buffers[name].copy_(value)
+        if self._syncing:
+            self._sync_gradients()
         return outputs[0]
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Within the block, :meth:`backward` keeps each gradient in the layout the backward
+        made it in instead of reducing it (as DistributedDataParallel's ``no_sync`` does), where
+        that takes no more memory than the parameter's layout; the next :meth:`backward` outside
+        the block reduces the sum of all of them at once. Gradient accumulation then
+        communicates once per update, not once per micro-batch (``step(accumulate=k)`` does
+        this for you). A plan whose gradients end smaller than they are made (fully sharded)
+        still reduce-scatters in every backward, so memory never grows."""
+        previous, self._syncing = self._syncing, False
+        try:
+            yield
+        finally:
+            self._syncing = previous
+
+    def _deferred(self, step: CompiledStep) -> CompiledStep:
+        """``step`` lowered with its gradients left where the backward made them."""
+        key = id(step)  # steps are kept for the model's life, so their ids stay theirs
+        if key not in self._deferred_steps:
+            self._deferred_steps[key] = CompiledStep.of(step.plan, defer_gradients=True)
+        return self._deferred_steps[key]
+
+    def _add_gradient(self, name: str, gradient: torch.Tensor) -> None:
+        parameter = self.trainable[self._gradient_index[name]]
+        if parameter.grad is None:
+            parameter.grad = gradient
+        else:
+            parameter.grad.add_(gradient)
+
+    def _sync_gradients(self) -> None:
+        """Convert every gradient kept unreduced to its parameter's layout (one program of
+        collectives) and add it to ``.grad``. A collective: every rank holds the same keys."""
+        if not self._unsynced:
+            return
+        keys = tuple(sorted(self._unsynced, key=lambda k: (self._gradient_index[k[0]], str(k[1]))))
+        if keys not in self._conversions:
+            program = conversion_program(
+                [self._state_metas[name] for name, _ in keys],
+                [spec for _, spec in keys],
+                [self._state_specs[name] for name, _ in keys],
+                self.cluster.mesh_shape,
+                self.coordinate,
+                class_name="GradientSync",
+            )
+            self._conversions[keys] = program.graph_module
+        with torch.no_grad():
+            converted = self._conversions[keys](
+                self._communicator, *(self._unsynced[key] for key in keys)
+            )
+        self._unsynced.clear()
+        for (name, _), gradient in zip(keys, converted, strict=True):
+            self._add_gradient(name, gradient)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale the accumulated gradients so that their global norm is at most ``max_norm``,
@@ -191,6 +285,7 @@ class ParallelModel:
                 f"clip_grad_norm_ needs max_norm >= 0 and norm_type > 0, got {max_norm} and "
                 f"{norm_type}"
             )
+        self._sync_gradients()
         named = [
             (name, p.grad)
             for name, p in zip(self.signature.gradients, self.trainable, strict=True)
@@ -218,18 +313,21 @@ class ParallelModel:
         return norm
 
     def optimizer_step(self) -> None:
-        """Update the parameters from their accumulated gradients (this rank's pieces)."""
+        """Update the parameters from their accumulated gradients (this rank's pieces),
+        reducing first any kept unreduced by :meth:`no_sync`."""
+        self._sync_gradients()
         self.optimizer.step()
         self.steps += 1
 
     def zero_grad(self) -> None:
-        """Forget the accumulated gradients."""
+        """Forget the accumulated gradients (those kept unreduced too)."""
+        self._unsynced.clear()
         self.optimizer.zero_grad(set_to_none=True)
 
     def _copies(self, name: str) -> int:
         """How many ranks hold the same piece of parameter ``name``: the sizes of the mesh axes
         it is replicated over."""
-        spec = self._specs[name]
+        spec = self._state_specs[name]
         return math.prod(
             size
             for size, placement in zip(self.cluster.mesh_shape, spec, strict=True)
@@ -237,70 +335,193 @@ class ParallelModel:
         )
 
     def loss(self, *batch: torch.Tensor, **named_batch: torch.Tensor) -> torch.Tensor:
-        """The loss of the current weights on a batch, changing nothing: random ops (dropout)
-        draw what the next step will draw, and the random state is left where it was."""
+        """The loss of the current weights on a batch (as :meth:`step` takes it), forward only:
+        no backward runs and nothing changes. Random ops (dropout, in train mode) draw what the
+        next step will draw, and the random state is left where it was; buffers the forward
+        would write (BatchNorm's statistics, in train mode) are left as they were. A
+        collective: call it on every rank."""
+        step, tensors = self._prepare("loss", batch, named_batch)
         state = self.random.state
         try:
-            return self._run(self._batch(batch, named_batch))[0]
+            return self._run(step, tensors)[0]
         finally:
             self.random.state = state
 
-    def _run(self, batch: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        inputs = [self.parameters[n] for n in self.signature.parameters]
-        inputs += [self.buffers[n] for n in self.signature.buffers]
+    def forward(self, *inputs: Any, gather: bool = True, **named_inputs: Any) -> Any:
+        """Run the model's forward alone and return its output, as ``model(*inputs)`` would:
+        a tensor, a tuple, a dict or a Hugging Face ``ModelOutput``, with the same structure.
+
+        The inputs are the model's (no loss targets), positionally or by keyword, whole on
+        every rank (or this rank's rows with ``batch="local"``). The forward is captured and
+        planned for inference on first sight (no saved activations, no backward) with the
+        state kept in its layout, and kept for the next call of those shapes. Buffers it
+        writes (BatchNorm's statistics, in train mode) are stored and random ops draw from
+        :attr:`random`, as in eager PyTorch.
+
+        ``gather``: return whole tensors (the default), the same on every rank; with False,
+        each output tensor is a ``DTensor`` of this rank's piece on the job's device mesh (a
+        plain tensor on one device). A collective: call it on every rank.
+        """
+        call = call_inputs(inputs, named_inputs)
+        tensors = batch_tensors(call)
+        names = tuple(f"input {i}" for i in range(len(tensors)))
+        metas = tuple(ir.TensorMeta.of(t) for t in tensors)
+        BatchSignature(names, metas).take(tensors, {}, check_ranks=self._same_batch, rank=self.rank)
+        metas = self._global_metas(metas)
+        key = forward_key(self.training, call, metas)
+        step = self._steps.get(key)
+        if step is None:
+            shaped = with_batch_tensors(call, [_meta_tensor(m) for m in metas])
+            planner = self._planner_or_fail(key)
+            step = self._plan_new(
+                key, lambda kept: planner.plan_forward(self.training, shaped, kept)
+            )
+        outputs = self._run(step, self._pieces(step, tensors))
+        leading = len(step.signature.outputs)
+        for name, value in zip(step.signature.buffer_updates, outputs[leading:], strict=True):
+            self.buffers[name].copy_(value)
+        tree = step.signature.output_tree
+        assert tree is not None
+        results = [
+            self._output(local, spec, meta, gather)
+            for local, spec, meta in zip(
+                outputs[:leading], step.leading_specs, step.output_metas, strict=True
+            )
+        ]
+        return tree.rebuild(results)
+
+    __call__ = forward
+
+    def train(self, mode: bool = True) -> ParallelModel:
+        """Run later calls in train mode (or eval mode with False), as ``nn.Module.train``
+        does: dropout on, BatchNorm normalizing by the batch and updating its statistics."""
+        self.training = bool(mode)
+        return self
+
+    def eval(self) -> ParallelModel:
+        """Run later calls in eval mode: dropout off, BatchNorm using its running statistics.
+        :meth:`step` still trains (the model as it behaves in eval mode)."""
+        return self.train(False)
+
+    def _run(self, step: CompiledStep, batch: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Run ``step``'s program on this rank; ``batch`` holds this rank's pieces."""
+        signature = step.signature
+        inputs = [self.parameters[n] for n in signature.parameters]
+        inputs += [self.buffers[n] for n in signature.buffers]
         # Random inputs are drawn whole on every rank, each keeping its piece (see fxpar.rng).
-        step_inputs = [*batch, *self.random.draw(self.signature.random)]
+        draws = self.random.draw(signature.random)
+        inputs += batch
         inputs += [
-            self._local(name, tensor)
-            for name, tensor in zip(self.signature.step_inputs, step_inputs, strict=True)
+            self._piece(step, draw.name, tensor)
+            for draw, tensor in zip(signature.random, draws, strict=True)
         ]
         with torch.no_grad():
-            return tuple(self.program(self._communicator, *inputs))
+            return tuple(step.program(self.rank)(self._communicator, *inputs))
 
-    def _batch(
-        self, batch: tuple[torch.Tensor, ...], named: Mapping[str, torch.Tensor]
-    ) -> list[torch.Tensor]:
-        expected = self._batch_signature()
-        check_ranks = self.check_batches and self._device_mesh is not None
-        given = expected.given(batch, named)
-        if self._replan is not None and given is not None and given != expected.metas:
-            self._use_shapes(BatchSignature(expected.names, given), batch, named, check_ranks)
-            expected = self._batch_signature()
-        return expected.take(batch, named, check_ranks=check_ranks, rank=self.rank)
+    def _prepare(
+        self, kind: StepKind, batch: tuple[torch.Tensor, ...], named: Mapping[str, torch.Tensor]
+    ) -> tuple[CompiledStep, list[torch.Tensor]]:
+        """The step of ``kind`` for this batch (planned now if it is new) and this rank's
+        pieces of the batch, after checking that it binds to the step's inputs and, with
+        ``check_batches``, that every rank holds the same one (or same-shaped local rows)."""
+        current = self._step.batch
+        if self.batch == "local":
+            current = current.with_rows(self._world, local=True)
+        given = current.given(batch, named)
+        if given is None or (self._planner is None and given != current.metas):
+            current.take(batch, named, check_ranks=self._same_batch, rank=self.rank)
+            raise AssertionError("take refuses a batch that given refused")  # pragma: no cover
+        signature = BatchSignature(current.names, given)
+        tensors = signature.take(batch, named, check_ranks=self._same_batch, rank=self.rank)
+        metas = self._global_metas(given)
+        key = step_key(kind, self.training, metas)
+        step = self._steps.get(key)
+        if step is None:
+            shaped = [_meta_tensor(meta) for meta in metas]
+            planner = self._planner_or_fail(key)
+            step = self._plan_new(
+                key, lambda kept: planner.plan_step(kind, self.training, shaped, kept)
+            )
+        return step, self._pieces(step, tensors)
 
-    def _batch_signature(self) -> BatchSignature:
-        names = self.signature.inputs
-        return BatchSignature(names, tuple(self._metas[name] for name in names))
+    @property
+    def _same_batch(self) -> bool:
+        """Whether to compare digests of the batch across ranks (global batches only)."""
+        return self.check_batches and self._device_mesh is not None and self.batch == "global"
 
-    def _use_shapes(
-        self,
-        signature: BatchSignature,
-        batch: tuple[torch.Tensor, ...],
-        named: Mapping[str, torch.Tensor],
-        check_ranks: bool,
-    ) -> None:
-        """Switch to the plan for a batch of other shapes, planned on first sight (on every
-        rank together: the ranks first check that they hold the same batch) with every
-        parameter and buffer pinned to the layout it has, so that no state moves."""
-        if signature.metas not in self._compiled:
-            assert self._replan is not None
-            tensors = signature.take(batch, named, check_ranks=check_ranks, rank=self.rank)
-            state = self.signature.parameters + self.signature.buffers
-            kept = {name: self._specs[name] for name in state}
-            plan = self._replan(tensors, kept)
-            spmd = plan.lower()
-            specs = _input_specs(plan, spmd)
-            moved = [name for name in state if specs.get(name) != kept[name]]
-            if moved:
-                raise FxparError(
-                    f"the plan for batch shapes {list(signature.metas)} lays out "
-                    f"{moved[:3]} differently from the plan being trained, and state does not "
-                    "move between plans: use a solver (pins keep the layout) rather than a "
-                    "manual plan or a fixed choose-strategies pass for varying shapes"
+    @property
+    def _world(self) -> int:
+        return self.cluster.world_size
+
+    def _global_metas(self, metas: tuple[ir.TensorMeta, ...]) -> tuple[ir.TensorMeta, ...]:
+        """The whole batch's shapes: ``metas`` themselves, or with ``batch="local"`` every
+        rank's rows together (after checking, with ``check_batches``, that every rank was
+        given rows of the same shapes: a mismatch would otherwise hang a collective)."""
+        if self.batch == "global":
+            return metas
+        if self.check_batches and self._device_mesh is not None:
+            everyone: list[Any] = [None] * self._world
+            dist.all_gather_object(everyone, metas)
+            differing = [r for r, theirs in enumerate(everyone) if theirs != metas]
+            if differing:
+                raise BatchError(
+                    f"with batch='local' every rank passes rows of the same shapes, but rank "
+                    f"{self.rank} has {[str(m) for m in metas]} and ranks {differing} have "
+                    "others: use a sampler that gives every rank as many rows "
+                    "(DistributedSampler pads or drops to make them equal)"
                 )
-            logger.info("planned a step for batch shapes %s", list(signature.metas))
-            self._compiled[signature.metas] = (plan, spmd)
-        self._adopt(*self._compiled[signature.metas])
+        return tuple(global_rows(meta, self._world) for meta in metas)
+
+    def _pieces(self, step: CompiledStep, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """This rank's piece of each batch tensor in the layout ``step`` wants. With
+        ``batch="local"`` a tensor split on dim 0 over every mesh axis (rank order) is this
+        rank's rows already; any other layout needs the whole tensor, gathered from every
+        rank's rows first."""
+        names = step.signature.inputs
+        pieces = []
+        for name, tensor in zip(names, tensors, strict=True):
+            spec = step.specs[name]
+            if self.batch == "local":
+                if all(isinstance(p, Shard) and p.dim == 0 for p in spec):
+                    pieces.append(tensor)
+                    continue
+                tensor = gather_rows(tensor, self._world, distributed=self._device_mesh is not None)
+            pieces.append(self._piece(step, name, tensor))
+        return pieces
+
+    def _piece(self, step: CompiledStep, name: str, full: torch.Tensor) -> torch.Tensor:
+        return shard_tensor(full, step.specs[name], self.cluster.mesh_shape, self.coordinate)
+
+    def _output(
+        self, local: torch.Tensor, spec: Spec, meta: ir.TensorMeta, gather: bool
+    ) -> torch.Tensor:
+        """An output of a forward, from this rank's piece: whole, or as a DTensor."""
+        if self._device_mesh is None:
+            return local
+        if not gather:
+            return checkpoint.dtensor(local, self._device_mesh, spec, meta.shape)
+        if all(isinstance(p, Replicate) for p in spec):
+            return local
+        return checkpoint.dtensor(local, self._device_mesh, spec, meta.shape).full_tensor()
+
+    def _planner_or_fail(self, key: StepKey) -> StepPlanner:
+        if self._planner is None:
+            raise FxparError(
+                f"this model was built without a planner, so it runs only the step it was "
+                f"compiled for, not a {key[0]} step in {'train' if key[1] else 'eval'} mode: "
+                "build it with fxpar.compile"
+            )
+        return self._planner
+
+    def _plan_new(self, key: StepKey, plan: Callable[[dict[str, Spec]], Plan]) -> CompiledStep:
+        """Plan the step ``key`` names (``plan(kept)``, given the state's specs to keep), lower
+        it, check that no state moves, and keep it. Every rank plans together."""
+        step = CompiledStep.of(plan(dict(self._state_specs)))
+        mode = "train" if key[1] else "eval"
+        step.check_state(self._state_specs, f"a {key[0]} step in {mode} mode on {key[2]}")
+        logger.info("planned a %s step (%s mode) for %s", key[0], mode, key[2])
+        self._steps[key] = step
+        return step
 
     # -- state --------------------------------------------------------------------------------
 
@@ -393,13 +614,13 @@ class ParallelModel:
     # -- layouts ------------------------------------------------------------------------------
 
     def _local(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        return shard_tensor(full, self._specs[name], self.cluster.mesh_shape, self.coordinate)
+        return shard_tensor(full, self._state_specs[name], self.cluster.mesh_shape, self.coordinate)
 
     def _dtensor(self, name: str, local: torch.Tensor) -> Any:
         if self._device_mesh is None:
             return local
         return checkpoint.dtensor(
-            local, self._device_mesh, self._specs[name], self._metas[name].shape
+            local, self._device_mesh, self._state_specs[name], self._state_metas[name].shape
         )
 
     def _broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -414,12 +635,12 @@ class ParallelModel:
         )
 
 
-def _input_specs(plan: Plan, spmd: SPMDProgram) -> dict[str, Spec]:
-    """The spec each placeholder of ``plan`` arrives in on a rank, by name."""
-    return dict(zip(plan.program.placeholders(), spmd.input_specs, strict=True))
+def _meta_tensor(meta: ir.TensorMeta) -> torch.Tensor:
+    """A tensor of ``meta``'s shape and dtype with no storage, for capturing at that shape."""
+    return torch.empty(meta.shape, dtype=meta.dtype, device="meta")
 
 
-def _pieces(
+def _split_batch(
     batch: tuple[torch.Tensor, ...], named: Mapping[str, torch.Tensor], count: int
 ) -> list[tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]]:
     """``count`` equal pieces of a batch along dim 0 (the whole batch when ``count`` is 1)."""

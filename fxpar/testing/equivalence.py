@@ -25,12 +25,13 @@ def assert_equivalent(
     rtol: float = 1e-4,
     atol: float = 1e-6,
 ) -> None:
-    """Simulate ``spmd`` and compare the loss, gradients and buffer updates with the Program run
-    on one device. On a mismatch the error names the first node whose reassembled value differs
-    (see :func:`first_divergence`)."""
+    """Simulate ``spmd`` and compare the loss (or a forward's outputs), gradients and buffer
+    updates with the Program run on one device. On a mismatch the error names the first node
+    whose reassembled value differs (see :func:`first_divergence`)."""
     expected = spmd.program.signature.name_outputs(spmd.program(*flat_inputs))
     found = simulate(spmd, flat_inputs).result
-    pairs = [("loss", expected.loss, found.loss)]
+    names = spmd.program.signature.outputs
+    pairs = list(zip(names, expected.outputs, found.outputs, strict=True))
     pairs += [(f"gradient of {k}", v, found.gradients[k]) for k, v in expected.gradients.items()]
     pairs += [(f"buffer {k}", v, found.buffers[k]) for k, v in expected.buffers.items()]
     for what, want, got in pairs:

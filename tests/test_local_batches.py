@@ -1,0 +1,125 @@
+"""``fxpar.compile(..., batch="local")``: each rank passes only its own rows, as a data loader
+with a ``DistributedSampler`` gives them, and training equals single-device training on every
+rank's rows together (in rank order), whatever the plan: where the plan splits the batch over
+every device a rank's rows are its piece; elsewhere (tensor parallelism, a plan on two mesh
+axes) they are gathered first."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from conftest import train_eager
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+import fxpar
+from fxpar.errors import FxparError
+from fxpar.models import GPT, GPTConfig, gpt_loss
+from fxpar.runtime.launch import SpawnError, spawn
+
+CONFIG = GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size=16, bias=False)
+LR = 0.3
+ROWS = 20  # five batches of four, the last one short under a batch size of 8 / world 2
+
+
+def _dataset() -> torch.Tensor:
+    generator = torch.Generator().manual_seed(11)
+    return torch.randint(0, CONFIG.vocab_size, (ROWS, 8), generator=generator)
+
+
+def _loader(world_size: int, rank: int, per_rank: int) -> DataLoader[Any]:
+    sampler = DistributedSampler(
+        TensorDataset(_dataset()), num_replicas=world_size, rank=rank, shuffle=False
+    )
+    return DataLoader(TensorDataset(_dataset()), batch_size=per_rank, sampler=sampler)
+
+
+def _global_batches(world_size: int, per_rank: int) -> list[torch.Tensor]:
+    """What the ranks' loaders give, every rank's rows together in rank order."""
+    loaders = [iter(_loader(world_size, r, per_rank)) for r in range(world_size)]
+    return [torch.cat([rows for (rows,) in batch]) for batch in zip(*loaders, strict=True)]
+
+
+def _single_device(world_size: int, per_rank: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    batches = _global_batches(world_size, per_rank)
+    losses, _ = train_eager(model, torch.optim.SGD(model.parameters(), lr=LR), batches)
+    with torch.no_grad():
+        logits = model.eval()(batches[0])
+    return {"losses": losses, "state": model.state_dict(), "logits": logits}
+
+
+def _train(rank: int, world_size: int, plan: str, mesh: tuple[int, ...], per_rank: int) -> Any:
+    torch.set_num_threads(1)
+    first = next(iter(_loader(world_size, rank, per_rank)))[0]  # (iterating draws a seed)
+    torch.manual_seed(0)
+    parallel = fxpar.compile(
+        GPT(CONFIG), fxpar.Cluster(mesh), (first,), gpt_loss, example_targets=(first,),
+        optimizer=fxpar.optim.SGD(lr=LR), batch="local",
+        manual=None if plan == "ilp" else getattr(fxpar.plans, plan),
+    )  # fmt: skip
+    losses = [parallel.step(rows, rows).item() for (rows,) in _loader(world_size, rank, per_rank)]
+    parallel.eval()
+    logits = parallel(first)  # this rank's rows in, every rank's outputs out
+    return {"losses": losses, "state": parallel.full_state_dict(), "logits": logits}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("plan", "mesh"),
+    [
+        ("data_parallel", (2,)),
+        ("tensor_parallel", (2,)),
+        ("fully_sharded", (2,)),
+        ("ilp", (2,)),
+        ("ilp", (2, 2)),
+    ],
+)
+def test_local_batches_train_like_one_device(plan: str, mesh: tuple[int, ...]) -> None:
+    world_size = mesh[0] * (mesh[1] if len(mesh) > 1 else 1)
+    per_rank = 8 // world_size
+    expected = _single_device(world_size, per_rank)
+    for found in spawn(_train, world_size, plan, mesh, per_rank):
+        assert found["losses"] == pytest.approx(expected["losses"], rel=1e-5)
+        for name, value in expected["state"].items():
+            torch.testing.assert_close(found["state"][name], value, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(found["logits"], expected["logits"], rtol=1e-4, atol=1e-5)
+
+
+def _uneven(rank: int, world_size: int) -> None:
+    torch.set_num_threads(1)
+    tokens = _dataset()[:4]
+    parallel = fxpar.compile(
+        GPT(CONFIG), fxpar.Cluster((world_size,)), (tokens,), gpt_loss,
+        example_targets=(tokens,), batch="local",
+    )  # fmt: skip
+    rows = tokens[: 4 if rank == 0 else 3]
+    parallel.step(rows, rows)
+
+
+@pytest.mark.slow
+def test_ranks_with_rows_of_other_shapes_fail_loudly() -> None:
+    with pytest.raises(SpawnError, match="rows of the same shapes"):
+        spawn(_uneven, 2)
+
+
+def test_bad_batch_modes_are_refused() -> None:
+    tokens = _dataset()[:4]
+    with pytest.raises(FxparError, match="'global' or 'local'"):
+        fxpar.compile(
+            GPT(CONFIG), fxpar.Cluster((1,)), (tokens,), gpt_loss, example_targets=(tokens,),
+            batch="mine",
+        )  # fmt: skip
+    with pytest.raises(FxparError, match="without a pipeline"):
+        fxpar.compile(
+            GPT(CONFIG), fxpar.Cluster((1,)), (tokens,), gpt_loss, example_targets=(tokens,),
+            batch="local", pipeline=fxpar.Pipeline(stages=2, microbatches=2),
+        )  # fmt: skip
+
+
+def test_one_process_local_batch_is_the_whole_batch() -> None:
+    expected = _single_device(1, 8)
+    found = _train(0, 1, "ilp", (1,), 8)
+    assert found["losses"] == pytest.approx(expected["losses"], rel=1e-5)
