@@ -1,9 +1,11 @@
 """The documented torchrun launches work: examples/train_gpt.py trains on 2 processes, saves
 step checkpoints, and a stopped run resumes to the loss of an uninterrupted one (under the same
-or another mesh); README's torchrun snippet runs as written."""
+or another mesh); examples/train_lm.py, a whole LLM training loop, ends where single-device
+PyTorch does; README's torchrun snippet runs as written."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import shutil
 import subprocess
@@ -11,8 +13,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+import transformers
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import fxpar
+from fxpar.models.corpus import corpus_tokens
 
 pytestmark = pytest.mark.slow
 
@@ -74,3 +80,82 @@ def test_readme_torchrun_snippet(tmp_path: Path) -> None:
     script.write_text(block + "\ndist.destroy_process_group()\n")
     _torchrun(script=script, cwd=tmp_path)
     assert fxpar.checkpoint.committed_version(tmp_path / "checkpoint").is_dir()
+
+
+LM_EXAMPLE = EXAMPLE.with_name("train_lm.py")
+
+
+def _lm_eager_final_loss(steps: int, rows: int = 4, accumulate: int = 2, world: int = 2) -> float:
+    """examples/train_lm.py's run on one device, written out with plain PyTorch: every rank's
+    rows together, two micro-batches per update, clipping, AdamW, the same schedule."""
+    spec = importlib.util.spec_from_file_location("train_lm", LM_EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    tokens = corpus_tokens()
+    train_set = TensorDataset(example.windows(tokens[: tokens.numel() * 9 // 10], stride=4))
+    samplers = [
+        DistributedSampler(
+            train_set, num_replicas=world, rank=r, shuffle=True, seed=0, drop_last=True
+        )
+        for r in range(world)
+    ]
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=example.LENGTH,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, example.warmup_cosine(warmup=max(1, steps // 10), total=steps)
+    )
+    done, epoch, loss = 0, 0, 0.0
+    while done < steps:
+        loaders = []
+        for sampler in samplers:
+            sampler.set_epoch(epoch)
+            loaders.append(DataLoader(train_set, batch_size=rows * accumulate, sampler=sampler,
+                                      drop_last=True))  # fmt: skip
+        for per_rank in zip(*loaders, strict=True):
+            pieces = [rows_of.chunk(accumulate) for (rows_of,) in per_rank]
+            losses = []
+            for micro in range(accumulate):
+                batch = torch.cat([p[micro] for p in pieces])
+                micro_loss = model(input_ids=batch, labels=batch).loss
+                (micro_loss / accumulate).backward()
+                losses.append(micro_loss.item())
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+            done += 1
+            loss = sum(losses) / accumulate
+            if done == steps:
+                break
+        epoch += 1
+    return loss
+
+
+def test_train_lm_equals_one_device_and_resumes(tmp_path: Path) -> None:
+    """The realistic loop (local batches from a DistributedSampler, accumulation, clipping, a
+    warmup-cosine schedule, eval, checkpoints with the scheduler and the data position) ends
+    where plain single-device PyTorch ends, and a run stopped half way and resumed, under the
+    same or another mesh, ends there too."""
+    common = ("--steps", "16", "--eval-every", "8", "--save-every", "4")
+    whole = _torchrun(*common, "--checkpoint", str(tmp_path / "a"), script=LM_EXAMPLE)
+    expected = _lm_eager_final_loss(16)
+    (final,) = re.findall(r"final loss (\d+\.\d+) at step 16", whole)
+    assert float(final) == pytest.approx(expected, rel=1e-5)
+    assert len(re.findall(r"eval  step +\d+  held-out loss", whole)) == 2
+
+    stopped = tmp_path / "b"
+    _torchrun(*common, "--stop-after", "8", "--checkpoint", str(stopped), script=LM_EXAMPLE)
+    shutil.copytree(stopped, tmp_path / "c")
+    resumed = _torchrun(*common, "--checkpoint", str(stopped), script=LM_EXAMPLE)
+    assert f"resumed from {stopped / 'step-000008'} at step 8" in resumed
+    assert re.findall(r"final loss (\d+\.\d+) at step 16", resumed) == [final]
+    elsewhere = _torchrun(*common, "--mesh", "1x2", "--checkpoint", str(tmp_path / "c"),
+                          script=LM_EXAMPLE)  # fmt: skip
+    (moved,) = re.findall(r"final loss (\d+\.\d+) at step 16", elsewhere)
+    assert float(moved) == pytest.approx(expected, rel=1e-5)

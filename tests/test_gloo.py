@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import os
 import time
 from collections.abc import Callable
 
@@ -139,6 +140,25 @@ def test_a_failing_process_is_reported_in_the_parent_with_its_rank_and_error() -
     message = str(info.value)
     assert message.startswith("rank 1 of 2 failed")
     assert "ValueError: rank 1 fails on purpose" in message
+
+
+def _abort_while_tearing_down(rank: int, world_size: int, when: str) -> int:
+    """Rank 1 dies by SIGABRT: while the run is still going, or once it has finished (in
+    destroy_process_group, where gloo's rare teardown aborts strike)."""
+    if rank == 1 and when == "during":
+        os.abort()
+    if rank == 1:
+        dist.destroy_process_group = lambda *args, **kwargs: os.abort()
+    return rank * 10
+
+
+def test_an_abort_after_every_rank_finished_loses_no_result() -> None:
+    assert spawn(_abort_while_tearing_down, 2, "after") == [0, 10]
+
+
+def test_an_abort_during_the_run_is_reported() -> None:
+    with pytest.raises(SpawnError, match="rank 1 of 2 died without a Python error"):
+        spawn(_abort_while_tearing_down, 2, "during", timeout_s=30)
 
 
 def _misuse_errors(rank: int, world_size: int) -> dict[str, str]:

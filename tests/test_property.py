@@ -6,9 +6,10 @@ rtol 1e-4)."""
 from __future__ import annotations
 
 from hypothesis import given, settings
+from hypothesis.strategies import sampled_from
 
 from fxpar.cluster import Cluster
-from fxpar.ir.capture import capture
+from fxpar.ir.capture import StepKind, capture
 from fxpar.planning.plan import plan_program
 from fxpar.solvers.ilp import ILPSolver
 from fxpar.testing import ModelCase, assert_equivalent, assert_plan_equivalent
@@ -30,3 +31,19 @@ def test_ilp_plans_train_like_one_device(case: ModelCase, cluster: Cluster) -> N
     chosen = plan_program(program, cluster, solver=ILPSolver(time_limit=10.0))
     assert chosen.solution.status in ("optimal", "time_limit")
     assert_equivalent(chosen.lower(), flat)
+
+
+@settings(max_examples=60)
+@given(
+    case=fst.models(),
+    cluster=fst.clusters(),
+    seed=fst.plan_seeds(),
+    step=sampled_from(["loss", "forward"]),
+)
+def test_random_plans_evaluate_and_infer_like_one_device(
+    case: ModelCase, cluster: Cluster, seed: int, step: StepKind
+) -> None:
+    """Forward-only Programs too: a loss evaluation's loss, and a forward's outputs (which
+    leave in whatever layout the plan made them, partial sums reduced), reassemble to what
+    one device computes."""
+    assert_plan_equivalent(case, cluster, seed, step=step)

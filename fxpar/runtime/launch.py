@@ -94,7 +94,12 @@ def spawn(fn: Callable[..., _T], world_size: int, *args: Any, timeout_s: float =
                 start_method="spawn",
             )
         except ProcessException as error:
-            raise _spawn_error(error, result_dir, world_size, timeout_s) from error
+            if not _all_saved(result_dir, world_size):
+                raise _spawn_error(error, result_dir, world_size, timeout_s) from error
+            # Every rank returned, passed the closing barrier and saved its result: a process
+            # that then dies on its way out (gloo's worker threads at teardown, rarely, abort
+            # with "terminate called without an active exception") lost nothing.
+            logger.warning("a process died after the run had finished on every rank: %s", error)
         # weights_only=False: these files were just written by our own children and may hold
         # any picklable return value, not only tensors.
         return [
@@ -165,9 +170,15 @@ def _run_process(
         except Exception:
             _record_failure(result_dir, rank, _IN_BARRIER)
             raise
+        saving = _result_path(result_dir, rank).with_suffix(".partial")
+        torch.save(result, saving)
+        saving.replace(_result_path(result_dir, rank))  # whole, or not there at all
     finally:
         dist.destroy_process_group()
-    torch.save(result, _result_path(result_dir, rank))
+
+
+def _all_saved(result_dir: str, world_size: int) -> bool:
+    return all(_result_path(result_dir, rank).exists() for rank in range(world_size))
 
 
 _IN_FN = "fn"

@@ -9,7 +9,7 @@ gradients and buffer updates with one device.
 from __future__ import annotations
 
 from fxpar.cluster import Cluster
-from fxpar.ir.capture import capture
+from fxpar.ir.capture import StepKind, capture
 from fxpar.lowering import SPMDProgram, lower
 from fxpar.planning.manual import random_plan
 from fxpar.rules import RuleRegistry
@@ -46,11 +46,17 @@ def assert_plan_equivalent(
     rules: RuleRegistry | None = None,
     rtol: float = 1e-4,
     atol: float = 1e-6,
+    step: StepKind = "train",
 ) -> SPMDProgram:
     """Capture ``case``, choose a random valid plan on ``cluster``, lower it and check that the
-    simulated ranks train exactly like one device. Returns the lowered programs."""
-    program = capture(case.model, case.inputs, case.loss_fn, example_targets=case.targets)
-    flat = program.flat_inputs(case.model, *case.inputs, *case.targets)
+    simulated ranks train exactly like one device. Returns the lowered programs.
+
+    ``step``: check a loss evaluation (``"loss"``) or the model's forward alone
+    (``"forward"``, without the loss function and targets) instead of a training step."""
+    forward = step == "forward"
+    loss_fn, targets = (None, ()) if forward else (case.loss_fn, case.targets)
+    program = capture(case.model, case.inputs, loss_fn, example_targets=targets, step=step)
+    flat = program.flat_inputs(case.model, *case.inputs, *targets)
     spmd = lower(random_plan(program, cluster, seed, rules), cluster)
     assert_equivalent(spmd, flat, rtol=rtol, atol=atol)
     return spmd
