@@ -16,12 +16,9 @@ chosen reaches the runtime: it sees per-rank programs and the specs of their inp
 
 from __future__ import annotations
 
-import contextlib
-import functools
-import glob
 import logging
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, overload
 
 import torch
@@ -30,13 +27,21 @@ from torch import nn
 
 from fxpar.cluster import Cluster
 from fxpar.errors import DistributedError, FxparError
-from fxpar.ir.capture import LossFn, StepKind, batch_tensors, capture, with_batch_tensors
+from fxpar.ir.capture import (
+    LossFn,
+    StepKind,
+    batch_tensors,
+    capture,
+    model_in_mode,
+    with_batch_tensors,
+)
 from fxpar.optim import AdamW, Optimizer, check_optimizer
-from fxpar.passes import ManualPlan, PassManager, SolveStrategies, for_compile
+from fxpar.passes import ManualPlan, PassManager, for_compile
 from fxpar.pipeline import Pipeline, PipelineModel, plan_stages
 from fxpar.pipeline.auto import StagePlanner
 from fxpar.pipeline.sharded import stage_devices
-from fxpar.planning.plan import Plan, pipeline_of, plan_program
+from fxpar.pipeline.steps import PassPlanner
+from fxpar.planning.plan import Plan, keeping_state, pipeline_of, plan_program
 from fxpar.planning.problem import PlanOptions
 from fxpar.rules import RuleRegistry
 from fxpar.runtime.parallel import ParallelModel
@@ -186,7 +191,7 @@ def compile(
     _check_materialized(model)
     if batch not in ("global", "local"):
         raise FxparError(f"batch must be 'global' or 'local', got {batch!r}")
-    stage_planner = functools.partial(plan_program, passes=passes)
+    stage_planner = PassPlanner(passes)
     if pipeline is not None:
         if batch != "global":
             raise FxparError(
@@ -291,46 +296,19 @@ class _Planner:
     ) -> Plan:
         count = len(batch_tensors(self.example_inputs))
         inputs = with_batch_tensors(self.example_inputs, batch[:count])
-        with _mode(self.model, training):
+        with model_in_mode(self.model, training):
             program = capture(
                 self.model, inputs, self.loss_fn, example_targets=batch[count:], step=kind
             )
         # A loss evaluation has no gradients to place: the solver chooses its activations.
-        passes = _keeping(self.passes, state, solve=kind != "train")
+        passes = keeping_state(self.passes, state, solve=kind != "train")
         return plan_program(program, self.cluster, passes=passes)
 
     def plan_forward(self, training: bool, inputs: CallInputs, state: Mapping[str, Spec]) -> Plan:
-        with _mode(self.model, training):
+        with model_in_mode(self.model, training):
             program = capture(self.model, inputs, step="forward")
-        return plan_program(program, self.cluster, passes=_keeping(self.passes, state, solve=True))
-
-
-@contextlib.contextmanager
-def _mode(model: nn.Module, training: bool) -> Iterator[None]:
-    """``model`` in train or eval mode for the block, its own mode (per module) after."""
-    modes = {module: module.training for module in model.modules()}
-    model.train(training)
-    try:
-        yield
-    finally:
-        for module, mode in modes.items():
-            module.training = mode
-
-
-def _keeping(passes: PassManager, state: Mapping[str, Spec], *, solve: bool = False) -> PassManager:
-    """``passes`` with a solver's choice pinned to keep ``state``'s specs (names escaped, as
-    pins are patterns). Other choose-strategies passes are left as they are, unless ``solve``
-    asks for the default solver in their place (a manual plan or a plan file is written for
-    the training step, not for a forward or a loss evaluation)."""
-    choose = passes.get("choose-strategies")
-    if not isinstance(choose, SolveStrategies):
-        if not solve:
-            return passes
-        options = getattr(choose, "options", PlanOptions())
-        choose = SolveStrategies(options=options, on_rank_zero=True)
-    pins = {**choose.options.pins, **{glob.escape(name): spec for name, spec in state.items()}}
-    options = replace(choose.options, pins=pins)
-    return passes.replace("choose-strategies", replace(choose, options=options))
+        passes = keeping_state(self.passes, state, solve=True)
+        return plan_program(program, self.cluster, passes=passes)
 
 
 def _device_mesh(cluster: Cluster) -> Any:

@@ -298,6 +298,19 @@ class _TrainStep:
         return (loss, *grads)
 
 
+@contextlib.contextmanager
+def model_in_mode(model: nn.Module, training: bool) -> Iterator[None]:
+    """``model`` in train or eval mode for the block (to capture it so), its own mode (per
+    module) after."""
+    modes = {module: module.training for module in model.modules()}
+    model.train(training)
+    try:
+        yield
+    finally:
+        for module, mode in modes.items():
+            module.training = mode
+
+
 def batch_tensors(inputs: Sequence[Any] | Mapping[str, Any]) -> list[torch.Tensor]:
     """The tensors of example inputs as :func:`capture` takes them, in the order the Program's
     batch placeholders have them (other values, such as flags, left out)."""

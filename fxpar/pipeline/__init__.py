@@ -7,6 +7,9 @@
 - :class:`PipelineModel` trains on ``torch.distributed`` processes, one stage replica each.
 - :func:`pipeline_semantics` says how the micro-batches' losses make the step's, and where a
   pipelined step differs from one on the whole batch (:class:`PipelineSemantics`).
+- :class:`PipelineModel` also evaluates and infers (``eval()``, ``pipelined(*inputs)``), with
+  programs cut on first use over the same state (:mod:`fxpar.pipeline.steps`;
+  :class:`PassPlanner` plans them on a stage mesh with the state's layouts pinned).
 - :func:`plan_stages` chooses split points and devices per stage with the stage DP
   (``Pipeline(stages="auto")`` in :func:`fxpar.compile`).
 
@@ -23,6 +26,7 @@ from fxpar.pipeline.partition import Half, Partition, Unit, even_split_points, p
 from fxpar.pipeline.schedule import Instruction, Op, build_schedule, max_in_flight, simulate
 from fxpar.pipeline.semantics import PipelineSemantics, pipeline_semantics
 from fxpar.pipeline.split import SplitProgram, StageProgram, split_program
+from fxpar.pipeline.steps import PassPlanner
 from fxpar.pipeline.timeline import bubble_fractions, ideal_bubble, plot_timeline
 
 __all__ = [
@@ -32,6 +36,7 @@ __all__ = [
     "Instruction",
     "Op",
     "Partition",
+    "PassPlanner",
     "Pipeline",
     "PipelineError",
     "PipelineModel",

@@ -76,6 +76,8 @@ class StageResult:
     gradient_sums: dict[str, torch.Tensor]
     buffers: dict[str, torch.Tensor]
     trace: StageTrace
+    outputs: dict[int, tuple[torch.Tensor, ...]] = field(default_factory=dict)
+    """A forward program's outputs, by micro-batch (on the last stage)."""
 
 
 class _Channel:
@@ -131,7 +133,8 @@ class StageWorker:
 
     ``previous_rank``/``next_rank`` are the ranks of the same replica index in the stages
     before and after (None at the ends). A list without backwards (``schedule.forward_only``)
-    runs the forwards alone: it returns the losses and no gradients, and keeps no stash.
+    runs the forwards alone: it returns the losses (or a forward program's outputs) and no
+    gradients, and keeps no stash.
     """
 
     def __init__(
@@ -172,6 +175,7 @@ class StageWorker:
         parameter_storages = {p.untyped_storage().data_ptr() for p in parameters.values()}
         gradients: dict[str, torch.Tensor] = {}
         losses: list[torch.Tensor] = []
+        outputs: dict[int, tuple[torch.Tensor, ...]] = {}
         sends: list[Any] = []
         for instruction in self.instructions:
             op, m = instruction.op, instruction.microbatch
@@ -192,6 +196,8 @@ class StageWorker:
                 buffers.update(out.buffer_updates)
                 if out.loss is not None:
                     losses.append(out.loss)
+                if self.forward.outputs:
+                    outputs[m] = out.outputs
             elif op is Op.BACKWARD:
                 inputs = received.pop((Op.RECV_GRAD, m), ())
                 out = self.backward.run(parameters, {}, microbatches[m], inputs, stashes[m])
@@ -219,6 +225,7 @@ class StageWorker:
             gradient_sums=gradients,
             buffers=buffers,
             trace=trace,
+            outputs=outputs,
         )
 
 

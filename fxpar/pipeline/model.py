@@ -44,15 +44,20 @@ replica keeps its own.
 :meth:`~PipelineModel.optimizer_step` and :meth:`~PipelineModel.zero_grad`, as for
 :class:`~fxpar.runtime.parallel.ParallelModel`; :meth:`~PipelineModel.loss` runs the forward
 half of every stage's list (:func:`.schedule.forward_only`) and keeps nothing.
+
+**Evaluation and inference.** :meth:`~PipelineModel.train` and :meth:`~PipelineModel.eval`
+switch the mode every call runs the model in, and ``pipelined(*inputs)`` returns the model's
+outputs for a batch, whole on every rank, through the forward half of the schedule. Each
+kind of program and mode is captured and cut at the training split's points on first use, over
+the same state, which is checked not to move (:mod:`.steps`).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -72,11 +77,12 @@ from fxpar.passes.canonicalize import Canonicalize
 from fxpar.pipeline.executor import StageResult, StageTrace, StageWorker
 from fxpar.pipeline.options import Pipeline, PipelineError
 from fxpar.pipeline.partition import even_split_points, partition
-from fxpar.pipeline.schedule import build_schedule, forward_only, simulate
+from fxpar.pipeline.schedule import build_schedule, simulate
 from fxpar.pipeline.semantics import PipelineSemantics
-from fxpar.pipeline.sharded import ShardedStage, local_batch, shard_stage
+from fxpar.pipeline.sharded import ShardedStage, local_batch
 from fxpar.pipeline.split import SplitProgram, split_program
-from fxpar.planning.plan import Plan, plan_program
+from fxpar.pipeline.steps import PassPlanner, StageCutter, StageLayout, StageStep
+from fxpar.planning.plan import Plan
 from fxpar.runtime.batches import BatchSignature
 from fxpar.runtime.collectives import (
     Communicator,
@@ -84,6 +90,7 @@ from fxpar.runtime.collectives import (
     ProcessGroupCommunicator,
 )
 from fxpar.runtime.fingerprint import check_same_model
+from fxpar.runtime.steps import call_inputs, forward_key
 from fxpar.sharding import assemble
 
 if TYPE_CHECKING:
@@ -96,7 +103,8 @@ class PipelineModel:
     """This rank's stage of a pipelined model (see the module docstring).
 
     Attributes:
-        split: the per-stage programs (the same on every rank).
+        split: the per-stage programs of the training step the pipeline was built for (the
+            same on every rank); its stages hold the state every other program reads.
         plan: the intra-op plan the stages run (with a ``stage_cluster``), else None.
         rank, stage, replica, coordinate: where this process sits (``coordinate`` in the
             stage mesh; ``()`` without one).
@@ -109,6 +117,8 @@ class PipelineModel:
         semantics: how the micro-batches' losses make the step's, and the notes on where the
             step differs from training on the whole batch (empty when it does not).
         check_batches: whether each step checks that every rank got the same batch.
+        training: whether calls run the model in train mode (as ``nn.Module.training``; the
+            model's mode when the pipeline was built).
     """
 
     def __init__(
@@ -128,7 +138,10 @@ class PipelineModel:
         (see the module docstring); ``planner(program, stage_cluster)`` makes the plan, the
         same on every rank (by default the ILP, solved on rank 0 and broadcast; e.g.
         ``functools.partial(fxpar.planning.plan.plan_program, manual=fxpar.plans.tensor_parallel)``
-        for Megatron). ``check_batches``: compare a digest of every batch across ranks before
+        for Megatron). It plans the programs of eval mode and of the forward too, which must
+        keep every parameter and buffer in its layout: a :class:`~.steps.PassPlanner` (the
+        default's kind) pins them, any other planner's plans are checked and refused if they
+        move one. ``check_batches``: compare a digest of every batch across ranks before
         each step (one small all-gather), so that a rank fed another batch fails loudly
         instead of training on a mixture."""
         self.pipeline = pipeline
@@ -175,10 +188,8 @@ class PipelineModel:
         # Means become sums over counts, so the loss's count can be the whole batch's.
         program = Canonicalize().run(program)
         self.plan: Plan | None = None
+        planner = planner or PassPlanner(for_compile(default_pipeline()))
         if stage_cluster is not None:
-            planner = planner or functools.partial(
-                plan_program, passes=for_compile(default_pipeline())
-            )
             self.plan = planner(program, stage_cluster)
             program = self.plan.program
         stages = pipeline.stages
@@ -209,16 +220,24 @@ class PipelineModel:
 
         self._stage_group, self._shared_groups = self._make_groups()
         self._device_mesh = self._stage_device_mesh()
-        self.sharded: ShardedStage | None = None
-        forward, backward = self.split.forward[self.stage], self.split.backward[self.stage]
-        if stage_cluster is not None:
-            communicator: Communicator = OneDeviceCommunicator()
-            if self._device_mesh is not None:
-                communicator = ProcessGroupCommunicator(self._device_mesh)
-            self.sharded = shard_stage(
-                self.split, self.stage, stage_cluster, self.coordinate, communicator
-            )
-            forward, backward = self.sharded.forward, self.sharded.backward
+        communicator: Communicator = OneDeviceCommunicator()
+        if self._device_mesh is not None:
+            communicator = ProcessGroupCommunicator(self._device_mesh)
+        layout = StageLayout(
+            pipeline, self.schedule, self.stage, self.rank, per_stage,
+            previous_rank=self.rank - per_stage if self.stage > 0 else None,
+            next_rank=self.rank + per_stage if self.stage < pipeline.num_stages - 1 else None,
+            stage_cluster=stage_cluster, coordinate=self.coordinate, communicator=communicator,
+            distributed=distributed,
+        )  # fmt: skip
+        self.training = model.training
+        trained = layout.assemble(self.split, "train", self.training, self._batch_signature)
+        self._steps: dict[Hashable, StageStep] = {("train", self.training): trained}
+        self._cutter = StageCutter(
+            model, loss_fn, micro_inputs, micro_targets, tuple(points), pipeline.remat,
+            planner, layout, trained,
+        )  # fmt: skip
+        self.sharded: ShardedStage | None = trained.sharded
         state = named_state(model)
         check_same_model(state, names)
         held = set(self.split.stage_parameters(self.stage))
@@ -246,20 +265,6 @@ class PipelineModel:
         self.stage_choice: StageChoice | None = None
         """The stage DP's choice when the stages were planned (``stages="auto"``)."""
         self.steps = 0
-        stride = per_stage
-        previous = self.rank - stride if self.stage > 0 else None
-        following = self.rank + stride if self.stage < pipeline.num_stages - 1 else None
-        self._worker = StageWorker(
-            forward, backward, self.schedule[self.stage],
-            rank=self.rank, previous_rank=previous, next_rank=following,
-        )  # fmt: skip
-        # loss(): the forwards alone, which cannot deadlock either.
-        forward_lists = [forward_only(instructions) for instructions in self.schedule]
-        simulate(forward_lists)
-        self._forward_worker = StageWorker(
-            forward, backward, forward_lists[self.stage],
-            rank=self.rank, previous_rank=previous, next_rank=following,
-        )  # fmt: skip
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer, whole, under the model's own state_dict names (tied
@@ -354,26 +359,101 @@ class PipelineModel:
         """The step without the update, and without touching ``.grad``: fills
         :attr:`gradients` and :attr:`trace`, updates buffers, returns the loss
         (:meth:`backward` is this, adding the gradients to ``.grad``)."""
-        result = self._run(self._worker, batch, named_batch)
+        step = self._training_step()
+        result = self._run(step, step.worker, batch, named_batch)
         self.trace = result.trace
         for name in self.buffers:
             self.buffers[name] = result.buffers[name]
-        self.gradients = self._reduce_gradients(result)
-        return self._reduce_loss(result)
+        self.gradients = self._reduce_gradients(step, result)
+        return self._reduce_loss(step, result)
 
     def loss(self, *batch: torch.Tensor, **named_batch: torch.Tensor) -> torch.Tensor:
         """The loss of the current weights on a global batch (as :meth:`step` takes it), on
-        every rank, changing nothing: only the forward instructions of the schedule run
-        (activations still pass from stage to stage, no backward, no gradients), buffer updates
-        are dropped, and random ops (dropout) draw what the next step will draw, the random
-        state being left where it was. It equals the loss :meth:`step` reports for that batch.
-        A collective: call it on every rank."""
+        every rank, with the model in the current mode (:meth:`eval`: no dropout, BatchNorm's
+        running statistics), changing nothing: only the forward instructions of the current
+        mode's training step run (activations still pass from stage to stage, no backward, no
+        gradients), buffer updates are dropped, and random ops (dropout) draw what the next
+        step will draw, the random state being left where it was. It equals the loss
+        :meth:`step` reports for that batch. A collective: call it on every rank."""
+        step = self._training_step()
         state = self.random.state
         try:
-            result = self._run(self._forward_worker, batch, named_batch)
+            result = self._run(step, step.forward_worker, batch, named_batch)
         finally:
             self.random.state = state
-        return self._reduce_loss(result)
+        return self._reduce_loss(step, result)
+
+    # -- evaluation and inference -------------------------------------------------------------
+
+    def forward(self, *inputs: Any, **named_inputs: Any) -> Any:
+        """The model's outputs for a global batch of model inputs (no loss targets), as
+        ``model(*inputs)`` returns them: a tensor, a tuple, a dict or a Hugging Face
+        ``ModelOutput`` of the same structure, whole and the same on every rank.
+
+        The inputs are given whole on every rank, positionally or by keyword (as the model
+        takes them), with dim 0 of every tensor the batch, divisible by ``microbatches *
+        data_parallel``; other shapes than the example's are fine (each is captured and cut
+        on first use, :mod:`.steps`). Only the forward instructions of the schedule run, the
+        last stage's outputs of the micro-batches are concatenated along dim 0 and broadcast
+        to every rank. In train mode random ops draw from :attr:`random` and the buffers the
+        forward writes (BatchNorm's statistics, per micro-batch) are stored, as eager PyTorch
+        does; in eval mode nothing changes. A collective: call it on every rank.
+
+        Raises:
+            FxparError: inputs given both positionally and by keyword, or none.
+            BatchError: tensors whose dim 0 differ or does not divide into the pieces, or (with
+                ``check_batches``) ranks given different batches.
+            PipelineError: an output whose dim 0 is not the batch's (say a scalar), or a model
+                whose eval-mode or forward cut would need state held by another stage.
+        """
+        call = call_inputs(inputs, named_inputs)
+        tensors = batch_tensors(call)
+        metas = tuple(ir.TensorMeta.of(tensor) for tensor in tensors)
+        names = tuple(f"input {i}" for i in range(len(tensors)))
+        # Before anything is captured, so that every rank builds the same programs.
+        check = self._check_ranks
+        BatchSignature(names, metas).take(tensors, {}, check_ranks=check, rank=self.rank)
+        pieces = self.pipeline.microbatches * self.pipeline.data_parallel
+        _batch_size(tensors, pieces)
+        key = forward_key(self.training, call, metas)
+        step = self._steps.get(key)
+        if step is None:
+            step = self._cutter.forward_step(self.training, call, pieces)
+            self._steps[key] = step
+        result = step.forward_worker.run(
+            self.parameters, self.buffers, self._microbatches(step, tensors)
+        )
+        for name in self.buffers:
+            self.buffers[name] = result.buffers[name]
+        outputs = self._cutter.layout.gather_outputs(step, result.outputs)
+        tree = step.split.program.signature.output_tree
+        assert tree is not None
+        return tree.rebuild(outputs)
+
+    __call__ = forward
+
+    def train(self, mode: bool = True) -> PipelineModel:
+        """Run later calls in train mode (or eval mode with False), as ``nn.Module.train``
+        does: dropout on, BatchNorm normalizing by each micro-batch and updating its running
+        statistics. The programs of the other mode are captured and cut at the same split
+        points on first use (:mod:`.steps`), over the same state."""
+        self.training = bool(mode)
+        return self
+
+    def eval(self) -> PipelineModel:
+        """Run later calls in eval mode: dropout off, BatchNorm normalizing by its running
+        statistics. :meth:`step` and :meth:`backward` still train (the model as it behaves in
+        eval mode), as PyTorch allows."""
+        return self.train(False)
+
+    def _training_step(self) -> StageStep:
+        """The training step in the current mode (cut on first use)."""
+        key = ("train", self.training)
+        step = self._steps.get(key)
+        if step is None:
+            step = self._cutter.training_step(self.training)
+            self._steps[key] = step
+        return step
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale the accumulated gradients (the held parameters' ``.grad``) so that their
@@ -426,21 +506,24 @@ class PipelineModel:
 
     def _run(
         self,
+        step: StageStep,
         worker: StageWorker,
-        batch: tuple[torch.Tensor, ...],
+        batch: Sequence[torch.Tensor],
         named_batch: Mapping[str, torch.Tensor],
     ) -> StageResult:
-        """Check the global batch, cut this replica's micro-batches and run ``worker``."""
-        check_ranks = self.check_batches and self._distributed and dist.get_world_size() > 1
-        tensors = self._batch_signature.take(
-            batch, named_batch, check_ranks=check_ranks, rank=self.rank
-        )
-        return worker.run(self.parameters, self.buffers, self._microbatches(tensors))
+        """Check the global batch, cut this replica's micro-batches and run ``worker`` (one of
+        ``step``'s)."""
+        tensors = step.batch.take(batch, named_batch, check_ranks=self._check_ranks, rank=self.rank)
+        return worker.run(self.parameters, self.buffers, self._microbatches(step, tensors))
 
-    def _reduce_gradients(self, result: StageResult) -> dict[str, torch.Tensor]:
+    @property
+    def _check_ranks(self) -> bool:
+        return self.check_batches and self._distributed and dist.get_world_size() > 1
+
+    def _reduce_gradients(self, step: StageStep, result: StageResult) -> dict[str, torch.Tensor]:
         computed = result.gradient_sums
-        if self.sharded is not None:  # into the parameters' layouts, once per step
-            computed = self.sharded.sync.run(computed)
+        if step.sharded is not None:  # into the parameters' layouts, once per step
+            computed = step.sharded.sync.run(computed)
         sums = {
             name: computed.get(name, torch.zeros_like(self.parameters[name]))
             for name in self._trainable
@@ -450,7 +533,7 @@ class PipelineModel:
                 dist.all_reduce(sums[name], group=self._stage_group)
         for name, group in self._shared_groups.items():
             dist.all_reduce(sums[name], group=group)
-        count = self._divisor()
+        count = self._divisor(step)
         return {name: value / count for name, value in sums.items()}
 
     def _counts_in_norm(self, name: str) -> bool:
@@ -466,11 +549,12 @@ class PipelineModel:
             for placement, index in zip(placements, self.coordinate, strict=True)
         )
 
-    def _divisor(self) -> int:
-        return self.semantics.divisor(self.pipeline.microbatches * self.pipeline.data_parallel)
+    def _divisor(self, step: StageStep) -> int:
+        pieces = self.pipeline.microbatches * self.pipeline.data_parallel
+        return step.split.semantics.divisor(pieces)
 
-    def _reduce_loss(self, result: StageResult) -> torch.Tensor:
-        count = self._divisor()
+    def _reduce_loss(self, step: StageStep, result: StageResult) -> torch.Tensor:
+        count = self._divisor(step)
         # Only the last stage has losses, replicated over its stage mesh: one device of each
         # of its replicas contributes, and a sum over every rank spreads the mean to all.
         counted = result.loss_sum is not None and self._local_index == self.replica
@@ -554,21 +638,25 @@ class PipelineModel:
 
     # -- batches and groups -------------------------------------------------------------------
 
-    def _microbatches(self, batch: Sequence[torch.Tensor]) -> list[dict[str, torch.Tensor]]:
-        """This replica's piece of every micro-batch of the (checked) global batch, with what
-        the units read besides (the whole batch's loss denominator)."""
-        names = self.signature.inputs
+    def _microbatches(
+        self, step: StageStep, batch: Sequence[torch.Tensor]
+    ) -> list[dict[str, torch.Tensor]]:
+        """This replica's piece of every micro-batch of the (checked) global batch of
+        ``step``, with what the units read besides (the whole batch's loss denominator)."""
+        names = step.split.program.signature.inputs
         count, replicas = self.pipeline.microbatches, self.pipeline.data_parallel
-        piece = self._batch_size // (count * replicas)
+        size = batch[0].shape[0]
+        piece = size // (count * replicas)
         every_piece = [
             {n: t[start : start + piece] for n, t in zip(names, batch, strict=True)}
-            for start in range(0, self._batch_size, piece)
+            for start in range(0, size, piece)
         ]
         # Micro-batch m is pieces m*D .. m*D + D-1, one per replica.
         # Every rank draws every piece's random inputs, so the draws are those of one device.
-        pieces = self.split.unit_inputs(every_piece, self.random.draw)[self.replica :: replicas]
-        if self.sharded is not None:
-            pieces = [local_batch(self.sharded, microbatch) for microbatch in pieces]
+        pieces = step.split.unit_inputs(every_piece, self.random.draw)[self.replica :: replicas]
+        if step.sharded is not None:
+            sharded = step.sharded
+            pieces = [local_batch(sharded, microbatch) for microbatch in pieces]
         return pieces
 
     def _make_groups(self) -> tuple[Any, dict[str, Any]]:

@@ -119,7 +119,11 @@ class PipelineSemantics:
 
 def pipeline_semantics(program: Program) -> PipelineSemantics:
     """Read how to combine ``program``'s pieces (a step captured at one piece's size), and
-    what a pipeline of it computes differently from the whole batch's step."""
+    what a pipeline of it computes differently from the whole batch's step. A forward program
+    (the model alone) has no loss to combine: its pieces' outputs are concatenated."""
+    if program.signature.is_forward:
+        concatenated = "none: a forward, whose micro-batches' outputs are concatenated on dim 0"
+        return PipelineSemantics(concatenated, False, None, tuple(_batch_statistics_notes(program)))
     combination = _loss_combination(program)
     notes = (*combination.notes, *_batch_statistics_notes(program))
     return dataclasses.replace(combination, notes=notes)

@@ -16,7 +16,7 @@ What fixes the layout of each value at a unit's boundary:
   where it is computed, on both sides of the boundary. Device ``c`` of stage ``s`` exchanges
   with device ``c`` of stages ``s ± 1``, which holds the same piece, so nothing is converted on
   the way (a ``Partial`` value travels as its addends);
-- the loss: replicated; a buffer update: its buffer's spec;
+- the loss and a forward program's outputs: replicated; a buffer update: its buffer's spec;
 - a gradient: the spec the backward computed it in (often ``Partial`` over a data-parallel
   axis). The runtime sums it over micro-batches in that layout, and :class:`GradientSync`
   converts the sums to the parameters' layouts once per step, so a data-parallel axis
@@ -149,6 +149,8 @@ class _UnitLowering:
         output_specs = [self._value_spec(value) for value in (*unit.sent, *unit.stashed)]
         if unit.loss:
             output_specs.append(replicated(len(self.mesh)))
+        # The model's outputs leave whole on every device of the stage (gathered if need be).
+        output_specs += [replicated(len(self.mesh)) for _ in unit.outputs]
         output_specs += [self.specs[name] for name in unit.buffer_updates]
         origins = dict(zip(inputs[len(named) :], (v.name for v in crossing), strict=True))
         for name, result in zip(unit.gradients, results[len(output_specs) :], strict=True):

@@ -27,6 +27,12 @@ one stage; here those adds are dropped and each stage returns the sum of its own
 *partial* gradient. The runtime sums the partials of the holders once per step (an
 all-reduce over the holding stages), after which every copy takes the same update.
 
+**Forward programs.** A Program captured with ``step="forward"`` (the model alone, see
+:func:`fxpar.capture`) has no loss and no backward: its backward units are empty, and the
+model's output tensors are requested in the last stage's forward, which returns them (a value
+computed in an earlier stage is relayed like any other). Each piece's outputs are that piece's
+rows; :meth:`SplitProgram.run_microbatches` concatenates them along dim 0.
+
 **The whole batch's loss.** When the loss divides a sum by a count the batch decides (a
 masked mean, cross-entropy with ignored targets), every unit reads the whole batch's count as
 one more batch input instead of computing its micro-batch's own, and the micro-batches' losses
@@ -75,6 +81,9 @@ class StageOutputs:
     buffer_updates: dict[str, torch.Tensor]
     gradients: dict[str, torch.Tensor]
     """Partial gradients: this stage's share, for one micro-batch, of the mean-loss step."""
+    outputs: tuple[torch.Tensor, ...] = ()
+    """The model's output tensors for this micro-batch (the last forward of a forward
+    program only)."""
 
 
 @dataclass(frozen=True)
@@ -83,8 +92,8 @@ class StageProgram:
 
     Placeholders, in order: ``parameters``, ``buffers``, ``batch`` (this micro-batch's piece),
     ``received`` (from the neighbouring stage), ``restored`` (the stash, backward only).
-    Outputs, flat: ``sent``, ``stashed`` (forward only), the loss (when ``loss``),
-    ``buffer_updates``, ``gradients``.
+    Outputs, flat: ``sent``, ``stashed`` (forward only), the loss (when ``loss``), the model's
+    ``outputs`` (the last forward of a forward program), ``buffer_updates``, ``gradients``.
     """
 
     unit: Unit
@@ -99,6 +108,9 @@ class StageProgram:
     loss: bool
     buffer_updates: tuple[str, ...]
     gradients: tuple[str, ...]
+    outputs: tuple[Value, ...] = ()
+    """The model's output tensors this unit returns, in the Program's output order (named
+    after the nodes that compute them)."""
     communicator: Communicator | None = None
     """Set on a unit lowered to one device of a stage mesh (:mod:`.sharded`): its module takes
     the communicator first, and every tensor above is this device's piece."""
@@ -129,10 +141,12 @@ class StageProgram:
         stashed = tuple(flat[: len(self.stashed)])
         del flat[: len(self.stashed)]
         loss = flat.pop(0) if self.loss else None
+        outputs = tuple(flat[: len(self.outputs)])
+        del flat[: len(self.outputs)]
         updates = dict(zip(self.buffer_updates, flat[: len(self.buffer_updates)], strict=True))
         del flat[: len(self.buffer_updates)]
         gradients = dict(zip(self.gradients, flat, strict=True))
-        return StageOutputs(sent, stashed, loss, updates, gradients)
+        return StageOutputs(sent, stashed, loss, updates, gradients, outputs)
 
     def code(self) -> str:
         return self.graph_module.code
@@ -204,12 +218,14 @@ class SplitProgram:
     ) -> StepResult:
         """The whole pipelined step in one process, micro-batch after micro-batch: the loss and
         gradients are the sums or means of the micro-batches' as :attr:`semantics` says, and
-        buffers are updated once per micro-batch. The reference the distributed runtime must
-        match."""
+        buffers are updated once per micro-batch; a forward program's outputs are the
+        micro-batches' concatenated along dim 0 (and it has no loss). The reference the
+        distributed runtime must match."""
         signature = self.program.signature
         buffers = {name: state[name] for name in signature.buffers}
         totals: dict[str, torch.Tensor] = {}
         losses = []
+        outputs: list[tuple[torch.Tensor, ...]] = []
         pieces = [dict(zip(signature.inputs, piece, strict=True)) for piece in microbatches]
         for batch in self.unit_inputs(pieces):
             stash: list[tuple[torch.Tensor, ...]] = []
@@ -221,6 +237,8 @@ class SplitProgram:
                 buffers.update(out.buffer_updates)
                 if out.loss is not None:
                     losses.append(out.loss)
+                if stage.outputs:
+                    outputs.append(out.outputs)
             message = ()
             for stage in reversed(self.backward):
                 out = stage.run(state, buffers, batch, message, stash[stage.unit.stage])
@@ -229,9 +247,10 @@ class SplitProgram:
                     totals[name] = totals[name] + gradient if name in totals else gradient
         count = self.semantics.divisor(len(microbatches))
         return StepResult(
-            loss=torch.stack(losses).sum() / count,
+            loss=torch.stack(losses).sum() / count if losses else None,
             gradients={name: totals[name] / count for name in signature.gradients},
             buffers={name: buffers[name] for name in signature.buffer_updates},
+            outputs=tuple(torch.cat(pieces) for pieces in zip(*outputs, strict=True)),
         )
 
 
@@ -268,13 +287,21 @@ def split_program(program: Program, partition: Partition, *, remat: bool) -> Spl
 class _OutputRoots:
     """What the step returns, and in which unit each piece is produced."""
 
-    loss: tuple[Unit, fx.Node]
+    loss: tuple[Unit, fx.Node] | None
+    """None for a forward program, which has none."""
     buffer_updates: dict[str, tuple[Unit, fx.Node]]
     gradient_terms: dict[str, dict[int, list[fx.Node]]]
     """Per gradient, its summands grouped by the stage whose backward computes them."""
+    outputs: tuple[fx.Node, ...] = ()
+    """A forward program's output tensors, all returned by the last forward unit."""
+    outputs_unit: Unit | None = None
 
     def roots(self) -> Iterable[tuple[Unit, fx.Node]]:
-        yield self.loss
+        if self.loss is not None:
+            yield self.loss
+        if self.outputs_unit is not None:
+            for node in self.outputs:
+                yield self.outputs_unit, node
         yield from self.buffer_updates.values()
         for by_stage in self.gradient_terms.values():
             for stage, terms in by_stage.items():
@@ -286,11 +313,20 @@ def _output_roots(program: Program, partition: Partition) -> _OutputRoots:
     signature = program.signature
     (output,) = (n for n in program.graph.nodes if n.op == "output")
     flat = list(output.args[0])
-    loss = flat[0]
-    if not isinstance(loss, fx.Node) or partition.units.get(loss, None) is None:
-        raise PipelineError("the captured loss is not computed by the model's forward pass")
-    gradients = flat[1 : 1 + len(signature.gradients)]
-    updates = flat[1 + len(signature.gradients) :]
+    leading = len(signature.outputs)
+    loss: tuple[Unit, fx.Node] | None = None
+    outputs: tuple[fx.Node, ...] = ()
+    if signature.is_forward:
+        outputs = tuple(node for node in flat[:leading] if isinstance(node, fx.Node))
+        if len(outputs) != leading:
+            raise PipelineError("a forward program's outputs must be tensors computed by it")
+    else:
+        node = flat[0]
+        if not isinstance(node, fx.Node) or partition.units.get(node, None) is None:
+            raise PipelineError("the captured loss is not computed by the model's forward pass")
+        loss = (partition.units[node], node)
+    gradients = flat[leading : leading + len(signature.gradients)]
+    updates = flat[leading + len(signature.gradients) :]
     last_backward = Unit(Half.BACKWARD, partition.num_stages - 1)
     terms: dict[str, dict[int, list[fx.Node]]] = {}
     for name, gradient in zip(signature.gradients, gradients, strict=True):
@@ -308,7 +344,10 @@ def _output_roots(program: Program, partition: Partition) -> _OutputRoots:
                 "updates buffers only in a stage's forward"
             )
         buffer_updates[name] = (unit, node)
-    return _OutputRoots((partition.units[loss], loss), buffer_updates, terms)
+    last_forward = Unit(Half.FORWARD, partition.num_stages - 1)
+    return _OutputRoots(
+        loss, buffer_updates, terms, outputs, last_forward if signature.is_forward else None
+    )
 
 
 def _summands(node: fx.Node, partition: Partition) -> list[fx.Node]:
@@ -455,10 +494,11 @@ class _Router:
                 env[node] = graph.node_copy(node, env.__getitem__)
 
         results = [env[n] for n in (*sent, *stashed)]
-        loss_unit, loss_node = outputs.loss
-        has_loss = loss_unit == unit
-        if has_loss:
-            results.append(env[loss_node])
+        has_loss = outputs.loss is not None and outputs.loss[0] == unit
+        if outputs.loss is not None and has_loss:
+            results.append(env[outputs.loss[1]])
+        returned = outputs.outputs if outputs.outputs_unit == unit else ()
+        results += [env[node] for node in returned]
         updates = [name for name, (u, _) in outputs.buffer_updates.items() if u == unit]
         results += [env[outputs.buffer_updates[name][1]] for name in updates]
         gradients = []
@@ -492,6 +532,7 @@ class _Router:
             loss=has_loss,
             buffer_updates=tuple(updates),
             gradients=tuple(gradients),
+            outputs=tuple(_value(node) for node in returned),
         )
 
     def _ordered(self, nodes: Iterable[fx.Node]) -> tuple[fx.Node, ...]:

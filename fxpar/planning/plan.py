@@ -13,6 +13,7 @@ solving (:meth:`Plan.save`, :func:`load_plan`, see :mod:`fxpar.planning.plan_fil
 
 from __future__ import annotations
 
+import glob
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
@@ -30,6 +31,7 @@ from fxpar.passes import (
     ManualPlan,
     PassManager,
     RulesUsed,
+    SolveStrategies,
     default_pipeline,
 )
 from fxpar.planning.plan_file import plan_document, save_plan, saved_cluster
@@ -190,6 +192,25 @@ def pipeline_of(
             f"pipeline with them, e.g. default_pipeline({given[0]}=...).insert_before(...)"
         )
     return passes
+
+
+def keeping_state(
+    passes: PassManager, state: Mapping[str, Spec], *, solve: bool = False
+) -> PassManager:
+    """``passes`` with a solver's choice pinned to keep ``state``'s specs (names escaped, as
+    pins are patterns): how a program planned after the training step's keeps every parameter
+    and buffer where that plan put it. Other choose-strategies passes are left as they are,
+    unless ``solve`` asks for the default solver in their place (a manual plan or a plan file
+    is written for the training step, not for a forward or a loss evaluation)."""
+    choose = passes.get("choose-strategies")
+    if not isinstance(choose, SolveStrategies):
+        if not solve:
+            return passes
+        options = getattr(choose, "options", PlanOptions())
+        choose = SolveStrategies(options=options, on_rank_zero=True)
+    pins = {**choose.options.pins, **{glob.escape(name): spec for name, spec in state.items()}}
+    options = replace(choose.options, pins=pins)
+    return passes.replace("choose-strategies", replace(choose, options=options))
 
 
 def plan_program(

@@ -1,0 +1,373 @@
+"""The stage programs a :class:`~fxpar.pipeline.PipelineModel` runs, one per kind of call and
+train/eval mode, as :mod:`fxpar.runtime.steps` keeps a ParallelModel's.
+
+A PipelineModel is built for the training step, captured in the mode the model was in. Asked
+for the step in the other mode (``eval()`` then ``step``, ``backward`` or ``loss``) or for the
+model's forward alone (``pipelined(*inputs)``), it needs other programs. Each is made the first
+time it is asked for, the way the training step was, and kept::
+
+    capture at one piece's size, in the mode asked for -> Canonicalize
+      -> plan on the stage mesh (with one), every parameter and buffer pinned to its spec
+      -> partition at the training split's points -> split_program -> lower this rank's stage
+
+The state never moves between programs: each rank keeps the parameters and buffers its stage
+holds in the training split, in the layout the training plan gave them, and every program
+reads those. Cutting at the same split points (module names, where the forward's nodes are
+placed by position, see :mod:`.partition`) puts each layer in the same stage in both modes, but
+that is checked before a cut is used (:func:`check_state`), not assumed:
+
+- every parameter and buffer a unit of stage ``s`` reads or writes, and every parameter it
+  returns a gradient for, is one that stage ``s`` holds in the training split. Asking for the
+  very same names would refuse sound cuts: in eval mode BatchNorm reads no
+  ``num_batches_tracked``, so no stage of an eval cut reads it, and a parameter only the loss
+  reads is read by no forward;
+- under a stage plan, every parameter and buffer keeps its spec. A :class:`PassPlanner` (what
+  :func:`fxpar.compile` and the default give) pins them for the solver; another planner (a
+  manual plan, say) must happen to agree.
+
+Either failing raises a :class:`~fxpar.pipeline.PipelineError` naming the tensors and stages,
+instead of running a program on state that is not there.
+
+**The outputs of a forward.** The last stage's forward returns the model's output tensors for
+each micro-batch (:mod:`.split`); :meth:`StageLayout.gather_outputs` stacks them in piece order
+and broadcasts them from the last stage, so every rank returns the whole batch's outputs. That
+concatenation along dim 0 is the whole batch's output only where dim 0 is the batch's, so the
+forward is captured at the whole batch's size too (fake tensors: no compute), and an output
+whose shape there is not its piece's with dim 0 times the number of pieces is refused.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fxpar import ir
+from fxpar.cluster import Cluster, Coordinate
+from fxpar.errors import LoweringError
+from fxpar.ir.capture import LossFn, batch_tensors, capture, model_in_mode, with_batch_tensors
+from fxpar.ir.program import Program
+from fxpar.lowering import value_spec
+from fxpar.passes import PassManager
+from fxpar.passes.canonicalize import Canonicalize
+from fxpar.pipeline.executor import StageWorker
+from fxpar.pipeline.options import Pipeline, PipelineError
+from fxpar.pipeline.partition import partition
+from fxpar.pipeline.schedule import StageSchedule, forward_only, simulate
+from fxpar.pipeline.sharded import ShardedStage, shard_stage
+from fxpar.pipeline.split import SplitProgram, StageProgram, split_program
+from fxpar.planning.plan import Plan, keeping_state, plan_program
+from fxpar.runtime.batches import BatchSignature
+from fxpar.runtime.collectives import Communicator
+from fxpar.runtime.steps import CallInputs
+from fxpar.sharding import Spec
+
+logger = logging.getLogger(__name__)
+
+PipelineKind = Literal["train", "forward"]
+"""What a stage program computes: the training step (whose forward half is the loss), or the
+model's forward alone."""
+
+
+@dataclass(frozen=True)
+class PassPlanner:
+    """A stage planner that runs a pass pipeline (:func:`~fxpar.planning.plan.plan_program`):
+    what :func:`fxpar.compile` gives a pipeline, and the default. Unlike any callable, it can
+    plan a later program with every parameter and buffer pinned to its spec."""
+
+    passes: PassManager
+
+    def __call__(self, program: Program, cluster: Cluster) -> Plan:
+        return plan_program(program, cluster, passes=self.passes)
+
+    def keeping(self, state: Mapping[str, Spec], *, solve: bool) -> PassPlanner:
+        """This planner with ``state``'s specs pinned (see
+        :func:`~fxpar.planning.plan.keeping_state`; ``solve``: the solver in place of a manual
+        choice)."""
+        return PassPlanner(keeping_state(self.passes, state, solve=solve))
+
+
+@dataclass(frozen=True)
+class StageStep:
+    """One program cut into stages, and this rank's share of it."""
+
+    kind: PipelineKind
+    training: bool
+    split: SplitProgram
+    """The stages' programs, the same on every rank."""
+    sharded: ShardedStage | None
+    """This stage lowered to this device of the stage mesh (with one)."""
+    worker: StageWorker
+    """Runs the schedule's instruction list (a forward program has empty backwards)."""
+    forward_worker: StageWorker
+    """Runs its forward half only (:func:`.schedule.forward_only`)."""
+    batch: BatchSignature
+    """The whole batch it takes."""
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """Where this rank sits in the pipeline, and what it needs to run any cut program."""
+
+    pipeline: Pipeline
+    schedule: tuple[StageSchedule, ...]
+    stage: int
+    rank: int
+    per_stage: int
+    """Devices per stage: data-parallel replicas, or the stage mesh's size."""
+    previous_rank: int | None
+    next_rank: int | None
+    stage_cluster: Cluster | None
+    coordinate: Coordinate
+    communicator: Communicator
+    distributed: bool
+
+    def assemble(
+        self, split: SplitProgram, kind: PipelineKind, training: bool, batch: BatchSignature
+    ) -> StageStep:
+        """This rank's share of ``split``: its stage lowered to this device (with a stage
+        mesh), and the workers running the schedule's list and its forward half."""
+        forward, backward = split.forward[self.stage], split.backward[self.stage]
+        sharded = None
+        if self.stage_cluster is not None:
+            sharded = shard_stage(
+                split, self.stage, self.stage_cluster, self.coordinate, self.communicator
+            )
+            forward, backward = sharded.forward, sharded.backward
+        worker = self._worker(forward, backward, self.schedule[self.stage])
+        # The forwards alone, which cannot deadlock either.
+        forward_lists = [forward_only(instructions) for instructions in self.schedule]
+        simulate(forward_lists)
+        forward_worker = self._worker(forward, backward, forward_lists[self.stage])
+        return StageStep(kind, training, split, sharded, worker, forward_worker, batch)
+
+    def _worker(
+        self, forward: StageProgram, backward: StageProgram, instructions: StageSchedule
+    ) -> StageWorker:
+        return StageWorker(
+            forward, backward, instructions,
+            rank=self.rank, previous_rank=self.previous_rank, next_rank=self.next_rank,
+        )  # fmt: skip
+
+    def gather_outputs(
+        self, step: StageStep, outputs: Mapping[int, tuple[torch.Tensor, ...]]
+    ) -> list[torch.Tensor]:
+        """The whole batch's output tensors on every rank, from the last stage's outputs by
+        micro-batch (``outputs``, empty elsewhere): piece ``m * D + d`` (micro-batch ``m``,
+        replica ``d``) is broadcast from replica ``d`` of the last stage, or from its stage
+        mesh's first device, where every device holds it whole. A collective."""
+        microbatches, replicas = self.pipeline.microbatches, self.pipeline.data_parallel
+        last = (self.pipeline.num_stages - 1) * self.per_stage
+        world = dist.get_world_size() if self.distributed else 1
+        results = []
+        for index, value in enumerate(step.split.forward[-1].outputs):
+            shape = [int(size) for size in value.meta.shape]
+            columns = []
+            for replica in range(replicas):
+                if self.rank == last + replica:
+                    stacked = torch.stack([outputs[m][index] for m in range(microbatches)])
+                else:
+                    stacked = torch.empty((microbatches, *shape), dtype=value.meta.dtype)
+                if world > 1:
+                    # gloo broadcasts no bool: the same bytes as uint8.
+                    wire = stacked.view(torch.uint8) if stacked.dtype == torch.bool else stacked
+                    dist.broadcast(wire, src=last + replica)
+                columns.append(stacked)
+            whole = torch.stack(columns, dim=1)  # (micro-batch, replica, rows of a piece, ...)
+            # One piece is the whole batch, whatever its outputs' shapes (a scalar, say).
+            one_piece = microbatches * replicas == 1
+            results.append(whole.reshape(shape) if one_piece else whole.flatten(0, 2))
+        return results
+
+
+@dataclass(frozen=True)
+class StageCutter:
+    """How a PipelineModel makes the programs it runs besides the training step it was built
+    for (see the module docstring). It keeps a reference to ``model`` to capture it again in
+    either mode (its weights are not read) and the example at one piece's size."""
+
+    model: nn.Module
+    loss_fn: LossFn | None
+    example_inputs: Sequence[Any] | Mapping[str, Any]
+    """At one piece's size."""
+    example_targets: Sequence[torch.Tensor]
+    split_points: tuple[str, ...]
+    remat: bool
+    planner: Callable[[Program, Cluster], Plan]
+    """Plans for the stage mesh (with one); a :class:`PassPlanner` can pin the state."""
+    layout: StageLayout
+    trained: StageStep
+    """The training step the pipeline was built for: where the state is, and its layout."""
+
+    def training_step(self, training: bool) -> StageStep:
+        """The training step traced in train or eval mode."""
+        program = self._capture(training, self.example_inputs, self.example_targets, step="train")
+        return self._cut(program, "train", training, self.trained.batch)
+
+    def forward_step(self, training: bool, call: CallInputs, pieces: int) -> StageStep:
+        """The model's forward on the whole batch ``call`` (model inputs only, dim 0 of every
+        tensor cut into ``pieces`` equal pieces), traced in train or eval mode.
+
+        Raises:
+            PipelineError: an output whose dim 0 is not the batch's (see the module docstring).
+        """
+        tensors = batch_tensors(call)
+        rows = tensors[0].shape[0] // pieces
+        piece = with_batch_tensors(call, [tensor[:rows] for tensor in tensors])
+        program = self._capture(training, piece, (), step="forward")
+        if pieces > 1:
+            whole = self._capture(training, call, (), step="forward")
+            _check_batch_rows(program, whole, pieces)
+        metas = tuple(ir.TensorMeta.of(tensor) for tensor in tensors)
+        batch = BatchSignature(program.signature.inputs, metas)
+        return self._cut(program, "forward", training, batch)
+
+    def _capture(
+        self,
+        training: bool,
+        inputs: Sequence[Any] | Mapping[str, Any],
+        targets: Sequence[torch.Tensor],
+        *,
+        step: PipelineKind,
+    ) -> Program:
+        loss_fn = self.loss_fn if step == "train" else None
+        with model_in_mode(self.model, training):
+            program = capture(self.model, inputs, loss_fn, example_targets=targets, step=step)
+        # As the training step was: means become sums over counts.
+        return Canonicalize().run(program)
+
+    def _cut(
+        self, program: Program, kind: PipelineKind, training: bool, batch: BatchSignature
+    ) -> StageStep:
+        what = _describe(kind, training)
+        if self.layout.stage_cluster is not None:
+            program = self._plan(program, kind, what)
+        try:
+            cut = partition(program, self.split_points)
+        except PipelineError as error:
+            raise PipelineError(
+                f"{what} cannot be cut at the training split points {self.split_points}: {error}"
+            ) from error
+        split = split_program(program, cut, remat=self.remat)
+        check_state(split, self.trained.split, what)
+        logger.debug("built %s, cut at %s", what, self.split_points)
+        return self.layout.assemble(split, kind, training, batch)
+
+    def _plan(self, program: Program, kind: PipelineKind, what: str) -> Program:
+        """``program`` planned for the stage mesh with the state kept in its layout."""
+        cluster = self.layout.stage_cluster
+        assert cluster is not None and self.trained.sharded is not None
+        signature = program.signature
+        kept = {
+            name: self.trained.sharded.specs[name]
+            for name in signature.parameters + signature.buffers
+        }
+        planner = self.planner
+        if isinstance(planner, PassPlanner):
+            # A manual plan is written for the training step, not for a forward.
+            planner = planner.keeping(kept, solve=kind == "forward")
+        planned = planner(program, cluster).program
+        placeholders = planned.placeholders()
+        moved = []
+        for name, spec in kept.items():
+            try:
+                found: Spec | None = value_spec(placeholders[name])
+            except LoweringError:
+                found = None
+            if found != spec:
+                moved.append(f"{name} ({found} instead of {spec})")
+        if moved:
+            raise PipelineError(
+                f"the plan for {what} lays out {', '.join(moved[:3])} differently from the "
+                "training plan, and parameters and buffers do not move between programs: "
+                "plan with a solver, which pins their layouts (fxpar.compile's solver=, or "
+                "PipelineModel(planner=fxpar.pipeline.PassPlanner(passes))), rather than a "
+                "planner that cannot be pinned"
+            )
+        return planned
+
+
+def check_state(split: SplitProgram, trained: SplitProgram, what: str) -> None:
+    """Refuse a cut of another program unless each of its stages reads, writes and returns
+    gradients of only parameters and buffers that stage holds in the ``trained`` split (see
+    the module docstring).
+
+    Raises:
+        PipelineError: a stage would need a tensor the training split keeps elsewhere.
+    """
+    if split.num_stages != trained.num_stages:
+        raise PipelineError(
+            f"{what} has {split.num_stages} stages, the training split {trained.num_stages}"
+        )
+    held = [
+        {*trained.stage_parameters(stage), *trained.stage_buffers(stage)}
+        for stage in range(trained.num_stages)
+    ]
+    for stage in range(split.num_stages):
+        needed: dict[str, None] = {}
+        for unit in (split.forward[stage], split.backward[stage]):
+            for name in (*unit.parameters, *unit.buffers, *unit.buffer_updates, *unit.gradients):
+                needed[name] = None
+        missing = [name for name in needed if name not in held[stage]]
+        if missing:
+            homes = {
+                name: [s for s, names in enumerate(held) if name in names] for name in missing[:3]
+            }
+            raise PipelineError(
+                f"{what}, cut at the training split points {trained.partition.split_points}, "
+                f"needs {missing[:3]} on stage {stage}, but the training split keeps them on "
+                f"stages {homes}. Parameters and buffers stay where the training split put "
+                "them, so this program cannot run on this pipeline: the model runs those "
+                "modules in another order in this mode. Choose split points "
+                "(Pipeline(stages=(...))) at modules that run in the same order in train and "
+                "eval mode"
+            )
+
+
+def _describe(kind: PipelineKind, training: bool) -> str:
+    mode = "train" if training else "eval"
+    return f"the {'training step' if kind == 'train' else 'forward'} in {mode} mode"
+
+
+def _output_metas(program: Program) -> list[ir.TensorMeta]:
+    results = program.graph.output_node().args[0]
+    assert isinstance(results, (tuple, list))
+    leading = results[: len(program.signature.outputs)]
+    return [ir.require(node, ir.ValueMeta).tensor for node in leading]  # type: ignore[arg-type]
+
+
+def _check_batch_rows(piece: Program, whole: Program, pieces: int) -> None:
+    """Refuse outputs whose dim 0 does not grow with the batch as the pieces' rows add up."""
+    piece_metas, whole_metas = _output_metas(piece), _output_metas(whole)
+    if len(piece_metas) != len(whole_metas):
+        raise PipelineError(
+            f"the model returns {len(whole_metas)} tensors for the whole batch but "
+            f"{len(piece_metas)} for a micro-batch: a pipeline cannot make the former from "
+            "the latter"
+        )
+    for index, (small, large) in enumerate(zip(piece_metas, whole_metas, strict=True)):
+        shape = tuple(int(size) for size in small.shape)
+        expected = (shape[0] * pieces, *shape[1:]) if shape else None
+        if tuple(int(size) for size in large.shape) != expected:
+            raise PipelineError(
+                f"output {index} of the model has shape {tuple(large.shape)} for the whole "
+                f"batch and {shape} for one of its {pieces} pieces: its dim 0 is not the "
+                "batch's, so the pipeline cannot assemble it from the micro-batches' outputs "
+                "(it concatenates them along dim 0). Return per-sample outputs with the batch "
+                "first, or run the forward with fxpar.compile without a pipeline"
+            )
+
+
+__all__ = [
+    "PassPlanner",
+    "PipelineKind",
+    "StageCutter",
+    "StageLayout",
+    "StageStep",
+    "check_state",
+]
