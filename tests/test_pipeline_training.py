@@ -304,8 +304,8 @@ def test_bad_arguments_are_refused_before_anything_runs() -> None:
         pipelined.clip_grad_norm_(-1.0)
     with pytest.raises(FxparError, match="norm_type > 0"):
         pipelined.clip_grad_norm_(1.0, norm_type=0.0)
-    with pytest.raises(BatchError):
-        pipelined.loss(tokens[:2], tokens[:2])
+    with pytest.raises(BatchError, match="cannot be cut into 2 equal pieces"):
+        pipelined.loss(tokens[:3], tokens[:3])
     assert pipelined.steps == 0
     assert all(p.grad is None for p in pipelined.parameters.values())
 

@@ -232,7 +232,7 @@ class PipelineModel:
         )  # fmt: skip
         self.training = model.training
         trained = layout.assemble(self.split, "train", self.training, self._batch_signature)
-        self._steps: dict[Hashable, StageStep] = {("train", self.training): trained}
+        self._steps: dict[Hashable, StageStep] = {("train", self.training, None): trained}
         self._cutter = StageCutter(
             model, loss_fn, micro_inputs, micro_targets, tuple(points), pipeline.remat,
             planner, layout, trained,
@@ -359,8 +359,8 @@ class PipelineModel:
         """The step without the update, and without touching ``.grad``: fills
         :attr:`gradients` and :attr:`trace`, updates buffers, returns the loss
         (:meth:`backward` is this, adding the gradients to ``.grad``)."""
-        step = self._training_step()
-        result = self._run(step, step.worker, batch, named_batch)
+        step, tensors = self._training_step(batch, named_batch)
+        result = self._run(step, step.worker, tensors)
         self.trace = result.trace
         for name in self.buffers:
             self.buffers[name] = result.buffers[name]
@@ -375,10 +375,10 @@ class PipelineModel:
         gradients), buffer updates are dropped, and random ops (dropout) draw what the next
         step will draw, the random state being left where it was. It equals the loss
         :meth:`step` reports for that batch. A collective: call it on every rank."""
-        step = self._training_step()
+        step, tensors = self._training_step(batch, named_batch)
         state = self.random.state
         try:
-            result = self._run(step, step.forward_worker, batch, named_batch)
+            result = self._run(step, step.forward_worker, tensors)
         finally:
             self.random.state = state
         return self._reduce_loss(step, result)
@@ -446,14 +446,29 @@ class PipelineModel:
         eval mode), as PyTorch allows."""
         return self.train(False)
 
-    def _training_step(self) -> StageStep:
-        """The training step in the current mode (cut on first use)."""
-        key = ("train", self.training)
+    def _training_step(
+        self, batch: Sequence[torch.Tensor], named: Mapping[str, torch.Tensor]
+    ) -> tuple[StageStep, list[torch.Tensor]]:
+        """The training step in the current mode for this global batch, and the batch's
+        tensors in the step's order, after checking that it binds and (with
+        ``check_batches``) that every rank holds the same one. A batch of other shapes than
+        the example's is captured and cut at the training split points on first sight, over
+        the same state (:mod:`.steps`), and kept for the next batch of those shapes."""
+        trained = self._cutter.trained.batch
+        given = trained.given(batch, named)
+        if given is None:  # let the example's signature say what is wrong, on every rank
+            trained.take(batch, named, check_ranks=self._check_ranks, rank=self.rank)
+            raise AssertionError("take refuses a batch that given refused")  # pragma: no cover
+        signature = BatchSignature(trained.names, given)
+        tensors = signature.take(batch, named, check_ranks=self._check_ranks, rank=self.rank)
+        shapes = None if given == trained.metas else given
+        key = ("train", self.training, shapes)
         step = self._steps.get(key)
         if step is None:
-            step = self._cutter.training_step(self.training)
+            _batch_size(tensors, self.pipeline.microbatches * self.pipeline.data_parallel)
+            step = self._cutter.training_step(self.training, tensors if shapes else None)
             self._steps[key] = step
-        return step
+        return step, tensors
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale the accumulated gradients (the held parameters' ``.grad``) so that their
@@ -505,15 +520,10 @@ class PipelineModel:
         self.optimizer.zero_grad(set_to_none=True)
 
     def _run(
-        self,
-        step: StageStep,
-        worker: StageWorker,
-        batch: Sequence[torch.Tensor],
-        named_batch: Mapping[str, torch.Tensor],
+        self, step: StageStep, worker: StageWorker, tensors: Sequence[torch.Tensor]
     ) -> StageResult:
-        """Check the global batch, cut this replica's micro-batches and run ``worker`` (one of
-        ``step``'s)."""
-        tensors = step.batch.take(batch, named_batch, check_ranks=self._check_ranks, rank=self.rank)
+        """Cut this replica's micro-batches of the (checked) global batch and run ``worker``
+        (one of ``step``'s)."""
         return worker.run(self.parameters, self.buffers, self._microbatches(step, tensors))
 
     @property

@@ -2,8 +2,9 @@
 train/eval mode, as :mod:`fxpar.runtime.steps` keeps a ParallelModel's.
 
 A PipelineModel is built for the training step, captured in the mode the model was in. Asked
-for the step in the other mode (``eval()`` then ``step``, ``backward`` or ``loss``) or for the
-model's forward alone (``pipelined(*inputs)``), it needs other programs. Each is made the first
+for the step in the other mode (``eval()`` then ``step``, ``backward`` or ``loss``), on a batch
+of other shapes (a short last batch, another sequence length), or for the model's forward
+alone (``pipelined(*inputs)``), it needs other programs. Each is made the first
 time it is asked for, the way the training step was, and kept::
 
     capture at one piece's size, in the mode asked for -> Canonicalize
@@ -204,10 +205,22 @@ class StageCutter:
     trained: StageStep
     """The training step the pipeline was built for: where the state is, and its layout."""
 
-    def training_step(self, training: bool) -> StageStep:
-        """The training step traced in train or eval mode."""
-        program = self._capture(training, self.example_inputs, self.example_targets, step="train")
-        return self._cut(program, "train", training, self.trained.batch)
+    def training_step(
+        self, training: bool, batch: Sequence[torch.Tensor] | None = None
+    ) -> StageStep:
+        """The training step traced in train or eval mode, on the example's shapes or on those
+        of ``batch`` (a whole global batch: model inputs then loss targets, dim 0 of every
+        tensor cut into micro-batches x replicas equal pieces)."""
+        inputs, targets, whole = self.example_inputs, self.example_targets, self.trained.batch
+        if batch is not None:
+            pieces = self.layout.pipeline.microbatches * self.layout.pipeline.data_parallel
+            rows = [tensor[: tensor.shape[0] // pieces] for tensor in batch]
+            count = len(batch_tensors(self.example_inputs))
+            inputs = with_batch_tensors(self.example_inputs, rows[:count])
+            targets = rows[count:]
+            whole = BatchSignature(whole.names, tuple(ir.TensorMeta.of(t) for t in batch))
+        program = self._capture(training, inputs, targets, step="train")
+        return self._cut(program, "train", training, whole)
 
     def forward_step(self, training: bool, call: CallInputs, pieces: int) -> StageStep:
         """The model's forward on the whole batch ``call`` (model inputs only, dim 0 of every

@@ -57,13 +57,10 @@ class BatchSignature:
                 )
             if tuple(tensor.shape) != tuple(meta.shape) or tensor.dtype != meta.dtype:
                 raise BatchError(
-                    f"batch tensor {name!r} is {ir.TensorMeta.of(tensor)} but the model was "
-                    f"compiled for {meta}: a pipeline's plan is specialised to the example's "
-                    "shapes (a ParallelModel plans new shapes by itself). Pass batches of that "
-                    "shape (drop or pad a short last batch), or, to go on "
-                    "training at the new shape, save a checkpoint (.save(path) on every rank), "
-                    "compile for the new shape and .load(path) into it: compiling again alone "
-                    "would start over from the model's initial weights"
+                    f"batch tensor {name!r} is {ir.TensorMeta.of(tensor)} but the step takes "
+                    f"{meta}: this model runs only the shapes it was built for (models built "
+                    "by fxpar.compile plan other shapes on first sight). Pass batches of that "
+                    "shape, or build the model with fxpar.compile"
                 )
             tensors.append(tensor)
         return tensors
