@@ -137,4 +137,17 @@ def _check_non_negative(options: object, *names: str) -> None:
             raise FxparError(f"{type(options).__name__}: {name} must be >= 0, got {value}")
 
 
-__all__ = ["SGD", "AdamW", "Optimizer", "check_optimizer"]
+def check_clip_arguments(max_norm: float, norm_type: float) -> None:
+    """Refuse what ``clip_grad_norm_(max_norm, norm_type)`` cannot mean.
+
+    Raises:
+        FxparError: ``max_norm`` negative or NaN, or ``norm_type`` not positive.
+    """
+    if not max_norm >= 0 or not norm_type > 0:  # NaN fails both
+        raise FxparError(
+            "clip_grad_norm_ needs max_norm >= 0 and norm_type > 0, got "
+            f"max_norm={max_norm} and norm_type={norm_type}"
+        )
+
+
+__all__ = ["SGD", "AdamW", "Optimizer", "check_clip_arguments", "check_optimizer"]

@@ -15,12 +15,15 @@ them with eager PyTorch.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import eager_step, train_eager
 
 import fxpar
@@ -125,22 +128,45 @@ def _one_call_with_loss_calls() -> dict[str, Any]:
     }
 
 
-def _accumulated() -> dict[str, Any]:
+def _accumulated(layout: str = "2 stages") -> dict[str, Any]:
     """step(batch of 8, accumulate=2) for every batch; and, on another model, one update from
-    backward twice with scale 1/2."""
-    pipelined = _pipelined("2 stages")
-    losses = [pipelined.step(t, t, accumulate=2).item() for t in _batches(8)]
-    by_hand = _pipelined("2 stages")
+    backward twice with scale 1/2 (each reducing its gradients), counting the all-reduces of
+    both: accumulating reduces the gradients once, so it runs fewer."""
+    pipelined = _pipelined(layout)
+    with _counting_all_reduces() as accumulating:
+        losses = [pipelined.step(t, t, accumulate=2).item() for t in _batches(8)[:1]]
+    losses += [pipelined.step(t, t, accumulate=2).item() for t in _batches(8)[1:]]
+    by_hand = _pipelined(layout)
     whole = _batches(8)[0]
-    pieces = [by_hand.backward(piece, piece, scale=0.5) for piece in whole.chunk(2)]
-    by_hand.optimizer_step()
+    with _counting_all_reduces() as reducing_each:
+        pieces = [by_hand.backward(piece, piece, scale=0.5) for piece in whole.chunk(2)]
+        by_hand.optimizer_step()
     by_hand.zero_grad()
     return {
         "losses": losses,
         "state": pipelined.full_state_dict(),
         "by_hand_loss": torch.stack(pieces).mean().item(),
         "by_hand_state": by_hand.full_state_dict(),
+        "all-reduces": (accumulating[0], reducing_each[0]),
     }
+
+
+@contextlib.contextmanager
+def _counting_all_reduces() -> Iterator[list[int]]:
+    """Count the calls of torch.distributed.all_reduce in the block (fxpar's collectives and
+    the pipeline's gradient reductions call it through the module)."""
+    count = [0]
+    original = dist.all_reduce
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        return original(*args, **kwargs)
+
+    dist.all_reduce = counted
+    try:
+        yield count
+    finally:
+        dist.all_reduce = original
 
 
 def _with_dropout() -> dict[str, Any]:
@@ -169,7 +195,9 @@ def _on_two_ranks(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def _on_four_ranks(rank: int, world_size: int) -> dict[str, Any]:
-    return {layout: _train_clipped(layout) for layout in LAYOUTS[1:]}
+    results = {layout: _train_clipped(layout) for layout in LAYOUTS[1:]}
+    results.update({f"accumulated, {layout}": _accumulated(layout) for layout in LAYOUTS[1:]})
+    return results
 
 
 @pytest.fixture(scope="module")
@@ -268,20 +296,27 @@ def test_loss_draws_what_the_next_step_draws(two_ranks: list[dict[str, Any]]) ->
         assert result["evaluated"] == result["trained"]
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_accumulating_two_pieces_equals_one_step_on_the_whole_batch(
-    two_ranks: list[dict[str, Any]],
+    layout: str, request: pytest.FixtureRequest
 ) -> None:
+    """Tied weights across stages (2 stages), replicas and a stage plan: the gradients of the
+    pieces are summed unreduced and reduced once per update, which equals one step on the
+    whole batch and runs fewer all-reduces than reducing after each piece."""
     reference = _eager(8, None)
     torch.manual_seed(0)
     one_step = GPT(CONFIG)
     first_loss, _ = eager_step(one_step, (_batches(8)[0],), gpt_loss, (_batches(8)[0],))
     torch.optim.SGD(one_step.parameters(), lr=LR).step()
-    for rank in two_ranks:
-        result = rank["accumulated"]
+    ranks = request.getfixturevalue("two_ranks" if layout == LAYOUTS[0] else "four_ranks")
+    for rank in ranks:
+        result = rank["accumulated" if layout == LAYOUTS[0] else f"accumulated, {layout}"]
         assert result["losses"] == pytest.approx(reference["losses"], rel=1e-5)
         _assert_state(result["state"], reference["state"])
         assert result["by_hand_loss"] == pytest.approx(first_loss.item(), rel=1e-5)
         _assert_state(result["by_hand_state"], one_step.state_dict())
+        accumulating, reducing_each = result["all-reduces"]
+        assert accumulating < reducing_each
 
 
 def test_bad_arguments_are_refused_before_anything_runs() -> None:

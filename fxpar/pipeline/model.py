@@ -54,10 +54,10 @@ the same state, which is checked not to move (:mod:`.steps`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
-import math
 import os
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -67,11 +67,11 @@ from torch.distributed.tensor import Replicate, Shard
 
 from fxpar import checkpoint, ir
 from fxpar.cluster import Cluster, Coordinate
-from fxpar.errors import BatchError, FxparError
+from fxpar.errors import BatchError
 from fxpar.ir.capture import LossFn, batch_tensors, capture, with_batch_tensors
 from fxpar.ir.program import Program, named_state, state_dict_aliases
 from fxpar.ir.rng import RandomState
-from fxpar.optim import AdamW, Optimizer, check_optimizer
+from fxpar.optim import AdamW, Optimizer, check_clip_arguments, check_optimizer
 from fxpar.passes import default_pipeline, for_compile
 from fxpar.passes.canonicalize import Canonicalize
 from fxpar.pipeline.executor import StageResult, StageTrace, StageWorker
@@ -83,7 +83,8 @@ from fxpar.pipeline.sharded import ShardedStage, local_batch
 from fxpar.pipeline.split import SplitProgram, split_program
 from fxpar.pipeline.steps import PassPlanner, StageCutter, StageLayout, StageStep
 from fxpar.planning.plan import Plan
-from fxpar.runtime.batches import BatchSignature
+from fxpar.runtime.batches import BatchSignature, split_batch
+from fxpar.runtime.clipping import clip_grad_norm_
 from fxpar.runtime.collectives import (
     Communicator,
     OneDeviceCommunicator,
@@ -261,6 +262,9 @@ class PipelineModel:
         self.random = RandomState.from_rank_zero(distributed)
         """The generator the step's random ops draw from, the same on every rank."""
         self.gradients: dict[str, torch.Tensor] = {}
+        self._syncing = True
+        self._unsynced: dict[int, tuple[StageStep, dict[str, torch.Tensor]]] = {}
+        """Gradient sums kept unreduced inside no_sync, by the step (its id) that made them."""
         self.trace: StageTrace | None = None
         self.stage_choice: StageChoice | None = None
         """The stage DP's choice when the stages were planned (``stages="auto"``)."""
@@ -319,14 +323,15 @@ class PipelineModel:
                 is negative.
             BatchError: the batch does not cut into ``accumulate`` compiled batches.
         """
-        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
-            raise FxparError(f"accumulate must be at least 1 (a whole number), got {accumulate!r}")
         if max_grad_norm is not None:
-            _check_clip_arguments(max_grad_norm, 2.0)
-        losses = [
-            self.backward(*piece, scale=1.0 / accumulate, **named_piece)
-            for piece, named_piece in _accumulation_pieces(batch, named_batch, accumulate)
-        ]
+            check_clip_arguments(max_grad_norm, 2.0)
+        pieces = split_batch(batch, named_batch, accumulate)
+        losses = []
+        with self.no_sync():
+            for piece, named_piece in pieces[:-1]:
+                losses.append(self.backward(*piece, scale=1.0 / accumulate, **named_piece))
+        piece, named_piece = pieces[-1]
+        losses.append(self.backward(*piece, scale=1.0 / accumulate, **named_piece))
         if max_grad_norm is not None:
             self.clip_grad_norm_(max_grad_norm)
         self.optimizer_step()
@@ -342,18 +347,72 @@ class PipelineModel:
         parameters' ``.grad`` (so calls accumulate, as ``loss.backward()`` does, until
         :meth:`zero_grad`), and the new buffer values are stored. Returns the loss, on every
         rank. With ``scale=1/k``, k calls on the pieces of a batch accumulate the gradient of
-        the mean loss over the whole batch. A collective: call it on every rank."""
-        loss = self.compute_gradients(*batch, **named_batch)
-        for name in self._trainable:
-            parameter = self.parameters[name]
-            gradient = self.gradients[name]
-            # A copy, so clipping in place leaves :attr:`gradients` as the step computed it.
-            gradient = gradient * scale if scale != 1.0 else gradient.clone()
-            if parameter.grad is None:
-                parameter.grad = gradient
+        the mean loss over the whole batch. A collective: call it on every rank.
+
+        Inside :meth:`no_sync` each gradient is kept as this stage computed it, unreduced
+        (before the all-reduces over replicas and tied weights' holders and, with a stage
+        plan, the conversion to its parameter's layout), and ``.grad`` is left alone; the first
+        call outside it (or :meth:`clip_grad_norm_` or :meth:`optimizer_step`) reduces the sum
+        of all of them at once, and :attr:`gradients` is then that sum."""
+        if self._syncing and not self._unsynced:
+            loss = self.compute_gradients(*batch, **named_batch)
+            for name in self._trainable:
+                # A copy, so clipping in place leaves :attr:`gradients` as computed.
+                self._add_gradient(name, self.gradients[name] * scale)
+            return loss
+        step, tensors = self._training_step(batch, named_batch)
+        result = self._run(step, step.worker, tensors)
+        self.trace = result.trace
+        for name in self.buffers:
+            self.buffers[name] = result.buffers[name]
+        weight = scale / self._divisor(step)
+        kept = self._unsynced.setdefault(id(step), (step, {}))[1]
+        for name, value in result.gradient_sums.items():
+            if name in kept:
+                kept[name].add_(value, alpha=weight)
             else:
-                parameter.grad.add_(gradient)
-        return loss
+                kept[name] = value * weight
+        growing = step.sharded is not None and step.sharded.sync.grows
+        if self._syncing or growing:
+            self._sync_gradients()
+        return self._reduce_loss(step, result)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Within the block, :meth:`backward` keeps each gradient unreduced instead of
+        reducing it over the stage's replicas, the holders of a tied weight and the stage
+        mesh (as DistributedDataParallel's ``no_sync`` does); the next :meth:`backward`
+        outside the block reduces the sum of all of them at once. Gradient accumulation then
+        communicates once per update (``step(accumulate=k)`` does this). A stage plan whose
+        gradients end smaller than they are made (fully sharded) still converts them in every
+        backward, so memory never grows."""
+        previous, self._syncing = self._syncing, False
+        try:
+            yield
+        finally:
+            self._syncing = previous
+
+    def _add_gradient(self, name: str, gradient: torch.Tensor) -> None:
+        parameter = self.parameters[name]
+        if parameter.grad is None:
+            parameter.grad = gradient
+        else:
+            parameter.grad.add_(gradient)
+
+    def _sync_gradients(self) -> None:
+        """Reduce every gradient kept unreduced (one conversion program and one all-reduce
+        per gradient and group, whatever the number of backward passes) and add it to
+        ``.grad``. A collective: every rank keeps the same steps."""
+        if not self._unsynced:
+            return
+        total: dict[str, torch.Tensor] = {}
+        for step, kept in self._unsynced.values():
+            for name, gradient in self._reduce_gradients(step, kept, 1).items():
+                total[name] = total[name] + gradient if name in total else gradient
+        self._unsynced.clear()
+        for name, gradient in total.items():
+            self._add_gradient(name, gradient.clone())
+        self.gradients = total
 
     def compute_gradients(self, *batch: torch.Tensor, **named_batch: torch.Tensor) -> torch.Tensor:
         """The step without the update, and without touching ``.grad``: fills
@@ -364,7 +423,7 @@ class PipelineModel:
         self.trace = result.trace
         for name in self.buffers:
             self.buffers[name] = result.buffers[name]
-        self.gradients = self._reduce_gradients(step, result)
+        self.gradients = self._reduce_gradients(step, result.gradient_sums, self._divisor(step))
         return self._reduce_loss(step, result)
 
     def loss(self, *batch: torch.Tensor, **named_batch: torch.Tensor) -> torch.Tensor:
@@ -486,37 +545,29 @@ class PipelineModel:
         Raises:
             FxparError: ``max_norm`` is negative or ``norm_type`` not positive.
         """
-        _check_clip_arguments(max_norm, norm_type)
-        infinite = math.isinf(norm_type)
-        total = torch.zeros((), dtype=torch.float64)
-        grads = [self.parameters[n].grad for n in self._trainable]
-        for name in self._norm_counted:
-            grad = self.parameters[name].grad
-            if grad is None or not grad.numel():
-                continue
-            local = grad.detach().to(torch.float64).abs()
-            if infinite:
-                total = torch.maximum(total, local.max())
-            else:
-                total = total + local.pow(norm_type).sum()
-        if self._distributed and dist.get_world_size() > 1:
-            dist.all_reduce(total, op=dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM)
-        norm = (total if infinite else total.pow(1.0 / norm_type)).to(self._gradient_dtype)
-        # As torch computes it, in the gradients' dtype.
-        coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        for grad in grads:
-            if grad is not None:
-                grad.mul_(coefficient.to(grad.dtype))
-        return norm
+        self._sync_gradients()
+        counted = set(self._norm_counted)
+        pieces = [
+            (grad, 1.0 if name in counted else 0.0)
+            for name in self._trainable
+            if (grad := self.parameters[name].grad) is not None
+        ]
+        distributed = self._distributed and dist.get_world_size() > 1
+        return clip_grad_norm_(
+            pieces, max_norm, norm_type, dtype=self._gradient_dtype, distributed=distributed
+        )
 
     def optimizer_step(self) -> None:
         """Update this rank's parameters from their accumulated ``.grad``; copies of a tied
         weight take identical updates, so they stay identical."""
+        self._sync_gradients()
         self.optimizer.step()
         self.steps += 1
 
     def zero_grad(self) -> None:
-        """Forget the accumulated gradients (``.grad`` becomes None)."""
+        """Forget the accumulated gradients (``.grad`` becomes None, and those kept
+        unreduced by :meth:`no_sync` are dropped)."""
+        self._unsynced.clear()
         self.optimizer.zero_grad(set_to_none=True)
 
     def _run(
@@ -530,8 +581,12 @@ class PipelineModel:
     def _check_ranks(self) -> bool:
         return self.check_batches and self._distributed and dist.get_world_size() > 1
 
-    def _reduce_gradients(self, step: StageStep, result: StageResult) -> dict[str, torch.Tensor]:
-        computed = result.gradient_sums
+    def _reduce_gradients(
+        self, step: StageStep, computed: Mapping[str, torch.Tensor], count: int
+    ) -> dict[str, torch.Tensor]:
+        """This stage's gradient sums reduced to the whole batch's gradients, divided by
+        ``count``: converted to the parameters' layouts (a stage plan), summed over the
+        stage's replicas and over the holders of tied weights."""
         if step.sharded is not None:  # into the parameters' layouts, once per step
             computed = step.sharded.sync.run(computed)
         sums = {
@@ -543,8 +598,7 @@ class PipelineModel:
                 dist.all_reduce(sums[name], group=self._stage_group)
         for name, group in self._shared_groups.items():
             dist.all_reduce(sums[name], group=group)
-        count = self._divisor(step)
-        return {name: value / count for name, value in sums.items()}
+        return {name: value / count for name, value in sums.items()} if count != 1 else sums
 
     def _counts_in_norm(self, name: str) -> bool:
         """Whether this rank counts its piece of ``name``'s gradient in the global norm: one
@@ -739,38 +793,6 @@ class PipelineModel:
             f"{self.pipeline.num_stages}, replica {self.replica}; {len(self.parameters)} "
             f"parameters; {self.pipeline}; {semantics})"
         )
-
-
-def _check_clip_arguments(max_norm: float, norm_type: float) -> None:
-    if not max_norm >= 0 or not norm_type > 0:  # NaN fails both
-        raise FxparError(
-            "clip_grad_norm_ needs max_norm >= 0 and norm_type > 0, got "
-            f"max_norm={max_norm} and norm_type={norm_type}"
-        )
-
-
-def _accumulation_pieces(
-    batch: tuple[torch.Tensor, ...], named: Mapping[str, torch.Tensor], count: int
-) -> list[tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]]:
-    """``count`` equal pieces of a global batch along dim 0 (the batch itself for 1), each a
-    batch :meth:`PipelineModel.backward` takes."""
-    if count == 1:
-        return [(batch, dict(named))]
-    tensors = [*batch, *named.values()]
-    sizes = {t.shape[0] if t.dim() else None for t in tensors}
-    size = next(iter(sizes)) if len(sizes) == 1 else None
-    if size is None or size % count:
-        shapes = [tuple(t.shape) for t in tensors]
-        raise BatchError(
-            f"accumulate={count} splits the batch into {count} equal pieces on dim 0, but the "
-            f"batch tensors have shapes {shapes}: pass {count} compiled batches stacked on dim 0"
-        )
-    split = [t.chunk(count) for t in batch]
-    split_named = {key: t.chunk(count) for key, t in named.items()}
-    return [
-        (tuple(s[i] for s in split), {key: s[i] for key, s in split_named.items()})
-        for i in range(count)
-    ]
 
 
 def _whole_batch(meta: ir.TensorMeta, batch_size: int) -> ir.TensorMeta:

@@ -35,7 +35,7 @@ import torch.fx as fx
 from fxpar import ir
 from fxpar.cluster import Cluster, Coordinate
 from fxpar.errors import LoweringError
-from fxpar.lowering import CollectiveRecord, lower_graph, value_spec
+from fxpar.lowering import CollectiveRecord, conversion_program, lower_graph, value_spec
 from fxpar.pipeline.options import PipelineError
 from fxpar.pipeline.split import SplitProgram, StageProgram, Value
 from fxpar.runtime.collectives import Communicator
@@ -51,6 +51,11 @@ class GradientSync:
     graph_module: fx.GraphModule
     records: tuple[CollectiveRecord, ...]
     communicator: Communicator
+    grows: bool = False
+    """Whether some gradient's piece is larger in the layout the backward made it in than in
+    its parameter's: summing such pieces over several backward passes before converting them
+    (:meth:`PipelineModel.no_sync <fxpar.pipeline.PipelineModel.no_sync>`) would take more
+    memory, so they are converted in every pass."""
 
     def run(self, sums: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         with torch.no_grad():
@@ -184,23 +189,23 @@ class _UnitLowering:
         parameter's spec."""
         names = backward.gradients
         placeholders = self.split.program.placeholders()
-        graph = fx.Graph()
-        inputs = []
-        for name in names:
-            node = graph.placeholder(f"sum_{name.replace('.', '_')}")
-            ir.annotate(node, ir.require(placeholders[name], ir.ValueMeta))
-            inputs.append(node)
-        graph.output(tuple(inputs))
-        module = fx.GraphModule(torch.nn.Module(), graph, class_name="GradientSync")
-        lowered = lower_graph(
-            module,
-            self.mesh,
-            self.coordinate,
+        lowered = conversion_program(
+            [ir.require(placeholders[n], ir.ValueMeta).tensor for n in names],
             [natural[n] for n in names],
             [self.specs[n] for n in names],
+            self.mesh,
+            self.coordinate,
             class_name="GradientSync",
         )
-        return GradientSync(names, lowered.graph_module, lowered.records, self.communicator)
+        grows = any(
+            ir.product(local_shape(shape, natural[n], self.mesh))
+            > ir.product(local_shape(shape, self.specs[n], self.mesh))
+            for n in names
+            for shape in [ir.require(placeholders[n], ir.ValueMeta).tensor.shape]
+        )
+        return GradientSync(
+            names, lowered.graph_module, lowered.records, self.communicator, grows=grows
+        )
 
     def _value_spec(self, value: Value) -> Spec:
         return value_spec(self.nodes[value.name])

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from fxpar import ir
-from fxpar.errors import BatchError
+from fxpar.errors import BatchError, FxparError
 
 _DIGEST_BYTES = 32
 
@@ -125,6 +125,37 @@ class BatchSignature:
         return tensors
 
 
+def split_batch(
+    batch: Sequence[torch.Tensor], named: Mapping[str, torch.Tensor], count: object
+) -> list[tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]]:
+    """``count`` equal pieces of a batch (``step(*batch, **named)``) along dim 0, for
+    ``step(..., accumulate=count)``; the batch itself when ``count`` is 1.
+
+    Raises:
+        FxparError: ``count`` is not a whole number of at least 1.
+        BatchError: the tensors do not share a dim 0 that ``count`` divides.
+    """
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise FxparError(f"accumulate must be at least 1 (a whole number), got {count!r}")
+    if count == 1:
+        return [(tuple(batch), dict(named))]
+    tensors = [*batch, *named.values()]
+    sizes = {t.shape[0] if t.dim() else None for t in tensors}
+    size = next(iter(sizes)) if len(sizes) == 1 else None
+    if size is None or size % count:
+        shapes = [tuple(t.shape) for t in tensors]
+        raise BatchError(
+            f"accumulate={count} splits the batch into {count} equal pieces on dim 0, but the "
+            f"batch tensors have shapes {shapes}: pass {count} compiled batches stacked on dim 0"
+        )
+    split = [t.chunk(count) for t in batch]
+    split_named = {key: t.chunk(count) for key, t in named.items()}
+    return [
+        (tuple(s[i] for s in split), {key: s[i] for key, s in split_named.items()})
+        for i in range(count)
+    ]
+
+
 def global_rows(meta: ir.TensorMeta, ranks: int) -> ir.TensorMeta:
     """The whole batch tensor's meta when each of ``ranks`` ranks holds rows of ``meta``."""
     if not meta.shape:
@@ -209,4 +240,5 @@ __all__ = [
     "gather_rows",
     "global_rows",
     "local_rows",
+    "split_batch",
 ]

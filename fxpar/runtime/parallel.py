@@ -37,9 +37,10 @@ from fxpar.ir.capture import StepKind, batch_tensors, with_batch_tensors
 from fxpar.ir.program import named_state, state_dict_aliases
 from fxpar.ir.rng import RandomState
 from fxpar.lowering import conversion_program
-from fxpar.optim import Optimizer
+from fxpar.optim import Optimizer, check_clip_arguments
 from fxpar.planning.plan import Plan
-from fxpar.runtime.batches import BatchSignature, gather_rows, global_rows
+from fxpar.runtime.batches import BatchSignature, gather_rows, global_rows, split_batch
+from fxpar.runtime.clipping import clip_grad_norm_
 from fxpar.runtime.collectives import OneDeviceCommunicator, ProcessGroupCommunicator
 from fxpar.runtime.fingerprint import check_same_model
 from fxpar.runtime.steps import (
@@ -124,6 +125,7 @@ class ParallelModel:
             target[name] = piece
         self.trainable = [self.parameters[name] for name in self.signature.gradients]
         self._gradient_index = {name: i for i, name in enumerate(self.signature.gradients)}
+        self._gradient_dtype = next((p.dtype for p in self.trainable), torch.float32)
         self._syncing = True
         self._unsynced: dict[tuple[str, Spec], torch.Tensor] = {}
         """Gradients summed unreduced inside no_sync, by parameter and the spec they are in."""
@@ -167,9 +169,9 @@ class ParallelModel:
         before one update, which equals one step on the whole batch for a loss that is a mean
         over equal pieces (the returned loss is the mean of the pieces' losses).
         """
-        if accumulate < 1:
-            raise FxparError(f"accumulate must be at least 1, got {accumulate}")
-        pieces = _split_batch(batch, named_batch, accumulate)
+        if max_grad_norm is not None:
+            check_clip_arguments(max_grad_norm, 2.0)
+        pieces = split_batch(batch, named_batch, accumulate)
         losses = []
         with self.no_sync():
             for piece, named_piece in pieces[:-1]:
@@ -280,37 +282,16 @@ class ParallelModel:
         replicated over some mesh axes counts once for all its copies, and one all-reduce over
         every rank adds the sums (a maximum for ``norm_type=inf``). A collective: call it on
         every rank."""
-        if max_norm < 0 or norm_type <= 0:
-            raise FxparError(
-                f"clip_grad_norm_ needs max_norm >= 0 and norm_type > 0, got {max_norm} and "
-                f"{norm_type}"
-            )
         self._sync_gradients()
-        named = [
-            (name, p.grad)
+        pieces = [
+            (p.grad, 1.0 / self._copies(name))
             for name, p in zip(self.signature.gradients, self.trainable, strict=True)
             if p.grad is not None
         ]
-        if not named:
-            return torch.tensor(0.0)
-        dtype = named[0][1].dtype
-        infinite = math.isinf(norm_type)
-        total = torch.zeros((), dtype=torch.float64)
-        for name, grad in named:
-            local = grad.detach().to(torch.float64).abs()
-            if infinite:
-                total = torch.maximum(total, local.max() if local.numel() else total)
-            else:
-                copies = self._copies(name)
-                total = total + local.pow(norm_type).sum() / copies
-        if self._device_mesh is not None:
-            op = dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM
-            dist.all_reduce(total, op=op)
-        norm = (total if infinite else total.pow(1.0 / norm_type)).to(dtype)
-        coefficient = torch.clamp(max_norm / (norm.to(torch.float64) + 1e-6), max=1.0)
-        for _, grad in named:
-            grad.mul_(coefficient.to(grad.dtype))
-        return norm
+        return clip_grad_norm_(
+            pieces, max_norm, norm_type, dtype=self._gradient_dtype,
+            distributed=self._device_mesh is not None,
+        )  # fmt: skip
 
     def optimizer_step(self) -> None:
         """Update the parameters from their accumulated gradients (this rank's pieces),
@@ -638,28 +619,6 @@ class ParallelModel:
 def _meta_tensor(meta: ir.TensorMeta) -> torch.Tensor:
     """A tensor of ``meta``'s shape and dtype with no storage, for capturing at that shape."""
     return torch.empty(meta.shape, dtype=meta.dtype, device="meta")
-
-
-def _split_batch(
-    batch: tuple[torch.Tensor, ...], named: Mapping[str, torch.Tensor], count: int
-) -> list[tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]]:
-    """``count`` equal pieces of a batch along dim 0 (the whole batch when ``count`` is 1)."""
-    if count == 1:
-        return [(batch, dict(named))]
-    tensors = [*batch, *named.values()]
-    sizes = {t.shape[0] if t.dim() else None for t in tensors}
-    if len(sizes) != 1 or None in sizes or next(iter(sizes)) % count:  # type: ignore[operator]
-        shapes = [tuple(t.shape) for t in tensors]
-        raise BatchError(
-            f"accumulate={count} splits the batch into {count} equal pieces on dim 0, but the "
-            f"batch tensors have shapes {shapes}: pass {count} compiled batches stacked on dim 0"
-        )
-    split = [t.chunk(count) for t in batch]
-    split_named = {key: t.chunk(count) for key, t in named.items()}
-    return [
-        (tuple(s[i] for s in split), {key: s[i] for key, s in split_named.items()})
-        for i in range(count)
-    ]
 
 
 __all__ = ["ParallelModel"]
