@@ -71,7 +71,7 @@ from fxpar.errors import BatchError
 from fxpar.ir.capture import LossFn, batch_tensors, capture, with_batch_tensors
 from fxpar.ir.program import Program, named_state, state_dict_aliases
 from fxpar.ir.rng import RandomState
-from fxpar.optim import AdamW, Optimizer, check_clip_arguments, check_optimizer
+from fxpar.optim import AdamW, Optimizer, check_optimizer
 from fxpar.passes import default_pipeline, for_compile
 from fxpar.passes.canonicalize import Canonicalize
 from fxpar.pipeline.executor import StageResult, StageTrace, StageWorker
@@ -83,14 +83,14 @@ from fxpar.pipeline.sharded import ShardedStage, local_batch
 from fxpar.pipeline.split import SplitProgram, split_program
 from fxpar.pipeline.steps import PassPlanner, StageCutter, StageLayout, StageStep
 from fxpar.planning.plan import Plan
-from fxpar.runtime.batches import BatchSignature, split_batch
-from fxpar.runtime.clipping import clip_grad_norm_
+from fxpar.runtime.batches import BatchSignature
 from fxpar.runtime.collectives import (
     Communicator,
     OneDeviceCommunicator,
     ProcessGroupCommunicator,
 )
 from fxpar.runtime.fingerprint import check_same_model
+from fxpar.runtime.loop import clip_grad_norm_, one_step
 from fxpar.runtime.steps import call_inputs, forward_key
 from fxpar.sharding import assemble
 
@@ -323,20 +323,9 @@ class PipelineModel:
                 is negative.
             BatchError: the batch does not cut into ``accumulate`` compiled batches.
         """
-        if max_grad_norm is not None:
-            check_clip_arguments(max_grad_norm, 2.0)
-        pieces = split_batch(batch, named_batch, accumulate)
-        losses = []
-        with self.no_sync():
-            for piece, named_piece in pieces[:-1]:
-                losses.append(self.backward(*piece, scale=1.0 / accumulate, **named_piece))
-        piece, named_piece = pieces[-1]
-        losses.append(self.backward(*piece, scale=1.0 / accumulate, **named_piece))
-        if max_grad_norm is not None:
-            self.clip_grad_norm_(max_grad_norm)
-        self.optimizer_step()
-        self.zero_grad()
-        return torch.stack(losses).mean() if accumulate > 1 else losses[0]
+        return one_step(
+            self, batch, named_batch, max_grad_norm=max_grad_norm, accumulate=accumulate
+        )
 
     def backward(
         self, *batch: torch.Tensor, scale: float = 1.0, **named_batch: torch.Tensor

@@ -37,12 +37,12 @@ from fxpar.ir.capture import StepKind, batch_tensors, with_batch_tensors
 from fxpar.ir.program import named_state, state_dict_aliases
 from fxpar.ir.rng import RandomState
 from fxpar.lowering import conversion_program
-from fxpar.optim import Optimizer, check_clip_arguments
+from fxpar.optim import Optimizer
 from fxpar.planning.plan import Plan
-from fxpar.runtime.batches import BatchSignature, gather_rows, global_rows, split_batch
-from fxpar.runtime.clipping import clip_grad_norm_
+from fxpar.runtime.batches import BatchSignature, gather_rows, global_rows
 from fxpar.runtime.collectives import OneDeviceCommunicator, ProcessGroupCommunicator
 from fxpar.runtime.fingerprint import check_same_model
+from fxpar.runtime.loop import clip_grad_norm_, one_step
 from fxpar.runtime.steps import (
     CompiledStep,
     StepKey,
@@ -169,20 +169,9 @@ class ParallelModel:
         before one update, which equals one step on the whole batch for a loss that is a mean
         over equal pieces (the returned loss is the mean of the pieces' losses).
         """
-        if max_grad_norm is not None:
-            check_clip_arguments(max_grad_norm, 2.0)
-        pieces = split_batch(batch, named_batch, accumulate)
-        losses = []
-        with self.no_sync():
-            for piece, named_piece in pieces[:-1]:
-                losses.append(self.backward(*piece, scale=1.0 / accumulate, **named_piece))
-        piece, named_piece = pieces[-1]
-        losses.append(self.backward(*piece, scale=1.0 / accumulate, **named_piece))
-        if max_grad_norm is not None:
-            self.clip_grad_norm_(max_grad_norm)
-        self.optimizer_step()
-        self.zero_grad()
-        return torch.stack(losses).mean() if accumulate > 1 else losses[0]
+        return one_step(
+            self, batch, named_batch, max_grad_norm=max_grad_norm, accumulate=accumulate
+        )
 
     def backward(
         self, *batch: torch.Tensor, scale: float = 1.0, **named_batch: torch.Tensor
