@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 import torch.fx as fx
@@ -127,7 +127,7 @@ class OutputTree:
         leaves = pytree.tree_leaves(output)
         return tuple(leaves[i] for i in self.tensor_positions)
 
-    def rebuild(self, tensors: Sequence[object]) -> object:
+    def rebuild(self, tensors: Sequence[object]) -> Any:
         """The model's output with ``tensors`` in the places of the traced ones."""
         leaves = list(self.constants)
         for position, tensor in zip(self.tensor_positions, tensors, strict=True):
