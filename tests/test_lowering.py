@@ -48,10 +48,10 @@ def test_named_plans_train_like_one_device(plan: str, mesh: tuple[int, ...]) -> 
     assert_equivalent(spmd, flat)
 
 
-def lowered(plan: str, mesh: tuple[int, ...]) -> SPMDProgram:
+def lowered(plan: str, mesh: tuple[int, ...], **options: int) -> SPMDProgram:
     _, program, _ = gpt_case()
     cluster = Cluster(mesh)
-    return lower(PLANS[plan](program, cluster), cluster)
+    return lower(PLANS[plan](program, cluster), cluster, **options)
 
 
 def block_of(spmd: SPMDProgram, consumer: str) -> str:
@@ -73,7 +73,7 @@ def test_megatron_blocks_all_reduce_twice_forward_and_twice_backward() -> None:
 
 
 def test_data_parallel_all_reduces_each_gradient_once_and_nothing_else() -> None:
-    spmd = lowered("data_parallel", (4,))
+    spmd = lowered("data_parallel", (4,), bucket_bytes=0)  # one all-reduce per output
     records = spmd.collectives()
     assert {r.kind for r in records} == {"all_reduce"}
     gradients = [r for r in records if r.bytes > 4]
@@ -90,6 +90,16 @@ def test_data_parallel_all_reduces_each_gradient_once_and_nothing_else() -> None
     # count of valid targets (so ignore_index and uneven masks stay exact).
     scalars = [r for r in records if r.bytes == 4]
     assert len(scalars) == 2
+
+    # Bucketed (the default): the gradients and the loss leave by one all-reduce of as many
+    # bytes, which each rank's code calls once; a small bucket size cuts more buckets.
+    bucketed = lowered("data_parallel", (4,))
+    leaving = [r for r in bucketed.collectives() if r.phase is ir.Phase.OUTPUT]
+    assert len(leaving) == 1
+    assert leaving[0].bytes == sum(r.bytes for r in records if r.phase is ir.Phase.OUTPUT)
+    for rank in bucketed.ranks:
+        assert rank.code().count("all_reduce_bucket(") == 1
+    assert len(lowered("data_parallel", (4,), bucket_bytes=4096).collectives()) > 2
 
 
 def test_fully_sharded_gathers_parameters_and_reduce_scatters_gradients() -> None:

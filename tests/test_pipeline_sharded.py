@@ -130,8 +130,8 @@ def test_manual_plans_inside_stages_equal_the_unsharded_pipeline(plan: str) -> N
 def test_data_parallel_stage_reduces_gradients_once_per_step() -> None:
     """Under a data-parallel plan the backward units leave every gradient as per-device
     addends (no collective on the way out, and none but scalars inside: the loss's token
-    count arrives whole, as an input), and the stage's gradient sync all-reduces each one:
-    once per step however many micro-batches there are."""
+    count arrives whole, as an input), and the stage's gradient sync all-reduces them: once
+    per step however many micro-batches there are, in one bucket of all their bytes."""
     model, tokens, targets = _gpt()
     program = fxpar.capture(model, (tokens[:2],), gpt_loss, example_targets=(targets[:2],))
     cluster = Cluster((2,))
@@ -142,8 +142,13 @@ def test_data_parallel_stage_reduces_gradients_once_per_step() -> None:
         leaving = [r for r in sharded.backward_collectives if r.phase is ir.Phase.OUTPUT]
         assert leaving == []
         assert all(r.bytes <= 8 for r in sharded.backward_collectives)
-        kinds = [record.kind for record in sharded.sync.records]
-        assert kinds == ["all_reduce"] * len(sharded.backward.gradients)
+        (bucket,) = sharded.sync.records
+        assert bucket.kind == "all_reduce"
+        placeholders = split.program.placeholders()
+        assert bucket.bytes == sum(
+            ir.evaluate(ir.require(placeholders[name], ir.ValueMeta).tensor.nbytes)
+            for name in sharded.backward.gradients
+        )
         assert set(sharded.sync.gradients) == set(sharded.backward.gradients)
 
 

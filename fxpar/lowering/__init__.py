@@ -7,10 +7,12 @@ per-rank GraphModules (:func:`lower`, :func:`lower_graph`).
 from __future__ import annotations
 
 from fxpar.lowering.spmd import (
+    BUCKET_BYTES,
     CollectiveRecord,
     LoweredGraph,
     RankProgram,
     SPMDProgram,
+    buckets,
     conversion_program,
     deferred_gradient_specs,
     localize_shape_arguments,
@@ -22,10 +24,12 @@ from fxpar.lowering.spmd import (
 )
 
 __all__ = [
+    "BUCKET_BYTES",
     "CollectiveRecord",
     "LoweredGraph",
     "RankProgram",
     "SPMDProgram",
+    "buckets",
     "conversion_program",
     "deferred_gradient_specs",
     "localize_shape_arguments",

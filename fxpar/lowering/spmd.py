@@ -134,12 +134,28 @@ _VIEWS_AS_RESHAPE = {
 }
 
 
-def lower(program: Program, cluster: Cluster, *, defer_gradients: bool = False) -> SPMDProgram:
+BUCKET_BYTES = 25 * 2**20
+"""How many bytes of a device's outputs one bucketed all-reduce packs at most (as DDP's
+default bucket)."""
+
+
+def lower(
+    program: Program,
+    cluster: Cluster,
+    *,
+    defer_gradients: bool = False,
+    bucket_bytes: int = BUCKET_BYTES,
+) -> SPMDProgram:
     """One GraphModule per rank of ``cluster`` from ``program`` and its chosen strategies.
 
     ``defer_gradients``: leave each gradient in the layout the backward made it in (partial
     sums, typically) wherever that takes no more memory than its parameter's layout, instead
-    of converting it before the program returns (see :func:`deferred_gradient_specs`)."""
+    of converting it before the program returns (see :func:`deferred_gradient_specs`).
+
+    ``bucket_bytes``: outputs that leave by a single all-reduce (data parallelism's gradient
+    sums) are packed into buckets of at most this many bytes per device, one all-reduce per
+    bucket, mesh axis and dtype (:func:`fxpar.runtime.collectives.all_reduce_bucket`); 0 gives
+    every output its own."""
     _check_lowerable(program.graph, cluster.ndim)
     placeholders = [n for n in program.graph.nodes if n.op == "placeholder"]
     input_specs = tuple(value_spec(n) for n in placeholders)
@@ -150,8 +166,9 @@ def lower(program: Program, cluster: Cluster, *, defer_gradients: bool = False) 
     records: tuple[CollectiveRecord, ...] = ()
     for rank, coordinate in enumerate(cluster.coordinates()):
         lowered = _lower_checked(
-            program.graph_module, cluster.mesh_shape, coordinate, input_specs, leaving
-        )
+            program.graph_module, cluster.mesh_shape, coordinate, input_specs, leaving,
+            bucket_bytes=bucket_bytes,
+        )  # fmt: skip
         if rank == 0:
             records = lowered.records
         ranks.append(RankProgram(rank, coordinate, lowered.graph_module, lowered.values))
@@ -183,6 +200,7 @@ def lower_graph(
     output_specs: Sequence[Spec],
     *,
     class_name: str = "RankStep",
+    bucket_bytes: int = BUCKET_BYTES,
 ) -> LoweredGraph:
     """The program of the device at ``coordinate`` for any graph whose compute nodes carry a
     :class:`~fxpar.sharding.Sharding`: its placeholders arrive laid out as ``input_specs``
@@ -194,8 +212,9 @@ def lower_graph(
     """
     _check_lowerable(graph_module.graph, len(mesh_shape))
     return _lower_checked(
-        graph_module, mesh_shape, coordinate, input_specs, output_specs, class_name
-    )
+        graph_module, mesh_shape, coordinate, input_specs, output_specs, class_name,
+        bucket_bytes=bucket_bytes,
+    )  # fmt: skip
 
 
 def _lower_checked(
@@ -205,6 +224,8 @@ def _lower_checked(
     input_specs: Sequence[Spec],
     output_specs: Sequence[Spec],
     class_name: str = "RankStep",
+    *,
+    bucket_bytes: int = BUCKET_BYTES,
 ) -> LoweredGraph:
     """:func:`lower_graph` on a graph :func:`_check_lowerable` accepted."""
     placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
@@ -212,7 +233,7 @@ def _lower_checked(
         raise LoweringError(
             f"{len(placeholders)} placeholders but {len(input_specs)} input specs were given"
         )
-    lowering = _RankLowering(graph_module, mesh_shape, coordinate)
+    lowering = _RankLowering(graph_module, mesh_shape, coordinate, bucket_bytes)
     specs = dict(zip(placeholders, input_specs, strict=True))
     module = lowering.run(specs, output_specs, class_name)
     values = {node.name: (local.name, specs) for node, (local, specs) in lowering.env.items()}
@@ -363,8 +384,13 @@ def localize_shape_arguments(
 
 class _RankLowering:
     def __init__(
-        self, graph_module: fx.GraphModule, mesh: tuple[int, ...], coordinate: Coordinate
+        self,
+        graph_module: fx.GraphModule,
+        mesh: tuple[int, ...],
+        coordinate: Coordinate,
+        bucket_bytes: int = BUCKET_BYTES,
     ) -> None:
+        self.bucket_bytes = bucket_bytes
         self.source = graph_module
         self.mesh = mesh
         self.coordinate = coordinate
@@ -388,11 +414,7 @@ class _RankLowering:
                         f"the graph returns {len(node.args[0])} values but {len(leaving)} "
                         "output specs were given"
                     )
-                results = [
-                    self._convert(result, spec, consumer=node, phase=ir.Phase.OUTPUT)
-                    for result, spec in zip(node.args[0], leaving, strict=True)
-                ]
-                self.graph.output(tuple(results))
+                self.graph.output(tuple(self._outputs(node, leaving)))
             elif node.op == "get_attr":
                 self.env[node] = (self.graph.get_attr(node.target), (replicated(len(self.mesh)),))
             elif node.target is operator.getitem:
@@ -405,6 +427,58 @@ class _RankLowering:
             else:
                 raise LoweringError(f"cannot lower node {node.name!r} ({node.target})")
         return fx.GraphModule(self.source, self.graph, class_name=class_name)
+
+    def _outputs(self, output: fx.Node, leaving: Sequence[Spec]) -> list[Any]:
+        """The output node's values converted to ``leaving``; those that need only an
+        all-reduce (partial sums to replicate over one axis) are reduced in buckets."""
+        results: list[Any] = []
+        bucketed: dict[tuple[int, torch.dtype], list[tuple[int, fx.Node, int]]] = {}
+        values = output.args[0]
+        assert isinstance(values, (tuple, list))
+        for index, (result, spec) in enumerate(zip(values, leaving, strict=True)):
+            axis = self._reduced_over(result, spec) if self.bucket_bytes else None
+            if axis is None:
+                results.append(self._convert(result, spec, output, ir.Phase.OUTPUT))
+                continue
+            assert isinstance(result, fx.Node)
+            meta = ir.require(result, ir.ValueMeta).tensor
+            current = self.env[result][1][0]
+            assert current is not None
+            nbytes = int(ir.product(local_shape(meta.shape, current, self.mesh))) * (
+                meta.dtype.itemsize
+            )
+            bucketed.setdefault((axis, meta.dtype), []).append((index, result, nbytes))
+            results.append(None)
+        for (axis, _), members in bucketed.items():
+            for positions in buckets([n for _, _, n in members], self.bucket_bytes):
+                bucket = [members[p] for p in positions]
+                values = [self.env[source][0] for _, source, _ in bucket]
+                call = self.graph.call_function(
+                    collectives.all_reduce_bucket, (self.comm, values, axis)
+                )
+                for position, (index, _, _) in enumerate(bucket):
+                    results[index] = self.graph.call_function(operator.getitem, (call, position))
+                # Named by its last value: the bucket can go once that one is computed.
+                self.records.append(
+                    CollectiveRecord(
+                        "all_reduce", axis, sum(n for _, _, n in bucket), bucket[-1][1].name,
+                        output.name, ir.Phase.OUTPUT,
+                    )
+                )  # fmt: skip
+        return results
+
+    def _reduced_over(self, result: object, spec: Spec) -> int | None:
+        """The mesh axis over which ``result`` leaves by one all-reduce and nothing else (a
+        gradient summed over a data-parallel axis), else None."""
+        if not isinstance(result, fx.Node) or result not in self.env:
+            return None
+        current = self.env[result][1][0]
+        if current is None or current == spec or (result, spec, None) in self.converted:
+            return None
+        steps = reshard_steps(current, spec, self.mesh)
+        if len(steps) != 1 or steps[0].kind != "all_reduce":
+            return None
+        return steps[0].axis
 
     def _lower_op(self, node: fx.Node) -> None:
         strategy = ir.require(node, Sharding).strategy
@@ -499,3 +573,19 @@ class _RankLowering:
             CollectiveRecord(step.kind, step.axis, int(nbytes), source.name, consumer.name, phase)
         )
         return self.graph.call_function(call, args), after
+
+
+def buckets(sizes: Sequence[int], limit: int) -> list[list[int]]:
+    """The positions of values of ``sizes`` bytes per device, in order, cut into runs of at
+    most ``limit`` bytes (a larger value alone). The cut depends on global shapes and specs
+    only, so every rank makes the same buckets and runs the same collectives; the plan report
+    replays it."""
+    cut: list[list[int]] = []
+    total = 0
+    for position, size in enumerate(sizes):
+        if not cut or total + size > limit:
+            cut.append([])
+            total = 0
+        cut[-1].append(position)
+        total += size
+    return cut

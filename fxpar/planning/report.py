@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Shard
 
@@ -42,7 +43,7 @@ from fxpar import ir
 from fxpar.cluster import Cluster
 from fxpar.errors import FxparError
 from fxpar.ir.program import Program
-from fxpar.lowering import CollectiveRecord, needs_strategy, output_specs
+from fxpar.lowering import BUCKET_BYTES, CollectiveRecord, buckets, needs_strategy, output_specs
 from fxpar.planning import cost
 from fxpar.rules import coverage
 from fxpar.rules.registry import tensor_inputs
@@ -144,9 +145,39 @@ def walk(program: Program, cluster: Cluster) -> Walk:
         elif node.op == "output":
             results = node.args[0]
             assert isinstance(results, (tuple, list))
+            # The lowering's buckets (fxpar.lowering._RankLowering._outputs): outputs that
+            # leave by one all-reduce share one per bucket, mesh axis and dtype.
+            bucketed: dict[tuple[int, torch.dtype], list[tuple[fx.Node, int]]] = {}
             for result, spec in zip(results, output_specs(program, cluster.ndim), strict=True):
-                if isinstance(result, fx.Node):
+                if not isinstance(result, fx.Node):
+                    continue
+                current = found.specs[result][0]
+                assert current is not None
+                steps = reshard_steps(current, spec, mesh)
+                single = len(steps) == 1 and steps[0].kind == "all_reduce"
+                if not single or (result, spec, None) in converted:
                     convert(result, spec, node, ir.Phase.OUTPUT)
+                    continue
+                meta = ir.require(result, ir.ValueMeta).tensor
+                found.edge_seconds += cost.reshard_seconds(current, spec, meta, cluster)
+                shape = tuple(ir.evaluate(s) for s in meta.shape)
+                nbytes = math.prod(local_shape(shape, current, mesh)) * meta.dtype.itemsize
+                bucketed.setdefault((steps[0].axis, meta.dtype), []).append((result, nbytes))
+            for (axis, _), members in bucketed.items():
+                for positions in buckets([n for _, n in members], BUCKET_BYTES):
+                    nbytes = sum(members[p][1] for p in positions)
+                    last = members[positions[-1]][0]
+                    found.records.append(
+                        CollectiveRecord(
+                            "all_reduce", axis, nbytes, last.name, node.name, ir.Phase.OUTPUT
+                        )
+                    )
+                    found.record_seconds.append(
+                        cost.collective_seconds(
+                            "all_reduce", nbytes, mesh[axis], cluster.bandwidth[axis],
+                            cluster.latency[axis],
+                        )
+                    )  # fmt: skip
         elif node.target is operator.getitem:
             source, index = node.args
             assert isinstance(source, fx.Node) and isinstance(index, int)

@@ -39,7 +39,7 @@ from fxpar.ir.rng import RandomState
 from fxpar.lowering import conversion_program
 from fxpar.optim import Optimizer
 from fxpar.planning.plan import Plan
-from fxpar.runtime.batches import BatchSignature, gather_rows, global_rows
+from fxpar.runtime.batches import BatchSignature, check_same_batch, gather_rows, global_rows
 from fxpar.runtime.collectives import OneDeviceCommunicator, ProcessGroupCommunicator
 from fxpar.runtime.fingerprint import check_same_model
 from fxpar.runtime.loop import clip_grad_norm_, one_step
@@ -126,6 +126,7 @@ class ParallelModel:
         self.trainable = [self.parameters[name] for name in self.signature.gradients]
         self._gradient_index = {name: i for i, name in enumerate(self.signature.gradients)}
         self._gradient_dtype = next((p.dtype for p in self.trainable), torch.float32)
+        self._pieces_checked = False
         self._syncing = True
         self._unsynced: dict[tuple[str, Spec], torch.Tensor] = {}
         """Gradients summed unreduced inside no_sync, by parameter and the spec they are in."""
@@ -169,9 +170,17 @@ class ParallelModel:
         before one update, which equals one step on the whole batch for a loss that is a mean
         over equal pieces (the returned loss is the mean of the pieces' losses).
         """
-        return one_step(
-            self, batch, named_batch, max_grad_norm=max_grad_norm, accumulate=accumulate
-        )
+        checking = self._same_batch and accumulate != 1
+        if checking:  # the whole batch once, rather than each piece
+            tensors = [*batch, *named_batch.values()]
+            check_same_batch([t for t in tensors if isinstance(t, torch.Tensor)], rank=self.rank)
+        self._pieces_checked = checking
+        try:
+            return one_step(
+                self, batch, named_batch, max_grad_norm=max_grad_norm, accumulate=accumulate
+            )
+        finally:
+            self._pieces_checked = False
 
     def backward(
         self, *batch: torch.Tensor, scale: float = 1.0, **named_batch: torch.Tensor
@@ -416,7 +425,10 @@ class ParallelModel:
 
     @property
     def _same_batch(self) -> bool:
-        """Whether to compare digests of the batch across ranks (global batches only)."""
+        """Whether to compare digests of the batch across ranks (global batches only, and not
+        the pieces of a batch :meth:`step` has checked whole)."""
+        if self._pieces_checked:
+            return False
         return self.check_batches and self._device_mesh is not None and self.batch == "global"
 
     @property
