@@ -76,7 +76,7 @@ def main() -> None:
     tokens = corpus_tokens()
     cut = tokens.numel() * 9 // 10
     train_set = TensorDataset(windows(tokens[:cut], stride=4))
-    held_out = windows(tokens[cut:], stride=LENGTH)  # every rank evaluates on all of it
+    held_out = windows(tokens[cut:], stride=8)
     sampler = DistributedSampler(train_set, num_replicas=world, rank=rank, shuffle=True, seed=0,
                                  drop_last=True)  # fmt: skip
     loader = DataLoader(train_set, batch_size=args.rows * args.accumulate, sampler=sampler,
@@ -88,7 +88,7 @@ def main() -> None:
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=LENGTH,
     )  # fmt: skip
     model = transformers.LlamaForCausalLM(config)
-    example = held_out[: args.rows]  # the shape of one rank's micro-batch
+    example = train_set.tensors[0][: args.rows]  # the shape of one rank's micro-batch
     parallel = fxpar.compile(
         model, cluster, {"input_ids": example, "labels": example}, batch="local",
         optimizer=fxpar.optim.AdamW(lr=3e-3, weight_decay=0.1),
@@ -122,7 +122,7 @@ def main() -> None:
                 lr = scheduler.get_last_lr()[0]
                 print(f"step {parallel.steps:4d}  loss {loss.item():.4f}  lr {lr:.2e}", flush=True)
             if args.eval_every and parallel.steps % args.eval_every == 0:
-                evaluate(parallel, held_out, rank)
+                evaluate(parallel, held_out, rank, world)
             done = parallel.steps == last
             if args.checkpoint and (
                 done or (args.save_every and parallel.steps % args.save_every == 0)
@@ -138,11 +138,13 @@ def main() -> None:
     dist.destroy_process_group()
 
 
-def evaluate(parallel: fxpar.ParallelModel, held_out: torch.Tensor, rank: int) -> None:
-    """The held-out loss, forward only and in eval mode, and one greedy prediction."""
+def evaluate(parallel: fxpar.ParallelModel, held_out: torch.Tensor, rank: int, world: int) -> None:
+    """The held-out loss, forward only and in eval mode, and a greedy prediction. As in
+    training (``batch="local"``), each rank passes its own share of the windows."""
+    share = held_out[: len(held_out) // world * world].chunk(world)[rank]
     parallel.eval()
-    loss = parallel.loss(input_ids=held_out, labels=held_out)  # the whole held-out set
-    logits = parallel(input_ids=held_out[:1]).logits  # a ModelOutput, as the model returns
+    loss = parallel.loss(input_ids=share, labels=share)  # over every rank's share
+    logits = parallel(input_ids=share).logits  # a ModelOutput; every share's rows, in rank order
     parallel.train()
     if rank == 0:
         guess = bytes(logits[0].argmax(-1).tolist()[-8:]).decode("utf-8", "replace")
