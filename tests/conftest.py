@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import pytest
@@ -114,3 +115,53 @@ def assert_matches_eager(
     for name, value in result.buffers.items():
         torch.testing.assert_close(value, buffers[name], rtol=rtol, atol=atol, msg=name)
     return program
+
+
+class EagerReference:
+    """The base of the eager stand-ins that run a script of calls (``step``, ``loss``,
+    ``model(...)``, ``train``, ``eval``, ``full_state_dict``) beside a compiled model: the
+    model and its SGD optimizer, the mode switches, and :meth:`unchanged`, for a ``loss`` that
+    changes nothing, as fxpar's does."""
+
+    def __init__(self, model: nn.Module, lr: float) -> None:
+        self.model = model
+        self.optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+
+    @contextlib.contextmanager
+    def unchanged(self) -> Iterator[None]:
+        """No gradients inside, and the random state and buffers as they were after."""
+        rng = torch.get_rng_state()
+        buffers = copy.deepcopy(dict(self.model.named_buffers()))
+        try:
+            with torch.no_grad():
+                yield
+        finally:
+            torch.set_rng_state(rng)
+            for name, value in buffers.items():
+                self.model.get_buffer(name).copy_(value)
+
+    def train(self, mode: bool = True) -> None:
+        self.model.train(mode)
+
+    def eval(self) -> None:
+        self.model.eval()
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+
+
+def assert_same_results(found: Mapping[str, Any], expected: Mapping[str, Any]) -> None:
+    """A script's results (by name: tensors, dicts of tensors such as a state, other values)
+    equal the reference's, tensors to float tolerance."""
+    assert found.keys() == expected.keys()
+    for key, value in expected.items():
+        if isinstance(value, dict):
+            assert found[key].keys() == value.keys(), key
+            for name, tensor in value.items():
+                torch.testing.assert_close(
+                    found[key][name], tensor, rtol=1e-4, atol=1e-5, msg=f"{key}: {name}"
+                )
+        elif isinstance(value, torch.Tensor):
+            torch.testing.assert_close(found[key], value, rtol=1e-4, atol=1e-5, msg=key)
+        else:
+            assert found[key] == value, key

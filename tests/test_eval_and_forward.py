@@ -9,7 +9,6 @@ and two mesh axes). Both start from the same seed, so dropout draws the same num
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -17,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from conftest import eager_step
+from conftest import EagerReference, assert_same_results, eager_step
 from torch import nn
 from torch.distributed.tensor import Shard
 from zoo import CNN
@@ -31,14 +30,13 @@ GPT_CONFIG = GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size
 LR = 0.3
 
 
-class Eager:
+class Eager(EagerReference):
     """The reference: the calls a ParallelModel takes, on the eager model, with what
     ParallelModel promises (``loss`` changes nothing: the random state and buffers are kept)."""
 
     def __init__(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor] | None) -> None:
-        self.model = model
+        super().__init__(model, LR)
         self.loss_fn = loss_fn
-        self.optimizer = torch.optim.SGD(model.parameters(), lr=LR)
 
     def _split(self, batch: Sequence[Any]) -> tuple[Any, Sequence[torch.Tensor]]:
         if self.loss_fn is None:
@@ -52,31 +50,15 @@ class Eager:
         return loss
 
     def loss(self, *batch: Any, **named: Any) -> torch.Tensor:
-        rng = torch.get_rng_state()
-        buffers = copy.deepcopy(dict(self.model.named_buffers()))
-        with torch.no_grad():
+        with self.unchanged():
             if named:
-                loss = self.model(**named).loss
-            else:
-                inputs, targets = self._split(batch)
-                loss = self.loss_fn(self.model(*inputs), *targets)  # type: ignore[misc]
-        torch.set_rng_state(rng)
-        for name, value in buffers.items():
-            self.model.get_buffer(name).copy_(value)
-        return loss
+                return self.model(**named).loss
+            inputs, targets = self._split(batch)
+            return self.loss_fn(self.model(*inputs), *targets)  # type: ignore[misc]
 
     def __call__(self, *inputs: Any, **named: Any) -> Any:
         with torch.no_grad():
             return self.model(*inputs, **named)
-
-    def train(self, mode: bool = True) -> None:
-        self.model.train(mode)
-
-    def eval(self) -> None:
-        self.model.eval()
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
 
 def _tokens(*shape: int, seed: int) -> torch.Tensor:
@@ -182,21 +164,9 @@ def _parallel(rank: int, world_size: int, name: str, plan: str, mesh: tuple[int,
     return script(parallel)
 
 
-def _assert_same(found: Mapping[str, Any], expected: Mapping[str, Any]) -> None:
-    assert found.keys() == expected.keys()
-    for key, value in expected.items():
-        if key == "state":
-            for name, tensor in value.items():
-                torch.testing.assert_close(found[key][name], tensor, rtol=1e-4, atol=1e-5)
-        elif isinstance(value, torch.Tensor):
-            torch.testing.assert_close(found[key], value, rtol=1e-4, atol=1e-5, msg=key)
-        else:
-            assert found[key] == value, key
-
-
 def test_one_device_runs_the_script_like_eager() -> None:
     """No process group: the same programs, run whole."""
-    _assert_same(_parallel(0, 1, "gpt", "ilp", (1,)), _eager("gpt"))
+    assert_same_results(_parallel(0, 1, "gpt", "ilp", (1,)), _eager("gpt"))
 
 
 @pytest.mark.slow
@@ -220,7 +190,7 @@ def test_eval_forward_and_loss_equal_eager(name: str, plan: str, mesh: tuple[int
     results = spawn(_parallel, world_size, name, plan, mesh)
     expected = _eager(name)
     for found in results:
-        _assert_same(found, expected)
+        assert_same_results(found, expected)
 
 
 def _sharded_outputs(rank: int, world_size: int) -> dict[str, Any]:

@@ -18,15 +18,15 @@ Two spawns (2 ranks, 4 ranks) run every multi-process check; the parent compares
 
 from __future__ import annotations
 
-import copy
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from conftest import EagerReference, assert_same_results
 from torch import nn
 from zoo import CNN
 
@@ -48,16 +48,15 @@ CNN_SPLIT = ("features.4",)  # stage 0: conv, BatchNorm, pool; stage 1: conv, Ba
 GPT_LAYOUTS = ("2 stages", "2 stages x 2 replicas", "2 stages x stage mesh (2,)")
 
 
-class Eager:
+class Eager(EagerReference):
     """The reference: the calls a PipelineModel takes, run eagerly on each of ``pieces`` pieces
     of the batch in turn (a pipeline's micro-batches and replicas' shares, in their order), with
     the losses and gradients of a mean loss averaged; ``loss`` changes nothing."""
 
     def __init__(self, model: nn.Module, loss_fn: Callable[..., torch.Tensor], pieces: int):
-        self.model = model
+        super().__init__(model, LR)
         self.loss_fn = loss_fn
         self.pieces = pieces
-        self.optimizer = torch.optim.SGD(model.parameters(), lr=LR)
 
     def _losses(self, inputs: torch.Tensor, targets: torch.Tensor) -> list[torch.Tensor]:
         return [
@@ -76,27 +75,12 @@ class Eager:
         return torch.stack(losses).mean()
 
     def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        rng = torch.get_rng_state()
-        buffers = copy.deepcopy(dict(self.model.named_buffers()))
-        with torch.no_grad():
-            loss = torch.stack(self._losses(inputs, targets)).mean()
-        torch.set_rng_state(rng)
-        for name, value in buffers.items():
-            self.model.get_buffer(name).copy_(value)
-        return loss
+        with self.unchanged():
+            return torch.stack(self._losses(inputs, targets)).mean()
 
     def __call__(self, inputs: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             return torch.cat([self.model(x) for x in inputs.chunk(self.pieces)])
-
-    def train(self, mode: bool = True) -> None:
-        self.model.train(mode)
-
-    def eval(self) -> None:
-        self.model.eval()
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.model.state_dict().items()}
 
 
 def _tokens(*shape: int, seed: int) -> torch.Tensor:
@@ -295,19 +279,6 @@ def four_ranks() -> list[dict[str, Any]]:
     return spawn(_on_four_ranks, 4, timeout_s=240)
 
 
-def _assert_same(found: Mapping[str, Any], expected: Mapping[str, Any]) -> None:
-    assert found.keys() == expected.keys()
-    for key, value in expected.items():
-        if isinstance(value, dict):
-            assert found[key].keys() == value.keys(), key
-            for name, tensor in value.items():
-                torch.testing.assert_close(
-                    found[key][name], tensor, rtol=1e-4, atol=1e-5, msg=f"{key}: {name}"
-                )
-        else:
-            torch.testing.assert_close(found[key], value, rtol=1e-4, atol=1e-5, msg=key)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", GPT_LAYOUTS)
 def test_gpt_evaluates_infers_and_trains_across_modes_like_eager(
@@ -323,7 +294,7 @@ def test_gpt_evaluates_infers_and_trains_across_modes_like_eager(
     replicas = 2 if layout == "2 stages x 2 replicas" else 1
     expected = _eager_gpt(2 * replicas)
     for found in results:
-        _assert_same(found, expected)
+        assert_same_results(found, expected)
 
 
 @pytest.mark.slow
@@ -336,7 +307,7 @@ def test_batchnorm_pipeline_keeps_running_statistics_like_eager_per_microbatch(
     value, the eval outputs after training included, is eager's."""
     expected = _eager_cnn(2)
     for rank in two_ranks:
-        _assert_same(rank["cnn"], expected)
+        assert_same_results(rank["cnn"], expected)
     # The forward in train mode did update the statistics (the check above is not vacuous).
     assert not torch.equal(
         expected["state after forward (train)"]["features.1.running_mean"],

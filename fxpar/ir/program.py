@@ -194,6 +194,14 @@ class Program:
             if phase is None or ir.require(node, ir.Region).phase is phase:
                 yield node
 
+    def output_metas(self) -> tuple[ir.TensorMeta, ...]:
+        """The shape and dtype of each of :attr:`Signature.outputs`: the loss, or a forward's
+        outputs."""
+        results = self.graph.output_node().args[0]
+        assert isinstance(results, (tuple, list))
+        leading = results[: len(self.signature.outputs)]
+        return tuple(ir.require(node, ir.ValueMeta).tensor for node in leading)  # type: ignore[arg-type]
+
     def placeholders(self) -> dict[str, fx.Node]:
         """Placeholder nodes by the parameter, buffer or input name they stand for."""
         nodes = [n for n in self.graph.nodes if n.op == "placeholder"]

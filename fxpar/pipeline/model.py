@@ -454,13 +454,9 @@ class PipelineModel:
             PipelineError: an output whose dim 0 is not the batch's (say a scalar), or a model
                 whose eval-mode or forward cut would need state held by another stage.
         """
-        call = call_inputs(inputs, named_inputs)
-        tensors = batch_tensors(call)
-        metas = tuple(ir.TensorMeta.of(tensor) for tensor in tensors)
-        names = tuple(f"input {i}" for i in range(len(tensors)))
-        # Before anything is captured, so that every rank builds the same programs.
-        check = self._check_ranks
-        BatchSignature(names, metas).take(tensors, {}, check_ranks=check, rank=self.rank)
+        call, tensors, metas = call_inputs(
+            inputs, named_inputs, check_ranks=self._check_ranks, rank=self.rank
+        )
         pieces = self.pipeline.microbatches * self.pipeline.data_parallel
         _batch_size(tensors, pieces)
         key = forward_key(self.training, call, metas)
@@ -619,9 +615,7 @@ class PipelineModel:
         return (loss / count).to(self._loss_dtype())
 
     def _loss_dtype(self) -> torch.dtype:
-        (output,) = (n for n in self.split.program.graph.nodes if n.op == "output")
-        value = output.args[0][0].meta.get("val")
-        return value.dtype if isinstance(value, torch.Tensor) else torch.float32
+        return self.split.program.output_metas()[0].dtype
 
     # -- checkpoints ----------------------------------------------------------------------------
 

@@ -347,16 +347,9 @@ def _describe(kind: PipelineKind, training: bool) -> str:
     return f"the {'training step' if kind == 'train' else 'forward'} in {mode} mode"
 
 
-def _output_metas(program: Program) -> list[ir.TensorMeta]:
-    results = program.graph.output_node().args[0]
-    assert isinstance(results, (tuple, list))
-    leading = results[: len(program.signature.outputs)]
-    return [ir.require(node, ir.ValueMeta).tensor for node in leading]  # type: ignore[arg-type]
-
-
 def _check_batch_rows(piece: Program, whole: Program, pieces: int) -> None:
     """Refuse outputs whose dim 0 does not grow with the batch as the pieces' rows add up."""
-    piece_metas, whole_metas = _output_metas(piece), _output_metas(whole)
+    piece_metas, whole_metas = piece.output_metas(), whole.output_metas()
     if len(piece_metas) != len(whole_metas):
         raise PipelineError(
             f"the model returns {len(whole_metas)} tensors for the whole batch but "

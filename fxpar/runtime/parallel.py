@@ -33,7 +33,7 @@ from torch.distributed.tensor import Replicate, Shard
 from fxpar import checkpoint, ir
 from fxpar.cluster import Coordinate
 from fxpar.errors import BatchError, CheckpointError, FxparError
-from fxpar.ir.capture import StepKind, batch_tensors, with_batch_tensors
+from fxpar.ir.capture import StepKind, with_batch_tensors
 from fxpar.ir.program import named_state, state_dict_aliases
 from fxpar.ir.rng import RandomState
 from fxpar.lowering import conversion_program
@@ -341,11 +341,9 @@ class ParallelModel:
         each output tensor is a ``DTensor`` of this rank's piece on the job's device mesh (a
         plain tensor on one device). A collective: call it on every rank.
         """
-        call = call_inputs(inputs, named_inputs)
-        tensors = batch_tensors(call)
-        names = tuple(f"input {i}" for i in range(len(tensors)))
-        metas = tuple(ir.TensorMeta.of(t) for t in tensors)
-        BatchSignature(names, metas).take(tensors, {}, check_ranks=self._same_batch, rank=self.rank)
+        call, tensors, metas = call_inputs(
+            inputs, named_inputs, check_ranks=self._same_batch, rank=self.rank
+        )
         metas = self._global_metas(metas)
         key = forward_key(self.training, call, metas)
         step = self._steps.get(key)
@@ -364,7 +362,7 @@ class ParallelModel:
         results = [
             self._output(local, spec, meta, gather)
             for local, spec, meta in zip(
-                outputs[:leading], step.leading_specs, step.output_metas, strict=True
+                outputs[:leading], step.leading_specs, step.plan.program.output_metas(), strict=True
             )
         ]
         return tree.rebuild(results)

@@ -22,7 +22,7 @@ import torch.fx as fx
 
 from fxpar import ir
 from fxpar.errors import FxparError
-from fxpar.ir.capture import StepKind
+from fxpar.ir.capture import StepKind, batch_tensors
 from fxpar.ir.program import Signature
 from fxpar.lowering import SPMDProgram, lower
 from fxpar.planning.plan import Plan
@@ -102,14 +102,6 @@ class CompiledStep:
         first = len(self.signature.outputs)
         return self.spmd.output_specs[first : first + len(self.signature.gradients)]
 
-    @property
-    def output_metas(self) -> tuple[ir.TensorMeta, ...]:
-        """The whole shapes of the loss or the forward's outputs."""
-        results = self.plan.program.graph.output_node().args[0]
-        assert isinstance(results, (tuple, list))
-        leading = results[: len(self.signature.outputs)]
-        return tuple(ir.require(node, ir.ValueMeta).tensor for node in leading)  # type: ignore[arg-type]
-
     def check_state(self, kept: Mapping[str, Spec], what: str) -> None:
         """Refuse a plan that lays out any parameter or buffer other than ``kept`` says."""
         moved = [name for name, spec in kept.items() if self.specs.get(name) != spec]
@@ -126,8 +118,22 @@ def step_key(kind: StepKind, training: bool, metas: Sequence[ir.TensorMeta]) -> 
     return (kind, training, tuple(metas))
 
 
-def call_inputs(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> CallInputs:
-    """The model inputs of ``forward(*args, **kwargs)``, positional or by keyword."""
+def call_inputs(
+    args: tuple[Any, ...], kwargs: Mapping[str, Any], *, check_ranks: bool, rank: int
+) -> tuple[CallInputs, list[torch.Tensor], tuple[ir.TensorMeta, ...]]:
+    """The model inputs of ``forward(*args, **kwargs)``, positional or by keyword, their
+    tensors and the tensors' shapes; with ``check_ranks``, after checking that every rank holds
+    the same tensors (a collective, before anything is captured, so that every rank builds the
+    same programs)."""
+    call = _call(args, kwargs)
+    tensors = batch_tensors(call)
+    metas = tuple(ir.TensorMeta.of(tensor) for tensor in tensors)
+    names = tuple(f"input {i}" for i in range(len(tensors)))
+    BatchSignature(names, metas).take(tensors, {}, check_ranks=check_ranks, rank=rank)
+    return call, tensors, metas
+
+
+def _call(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> CallInputs:
     if args and kwargs:
         raise FxparError(
             "pass the model's inputs either positionally or by keyword, not both (got "
