@@ -20,6 +20,7 @@ from fxpar.lowering.spmd import (
     lower_graph,
     needs_strategy,
     output_specs,
+    single_all_reduce,
     value_spec,
 )
 
@@ -37,5 +38,6 @@ __all__ = [
     "lower_graph",
     "needs_strategy",
     "output_specs",
+    "single_all_reduce",
     "value_spec",
 ]

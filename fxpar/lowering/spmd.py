@@ -473,12 +473,9 @@ class _RankLowering:
         if not isinstance(result, fx.Node) or result not in self.env:
             return None
         current = self.env[result][1][0]
-        if current is None or current == spec or (result, spec, None) in self.converted:
+        if current is None or (result, spec, None) in self.converted:
             return None
-        steps = reshard_steps(current, spec, self.mesh)
-        if len(steps) != 1 or steps[0].kind != "all_reduce":
-            return None
-        return steps[0].axis
+        return single_all_reduce(current, spec, self.mesh)
 
     def _lower_op(self, node: fx.Node) -> None:
         strategy = ir.require(node, Sharding).strategy
@@ -573,6 +570,17 @@ class _RankLowering:
             CollectiveRecord(step.kind, step.axis, int(nbytes), source.name, consumer.name, phase)
         )
         return self.graph.call_function(call, args), after
+
+
+def single_all_reduce(current: Spec, want: Spec, mesh_shape: Sequence[int]) -> int | None:
+    """The mesh axis when going from ``current`` to ``want`` takes one all-reduce and nothing
+    else (what an output needs to join a bucket), else None."""
+    if current == want:
+        return None
+    steps = reshard_steps(current, want, mesh_shape)
+    if len(steps) != 1 or steps[0].kind != "all_reduce":
+        return None
+    return steps[0].axis
 
 
 def buckets(sizes: Sequence[int], limit: int) -> list[list[int]]:

@@ -43,7 +43,14 @@ from fxpar import ir
 from fxpar.cluster import Cluster
 from fxpar.errors import FxparError
 from fxpar.ir.program import Program
-from fxpar.lowering import BUCKET_BYTES, CollectiveRecord, buckets, needs_strategy, output_specs
+from fxpar.lowering import (
+    BUCKET_BYTES,
+    CollectiveRecord,
+    buckets,
+    needs_strategy,
+    output_specs,
+    single_all_reduce,
+)
 from fxpar.planning import cost
 from fxpar.rules import coverage
 from fxpar.rules.registry import tensor_inputs
@@ -153,16 +160,15 @@ def walk(program: Program, cluster: Cluster) -> Walk:
                     continue
                 current = found.specs[result][0]
                 assert current is not None
-                steps = reshard_steps(current, spec, mesh)
-                single = len(steps) == 1 and steps[0].kind == "all_reduce"
-                if not single or (result, spec, None) in converted:
+                axis = single_all_reduce(current, spec, mesh)
+                if axis is None or (result, spec, None) in converted:
                     convert(result, spec, node, ir.Phase.OUTPUT)
                     continue
                 meta = ir.require(result, ir.ValueMeta).tensor
                 found.edge_seconds += cost.reshard_seconds(current, spec, meta, cluster)
                 shape = tuple(ir.evaluate(s) for s in meta.shape)
                 nbytes = math.prod(local_shape(shape, current, mesh)) * meta.dtype.itemsize
-                bucketed.setdefault((steps[0].axis, meta.dtype), []).append((result, nbytes))
+                bucketed.setdefault((axis, meta.dtype), []).append((result, nbytes))
             for (axis, _), members in bucketed.items():
                 for positions in buckets([n for _, n in members], BUCKET_BYTES):
                     nbytes = sum(members[p][1] for p in positions)
