@@ -6,9 +6,10 @@ Both leave a :class:`~fxpar.sharding.Sharding` on every node that needs one and 
 choice as a program-level :class:`ChosenStrategies`: the plain-data problem, the answer and how
 problem nodes map back to graph nodes, which :class:`fxpar.Plan` reads.
 
-- :class:`SolveStrategies` builds the intra-op problem (coarsened, repeated layers merged, see
-  :mod:`fxpar.planning.problem`) and hands it to a solver: the HiGHS ILP by default, or any
-  object with ``solve(IntraOpProblem) -> IntraOpSolution`` (:mod:`fxpar.solvers`).
+- :class:`SolveStrategies` builds the intra-op problem (repeated layers merged, see
+  :mod:`fxpar.planning.problem`), with the hand-written plans as its starting plans, and hands
+  it to a solver: the HiGHS ILP by default, or any object with
+  ``solve(IntraOpProblem) -> IntraOpSolution`` (:mod:`fxpar.solvers`).
 - :class:`ApplyPlanFile` gives every node its strategy from a plan saved by
   :meth:`fxpar.Plan.save` (:mod:`fxpar.planning.plan_file`), checked against its candidates.
 - :class:`ApplyManualPlan` runs a manual plan (``fxpar.plans.data_parallel`` or any function
@@ -38,6 +39,7 @@ from fxpar.planning.problem import (
     assignment_of,
     build_problem,
 )
+from fxpar.planning.propagate import starting_plans
 from fxpar.planning.rank_zero import SolvedOnRankZero
 from fxpar.sharding import Sharding, Strategies, spec_str
 from fxpar.solvers.ilp import ILPSolver
@@ -88,6 +90,8 @@ class SolveStrategies(Pass):
     def run(self, program: Program) -> Program:
         cluster = program.require_cluster(f"the {self.name!r} pass")
         problem, layout = build_problem(program, cluster, self.options)
+        if self.options.manual_starts:
+            problem = replace(problem, starts=_starts(program, cluster, layout))
         solver: IntraOpSolver = self.solver if self.solver is not None else ILPSolver()
         if self.on_rank_zero:
             solver = SolvedOnRankZero(solver)
@@ -138,6 +142,18 @@ class ApplyPlanFile(Pass):
         )
         program.annotate(ChosenStrategies(problem, solution, layout, options))
         return program
+
+
+def _starts(program: Program, cluster: Cluster, layout: Layout) -> tuple[tuple[int, ...], ...]:
+    """The hand-written plans as choices of the problem laid out by ``layout``; a plan the
+    problem cannot express (one that breaks a pin, or gives repeated layers different
+    strategies) is left out."""
+    found = []
+    for _, planned in starting_plans(program, cluster):
+        choice = assignment_of(planned, layout)
+        if choice is not None and choice not in found:
+            found.append(choice)
+    return tuple(found)
 
 
 def _first_misfit(program: Program) -> str:

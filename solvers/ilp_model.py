@@ -39,7 +39,16 @@ always recomputed with :meth:`IntraOpProblem.objective`, so it is exact):
    columns) are interchangeable: e gets one variable per pair of classes, and the consistency
    rows equate e's marginals with the class sums of x. On 2-D meshes this halves the edge
    variables (many strategies produce, or read, the same layout).
-6. **Scaling.** Costs are divided by the largest one, so HiGHS's tolerances are relative to the
+6. **Elimination** (exact coarsening). A decision whose strategies all keep the same memory
+   (or any, when even the hungriest plan fits) and that meets at most two other decisions is
+   eliminated as in dynamic programming: with one neighbour w, each strategy of w gets v's
+   cheapest answer to it added to its cost; with two, w1 and w2 get an edge whose entry for
+   (s1, s2) is v's cheapest answer to both. Every plan of the smaller problem extends to a plan
+   of the whole one with the same cost (v takes the recorded answer), and no plan of the whole
+   problem costs less, so the optimum is the same. Repeated until nothing changes: chains of
+   views, transposes and pointwise ops between two matmuls become one edge. Plans are read back
+   through the recorded answers, last elimination first.
+7. **Scaling.** Costs are divided by the largest one, so HiGHS's tolerances are relative to the
    problem's own magnitudes (costs in seconds are tiny); the optimality gap is purely relative
    (``mip_abs_gap`` = 0), measured on the whole objective, constants included.
 
@@ -92,6 +101,15 @@ class Pair(NamedTuple):
         return Pair(u, v, columns, row_class.ravel(), column_class.ravel())
 
 
+class Elimination(NamedTuple):
+    """Node ``v`` eliminated (reduction 6): its candidate position for each combination of its
+    ``neighbours``' candidate positions (a 0-, 1- or 2-d table)."""
+
+    v: int
+    neighbours: tuple[int, ...]
+    answer: npt.NDArray[np.intp]
+
+
 @dataclasses.dataclass(frozen=True)
 class Reduced:
     """The problem after the reductions, over each node's candidate strategies."""
@@ -108,11 +126,20 @@ class Reduced:
     memory_budget: float
     """The row's right-hand side: the budget M − L in the units of ``excess``."""
     cost_scale: float
+    eliminated: tuple[Elimination, ...] = ()
+    """The eliminated nodes, in order (reduction 6)."""
+    constant: float = 0.0
+    """Cost of eliminated nodes that met no other decision (their cheapest strategy)."""
 
     @property
     def free(self) -> list[int]:
-        """Nodes with more than one candidate: the decisions."""
-        return [v for v, candidates in enumerate(self.candidates) if len(candidates) > 1]
+        """Nodes with more than one candidate, not eliminated: the decisions."""
+        gone = {e.v for e in self.eliminated}
+        return [
+            v
+            for v, candidates in enumerate(self.candidates)
+            if len(candidates) > 1 and v not in gone
+        ]
 
     def node_columns(self) -> dict[int, int]:
         """The first column of each free node's x variables."""
@@ -143,13 +170,18 @@ class Reduced:
         position = [0] * len(self.candidates)
         for v, column in self.node_columns().items():
             position[v] = int(np.argmax(values[column : column + len(self.candidates[v])]))
+        for elimination in reversed(self.eliminated):
+            at = tuple(position[n] for n in elimination.neighbours)
+            position[elimination.v] = int(elimination.answer[at])
         return tuple(self.candidates[v][p] for v, p in enumerate(position))
 
     def start_values(self, choice: tuple[int, ...]) -> Vector | None:
-        """Column values of ``choice`` (None if it uses a pruned strategy)."""
-        if any(s not in self.candidates[v] for v, s in enumerate(choice)):
+        """Column values of ``choice`` (None if it uses a pruned strategy; eliminated nodes
+        take their recorded answers instead)."""
+        gone = {e.v for e in self.eliminated}
+        if any(s not in self.candidates[v] for v, s in enumerate(choice) if v not in gone):
             return None
-        position = [self.candidates[v].index(s) for v, s in enumerate(choice)]
+        position = [0 if v in gone else self.candidates[v].index(s) for v, s in enumerate(choice)]
         values = np.zeros(self.num_columns)
         for v, column in self.node_columns().items():
             values[column + position[v]] = 1.0
@@ -173,18 +205,97 @@ def reduce_problem(problem: IntraOpProblem) -> Reduced:
         np.asarray(node_costs, dtype=np.float64)[node_candidates]
         for node_costs, node_candidates in zip(problem.node_costs, candidates, strict=True)
     ]
+    matrices = _merge_edges(problem, candidates, costs)
     pairs = []
-    for (u, v), matrix in _merge_edges(problem, candidates, costs).items():
+    for (u, v), matrix in list(matrices.items()):
+        if _is_separable(matrix):
+            costs[u] += matrix[:, 0]
+            costs[v] += matrix[0, :] - matrix[0, 0]
+            del matrices[u, v]
+    memory_neutral = [
+        excess is None or not memory_row or not bool(excess[v].any())
+        for v in range(len(candidates))
+    ]
+    eliminated, constant = _eliminate(candidates, costs, matrices, memory_neutral)
+    for (u, v), matrix in sorted(matrices.items()):
         if _is_separable(matrix):
             costs[u] += matrix[:, 0]
             costs[v] += matrix[0, :] - matrix[0, 0]
         else:
             pairs.append(Pair.grouped(u, v, matrix))
-    magnitudes = [np.abs(costs[v]).max() for v, c in enumerate(candidates) if len(c) > 1]
+    gone = {e.v for e in eliminated}
+    magnitudes = [
+        np.abs(costs[v]).max() for v, c in enumerate(candidates) if len(c) > 1 and v not in gone
+    ]
     magnitudes += [np.abs(pair.costs).max() for pair in pairs]
     largest = float(max(magnitudes, default=0.0))
     cost_scale = largest if largest > 0 and math.isfinite(largest) else 1.0
-    return Reduced(candidates, costs, pairs, excess, memory_row, memory_budget, cost_scale)
+    return Reduced(
+        candidates, costs, pairs, excess, memory_row, memory_budget, cost_scale,
+        tuple(eliminated), constant,
+    )  # fmt: skip
+
+
+_ELIMINATION_TABLE = 1 << 18
+"""The most entries (candidates of v times those of its two neighbours) of one elimination."""
+
+
+def _eliminate(
+    candidates: list[list[int]],
+    costs: list[Vector],
+    matrices: dict[tuple[int, int], Matrix],
+    memory_neutral: list[bool],
+) -> tuple[list[Elimination], float]:
+    """Eliminate decisions that meet at most two others (reduction 6), updating ``costs`` and
+    ``matrices`` (keyed ``u < v``, over candidate positions) in place; return the eliminations
+    in order and the cost of those that met none."""
+    neighbours: dict[int, set[int]] = {v: set() for v in range(len(candidates))}
+    for u, v in matrices:
+        neighbours[u].add(v)
+        neighbours[v].add(u)
+
+    def oriented(v: int, w: int) -> Matrix:
+        """The edge between v and w with v's candidates on the rows."""
+        return matrices.pop((v, w)) if v < w else matrices.pop((w, v)).T
+
+    eliminations: list[Elimination] = []
+    constant = 0.0
+    gone: set[int] = set()
+    queue = [v for v in range(len(candidates)) if len(candidates[v]) > 1]
+    while queue:
+        v = queue.pop()
+        if v in gone or len(candidates[v]) < 2 or not memory_neutral[v]:
+            continue
+        around = sorted(neighbours[v])
+        if len(around) == 0:
+            best = int(np.argmin(costs[v]))
+            constant += float(costs[v][best])
+            eliminations.append(Elimination(v, (), np.array(best)))
+        elif len(around) == 1:
+            (w,) = around
+            total = costs[v][:, None] + oriented(v, w)
+            answer = np.argmin(total, axis=0)
+            costs[w] = costs[w] + total[answer, np.arange(total.shape[1])]
+            eliminations.append(Elimination(v, (w,), answer))
+        elif len(around) == 2:
+            w1, w2 = around
+            if len(candidates[v]) * len(candidates[w1]) * len(candidates[w2]) > _ELIMINATION_TABLE:
+                continue
+            first, second = oriented(v, w1), oriented(v, w2)
+            total = costs[v][:, None, None] + first[:, :, None] + second[:, None, :]
+            answer = np.argmin(total, axis=0)
+            through = np.take_along_axis(total, answer[None], axis=0)[0]
+            matrices[w1, w2] = matrices[w1, w2] + through if (w1, w2) in matrices else through
+            neighbours[w1].add(w2)
+            neighbours[w2].add(w1)
+            eliminations.append(Elimination(v, (w1, w2), answer))
+        else:
+            continue
+        gone.add(v)
+        for w in around:
+            neighbours[w].discard(v)
+            queue.append(w)
+    return eliminations, constant
 
 
 def _prune_dominated(problem: IntraOpProblem, candidates: list[list[int]]) -> list[list[int]]:
@@ -369,7 +480,9 @@ def memory_limit(reduced: Reduced, tightening: float) -> list[Row]:
 
 def column_costs(reduced: Reduced) -> tuple[Vector, float]:
     """Column costs (x then e) and the constant of fixed nodes, divided by the cost scale."""
-    fixed = sum(float(reduced.costs[v][0]) for v, c in enumerate(reduced.candidates) if len(c) == 1)
+    fixed = reduced.constant + sum(
+        float(reduced.costs[v][0]) for v, c in enumerate(reduced.candidates) if len(c) == 1
+    )
     parts = [reduced.costs[v] for v in reduced.free] + [p.costs.ravel() for p in reduced.pairs]
     costs = np.concatenate(parts) if parts else np.zeros(0)
     return costs / reduced.cost_scale, fixed / reduced.cost_scale

@@ -51,6 +51,11 @@ class IntraOpProblem:
     """What each node is: parameter, buffer, input, random, or its ATen op."""
     mesh_shape: tuple[int, ...] = field(default=(), compare=False)
     """The mesh the strategies' placements refer to."""
+    starts: tuple[tuple[int, ...], ...] = field(default=(), compare=False)
+    """Plans known before solving, one strategy index per node: the planner puts the hand-written
+    plans here (replicated, data, tensor and fully sharded parallelism). A solver may start from
+    them; :class:`~fxpar.solvers.ILPSolver` never answers with a plan that costs more than the
+    cheapest of them that fits in memory."""
 
     @property
     def num_nodes(self) -> int:
@@ -65,6 +70,15 @@ class IntraOpProblem:
     def memory(self, choice: tuple[int, ...] | list[int]) -> float:
         """Bytes per device kept alive by a choice."""
         return float(sum(m[s] for m, s in zip(self.node_memory, choice, strict=True)))
+
+    def best_start(self) -> tuple[int, ...] | None:
+        """The cheapest of :attr:`starts` that fits in memory, if any."""
+        fitting = [
+            start
+            for start in self.starts
+            if self.memory_limit is None or self.memory(start) <= self.memory_limit
+        ]
+        return min(fitting, key=self.objective, default=None)
 
     def least_memory(self) -> float:
         """The memory of the most memory-frugal choice (memory is additive over nodes)."""

@@ -13,6 +13,7 @@ from fxpar.errors import FxparError
 from fxpar.ir.program import Program
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.runtime.launch import spawn
+from fxpar.testing.strategies import splitting_cluster
 
 CONFIG = GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size=16, bias=False)
 SHAPES = [(4, 8), (2, 8), (4, 16), (4, 8), (2, 8)]
@@ -36,7 +37,7 @@ def _train(rank: int, world_size: int, plan: str) -> dict[str, object]:
     torch.manual_seed(0)
     tokens = _batches()[0]
     parallel = fxpar.compile(
-        GPT(CONFIG), fxpar.Cluster((world_size,)), (tokens,), gpt_loss,
+        GPT(CONFIG), splitting_cluster((world_size,)), (tokens,), gpt_loss,
         example_targets=(tokens,), optimizer=fxpar.optim.SGD(lr=0.2),
         manual=None if plan == "ilp" else getattr(fxpar.plans, plan),
     )  # fmt: skip
@@ -80,7 +81,7 @@ def _refused(rank: int, world_size: int) -> str:
     torch.set_num_threads(1)
     tokens = _batches()[0]
     parallel = fxpar.compile(
-        GPT(CONFIG), fxpar.Cluster((world_size,)), (tokens,), gpt_loss,
+        GPT(CONFIG), splitting_cluster((world_size,)), (tokens,), gpt_loss,
         example_targets=(tokens,), manual=_shape_dependent,
     )  # fmt: skip
     parallel.step(tokens, tokens)

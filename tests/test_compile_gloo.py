@@ -22,6 +22,7 @@ from fxpar import plans
 from fxpar.errors import BatchError, DistributedError, FxparError
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.runtime.launch import spawn
+from fxpar.testing.strategies import splitting_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +55,7 @@ def _compile(
     torch.manual_seed(seed)
     tokens, targets = _batches()[0]
     return fxpar.compile(
-        GPT(CONFIG), fxpar.Cluster(mesh), (tokens,), gpt_loss, example_targets=(targets,),
+        GPT(CONFIG), splitting_cluster(mesh), (tokens,), gpt_loss, example_targets=(targets,),
         optimizer=OPTIMIZER, manual=manual,
     )  # fmt: skip
 
@@ -97,7 +98,7 @@ def _four_ranks(rank: int, world_size: int, checkpoint: str) -> dict[str, object
         results["mesh_error"] = str(error)
     try:  # 3 samples cannot be split over 4 data-parallel ranks
         fxpar.compile(
-            GPT(CONFIG), fxpar.Cluster((world_size,)), (tokens[:3],), gpt_loss,
+            GPT(CONFIG), splitting_cluster((world_size,)), (tokens[:3],), gpt_loss,
             example_targets=(targets[:3],), manual=plans.data_parallel,
         )  # fmt: skip
     except FxparError as error:

@@ -22,9 +22,11 @@ from fxpar.passes import (
     default_pipeline,
     for_compile,
 )
+from fxpar.planning.problem import PlanOptions
 from fxpar.runtime.launch import spawn
 from fxpar.sharding import Sharding, Strategies
 from fxpar.solvers import ExhaustiveSolver, ILPSolver, IntraOpProblem, IntraOpSolution
+from fxpar.testing.strategies import splitting_cluster
 
 CONFIG = GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size=8, bias=False)
 STEPS = 3
@@ -67,7 +69,7 @@ def _sharded_parameters(plan: fxpar.Plan) -> list[str]:
 def _plan(**kwargs: object) -> fxpar.Plan:
     tokens = _batch()
     return fxpar.plan(
-        GPT(CONFIG), fxpar.Cluster.preset("cpu", (2,)), (tokens,), gpt_loss,
+        GPT(CONFIG), splitting_cluster((2,)), (tokens,), gpt_loss,
         example_targets=(tokens,), **kwargs,  # type: ignore[arg-type]
     )  # fmt: skip
 
@@ -221,7 +223,10 @@ def test_a_policy_solver_is_exact_on_a_tiny_problem() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(8, 8, bias=False), torch.nn.Tanh())
     x = torch.randn(4, 8)
     program = fxpar.capture(model, (x,), lambda y: y.square().mean())
-    plan = fxpar.planning.plan.plan_program(program, fxpar.Cluster((2,)), solver=WholeParameters())
+    # Coarsened, so that every plan of the problem can be listed.
+    plan = fxpar.planning.plan.plan_program(
+        program, fxpar.Cluster((2,)), solver=WholeParameters(), options=PlanOptions(coarsen=True)
+    )
     problem = plan.problem
     brute = [
         c
@@ -255,7 +260,7 @@ def _train(rank: int, world_size: int, with_pass: bool) -> dict[str, object]:
         passes = passes.insert_before("choose-strategies", ReplicateParameters())
     tokens = _batch()
     parallel = fxpar.compile(
-        GPT(CONFIG), fxpar.Cluster.preset("cpu", (world_size,)), (tokens,), gpt_loss,
+        GPT(CONFIG), splitting_cluster((world_size,)), (tokens,), gpt_loss,
         example_targets=(tokens,), optimizer=fxpar.optim.SGD(lr=0.1), passes=passes,
     )  # fmt: skip
     local = {name: tuple(p.shape) for name, p in parallel.parameters.items()}

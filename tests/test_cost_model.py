@@ -32,6 +32,7 @@ from fxpar.planning.cost import (
 )
 from fxpar.planning.plan import Plan
 from fxpar.planning.report import report_data
+from fxpar.testing.strategies import splitting_cluster
 
 aten = torch.ops.aten
 
@@ -84,7 +85,7 @@ CASES = [
 
 def make_plan(model_name: str, mesh: tuple[int, ...], how: str) -> Plan:
     model, capture = MODELS[model_name]()
-    cluster = Cluster(mesh)
+    cluster = splitting_cluster(mesh)
     if how == "ilp":
         return fxpar.plan(model, cluster, **capture)
     manual = TENSOR_PARALLEL[model_name] if how == "tensor_parallel" else getattr(plans, how)

@@ -9,6 +9,7 @@ and two mesh axes). Both start from the same seed, so dropout draws the same num
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -24,7 +25,9 @@ from zoo import CNN
 import fxpar
 from fxpar.errors import FxparError
 from fxpar.models import GPT, GPTConfig, gpt_loss
+from fxpar.planning.propagate import COLUMN
 from fxpar.runtime.launch import spawn
+from fxpar.testing.strategies import splitting_cluster
 
 GPT_CONFIG = GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size=16, dropout=0.2)
 LR = 0.3
@@ -157,7 +160,7 @@ def _parallel(rank: int, world_size: int, name: str, plan: str, mesh: tuple[int,
     torch.manual_seed(0)
     model, inputs, loss_fn, targets = build()
     parallel = fxpar.compile(
-        model, fxpar.Cluster(mesh), inputs, loss_fn, example_targets=targets,
+        model, splitting_cluster(mesh), inputs, loss_fn, example_targets=targets,
         optimizer=fxpar.optim.SGD(lr=LR),
         manual=None if plan == "ilp" else getattr(fxpar.plans, plan),
     )  # fmt: skip
@@ -198,8 +201,8 @@ def _sharded_outputs(rank: int, world_size: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model, inputs, loss_fn, targets = _gpt()
     parallel = fxpar.compile(
-        model, fxpar.Cluster((world_size,)), inputs, loss_fn, example_targets=targets,
-        manual=fxpar.plans.tensor_parallel,
+        model, splitting_cluster((world_size,)), inputs, loss_fn, example_targets=targets,
+        manual=functools.partial(fxpar.plans.tensor_parallel, column=(*COLUMN, "wte")),
     )  # fmt: skip
     parallel.eval()
     whole = parallel(inputs[0])
@@ -219,7 +222,7 @@ def test_outputs_stay_sharded_on_request() -> None:
     for found in spawn(_sharded_outputs, 2):
         assert found["is dtensor"] and found["same"]
         (placement,) = found["placements"]
-        assert isinstance(placement, Shard)  # the plan splits the logits; nothing was gathered
+        assert isinstance(placement, Shard)  # the tied head is split: so are the logits
         whole = [4, 8, GPT_CONFIG.vocab_size]
         whole[placement.dim] //= 2
         assert found["local shape"] == tuple(whole)

@@ -15,12 +15,12 @@ from test_manual_plans_zoo import ZOO
 
 import fxpar
 from fxpar import plans
-from fxpar.cluster import Cluster
 from fxpar.passes import default_pipeline
 from fxpar.planning.plan import keeping_state, plan_program
 from fxpar.testing import assert_equivalent
+from fxpar.testing.strategies import splitting_cluster
 
-CLUSTER = Cluster((2, 2))
+CLUSTER = splitting_cluster((2, 2))
 
 
 SEQ2SEQ = ("t5", "bart")

@@ -21,11 +21,12 @@ from fxpar.solvers.ilp_model import new_highs
 OUTPUT_OPTIONS = ("output_flag", "log_to_console")
 
 TINY = IntraOpProblem(
-    node_costs=((1.0, 2.0), (3.0, 1.0)),
-    node_memory=((0.0, 0.0), (0.0, 0.0)),
-    edges=(Edge(0, 1, ((0.0, 5.0), (5.0, 0.0))),),
+    node_costs=((1.0, 2.0), (3.0, 1.0), (0.0, 0.0), (0.0, 0.0)),
+    node_memory=((0.0, 0.0),) * 4,
+    edges=tuple(Edge(u, v, ((0.0, 5.0), (5.0, 0.0))) for u in range(4) for v in range(u + 1, 4)),
 )
-"""No memory limit: the Lagrangian phase solves its LP relaxation with one HiGHS instance."""
+"""No memory limit: the Lagrangian phase solves its LP relaxation with one HiGHS instance. Four
+nodes that all meet each other, so that the ILP's elimination leaves HiGHS a model to solve."""
 
 # Solves the tiny problem, then a chain whose memory limit binds, along every HiGHS path of
 # ILPSolver (branch and bound on worker threads with a sized pool, Lagrangian phase then MIP,
@@ -123,7 +124,7 @@ def test_highs_log_reaches_the_logger_in_process(caplog: pytest.LogCaptureFixtur
     """In this process too (caplog at DEBUG), a solve's HiGHS log comes as DEBUG records."""
     with caplog.at_level(logging.DEBUG, logger="fxpar.solvers.ilp.highs"):
         solution = ILPSolver().solve(TINY)
-    assert solution.choice == (1, 1)
+    assert solution.choice == (1, 1, 1, 1)
     records = [r for r in caplog.records if r.name == "fxpar.solvers.ilp.highs"]
     assert records, "no HiGHS log record"
     assert {r.levelno for r in records} == {logging.DEBUG}

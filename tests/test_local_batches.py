@@ -17,6 +17,7 @@ import fxpar
 from fxpar.errors import FxparError
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.runtime.launch import SpawnError, spawn
+from fxpar.testing.strategies import splitting_cluster
 
 CONFIG = GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size=16, bias=False)
 LR = 0.3
@@ -56,7 +57,7 @@ def _train(rank: int, world_size: int, plan: str, mesh: tuple[int, ...], per_ran
     first = next(iter(_loader(world_size, rank, per_rank)))[0]  # (iterating draws a seed)
     torch.manual_seed(0)
     parallel = fxpar.compile(
-        GPT(CONFIG), fxpar.Cluster(mesh), (first,), gpt_loss, example_targets=(first,),
+        GPT(CONFIG), splitting_cluster(mesh), (first,), gpt_loss, example_targets=(first,),
         optimizer=fxpar.optim.SGD(lr=LR), batch="local",
         manual=None if plan == "ilp" else getattr(fxpar.plans, plan),
     )  # fmt: skip
@@ -92,7 +93,7 @@ def _uneven(rank: int, world_size: int) -> None:
     torch.set_num_threads(1)
     tokens = _dataset()[:4]
     parallel = fxpar.compile(
-        GPT(CONFIG), fxpar.Cluster((world_size,)), (tokens,), gpt_loss,
+        GPT(CONFIG), splitting_cluster((world_size,)), (tokens,), gpt_loss,
         example_targets=(tokens,), batch="local",
     )  # fmt: skip
     rows = tokens[: 4 if rank == 0 else 3]

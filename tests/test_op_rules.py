@@ -22,6 +22,7 @@ from fxpar.ir.program import Program, Signature
 from fxpar.rules import AxisOption, coverage, default_rules, op_call
 from fxpar.sharding import Sharding
 from fxpar.testing import assert_equivalent, validate_rules
+from fxpar.testing.strategies import splitting_cluster
 
 aten = torch.ops.aten
 MESHES = [(2,), (2, 2)]
@@ -251,7 +252,7 @@ def test_captured_modules_fall_back_on_none_of_the_covered_ops(model: nn.Module)
 def test_rope_planned_by_the_ilp_matches_one_device() -> None:
     torch.manual_seed(0)
     model, x = RoPE(), torch.randn(4, 4, 8)
-    plan = fxpar.plan(model, fxpar.Cluster((2,)), (x,), solver=fxpar.solvers.ILPSolver())
+    plan = fxpar.plan(model, splitting_cluster((2,)), (x,), solver=fxpar.solvers.ILPSolver())
     complex_views = [
         ir.require(n, Sharding).strategy
         for n in plan.program.graph.nodes

@@ -41,6 +41,7 @@ from fxpar.pipeline import Pipeline, PipelineError, PipelineModel, partition, sp
 from fxpar.pipeline.steps import check_state
 from fxpar.planning.plan import plan_program
 from fxpar.runtime.launch import spawn
+from fxpar.testing.strategies import splitting_cluster
 
 GPT_CONFIG = GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size=16, dropout=0.2)
 LR = 0.3
@@ -145,7 +146,7 @@ def _gpt_pipeline(layout: str) -> PipelineModel:
     common: dict[str, Any] = {"example_targets": (tokens,), "optimizer": fxpar.optim.SGD(lr=LR)}
     if layout == "2 stages x stage mesh (2,)":
         pipelined = fxpar.compile(
-            model, Cluster((2, 2)), (tokens,), gpt_loss, **common,
+            model, splitting_cluster((2, 2)), (tokens,), gpt_loss, **common,
             pipeline=Pipeline(stages=2, microbatches=2),
         )  # fmt: skip
         assert isinstance(pipelined, PipelineModel) and pipelined.sharded is not None

@@ -29,6 +29,7 @@ from fxpar.optim import SGD, AdamW
 from fxpar.pipeline import Pipeline, PipelineModel
 from fxpar.runtime.launch import spawn
 from fxpar.sharding import shard_tensor
+from fxpar.testing.strategies import splitting_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -80,7 +81,7 @@ def _run_cases(rank: int, world_size: int, cases: list[Pipeline], checkpoint_dir
     for pipeline, solver in TP_CASES:
         model, tokens, targets = _build()
         pipelined = fxpar_compile(
-            model, Cluster((2, 2)), (tokens,), gpt_loss, example_targets=(targets,),
+            model, splitting_cluster((2, 2)), (tokens,), gpt_loss, example_targets=(targets,),
             optimizer=SGD(lr=LR), pipeline=pipeline,
             manual=plans.tensor_parallel if solver == "megatron" else None,
         )  # fmt: skip

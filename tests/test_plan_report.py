@@ -28,6 +28,7 @@ from fxpar.rules import RuleRegistry
 from fxpar.sharding import Sharding
 from fxpar.solvers.greedy import GreedySolver
 from fxpar.testing import assert_equivalent
+from fxpar.testing.strategies import splitting_cluster
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = GPTConfig(n_layer=3, n_embd=32, n_head=4, vocab_size=64, block_size=16)
@@ -43,7 +44,7 @@ def captured() -> tuple[GPT, fxpar.Program, torch.Tensor]:
 @pytest.fixture(scope="module")
 def ilp_plan() -> tuple[GPT, Plan, torch.Tensor]:
     model, program, tokens = captured()
-    return model, plan_program(program, Cluster((2, 2))), tokens
+    return model, plan_program(program, splitting_cluster((2, 2))), tokens
 
 
 @pytest.fixture(scope="module")

@@ -116,8 +116,10 @@ def test_repeated_layers_are_solved_once_and_coarsening_shrinks_the_problem() ->
     full, full_layout = build_problem(
         prepared, cluster, PlanOptions(coarsen=False, dedup_layers=False)
     )
-    coarse, coarse_layout = build_problem(prepared, cluster, PlanOptions(dedup_layers=False))
-    deduped, layout = build_problem(prepared, cluster)
+    coarse, coarse_layout = build_problem(
+        prepared, cluster, PlanOptions(coarsen=True, dedup_layers=False)
+    )
+    deduped, layout = build_problem(prepared, cluster, PlanOptions(coarsen=True))
     assert full.num_nodes > coarse.num_nodes > deduped.num_nodes
     assert layout.stats["layers_merged"] > 0
     # The same data-parallel choice costs the same in all three problems.
@@ -137,7 +139,9 @@ def test_solvers_are_interchangeable_and_agree_on_a_small_graph() -> None:
     results = {}
     for solver in (ILPSolver(), ExhaustiveSolver(max_combinations=10**7), GreedySolver()):
         program = fxpar.capture(model, (x,), lambda y: y.square().mean())
-        results[solver.name] = plan_program(program, Cluster((2,)), solver=solver)
+        # Coarsened, so that exhaustive search can list every plan of the problem.
+        options = PlanOptions(coarsen=True)
+        results[solver.name] = plan_program(program, Cluster((2,)), solver=solver, options=options)
     assert results["ilp"].solution.objective == pytest.approx(
         results["exhaustive"].solution.objective
     )

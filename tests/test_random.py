@@ -26,7 +26,7 @@ from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.planning.plan import plan_program
 from fxpar.runtime.launch import spawn
 from fxpar.testing import ModelCase, assert_equivalent, assert_plan_equivalent
-from fxpar.testing.strategies import _SequenceModel
+from fxpar.testing.strategies import _SequenceModel, splitting_cluster
 
 CONFIG = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16, dropout=0.2)
 
@@ -170,7 +170,7 @@ def _train_parallel(rank: int, world_size: int, solver_name: str, mesh: tuple[in
     manual = None if solver_name == "ilp" else getattr(fxpar.plans, solver_name)
     model, batches = _model_and_batches()
     parallel = fxpar.compile(
-        model, fxpar.Cluster(mesh), (batches[0],), gpt_loss, example_targets=(batches[0],),
+        model, splitting_cluster(mesh), (batches[0],), gpt_loss, example_targets=(batches[0],),
         optimizer=fxpar.optim.SGD(lr=0.1), manual=manual,
     )  # fmt: skip
     torch.manual_seed(100 + rank)  # every rank's own generator differs from here on
@@ -197,7 +197,7 @@ def _train_pipeline(rank: int, world_size: int, pipeline: fxpar.Pipeline) -> dic
     torch.set_num_threads(1)
     model, batches = _model_and_batches()
     pipelined = fxpar.compile(
-        model, fxpar.Cluster((world_size,)), (batches[0],), gpt_loss,
+        model, splitting_cluster((world_size,)), (batches[0],), gpt_loss,
         example_targets=(batches[0],), optimizer=fxpar.optim.SGD(lr=0.1), pipeline=pipeline,
     )  # fmt: skip
     torch.manual_seed(100 + rank)

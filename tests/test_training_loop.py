@@ -18,6 +18,7 @@ from fxpar.errors import BatchError, FxparError
 from fxpar.lowering import lower
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.runtime.launch import spawn
+from fxpar.testing.strategies import splitting_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -51,7 +52,7 @@ def _compile(
     tokens = _batches(4)[0]
     manual = None if plan == "ilp" else getattr(fxpar.plans, plan)
     return fxpar.compile(
-        GPT(CONFIG), fxpar.Cluster(mesh or (world_size,)), (tokens,), gpt_loss,
+        GPT(CONFIG), splitting_cluster(mesh or (world_size,)), (tokens,), gpt_loss,
         example_targets=(tokens,), optimizer=fxpar.optim.SGD(lr=LR), manual=manual,
     )  # fmt: skip
 
@@ -173,7 +174,7 @@ def test_accumulation_leaves_gradients_unreduced_where_it_costs_no_memory(
     smaller than the unreduced gradient."""
     tokens = _batches(4)[0]
     planned = fxpar.plan(
-        GPT(CONFIG), fxpar.Cluster((2,)), (tokens,), gpt_loss, example_targets=(tokens,),
+        GPT(CONFIG), splitting_cluster((2,)), (tokens,), gpt_loss, example_targets=(tokens,),
         manual=getattr(fxpar.plans, plan),
     )  # fmt: skip
     loss = planned.program.graph.output_node().args[0][0].name

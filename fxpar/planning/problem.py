@@ -60,10 +60,19 @@ class PlanOptions:
 
     ``pins`` maps a name pattern (fnmatch) to the spec its tensor must have: parameter, buffer
     and input names (``"blocks.*.mlp.fc.weight"``) or node names of the Program (``"addmm_3"``).
+
+    ``coarsen`` merges every follower into its producer's decision, taking its cheapest response
+    to the layout that arrives: a smaller problem, but not an exact one (a follower that shards a
+    replicated input for free leaves its consumers to gather it back), so it is off by default.
+
+    ``manual_starts`` gives the solver the hand-written plans (replicated, data, tensor and fully
+    sharded parallelism) as :attr:`~fxpar.solvers.problem.IntraOpProblem.starts`: the ILP never
+    answers with a plan the cost model prices above the cheapest of them that fits.
     """
 
     optimizer_states: int = 2
-    coarsen: bool = True
+    coarsen: bool = False
+    manual_starts: bool = True
     dedup_layers: bool = True
     memory_limit: float | None = None
     pins: Mapping[str, Spec] = field(default_factory=dict)

@@ -176,10 +176,24 @@ def models() -> st.SearchStrategy[ModelCase]:
 
 MESHES = ((1,), (2,), (3,), (4,), (1, 2), (2, 1), (2, 2))
 
+SPLITTING = {"latency": (1e-9,), "bandwidth": (1e9,)}
+"""Cluster overrides for links whose collectives cost their bytes but almost no latency. Under
+the default costs a model as small as a test's runs fastest whole on every device, so the ILP
+rightly plans it replicated; on these links it splits tensors, which is what a test of its plans
+needs."""
+
+
+def splitting_cluster(mesh: tuple[int, ...]) -> Cluster:
+    """A cluster of ``mesh`` with :data:`SPLITTING` links: the ILP splits even tiny models."""
+    return Cluster(mesh, **SPLITTING)  # type: ignore[arg-type]
+
 
 def clusters(meshes: Sequence[tuple[int, ...]] = MESHES) -> st.SearchStrategy[Cluster]:
-    """Meshes of 1 to 4 devices, 1-D and 2-D."""
-    return st.sampled_from([Cluster(mesh) for mesh in meshes])
+    """Meshes of 1 to 4 devices, 1-D and 2-D, with the default costs or :data:`SPLITTING`
+    links (the costs decide the ILP's plans, not what a plan may do)."""
+    return st.sampled_from(
+        [Cluster(mesh) for mesh in meshes] + [splitting_cluster(mesh) for mesh in meshes]
+    )
 
 
 def plan_seeds() -> st.SearchStrategy[int]:

@@ -1,0 +1,228 @@
+"""Propagation: choose every op's strategy from the specs of the placeholders.
+
+A plan fixes the spec of each placeholder (parameters, buffers, batch), and :func:`propagate`
+picks every op's strategy greedily in graph order, comparing candidates by
+
+1. the bytes their inputs must gather (all-gathers, all-to-alls) from the producers' layouts;
+2. the bytes of partial sums they leave to reduce: partial outputs, and inputs they reduce or
+   turn partial (a whole value made partial must be reduced again later);
+3. the number of collectives they need now (so a partial sum travels on to where it must be
+   reduced anyway: one all-reduce per data-parallel gradient);
+4. their order among the candidates (the replicated strategy first).
+
+These choices reproduce the textbook plans: data parallelism reduces each gradient once, and
+Megatron-LM's blocks reduce each row-parallel output where the residual stream needs it whole.
+The functions below choose on a Program whose nodes already carry their candidates
+(:mod:`fxpar.planning.manual` prepares them for users); the planner also runs them to give the
+solver hand-written plans to start from (:func:`starting_plans`).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import operator
+from collections.abc import Callable, Iterator, Mapping, Sequence
+
+import torch.fx as fx
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+from fxpar import ir
+from fxpar.cluster import Cluster
+from fxpar.errors import FxparError
+from fxpar.ir.program import Program
+from fxpar.rules.registry import tensor_inputs
+from fxpar.sharding import Sharding, Spec, Strategies, Strategy, is_valid, replicated, spec_str
+from fxpar.sharding.reshard import reshard_steps
+
+SpecChooser = Callable[[str, ir.TensorMeta], Spec]
+
+COLUMN = (
+    "*.qkv", "*.fc", "*.c_attn", "*.c_fc", "*.q_proj", "*.k_proj", "*.v_proj", "*.gate_proj",
+    "*.up_proj", "*.fc1", "*.query", "*.key", "*.value", "*.intermediate.dense", "*.wq", "*.wk",
+    "*.wv", "*.w1", "*.w3", "*.q", "*.k", "*.v", "*.wi", "*.wi_0", "*.wi_1",
+)  # fmt: skip
+"""Module names of the first linear of attention and MLP blocks, split by output features: fxpar's
+GPT, Hugging Face's decoder LMs, BERT/ViT, T5 and torchtitan's Llama."""
+ROW = (
+    "*.attn.proj", "*.mlp.proj", "*.c_proj", "*.o_proj", "*.down_proj", "*.out_proj", "*.fc2",
+    "*.attention.output.dense", "*.output.dense", "*.wo", "*.w2", "*.o",
+)  # fmt: skip
+"""Module names of the second linear of those blocks, split by input features."""
+
+
+def propagate(program: Program, cluster: Cluster, placeholder_spec: SpecChooser) -> Program:
+    """Fix each placeholder's spec with ``placeholder_spec(name, meta)`` and choose every op's
+    strategy greedily (see the module docstring)."""
+    mesh = cluster.mesh_shape
+    names = {node: name for name, node in program.placeholders().items()}
+    layout: dict[fx.Node, tuple[Spec | None, ...]] = {}
+    steps = functools.lru_cache(maxsize=None)(functools.partial(_steps, mesh=mesh))
+    for node in program.graph.nodes:
+        if node.op == "placeholder":
+            meta = ir.require(node, ir.ValueMeta).tensor
+            spec = placeholder_spec(names[node], meta)
+            if not is_valid(meta.shape, spec, mesh):
+                raise FxparError(
+                    f"spec {spec_str(spec)} for {names[node]!r} does not split its shape "
+                    f"{meta.shape} evenly over the mesh {mesh}"
+                )
+            ir.annotate(node, Sharding(Strategy((spec,), ())))
+            layout[node] = (spec,)
+        elif node.op == "get_attr":
+            # A tensor constant of the graph is whole on every rank, as lowering materializes it;
+            # it is not a decision of the plan.
+            layout[node] = (replicated(cluster.ndim),)
+        elif node.target is operator.getitem:
+            layout[node] = (layout[node.args[0]][node.args[1]],)
+        elif ir.get(node, Strategies) is not None:
+            strategy = _cheapest(node, layout, steps)
+            ir.annotate(node, Sharding(strategy))
+            layout[node] = strategy.outputs
+    return program
+
+
+def _steps(have: Spec, want: Spec, mesh: tuple[int, ...]) -> tuple[tuple[str, bool], ...]:
+    """(kind, is a collective) of each step of resharding ``have`` to ``want``."""
+    return tuple((step.kind, step.is_collective) for step in reshard_steps(have, want, mesh))
+
+
+def _cheapest(
+    node: fx.Node,
+    layout: Mapping[fx.Node, tuple[Spec | None, ...]],
+    steps: Callable[[Spec, Spec], tuple[tuple[str, bool], ...]],
+) -> Strategy:
+    sources = tensor_inputs(node)
+    outputs = ir.require(node, ir.ValueMeta).outputs
+
+    def key(indexed: tuple[int, Strategy]) -> tuple[int, int, int, int]:
+        index, strategy = indexed
+        moved = pending = collectives = 0
+        for source, required in zip(sources, strategy.inputs, strict=True):
+            current = layout[source][0]
+            assert current is not None
+            nbytes = ir.evaluate(ir.require(source, ir.ValueMeta).tensor.nbytes)
+            for kind, is_collective in steps(current, required):
+                collectives += is_collective
+                if kind in ("all_gather", "all_to_all"):
+                    moved += nbytes
+                elif kind in ("all_reduce", "reduce_scatter", "to_partial"):
+                    pending += nbytes
+        for spec, meta in zip(strategy.outputs, outputs, strict=True):
+            if spec is not None and meta is not None and any(isinstance(p, Partial) for p in spec):
+                pending += ir.evaluate(meta.nbytes)
+        return (moved, pending, collectives, index)
+
+    candidates = ir.require(node, Strategies).candidates
+    return min(enumerate(candidates), key=key)[1]
+
+
+def batch_spec(cluster: Cluster, axes: Sequence[int], random: Sequence[str]) -> SpecChooser:
+    """Batch tensors split on dim 0 over ``axes``; so are the ``random`` inputs (drawn whole,
+    then sliced: fxpar.rng) where that divides evenly, else they stay whole."""
+
+    def choose(name: str, meta: ir.TensorMeta) -> Spec:
+        spec = tuple(Shard(0) if a in axes else Replicate() for a in range(cluster.ndim))
+        valid = is_valid(meta.shape, spec, cluster.mesh_shape)
+        if name in random:
+            return spec if valid else replicated(cluster.ndim)
+        if not valid:
+            devices = 1
+            for a in axes:
+                devices *= cluster.mesh_shape[a]
+            raise FxparError(
+                f"batch input {name!r} of shape {meta.shape}: its first dim must be divisible "
+                f"by the {devices} data-parallel devices; change the batch size or the mesh"
+            )
+        return spec
+
+    return choose
+
+
+def data_parallel(program: Program, cluster: Cluster) -> Program:
+    """Split the batch over every mesh axis; replicate parameters and buffers."""
+    state = set(program.signature.parameters + program.signature.buffers)
+    batch = batch_spec(cluster, range(cluster.ndim), program.signature.random_inputs)
+
+    def choose(name: str, meta: ir.TensorMeta) -> Spec:
+        return replicated(cluster.ndim) if name in state else batch(name, meta)
+
+    return propagate(program, cluster, choose)
+
+
+def fully_sharded(program: Program, cluster: Cluster) -> Program:
+    """Data-parallel compute with parameters (and their gradients) stored split on dim 0 over
+    every mesh axis, where it divides evenly (other parameters stay replicated)."""
+    program = data_parallel(program, cluster)
+    placeholders = program.placeholders()
+    for name in program.signature.parameters:
+        node = placeholders[name]
+        meta = ir.require(node, ir.ValueMeta).tensor
+        spec = (Shard(0),) * cluster.ndim
+        if meta.shape and is_valid(meta.shape, spec, cluster.mesh_shape):
+            ir.annotate(node, Sharding(Strategy((spec,), ())))
+    return program
+
+
+def tensor_parallel(
+    program: Program,
+    cluster: Cluster,
+    *,
+    axis: int | str = -1,
+    column: Sequence[str] = COLUMN,
+    row: Sequence[str] = ROW,
+) -> Program:
+    """Megatron-style tensor parallelism on mesh ``axis``; data parallelism on the others.
+
+    Parameters of modules matching ``column`` are split by output features (weight and bias on
+    dim 0), those of modules matching ``row`` by input features (weight on dim 1, bias
+    replicated); the defaults are :data:`COLUMN` and :data:`ROW`.
+    """
+    tp = cluster.axis_index(axis if not isinstance(axis, int) or axis >= 0 else cluster.ndim + axis)
+    state = set(program.signature.parameters + program.signature.buffers)
+    batch = batch_spec(
+        cluster, [a for a in range(cluster.ndim) if a != tp], program.signature.random_inputs
+    )
+
+    def choose(name: str, meta: ir.TensorMeta) -> Spec:
+        if name not in state:
+            return batch(name, meta)
+        module, _, kind = name.rpartition(".")
+        placement: Placement = Replicate()
+        if any(fnmatch.fnmatch(module, p) for p in column):
+            placement = Shard(0)
+        elif any(fnmatch.fnmatch(module, p) for p in row) and kind == "weight":
+            placement = Shard(1)
+        spec = tuple(placement if a == tp else Replicate() for a in range(cluster.ndim))
+        return spec if is_valid(meta.shape, spec, cluster.mesh_shape) else replicated(cluster.ndim)
+
+    return propagate(program, cluster, choose)
+
+
+def replicated_plan(program: Program, cluster: Cluster) -> Program:
+    """Every placeholder whole on every device, so every op runs whole: no communication at all,
+    the fastest plan for a model too small to be worth splitting."""
+    return propagate(program, cluster, lambda name, meta: replicated(cluster.ndim))
+
+
+def starting_plans(program: Program, cluster: Cluster) -> Iterator[tuple[str, Program]]:
+    """The hand-written plans, applied in turn to ``program`` (each overwrites the last one's
+    Sharding annotations): replicated, data parallel, tensor parallel on each mesh axis with the
+    common module names (:data:`COLUMN`, :data:`ROW`) and fully sharded. A plan that does not
+    apply (a batch that does not split) is left out."""
+    plans: list[tuple[str, Callable[[], Program]]] = [
+        ("replicated", lambda: replicated_plan(program, cluster)),
+        ("data_parallel", lambda: data_parallel(program, cluster)),
+        ("fully_sharded", lambda: fully_sharded(program, cluster)),
+    ]
+    for axis in range(cluster.ndim):
+        plans.append((f"tensor_parallel(axis={axis})", _on_axis(program, cluster, axis)))
+    for label, make in plans:
+        try:
+            yield label, make()
+        except FxparError:
+            continue
+
+
+def _on_axis(program: Program, cluster: Cluster, axis: int) -> Callable[[], Program]:
+    return lambda: tensor_parallel(program, cluster, axis=axis)
