@@ -193,10 +193,7 @@ def main() -> None:
             others = [cost for label, cost in costs.items() if label not in ("ilp",)]
             ratio = costs["ilp"] / min(others)
 
-            def cell(label: str) -> str:
-                return f"{costs[label]:.3f}" if label in costs else "-"
-
-            cells = [cell(label) for label in header[2:9]]
+            cells = [f"{costs[label]:.3f}" if label in costs else "-" for label in header[2:9]]
             row = (name, "x".join(map(str, mesh)), *cells, f"{ratio:.2f}", f"{seconds:.1f}")
             print(" | ".join(row), flush=True)
 
