@@ -58,6 +58,7 @@ def propagate(program: Program, cluster: Cluster, placeholder_spec: SpecChooser)
     names = {node: name for name, node in program.placeholders().items()}
     layout: dict[fx.Node, tuple[Spec | None, ...]] = {}
     steps = functools.lru_cache(maxsize=None)(functools.partial(_steps, mesh=mesh))
+    known: dict[tuple[object, ...], Strategy] = {}
     for node in program.graph.nodes:
         if node.op == "placeholder":
             meta = ir.require(node, ir.ValueMeta).tensor
@@ -76,7 +77,7 @@ def propagate(program: Program, cluster: Cluster, placeholder_spec: SpecChooser)
         elif node.target is operator.getitem:
             layout[node] = (layout[node.args[0]][node.args[1]],)
         elif ir.get(node, Strategies) is not None:
-            strategy = _cheapest(node, layout, steps)
+            strategy = _cheapest(node, layout, steps, known)
             ir.annotate(node, Sharding(strategy))
             layout[node] = strategy.outputs
     return program
@@ -91,30 +92,43 @@ def _cheapest(
     node: fx.Node,
     layout: Mapping[fx.Node, tuple[Spec | None, ...]],
     steps: Callable[[Spec, Spec], tuple[tuple[str, bool], ...]],
+    known: dict[tuple[object, ...], Strategy],
 ) -> Strategy:
+    """The first candidate of ``node`` with the least (bytes gathered, partial bytes left,
+    collectives) for the layouts its inputs arrive in. ``known`` remembers the answer for each
+    (candidates, arriving specs, sizes): identical repeated layers are worked out once."""
+    candidates = ir.require(node, Strategies).candidates
     sources = tensor_inputs(node)
+    arriving = tuple(layout[source][0] for source in sources)
+    sizes = tuple(ir.evaluate(ir.require(s, ir.ValueMeta).tensor.nbytes) for s in sources)
     outputs = ir.require(node, ir.ValueMeta).outputs
+    produced = tuple(None if meta is None else ir.evaluate(meta.nbytes) for meta in outputs)
+    memo = (id(candidates), arriving, sizes, produced)
+    if memo in known:
+        return known[memo]
 
     def key(indexed: tuple[int, Strategy]) -> tuple[int, int, int, int]:
         index, strategy = indexed
         moved = pending = collectives = 0
-        for source, required in zip(sources, strategy.inputs, strict=True):
-            current = layout[source][0]
+        for current, required, nbytes in zip(arriving, strategy.inputs, sizes, strict=True):
             assert current is not None
-            nbytes = ir.evaluate(ir.require(source, ir.ValueMeta).tensor.nbytes)
             for kind, is_collective in steps(current, required):
                 collectives += is_collective
                 if kind in ("all_gather", "all_to_all"):
                     moved += nbytes
                 elif kind in ("all_reduce", "reduce_scatter", "to_partial"):
                     pending += nbytes
-        for spec, meta in zip(strategy.outputs, outputs, strict=True):
-            if spec is not None and meta is not None and any(isinstance(p, Partial) for p in spec):
-                pending += ir.evaluate(meta.nbytes)
+        for spec, output_bytes in zip(strategy.outputs, produced, strict=True):
+            if spec is not None and output_bytes is not None and _partial(spec):
+                pending += output_bytes
         return (moved, pending, collectives, index)
 
-    candidates = ir.require(node, Strategies).candidates
-    return min(enumerate(candidates), key=key)[1]
+    known[memo] = min(enumerate(candidates), key=key)[1]
+    return known[memo]
+
+
+def _partial(spec: Spec) -> bool:
+    return any(isinstance(p, Partial) for p in spec)
 
 
 def batch_spec(cluster: Cluster, axes: Sequence[int], random: Sequence[str]) -> SpecChooser:
