@@ -2,7 +2,9 @@
 more than the replicated strategy (or the op is listed as deliberately replicated, with why), and
 every strategy it offers on 1-D and 2-D meshes matches the op on whole tensors. Tiny modules
 that use the ops capture with no fallback, and a complex RoPE plans and lowers to per-rank
-programs equal to one device."""
+programs equal to one device. The grouped products of mixture-of-experts layers
+(``aten._grouped_mm`` and, where transformers is installed, its custom ops) split inside each
+expert and nowhere else."""
 
 from __future__ import annotations
 
@@ -23,6 +25,11 @@ from fxpar.rules import AxisOption, coverage, default_rules, op_call
 from fxpar.sharding import Sharding
 from fxpar.testing import assert_equivalent, validate_rules
 from fxpar.testing.strategies import splitting_cluster
+
+try:  # loading transformers' MoE integration registers torch.ops.transformers.grouped_mm_*
+    from transformers.integrations import moe as hf_moe
+except ImportError:
+    hf_moe = None
 
 aten = torch.ops.aten
 MESHES = [(2,), (2, 2)]
@@ -90,6 +97,42 @@ def _distinct(*shape: int) -> torch.Tensor:
     return order.reshape(shape).float()
 
 
+# Grouped products: 8 rows sorted into 4 experts; offs ends each expert's rows (expert 1 of
+# EMPTY_EXPERT has none). aten._grouped_mm wants int32 offsets and 16-byte strides.
+OFFS = torch.tensor([2, 4, 6, 8], dtype=torch.int32)
+EMPTY_EXPERT = torch.tensor([3, 3, 5, 8], dtype=torch.int32)
+
+
+def _expert_cases() -> list[OpCase]:
+    cases = [
+        OpCase("_grouped_mm", aten._grouped_mm.default, (_g(8, 8), _g(4, 8, 16, seed=1), OFFS)),
+        OpCase(
+            "_grouped_mm (empty expert)",
+            aten._grouped_mm.default,
+            (_g(8, 8), _g(4, 8, 16, seed=1), EMPTY_EXPERT),
+        ),
+        OpCase(  # the weight gradient: (K, S) x (S, N) -> (E, K, N), grouped along S
+            "_grouped_mm (2-D x 2-D)",
+            aten._grouped_mm.default,
+            (_g(8, 8), _g(8, 16, seed=1), EMPTY_EXPERT),
+        ),
+    ]
+    if hf_moe is None:
+        return cases
+    forward = torch.ops.transformers.grouped_mm_fallback.default
+    backward = torch.ops.transformers.grouped_mm_fallback_backward.default
+    for name, offs in (("", OFFS), (" (empty expert)", EMPTY_EXPERT)):
+        cases += [
+            OpCase(f"grouped_mm_fallback{name}", forward, (_g(8, 4), _g(4, 4, 6, seed=1), offs)),
+            OpCase(
+                f"grouped_mm_fallback_backward{name}",
+                backward,
+                (_g(8, 4), _g(4, 4, 6, seed=1), offs, _g(8, 6, seed=2)),
+            ),
+        ]
+    return cases
+
+
 CASES = [
     OpCase("hardswish", aten.hardswish.default, (_g(4, 8),)),
     OpCase("hardsigmoid", aten.hardsigmoid.default, (_g(4, 8),)),
@@ -137,6 +180,7 @@ CASES = [
     OpCase("scatter_add", aten.scatter_add.default, (_g(4, 8), 1, _ints(8, 4, 8), _g(4, 8))),
     OpCase("gather", aten.gather.default, (_g(4, 8), 1, _ints(8, 4, 8))),
     OpCase("histc", aten.histc.default, (_g(4, 8), 10, -2.0, 2.0)),
+    *_expert_cases(),
 ]
 
 DELIBERATELY_REPLICATED: dict[str, str] = {
@@ -206,6 +250,82 @@ def test_a_wrong_rule_is_caught_op_by_op() -> None:
     program, flat = single_op_program(CASES[_ids(CASES).index("cumsum")])
     violations = validate_rules(program, flat, Cluster((2,)), rules)
     assert violations and "differs" in violations[0].problem
+
+
+def _case(name: str) -> OpCase:
+    return CASES[_ids(CASES).index(name)]
+
+
+# The strategies of each grouped product on one mesh axis.
+GROUPED_STRATEGIES = {
+    "_grouped_mm": {  # (input, weight, offs) -> output
+        "[(R), (R), (R)] -> [(R)]",
+        "[(R), (S(2)), (R)] -> [(S(1))]",  # output features of every expert
+        "[(S(1)), (S(1)), (R)] -> [(P)]",  # the contraction
+        "[(P), (R), (R)] -> [(P)]",  # linear in input
+        "[(R), (P), (R)] -> [(P)]",  # linear in weight
+    },
+    "_grouped_mm (2-D x 2-D)": {  # (inputᵀ, grad_output, offs) -> grad_weight
+        "[(R), (R), (R)] -> [(R)]",
+        "[(S(0)), (R), (R)] -> [(S(1))]",
+        "[(R), (S(1)), (R)] -> [(S(2))]",
+        "[(P), (R), (R)] -> [(P)]",
+        "[(R), (P), (R)] -> [(P)]",
+    },
+    "grouped_mm_fallback": {
+        "[(R), (R), (R)] -> [(R)]",
+        "[(R), (S(2)), (R)] -> [(S(1))]",
+        "[(S(1)), (S(1)), (R)] -> [(P)]",
+        "[(P), (R), (R)] -> [(P)]",
+        "[(R), (P), (R)] -> [(P)]",
+    },
+    "grouped_mm_fallback_backward": {  # (input, weight, offs, grad_output) -> (dinput, dweight)
+        "[(R), (R), (R), (R)] -> [(R), (R)]",
+        "[(R), (S(2)), (R), (S(1))] -> [(P), (S(2))]",
+        "[(S(1)), (S(1)), (R), (R)] -> [(S(1)), (S(1))]",
+        "[(R), (R), (R), (P)] -> [(P), (P)]",
+    },
+}
+
+
+@pytest.mark.parametrize("name", list(GROUPED_STRATEGIES))
+def test_grouped_products_split_inside_each_expert_only(name: str) -> None:
+    """Exactly the Megatron-style splits: never the rows or the experts, which ``offs``
+    addresses whole, and never ``offs`` itself."""
+    if name.startswith("grouped_mm_fallback"):
+        pytest.importorskip("transformers.integrations.moe")
+    assert {str(s) for s in _strategies(_case(name), (2,))} == GROUPED_STRATEGIES[name]
+
+
+def test_grouped_mm_splits_only_what_the_cpu_kernel_accepts() -> None:
+    """``aten._grouped_mm`` rejects strides that are not multiples of 16 bytes: K = 8 float32s
+    splits in two (16 bytes a row) but not in four, N = 16 in both."""
+    case = _case("_grouped_mm")
+    k_split = "[(S(1), S(1)), (S(1), S(1)), (R, R)] -> [(P, P)]"
+    n_split = "[(R, R), (S(2), S(2)), (R, R)] -> [(S(1), S(1))]"
+    found = {str(s) for s in _strategies(case, (2, 2))}
+    assert n_split in found and k_split not in found
+    x, w, offs = case.args
+    with pytest.raises(RuntimeError, match="16 bytes"):
+        aten._grouped_mm.default(x.chunk(4, 1)[0].contiguous(), w.chunk(4, 1)[0].contiguous(), offs)
+
+
+def test_a_wrong_grouped_product_rule_is_caught() -> None:
+    """Splitting the rows would hand each device offsets that count the whole input's rows."""
+    rules = default_rules()
+    rows = AxisOption((Shard(0),), (Shard(0), Replicate(), Replicate()))
+    rules.register(aten._grouped_mm.default)(lambda call: [rows])
+    program, flat = single_op_program(_case("_grouped_mm"))
+    violations = validate_rules(program, flat, Cluster((2,)), rules)
+    assert violations and violations[0].strategy == "[(S(0)), (R), (R)] -> [(S(0))]"
+
+
+def test_transformers_grouped_products_are_in_the_table() -> None:
+    pytest.importorskip("transformers.integrations.moe")
+    targets = {case.op for case in CASES}
+    assert torch.ops.transformers.grouped_mm_fallback.default in targets
+    assert torch.ops.transformers.grouped_mm_fallback_backward.default in targets
+    assert default_rules().has_rule(torch.ops.transformers.grouped_mm_fallback.default)
 
 
 class Activations(nn.Module):
