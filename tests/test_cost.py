@@ -213,3 +213,24 @@ def test_cost_requires_value_annotations() -> None:
     del node.meta[ir.META_KEY][ir.ValueMeta]
     with pytest.raises(fxpar.errors.AnnotationError, match="has no ValueMeta annotation"):
         AnnotateCost().run(program)
+
+
+def test_grouped_expert_products_count_their_multiply_adds() -> None:
+    """MoE experts (transformers' grouped product and its backward): every routed row meets one
+    expert's matrix, 2·S·K·N forward and twice that backward. Counted as one FLOP per element
+    (as ops without a formula are), the planner priced running them whole as nearly free."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MixtralConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    tokens = torch.randint(0, 64, (2, 8))
+    model = transformers.MixtralForCausalLM(config)
+    program = annotated(fxpar.capture(model, {"input_ids": tokens, "labels": tokens}))
+    grouped = [n for n in program.graph.nodes if "grouped_mm" in str(n.target)]
+    assert len(grouped) == 4  # gate_up and down, forward and backward
+    for node in grouped:
+        a, b = (ir.require(arg, ir.ValueMeta).tensor.shape for arg in node.args[:2])
+        forward = 2 * a[0] * a[1] * b[2]
+        backward = "backward" in str(node.target)
+        assert ir.require(node, ir.Cost).flops == (2 * forward if backward else forward)

@@ -93,6 +93,22 @@ def _dot(out: Any, a: TensorMeta, b: TensorMeta, *_: Any, **__: Any) -> Size:
     return product((2, a.numel))
 
 
+def _grouped_mm(out: Any, a: TensorMeta, b: TensorMeta, *_: Any, **__: Any) -> Size:
+    """A grouped product: every row of ``a`` (S, K) times its group's (K, N) matrix of ``b``
+    (E, K, N), or (the weight gradient's form) ``a`` (K, S) times ``b`` (S, N) with the S rows
+    split into groups: 2·S·K·N either way, however the rows fall into groups."""
+    rows_or_k, inner = a.shape
+    return _matmul(rows_or_k, inner, b.shape[-1])
+
+
+def _grouped_mm_backward(
+    out: Any, a: TensorMeta, b: TensorMeta, offs: Any, grad: TensorMeta, *_: Any, **__: Any
+) -> Size:
+    """Both gradients of the grouped product of ``a`` (S, K) and ``b`` (E, K, N): two products
+    the size of the forward."""
+    return product((2, _grouped_mm(out, a, b)))
+
+
 def _conv_flops(x: TensorMeta, weight: TensorMeta, out: TensorMeta, transposed: bool) -> Size:
     """One direction of a convolution: each output (input, if transposed) element reads a
     ``weight.shape[1] × kernel`` window with one multiply-add per weight."""
@@ -173,6 +189,12 @@ def default_flop_registry() -> FlopRegistry:
     registry.register(aten.convolution_backward)(_convolution_backward)
     registry.register(*ATTENTION_FORWARD)(_attention)
     registry.register(*ATTENTION_BACKWARD)(_attention_backward)
+    registry.register(aten._grouped_mm)(_grouped_mm)
+    # Hugging Face transformers' grouped products (MoE experts), once its MoE module is loaded.
+    namespace = torch.ops.transformers
+    if hasattr(namespace, "grouped_mm_fallback_backward"):
+        registry.register(namespace.grouped_mm_fallback)(_grouped_mm)
+        registry.register(namespace.grouped_mm_fallback_backward)(_grouped_mm_backward)
     registry.register_free(
         # copies and layout changes
         aten.clone, aten._to_copy, aten.copy, aten.contiguous, aten.cat, aten.stack,
