@@ -129,6 +129,10 @@ class _Builder:
         self._follow: dict[tuple[object, ...], list[int]] = {}
         self._identities: dict[fx.Node, tuple[object, ...]] = {}
         self._reshard_times: dict[tuple[Spec, Spec, ir.TensorMeta], float] = {}
+        # Reshard matrices look their entries up by small ints: hashing a spec (a tuple of
+        # torch placements) is slow, and an uncoarsened problem prices ~10^6 entries.
+        self._ids: dict[object, int] = {}
+        self._seconds_by_id: dict[tuple[int, int, int], float] = {}
         self._used_pins: set[str] = set()
 
     # -- units ----------------------------------------------------------------------------------
@@ -228,7 +232,19 @@ class _Builder:
         distinct pair priced once: a 2-D mesh offers many strategies per spec)."""
         haves = {spec: i for i, spec in enumerate(dict.fromkeys(produced))}
         wants = {spec: i for i, spec in enumerate(dict.fromkeys(required))}
-        table = np.array([[self._moved(h, w, meta) for w in wants] for h in haves])
+        ids = self._ids
+        of_meta = ids.setdefault(meta, len(ids))
+        have_ids = [ids.setdefault(h, len(ids)) for h in haves]
+        want_ids = [ids.setdefault(w, len(ids)) for w in wants]
+        known = self._seconds_by_id
+        table = np.empty((len(haves), len(wants)))
+        for i, (have, have_id) in enumerate(zip(haves, have_ids, strict=True)):
+            for j, (want, want_id) in enumerate(zip(wants, want_ids, strict=True)):
+                key = (have_id, want_id, of_meta)
+                seconds = known.get(key)
+                if seconds is None:
+                    seconds = known[key] = self._moved(have, want, meta)
+                table[i, j] = seconds
         rows = np.array([haves[spec] for spec in produced])
         columns = np.array([wants[spec] for spec in required])
         return table[np.ix_(rows, columns)]
@@ -496,13 +512,20 @@ def assignment_of(program: Program, layout: Layout) -> tuple[int, ...] | None:
     manual plan under the same cost model), or None if some unit's annotations are not one of
     its choices."""
     choice: dict[int, int] = {}
+    # Where each strategy sits among a node's candidates (identical nodes share the tuple).
+    where: dict[int, dict[Strategy, list[int]]] = {}
     for u, unit in enumerate(layout.units):
         sharding = ir.get(unit.root, Sharding)
         if sharding is None:
             return None
-        options = [
-            i for i, c in enumerate(unit.allowed) if candidates(unit.root)[c] == sharding.strategy
-        ]
+        options_of = candidates(unit.root)
+        if id(options_of) not in where:
+            found: dict[Strategy, list[int]] = defaultdict(list)
+            for index, strategy in enumerate(options_of):
+                found[strategy].append(index)
+            where[id(options_of)] = found
+        at = set(where[id(options_of)].get(sharding.strategy, ()))
+        options = [i for i, c in enumerate(unit.allowed) if c in at]
         options = [
             i
             for i in options
