@@ -32,11 +32,15 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_gpt.py"
 _TEARDOWN_ABORT = "terminate called without an active exception"
 
 
-def _torchrun(*args: str, script: Path = EXAMPLE, cwd: Path | None = None) -> str:
+def _torchrun(
+    *args: str, script: Path = EXAMPLE, cwd: Path | None = None, finished: str = "final loss"
+) -> str:
+    """Run ``script`` on 2 processes; ``finished`` is what it prints once its work is done
+    (after the last step and save), after which the teardown abort above is tolerated."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(script)]
     done = subprocess.run([*command, *args], capture_output=True, text=True, timeout=300, cwd=cwd)
-    finished = "final loss" in done.stdout  # printed after the last step and save
-    if done.returncode != 0 and not (finished and _TEARDOWN_ABORT in done.stderr):
+    done_work = finished in done.stdout
+    if done.returncode != 0 and not (done_work and _TEARDOWN_ABORT in done.stderr):
         raise AssertionError(done.stderr[-3000:])
     return done.stdout
 
@@ -77,8 +81,8 @@ def test_readme_torchrun_snippet(tmp_path: Path) -> None:
     readme = (EXAMPLE.parents[1] / "README.md").read_text()
     (block,) = [b for b in re.findall(r"```python\n(.*?)```", readme, re.DOTALL) if "from_env" in b]
     script = tmp_path / "snippet.py"
-    script.write_text(block + "\ndist.destroy_process_group()\n")
-    _torchrun(script=script, cwd=tmp_path)
+    script.write_text(block + "\ndist.destroy_process_group()\nprint('snippet done')\n")
+    _torchrun(script=script, cwd=tmp_path, finished="snippet done")
     assert fxpar.checkpoint.committed_version(tmp_path / "checkpoint").is_dir()
 
 
