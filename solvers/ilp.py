@@ -79,8 +79,9 @@ class ILPSolver:
     """Solve the intra-op problem exactly with HiGHS (formulation in the module docstring).
 
     ``time_limit`` in seconds; ``mip_gap`` the relative optimality gap at which HiGHS may stop
-    and call the plan optimal; ``warm_start`` gives HiGHS the cheaper of the greedy plan and the problem's starting plans
-    to start from (the answer never costs more than a starting plan that fits, either way);
+    and call the plan optimal; ``warm_start`` gives HiGHS the cheaper of the greedy plan and
+    the problem's starting plans to start from (the answer never costs more than a starting
+    plan that fits, either way);
     ``lagrangian`` first solves the LP relaxation with the memory row moved into the objective
     (module docstring), which alone proves many plans optimal and otherwise gives a fallback
     plan and a lower bound for when HiGHS runs out of time;
