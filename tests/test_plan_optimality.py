@@ -204,3 +204,38 @@ def test_starts_are_plain_data_that_solvers_may_ignore(solver: type) -> None:
     )
     assert with_start == problem  # starts are not part of the problem's identity
     assert same(solver().solve(with_start).objective, 1.0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_elimination_under_a_binding_memory_limit_keeps_the_exhaustive_optimum(
+    data: st.DataObject,
+) -> None:
+    """Trees whose nodes either keep the same memory whatever they choose (eliminated) or not
+    (kept), under a limit between the least and the most memory: the branch and bound over the
+    kept nodes, with the eliminated ones read back, finds the exhaustive optimum."""
+    count = data.draw(st.integers(3, 7))
+    sizes = data.draw(st.lists(st.integers(2, 3), min_size=count, max_size=count))
+    value = st.integers(0, 20).map(float)
+    costs = [data.draw(st.lists(value, min_size=k, max_size=k)) for k in sizes]
+    memory = []
+    for k in sizes:
+        if data.draw(st.booleans()):
+            memory.append(tuple([float(data.draw(st.integers(1, 5)))] * k))
+        else:
+            memory.append(tuple(data.draw(st.lists(st.integers(1, 9).map(float), min_size=k,
+                                                   max_size=k))))  # fmt: skip
+    edges = []
+    for u in range(1, count):
+        parent = data.draw(st.integers(0, u - 1))
+        rows = [data.draw(st.lists(value, min_size=sizes[u], max_size=sizes[u])) for _ in
+                range(sizes[parent])]  # fmt: skip
+        edges.append(Edge(parent, u, tuple(map(tuple, rows))))
+    least = sum(min(m) for m in memory)
+    most = sum(max(m) for m in memory)
+    limit = least + data.draw(st.floats(0.0, 1.0)) * (most - least)
+    problem = IntraOpProblem(tuple(map(tuple, costs)), tuple(memory), tuple(edges), limit)
+    solution = ILPSolver().solve(problem)
+    expected = ExhaustiveSolver().solve(problem)
+    assert problem.memory(solution.choice) <= limit
+    assert same(solution.objective, expected.objective)
