@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.distributed.tensor import Partial, Replicate, Shard
 from zoo import MLP
 
 import fxpar
@@ -24,9 +25,12 @@ from fxpar.pipeline import Pipeline, evaluate_split
 from fxpar.pipeline.atoms import output_bytes
 from fxpar.planning.cost import (
     NumberedLayer,
+    collective_seconds,
     node_seconds,
     numbered_layer,
+    output_seconds,
     repeated_layers,
+    reshard_seconds,
     saved_for_backward,
     saved_outputs,
 )
@@ -264,3 +268,20 @@ def test_repeated_layers_are_the_container_with_most_numbered_children() -> None
         ["head.0", "head.1"],
     )
     assert repeated_layers(["wte", "ln_f", ""]) is None
+
+
+def test_results_that_leave_by_one_all_reduce_are_priced_as_bucketed() -> None:
+    """The lowering sends such results (data parallelism's gradients) together in buckets, so
+    the cost model charges their bytes but not one latency each; any other conversion of a
+    result costs what the same resharding costs anywhere. Without this, the ILP preferred plans
+    whose gradients could not share a bucket (the README demo: 10 collectives a step, not 2)."""
+    cluster = Cluster.preset("cpu", (4,))
+    meta = ir.TensorMeta((64, 32), torch.float32)
+    nbytes = 64 * 32 * 4
+    summed = output_seconds((Partial(),), (Replicate(),), meta, cluster)
+    assert summed == pytest.approx(collective_seconds("all_reduce", nbytes, 4, 5e9, 0.0))
+    assert summed < reshard_seconds((Partial(),), (Replicate(),), meta, cluster)
+    for have, want in (((Shard(0),), (Replicate(),)), ((Partial(),), (Shard(0),))):
+        assert output_seconds(have, want, meta, cluster) == reshard_seconds(
+            have, want, meta, cluster
+        )

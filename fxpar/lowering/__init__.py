@@ -20,9 +20,9 @@ from fxpar.lowering.spmd import (
     lower_graph,
     needs_strategy,
     output_specs,
-    single_all_reduce,
     value_spec,
 )
+from fxpar.sharding.reshard import single_all_reduce
 
 __all__ = [
     "BUCKET_BYTES",

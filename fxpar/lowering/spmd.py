@@ -43,7 +43,7 @@ from fxpar.sharding import (
     shard_tensor,
     spec_str,
 )
-from fxpar.sharding.reshard import ReshardStep, reshard_steps
+from fxpar.sharding.reshard import ReshardStep, reshard_steps, single_all_reduce
 
 aten = torch.ops.aten
 
@@ -570,17 +570,6 @@ class _RankLowering:
             CollectiveRecord(step.kind, step.axis, int(nbytes), source.name, consumer.name, phase)
         )
         return self.graph.call_function(call, args), after
-
-
-def single_all_reduce(current: Spec, want: Spec, mesh_shape: Sequence[int]) -> int | None:
-    """The mesh axis when going from ``current`` to ``want`` takes one all-reduce and nothing
-    else (what an output needs to join a bucket), else None."""
-    if current == want:
-        return None
-    steps = reshard_steps(current, want, mesh_shape)
-    if len(steps) != 1 or steps[0].kind != "all_reduce":
-        return None
-    return steps[0].axis
 
 
 def buckets(sizes: Sequence[int], limit: int) -> list[list[int]]:

@@ -48,7 +48,7 @@ from torch.distributed.tensor import Partial, Shard
 from fxpar import ir
 from fxpar.cluster import Cluster
 from fxpar.sharding import Spec, Strategy, local_shape
-from fxpar.sharding.reshard import reshard_steps
+from fxpar.sharding.reshard import reshard_steps, single_all_reduce
 
 # -- time ---------------------------------------------------------------------------------------
 
@@ -85,6 +85,21 @@ def reshard_seconds(src: Spec, dst: Spec, meta: ir.TensorMeta, cluster: Cluster)
         )  # fmt: skip
         current = step.apply(current)
     return seconds
+
+
+def output_seconds(src: Spec, dst: Spec, meta: ir.TensorMeta, cluster: Cluster) -> float:
+    """Time to turn a result of the step (loss, gradient, buffer update) laid out as ``src``
+    into ``dst``, its output layout. As :func:`reshard_seconds`, except for a result that takes
+    one all-reduce: the lowering sends those together, in buckets of up to 25 MiB per mesh axis
+    (:data:`fxpar.lowering.BUCKET_BYTES`), so each pays the time of its bytes but not a
+    collective's latency (the one latency per bucket is left out)."""
+    axis = single_all_reduce(src, dst, cluster.mesh_shape)
+    if axis is None:
+        return reshard_seconds(src, dst, meta, cluster)
+    shape = tuple(ir.evaluate(s) for s in meta.shape)
+    nbytes = math.prod(local_shape(shape, src, cluster.mesh_shape)) * meta.dtype.itemsize
+    n, bandwidth = cluster.mesh_shape[axis], cluster.bandwidth[axis]
+    return collective_seconds("all_reduce", nbytes, n, bandwidth, 0.0)
 
 
 def split_factor(strategy: Strategy, mesh_shape: tuple[int, ...]) -> int:

@@ -44,6 +44,7 @@ from fxpar.planning.cost import (
     compute_seconds,
     local_bytes,
     numbered_layer,
+    output_seconds,
     parameter_memory,
     reshard_seconds,
     saved_bytes,
@@ -132,7 +133,7 @@ class _Builder:
         # Reshard matrices look their entries up by small ints: hashing a spec (a tuple of
         # torch placements) is slow, and an uncoarsened problem prices ~10^6 entries.
         self._ids: dict[object, int] = {}
-        self._seconds_by_id: dict[tuple[int, int, int], float] = {}
+        self._seconds_by_id: dict[tuple[int, int, int, bool], float] = {}
         self._used_pins: set[str] = set()
 
     # -- units ----------------------------------------------------------------------------------
@@ -226,10 +227,11 @@ class _Builder:
         return seconds
 
     def _reshard_matrix(
-        self, produced: list[Spec], required: list[Spec], meta: ir.TensorMeta
+        self, produced: list[Spec], required: list[Spec], meta: ir.TensorMeta, output: bool
     ) -> npt.NDArray[np.float64]:
         """Seconds to reshard ``meta`` from each produced spec to each required one (each
-        distinct pair priced once: a 2-D mesh offers many strategies per spec)."""
+        distinct pair priced once: a 2-D mesh offers many strategies per spec); for an
+        ``output`` of the step, as the lowering sends it (``cost.output_seconds``)."""
         haves = {spec: i for i, spec in enumerate(dict.fromkeys(produced))}
         wants = {spec: i for i, spec in enumerate(dict.fromkeys(required))}
         ids = self._ids
@@ -240,10 +242,14 @@ class _Builder:
         table = np.empty((len(haves), len(wants)))
         for i, (have, have_id) in enumerate(zip(haves, have_ids, strict=True)):
             for j, (want, want_id) in enumerate(zip(wants, want_ids, strict=True)):
-                key = (have_id, want_id, of_meta)
+                key = (have_id, want_id, of_meta, output)
                 seconds = known.get(key)
                 if seconds is None:
-                    seconds = known[key] = self._moved(have, want, meta)
+                    seconds = known[key] = (
+                        output_seconds(have, want, meta, self.cluster)
+                        if output
+                        else self._moved(have, want, meta)
+                    )
                 table[i, j] = seconds
         rows = np.array([haves[spec] for spec in produced])
         columns = np.array([wants[spec] for spec in required])
@@ -345,7 +351,8 @@ class _Builder:
             if key not in matrix_cache:
                 produced = [self.out_spec(source, s) for s in range(sizes[u])]
                 required = [spec_of_choice(t) for t in range(sizes[v])]
-                matrix_cache[key] = self._reshard_matrix(produced, required, meta)
+                output = key[0] == "output"
+                matrix_cache[key] = self._reshard_matrix(produced, required, meta, output)
             matrix = matrix_cache[key]
             if u == v:
                 for s in range(sizes[u]):
@@ -359,7 +366,7 @@ class _Builder:
         loss_unit = node_of_unit[self.unit_of[self._source(loss)[0]]]
         loss_meta = ir.require(loss, ir.ValueMeta).tensor
         for s in range(sizes[loss_unit]):
-            node_costs[loss_unit][s] += reshard_seconds(
+            node_costs[loss_unit][s] += output_seconds(
                 self.out_spec(loss, s), replicated(self.cluster.ndim), loss_meta, self.cluster
             )
         edges = tuple(

@@ -117,11 +117,15 @@ def walk(program: Program, cluster: Cluster) -> Walk:
     found = Walk()
     converted: set[tuple[fx.Node, Spec, ir.Phase | None]] = set()
 
-    def convert(source: fx.Node, want: Spec, consumer: fx.Node, phase: ir.Phase) -> None:
+    def convert(
+        source: fx.Node, want: Spec, consumer: fx.Node, phase: ir.Phase, priced: bool = False
+    ) -> None:
+        """Replay one conversion; add its cost-model time unless the caller ``priced`` it."""
         current = found.specs[source][0]
         assert current is not None
         meta = ir.require(source, ir.ValueMeta).tensor
-        found.edge_seconds += cost.reshard_seconds(current, want, meta, cluster)
+        if not priced:
+            found.edge_seconds += cost.reshard_seconds(current, want, meta, cluster)
         # The lowering's reuse rule (fxpar.lowering._RankLowering._convert).
         key = (source, want, phase if source.op == "placeholder" else None)
         if current == want or key in converted:
@@ -160,12 +164,13 @@ def walk(program: Program, cluster: Cluster) -> Walk:
                     continue
                 current = found.specs[result][0]
                 assert current is not None
+                meta = ir.require(result, ir.ValueMeta).tensor
+                # Priced as the cost model prices a result: in a bucket if one all-reduce.
+                found.edge_seconds += cost.output_seconds(current, spec, meta, cluster)
                 axis = single_all_reduce(current, spec, mesh)
                 if axis is None or (result, spec, None) in converted:
-                    convert(result, spec, node, ir.Phase.OUTPUT)
+                    convert(result, spec, node, ir.Phase.OUTPUT, priced=True)
                     continue
-                meta = ir.require(result, ir.ValueMeta).tensor
-                found.edge_seconds += cost.reshard_seconds(current, spec, meta, cluster)
                 shape = tuple(ir.evaluate(s) for s in meta.shape)
                 nbytes = math.prod(local_shape(shape, current, mesh)) * meta.dtype.itemsize
                 bucketed.setdefault((axis, meta.dtype), []).append((result, nbytes))

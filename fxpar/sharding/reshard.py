@@ -116,3 +116,14 @@ def _alone(axis: int, source_dim: int | None, target_dim: int, src: Spec, dst: S
         if b != axis and {_shard_dim(src[b]), _shard_dim(dst[b])} & {source_dim, target_dim}:
             return False
     return source_dim is not None
+
+
+def single_all_reduce(current: Spec, want: Spec, mesh_shape: Sequence[int]) -> int | None:
+    """The mesh axis when going from ``current`` to ``want`` takes one all-reduce and nothing
+    else (what an output needs to join a bucket), else None."""
+    if current == want:
+        return None
+    steps = reshard_steps(current, want, mesh_shape)
+    if len(steps) != 1 or steps[0].kind != "all_reduce":
+        return None
+    return steps[0].axis
