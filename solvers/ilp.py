@@ -108,15 +108,14 @@ class ILPSolver:
         start = time.perf_counter()
         check_memory_feasible(problem)
         reduced = reduce_problem(problem)
+        known = problem.best_start()
         if not reduced.free:
             choice = reduced.plan(np.zeros(0))
-            return self._solution(problem, choice, "optimal", 0.0, start)
-        start_plan = problem.best_start()
+            return self._solution(problem, choice, "optimal", 0.0, start, known)
         warm = None
         if self.warm_start:
-            known = [GreedySolver().solve(problem).choice]
-            known += [] if start_plan is None else [start_plan]
-            warm = min(known, key=problem.objective)
+            greedy = GreedySolver().solve(problem).choice
+            warm = min([p for p in (greedy, known) if p is not None], key=problem.objective)
         found = _Relaxed([], -math.inf)
         if self.branching and memory_limit(reduced, tightening=0.0):
             remaining = self.time_limit - (time.perf_counter() - start)
@@ -125,7 +124,7 @@ class ILPSolver:
             )
             if decided is not None:
                 status, choice, gap = decided
-                return self._solution(problem, choice, status, gap, start)
+                return self._solution(problem, choice, status, gap, start, known)
         elif self.lagrangian:
             remaining = self.time_limit - (time.perf_counter() - start)
             found = _lagrangian(problem, reduced, remaining, self.mip_gap, self.threads)
@@ -134,15 +133,15 @@ class ILPSolver:
             best = min(fitting, key=problem.objective)
             gap = relative_gap(problem.objective(best), found.lower_bound)
             if gap <= self.mip_gap:
-                return self._solution(problem, best, "optimal", gap, start)
+                return self._solution(problem, best, "optimal", gap, start, known)
         tightening = 0.0
         while True:
             model = build_model(reduced, tightening)
             remaining = self.time_limit - (time.perf_counter() - start)
-            status, choice, gap = self._run(problem, reduced, model, warm, remaining, found)
+            status, choice, gap = self._run(problem, reduced, model, warm, known, remaining, found)
             excess = memory_over(problem, choice)
             if excess <= 0:
-                return self._solution(problem, choice, status, gap, start)
+                return self._solution(problem, choice, status, gap, start, known)
             if tightening > 0:
                 raise FxparError(
                     f"HiGHS returned a plan {excess:.0f} bytes over the memory limit twice; "
@@ -162,9 +161,12 @@ class ILPSolver:
         reduced: Reduced,
         model: highspy.HighsLp,
         warm: tuple[int, ...] | None,
+        known: tuple[int, ...] | None,
         seconds: float,
         relaxed: _Relaxed,
     ) -> tuple[Status, tuple[int, ...], float]:
+        """Solve ``model`` with HiGHS from ``warm``; at the time limit, the cheapest of its plan,
+        ``warm``, the best starting plan ``known`` and the fitting plans of ``relaxed``."""
         highs = new_highs(self.threads)
         highs.setOptionValue("time_limit", max(seconds, 1e-3))
         highs.setOptionValue("mip_rel_gap", self.mip_gap)
@@ -186,7 +188,7 @@ class ILPSolver:
         if model_status == highspy.HighsModelStatus.kTimeLimit:
             # HiGHS may stop before it has read the warm start: the start is a plan too, and
             # so are the Lagrangian phase's plans that fit.
-            plans = [plan for plan in (warm, problem.best_start()) if plan is not None]
+            plans = [plan for plan in (warm, known) if plan is not None]
             plans += [plan for plan in relaxed.plans if memory_over(problem, plan) <= 0]
             if has_plan:
                 plans.insert(0, reduced.plan(np.asarray(highs.getSolution().col_value)))
@@ -226,8 +228,9 @@ class ILPSolver:
         status: Status,
         gap: float,
         start: float,
+        known: tuple[int, ...] | None,
     ) -> IntraOpSolution:
-        known = problem.best_start()
+        """The solution of ``choice``, or of the best starting plan ``known`` if it costs less."""
         if known is not None and problem.objective(known) < problem.objective(choice):
             # Only where the search stopped early, or within HiGHS's tolerances.
             choice = known

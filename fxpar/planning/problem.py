@@ -129,9 +129,8 @@ class _Builder:
         self._compute_times: dict[tuple[object, ...], list[float]] = {}
         self._follow: dict[tuple[object, ...], list[int]] = {}
         self._identities: dict[fx.Node, tuple[object, ...]] = {}
-        self._reshard_times: dict[tuple[Spec, Spec, ir.TensorMeta], float] = {}
-        # Reshard matrices look their entries up by small ints: hashing a spec (a tuple of
-        # torch placements) is slow, and an uncoarsened problem prices ~10^6 entries.
+        # Reshard times are kept by small ints for specs and metas: hashing a spec (a tuple of
+        # torch placements) is slow, and a reshard matrix prices many pairs of the same specs.
         self._ids: dict[object, int] = {}
         self._seconds_by_id: dict[tuple[int, int, int, bool], float] = {}
         self._used_pins: set[str] = set()
@@ -220,10 +219,19 @@ class _Builder:
         return list(self._follow[key])
 
     def _moved(self, have: Spec, want: Spec, meta: ir.TensorMeta) -> float:
-        key = (have, want, meta)
-        seconds = self._reshard_times.get(key)
+        ids = self._ids
+        of = (ids.setdefault(have, len(ids)), ids.setdefault(want, len(ids)))
+        return self._priced(have, want, meta, (*of, ids.setdefault(meta, len(ids)), False))
+
+    def _priced(
+        self, have: Spec, want: Spec, meta: ir.TensorMeta, key: tuple[int, int, int, bool]
+    ) -> float:
+        """Seconds to reshard ``meta`` from ``have`` to ``want``, for an output of the step if
+        ``key[3]``, remembered under ``key`` (the ids of the specs and meta)."""
+        seconds = self._seconds_by_id.get(key)
         if seconds is None:
-            seconds = self._reshard_times[key] = reshard_seconds(have, want, meta, self.cluster)
+            price = output_seconds if key[3] else reshard_seconds
+            seconds = self._seconds_by_id[key] = price(have, want, meta, self.cluster)
         return seconds
 
     def _reshard_matrix(
@@ -238,19 +246,10 @@ class _Builder:
         of_meta = ids.setdefault(meta, len(ids))
         have_ids = [ids.setdefault(h, len(ids)) for h in haves]
         want_ids = [ids.setdefault(w, len(ids)) for w in wants]
-        known = self._seconds_by_id
         table = np.empty((len(haves), len(wants)))
         for i, (have, have_id) in enumerate(zip(haves, have_ids, strict=True)):
             for j, (want, want_id) in enumerate(zip(wants, want_ids, strict=True)):
-                key = (have_id, want_id, of_meta, output)
-                seconds = known.get(key)
-                if seconds is None:
-                    seconds = known[key] = (
-                        output_seconds(have, want, meta, self.cluster)
-                        if output
-                        else self._moved(have, want, meta)
-                    )
-                table[i, j] = seconds
+                table[i, j] = self._priced(have, want, meta, (have_id, want_id, of_meta, output))
         rows = np.array([haves[spec] for spec in produced])
         columns = np.array([wants[spec] for spec in required])
         return table[np.ix_(rows, columns)]

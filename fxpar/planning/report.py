@@ -43,19 +43,12 @@ from fxpar import ir
 from fxpar.cluster import Cluster
 from fxpar.errors import FxparError
 from fxpar.ir.program import Program
-from fxpar.lowering import (
-    BUCKET_BYTES,
-    CollectiveRecord,
-    buckets,
-    needs_strategy,
-    output_specs,
-    single_all_reduce,
-)
+from fxpar.lowering import BUCKET_BYTES, CollectiveRecord, buckets, needs_strategy, output_specs
 from fxpar.planning import cost
 from fxpar.rules import coverage
 from fxpar.rules.registry import tensor_inputs
 from fxpar.sharding import Sharding, Spec, local_shape, replicated
-from fxpar.sharding.reshard import reshard_steps
+from fxpar.sharding.reshard import reshard_steps, single_all_reduce
 
 if TYPE_CHECKING:
     from fxpar.planning.plan import Plan
