@@ -10,7 +10,13 @@ import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-from fxpar.runtime.collectives import ProcessGroupCommunicator
+from fxpar.runtime.collectives import (
+    ProcessGroupCommunicator,
+    start_all_gather_bucket,
+    start_all_reduce_bucket,
+    start_reduce_scatter_bucket,
+    wait_bucket,
+)
 from fxpar.runtime.launch import spawn
 
 pytestmark = pytest.mark.slow
@@ -48,6 +54,27 @@ def _collectives(rank: int, world_size: int) -> list[str]:
             whole = torch.cat(everyone, concat)
             got = comm.all_to_all(whole.chunk(world_size, concat)[rank], split, concat, 0)
             checks[f"all_to_all {concat}->{split}"] = (got, whole.chunk(world_size, split)[rank])
+        # Buckets: several tensors (of other shapes, and strided) in one collective, in flight
+        # while the program runs on.
+        others = [e[:, :4].sum(2) for e in everyone]  # (4, 4), a reduction of a strided slice
+        other, other_total = others[rank], torch.stack(others).sum(0)
+        summed = wait_bucket(comm, start_all_reduce_bucket(comm, [mine, other], (0,)))
+        checks["all_reduce bucket 0"] = (summed[0], total)
+        checks["all_reduce bucket 1"] = (summed[1], other_total)
+        for dims in ((0, 1), (2, 0), (1, 1)):
+            bucket = start_reduce_scatter_bucket(comm, [mine, other], dims, 0, world_size)
+            wanted = ((total, dims[0]), (other_total, dims[1]))
+            for index, (got, (whole, dim)) in enumerate(
+                zip(wait_bucket(comm, bucket), wanted, strict=True)
+            ):
+                expected = whole.chunk(world_size, dim)[rank]
+                checks[f"reduce_scatter bucket {dims} {index}"] = (got, expected)
+            bucket = start_all_gather_bucket(comm, [mine, other], dims, 0, world_size)
+            parts = ((everyone, dims[0]), (others, dims[1]))
+            for index, (got, (pieces, dim)) in enumerate(
+                zip(wait_bucket(comm, bucket), parts, strict=True)
+            ):
+                checks[f"all_gather bucket {dims} {index}"] = (got, torch.cat(pieces, dim))
         for name, (got, expected) in checks.items():
             if got.shape != expected.shape or not torch.allclose(got, expected, atol=1e-6):
                 wrong.append(f"{name} (transposed={transposed})")

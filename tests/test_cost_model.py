@@ -20,14 +20,13 @@ from zoo import MLP
 import fxpar
 from fxpar import ir, plans
 from fxpar.cluster import Cluster
+from fxpar.ir import NumberedLayer, numbered_layer
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.pipeline import Pipeline, evaluate_split
 from fxpar.pipeline.atoms import output_bytes
 from fxpar.planning.cost import (
-    NumberedLayer,
     collective_seconds,
     node_seconds,
-    numbered_layer,
     output_seconds,
     repeated_layers,
     reshard_seconds,
@@ -270,10 +269,11 @@ def test_repeated_layers_are_the_container_with_most_numbered_children() -> None
     assert repeated_layers(["wte", "ln_f", ""]) is None
 
 
-def test_results_that_leave_by_one_all_reduce_are_priced_as_bucketed() -> None:
-    """The lowering sends such results (data parallelism's gradients) together in buckets, so
-    the cost model charges their bytes but not one latency each; any other conversion of a
-    result costs what the same resharding costs anywhere. Without this, the ILP preferred plans
+def test_results_that_leave_by_reductions_alone_are_priced_as_bucketed() -> None:
+    """The lowering sends such results (data parallelism's gradients, all-reduced over one or
+    more axes; fully sharded gradients, reduce-scattered) together in buckets, so the cost
+    model charges their bytes but not one latency each; any other conversion of a result
+    costs what the same resharding costs anywhere. Without this, the ILP preferred plans
     whose gradients could not share a bucket (the README demo: 10 collectives a step, not 2)."""
     cluster = Cluster.preset("cpu", (4,))
     meta = ir.TensorMeta((64, 32), torch.float32)
@@ -281,7 +281,12 @@ def test_results_that_leave_by_one_all_reduce_are_priced_as_bucketed() -> None:
     summed = output_seconds((Partial(),), (Replicate(),), meta, cluster)
     assert summed == pytest.approx(collective_seconds("all_reduce", nbytes, 4, 5e9, 0.0))
     assert summed < reshard_seconds((Partial(),), (Replicate(),), meta, cluster)
-    for have, want in (((Shard(0),), (Replicate(),)), ((Partial(),), (Shard(0),))):
-        assert output_seconds(have, want, meta, cluster) == reshard_seconds(
-            have, want, meta, cluster
-        )
+    scattered = output_seconds((Partial(),), (Shard(0),), meta, cluster)
+    assert scattered == pytest.approx(collective_seconds("reduce_scatter", nbytes, 4, 5e9, 0.0))
+    gathered = output_seconds((Shard(0),), (Replicate(),), meta, cluster)
+    assert gathered == reshard_seconds((Shard(0),), (Replicate(),), meta, cluster)
+    # Over both axes of a 2-D mesh: one bucket per axis, each without latency.
+    square = Cluster.preset("cpu", (2, 2))
+    both = output_seconds((Partial(), Partial()), (Replicate(), Replicate()), meta, square)
+    one_axis = collective_seconds("all_reduce", nbytes, 2, 5e9, 0.0)
+    assert both == pytest.approx(2 * one_axis)

@@ -14,7 +14,7 @@ import fxpar
 from fxpar import ir, plans
 from fxpar.cluster import Cluster
 from fxpar.errors import FxparError, LoweringError
-from fxpar.lowering import SPMDProgram, lower
+from fxpar.lowering import CollectiveRecord, SPMDProgram, lower
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.sharding import Sharding
 from fxpar.testing import assert_equivalent
@@ -92,18 +92,20 @@ def test_data_parallel_all_reduces_each_gradient_once_and_nothing_else() -> None
     assert len(scalars) == 2
 
     # Bucketed (the default): the gradients and the loss leave by one all-reduce of as many
-    # bytes, which each rank's code calls once; a small bucket size cuts more buckets.
+    # bytes, started where its last value is computed and waited on at the end; a small
+    # bucket size cuts more buckets.
     bucketed = lowered("data_parallel", (4,))
     leaving = [r for r in bucketed.collectives() if r.phase is ir.Phase.OUTPUT]
     assert len(leaving) == 1
     assert leaving[0].bytes == sum(r.bytes for r in records if r.phase is ir.Phase.OUTPUT)
     for rank in bucketed.ranks:
-        assert rank.code().count("all_reduce_bucket(") == 1
+        assert rank.code().count("start_all_reduce_bucket(") == 1
+        assert rank.code().count("wait_bucket(") == 1
     assert len(lowered("data_parallel", (4,), bucket_bytes=4096).collectives()) > 2
 
 
 def test_fully_sharded_gathers_parameters_and_reduce_scatters_gradients() -> None:
-    spmd = lowered("fully_sharded", (2,))
+    spmd = lowered("fully_sharded", (2,), bucket_bytes=0)  # one collective per gradient
     kinds = Counter((r.kind, r.phase) for r in spmd.collectives())
     sharded = [
         name
@@ -126,6 +128,29 @@ def test_fully_sharded_gathers_parameters_and_reduce_scatters_gradients() -> Non
     reduced = kinds[("reduce_scatter", ir.Phase.OUTPUT)] + kinds[("all_reduce", ir.Phase.BACKWARD)]
     assert reduced == len(sharded)
     assert kinds[("reduce_scatter", ir.Phase.OUTPUT)] >= len(sharded) - 1
+
+    # Bucketed (the default): the same bytes reduce-scattered in a few collectives (a small
+    # first bucket, then the rest), each started where its last gradient is computed.
+    def scattered(records: list[CollectiveRecord]) -> list[CollectiveRecord]:
+        return [r for r in records if (r.kind, r.phase) == ("reduce_scatter", ir.Phase.OUTPUT)]
+
+    bucketed = lowered("fully_sharded", (2,))
+    assert 1 <= len(scattered(bucketed.collectives())) <= 2
+    # The forward gathers each layer's parameters with one all-gather (the two blocks, and
+    # the embeddings and final norm together), as many bytes as one per parameter.
+    gathers = [r for r in bucketed.collectives() if r.kind == "all_gather"]
+    forward = [r for r in gathers if r.phase is ir.Phase.FORWARD]
+    assert len(forward) == 3
+    assert sum(r.bytes for r in forward) == sum(
+        r.bytes for r in spmd.collectives() if (r.kind, r.phase) == ("all_gather", ir.Phase.FORWARD)
+    )
+    assert sum(r.bytes for r in scattered(bucketed.collectives())) == sum(
+        r.bytes for r in scattered(spmd.collectives())
+    )
+    for rank in bucketed.ranks:
+        code = rank.code()
+        assert code.count("start_reduce_scatter_bucket(") == len(scattered(bucketed.records))
+        assert "reduce_scatter(comm" not in code
 
 
 def test_per_rank_programs_read_as_code() -> None:

@@ -172,6 +172,36 @@ class Region:
 
 
 @dataclass(frozen=True)
+class NumberedLayer:
+    """The numbered layer a module sits in: child ``index`` of ``container``."""
+
+    container: str
+    """The module path holding the layers (``blocks``, ``transformer.h``; ``""`` for the model
+    itself)."""
+    index: str
+
+    @property
+    def name(self) -> str:
+        """``blocks.3``: the layer's module path."""
+        return f"{self.container}.{self.index}" if self.container else self.index
+
+    @property
+    def pattern(self) -> str:
+        """``blocks.*``: every layer of the container."""
+        return f"{self.container}.*" if self.container else "*"
+
+
+def numbered_layer(module: str) -> NumberedLayer | None:
+    """The layer of ``module``'s first all-digit component (``blocks.3`` for ``blocks.3.attn``);
+    None for a module outside numbered layers."""
+    parts = module.split(".") if module else []
+    for depth, part in enumerate(parts):
+        if part.isdigit():
+            return NumberedLayer(".".join(parts[:depth]), part)
+    return None
+
+
+@dataclass(frozen=True)
 class Cost:
     """Work of one node: floating-point operations and bytes moved to and from memory.
 

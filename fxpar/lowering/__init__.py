@@ -8,13 +8,19 @@ from __future__ import annotations
 
 from fxpar.lowering.spmd import (
     BUCKET_BYTES,
+    FIRST_BUCKET_BYTES,
+    Bucketed,
     CollectiveRecord,
+    Gathered,
+    GatherGroup,
     LoweredGraph,
     RankProgram,
     SPMDProgram,
     buckets,
     conversion_program,
+    cut_buckets,
     deferred_gradient_specs,
+    gather_groups,
     localize_shape_arguments,
     lower,
     lower_graph,
@@ -22,22 +28,29 @@ from fxpar.lowering.spmd import (
     output_specs,
     value_spec,
 )
-from fxpar.sharding.reshard import single_all_reduce
+from fxpar.sharding.reshard import BucketRoute, bucket_route
 
 __all__ = [
     "BUCKET_BYTES",
+    "FIRST_BUCKET_BYTES",
+    "BucketRoute",
+    "Bucketed",
     "CollectiveRecord",
+    "GatherGroup",
+    "Gathered",
     "LoweredGraph",
     "RankProgram",
     "SPMDProgram",
+    "bucket_route",
     "buckets",
     "conversion_program",
+    "cut_buckets",
     "deferred_gradient_specs",
+    "gather_groups",
     "localize_shape_arguments",
     "lower",
     "lower_graph",
     "needs_strategy",
     "output_specs",
-    "single_all_reduce",
     "value_spec",
 ]

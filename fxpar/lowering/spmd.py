@@ -43,7 +43,7 @@ from fxpar.sharding import (
     shard_tensor,
     spec_str,
 )
-from fxpar.sharding.reshard import ReshardStep, reshard_steps, single_all_reduce
+from fxpar.sharding.reshard import BucketRoute, ReshardStep, bucket_route, reshard_steps
 
 aten = torch.ops.aten
 
@@ -152,10 +152,13 @@ def lower(
     sums, typically) wherever that takes no more memory than its parameter's layout, instead
     of converting it before the program returns (see :func:`deferred_gradient_specs`).
 
-    ``bucket_bytes``: outputs that leave by a single all-reduce (data parallelism's gradient
-    sums) are packed into buckets of at most this many bytes per device, one all-reduce per
-    bucket, mesh axis and dtype (:func:`fxpar.runtime.collectives.all_reduce_bucket`); 0 gives
-    every output its own."""
+    ``bucket_bytes``: outputs that take only reductions (data parallelism's gradient sums,
+    fully sharded gradients' reduce-scatters) are packed into buckets of at most this many
+    bytes per device, one collective per bucket, route and dtype, started as soon as the
+    bucket's last value is computed (:func:`cut_buckets`); the parameters a layer needs
+    gathered are gathered together, the next layer's while this one computes
+    (:func:`gather_groups`). 0 gives every conversion its own collectives, where it is
+    needed."""
     _check_lowerable(program.graph, cluster.ndim)
     placeholders = [n for n in program.graph.nodes if n.op == "placeholder"]
     input_specs = tuple(value_spec(n) for n in placeholders)
@@ -404,6 +407,11 @@ class _RankLowering:
     def run(
         self, input_specs: Mapping[fx.Node, Spec], leaving: Sequence[Spec], class_name: str
     ) -> fx.GraphModule:
+        self.groups: list[GatherGroup] = []
+        self.group_of: dict[GatherKey, GatherGroup] = {}
+        if self.bucket_bytes:
+            self.groups, self.group_of = gather_groups(self.source.graph, input_specs, self.mesh)
+        self.started: dict[int, fx.Node] = {}
         for node in self.source.graph.nodes:
             if node.op == "placeholder":
                 local = self.graph.placeholder(node.name)
@@ -429,53 +437,68 @@ class _RankLowering:
         return fx.GraphModule(self.source, self.graph, class_name=class_name)
 
     def _outputs(self, output: fx.Node, leaving: Sequence[Spec]) -> list[Any]:
-        """The output node's values converted to ``leaving``; those that need only an
-        all-reduce (partial sums to replicate over one axis) are reduced in buckets."""
+        """The output node's values converted to ``leaving``. Those that take only reductions
+        (:func:`bucket_route`) travel in buckets: each bucket's collective starts right after
+        its last value is computed and is waited on here, so it overlaps the rest of the
+        backward."""
         results: list[Any] = []
-        bucketed: dict[tuple[int, torch.dtype], list[tuple[int, fx.Node, int]]] = {}
+        members: list[Bucketed] = []
         values = output.args[0]
         assert isinstance(values, (tuple, list))
         for index, (result, spec) in enumerate(zip(values, leaving, strict=True)):
-            axis = self._reduced_over(result, spec) if self.bucket_bytes else None
-            if axis is None:
+            route = self._route(result, spec) if self.bucket_bytes else None
+            if route is None:
                 results.append(self._convert(result, spec, output, ir.Phase.OUTPUT))
                 continue
             assert isinstance(result, fx.Node)
-            meta = ir.require(result, ir.ValueMeta).tensor
             current = self.env[result][1][0]
             assert current is not None
-            nbytes = int(ir.product(local_shape(meta.shape, current, self.mesh))) * (
-                meta.dtype.itemsize
-            )
-            bucketed.setdefault((axis, meta.dtype), []).append((index, result, nbytes))
+            members.append(Bucketed.of(index, result, current, route, self.mesh))
             results.append(None)
-        for (axis, _), members in bucketed.items():
-            for positions in buckets([n for _, _, n in members], self.bucket_bytes):
-                bucket = [members[p] for p in positions]
-                values = [self.env[source][0] for _, source, _ in bucket]
-                call = self.graph.call_function(
-                    collectives.all_reduce_bucket, (self.comm, values, axis)
-                )
-                for position, (index, _, _) in enumerate(bucket):
-                    results[index] = self.graph.call_function(operator.getitem, (call, position))
-                # Named by its last value: the bucket can go once that one is computed.
+        order = {node: position for position, node in enumerate(self.source.graph.nodes)}
+        previous: tuple[fx.Node, fx.Node] | None = None  # (last value, start) of the last bucket
+        started = []
+        for bucket in cut_buckets(members, order, self.bucket_bytes):
+            last = bucket[-1].source
+            anchor = previous[1] if previous and previous[0] is last else self.env[last][0]
+            with self.graph.inserting_after(anchor):
+                start = self._start_bucket(bucket)
+            previous = (last, start)
+            started.append((bucket, start))
+            route = bucket[0].route
+            for axis in route.axes:
                 self.records.append(
                     CollectiveRecord(
-                        "all_reduce", axis, sum(n for _, _, n in bucket), bucket[-1][1].name,
-                        output.name, ir.Phase.OUTPUT,
+                        route.kind, axis, sum(m.nbytes for m in bucket), last.name, output.name,
+                        ir.Phase.OUTPUT,
                     )
                 )  # fmt: skip
+        for bucket, start in started:
+            done = self.graph.call_function(collectives.wait_bucket, (self.comm, start))
+            for position, member in enumerate(bucket):
+                results[member.index] = self.graph.call_function(operator.getitem, (done, position))
         return results
 
-    def _reduced_over(self, result: object, spec: Spec) -> int | None:
-        """The mesh axis over which ``result`` leaves by one all-reduce and nothing else (a
-        gradient summed over a data-parallel axis), else None."""
+    def _start_bucket(self, bucket: Sequence[Bucketed]) -> fx.Node:
+        values = [self.env[member.source][0] for member in bucket]
+        route = bucket[0].route
+        if route.kind == "all_reduce":
+            args: tuple[Any, ...] = (self.comm, values, route.axes)
+            return self.graph.call_function(collectives.start_all_reduce_bucket, args)
+        (axis,) = route.axes
+        dims = tuple(member.route.dim for member in bucket)
+        args = (self.comm, values, dims, axis, self.mesh[axis])
+        return self.graph.call_function(collectives.start_reduce_scatter_bucket, args)
+
+    def _route(self, result: object, spec: Spec) -> BucketRoute | None:
+        """How ``result`` leaves in a bucket (a gradient summed over a data-parallel axis, or
+        reduce-scattered to its fully sharded parameter), else None."""
         if not isinstance(result, fx.Node) or result not in self.env:
             return None
         current = self.env[result][1][0]
         if current is None or (result, spec, None) in self.converted:
             return None
-        return single_all_reduce(current, spec, self.mesh)
+        return bucket_route(current, spec, self.mesh)
 
     def _lower_op(self, node: fx.Node) -> None:
         strategy = ir.require(node, Sharding).strategy
@@ -518,12 +541,42 @@ class _RankLowering:
             return local
         if key in self.converted:
             return self.converted[key]
+        group = self.group_of.get(key)  # type: ignore[arg-type]
+        if group is not None:
+            self._gather(group, consumer)
+            return self.converted[key]
         meta = ir.require(source, ir.ValueMeta).tensor
         value = local
         for step in reshard_steps(current, spec, self.mesh):
             value, current = self._emit(step, value, current, meta, consumer, phase, source)
         self.converted[key] = value
         return value
+
+    def _gather(self, group: GatherGroup, consumer: fx.Node) -> None:
+        """Wait for ``group``'s gather (starting it, and the next group's, if not yet
+        started) and take its values."""
+        for index in (group.index, group.index + 1):
+            if index < len(self.groups) and index not in self.started:
+                self.started[index] = self._start_gather(self.groups[index], consumer)
+        done = self.graph.call_function(
+            collectives.wait_bucket, (self.comm, self.started[group.index])
+        )
+        for position, member in enumerate(group.members):
+            value = self.graph.call_function(operator.getitem, (done, position))
+            self.converted[(member.source, member.spec, group.phase)] = value
+
+    def _start_gather(self, group: GatherGroup, consumer: fx.Node) -> fx.Node:
+        values = [self.env[member.source][0] for member in group.members]
+        dims = tuple(member.dim for member in group.members)
+        size = self.mesh[group.axis]
+        args = (self.comm, values, dims, group.axis, size)
+        self.records.append(
+            CollectiveRecord(
+                "all_gather", group.axis, group.nbytes, group.members[0].source.name,
+                consumer.name, group.phase,
+            )
+        )  # fmt: skip
+        return self.graph.call_function(collectives.start_all_gather_bucket, args)
 
     def _emit(
         self,
@@ -572,15 +625,133 @@ class _RankLowering:
         return self.graph.call_function(call, args), after
 
 
-def buckets(sizes: Sequence[int], limit: int) -> list[list[int]]:
-    """The positions of values of ``sizes`` bytes per device, in order, cut into runs of at
-    most ``limit`` bytes (a larger value alone). The cut depends on global shapes and specs
+@dataclass(frozen=True)
+class Gathered:
+    """A placeholder gathered in a group: its wanted spec, the tensor dim gathered and its
+    bytes on each device before the gather."""
+
+    source: fx.Node
+    spec: Spec
+    dim: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class GatherGroup:
+    """Placeholders (a fully sharded layer's parameters) that one phase's ops of one layer
+    need gathered along the same mesh axis: they are gathered with ONE all-gather, started
+    while the layer before computes (prefetch), as FSDP gathers a flat parameter."""
+
+    index: int
+    """Its place among the groups, in the order the program first needs them."""
+    phase: ir.Phase
+    axis: int
+    members: tuple[Gathered, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(member.nbytes for member in self.members)
+
+
+GatherKey = tuple[fx.Node, Spec, ir.Phase]
+"""A conversion of a placeholder: to which spec, in which phase (the lowering's reuse key)."""
+
+
+def gather_groups(
+    graph: fx.Graph, placeholder_specs: Mapping[fx.Node, Spec], mesh: tuple[int, ...]
+) -> tuple[list[GatherGroup], dict[GatherKey, GatherGroup]]:
+    """The groups of placeholder gathers of ``graph`` (in the order they are first needed)
+    and the group of each conversion that is one: every conversion of a placeholder that is
+    one all-gather joins the group of its first consumer's phase, numbered layer
+    (:func:`fxpar.ir.meta.numbered_layer`; modules outside layers share one group), mesh axis
+    and dtype. Depends on global shapes and specs only: every rank makes the same groups."""
+    GroupKey = tuple[ir.Phase, str, int, torch.dtype]
+    found: dict[GroupKey, list[Gathered]] = {}
+    member_of: dict[GatherKey, GroupKey] = {}
+    for node in graph.nodes:
+        if not needs_strategy(node):
+            continue
+        region = ir.require(node, ir.Region)
+        inputs = ir.require(node, Sharding).strategy.inputs
+        for source, want in zip(tensor_inputs(node), inputs, strict=False):
+            if source.op != "placeholder" or want is None:
+                continue
+            have = placeholder_specs[source]
+            key = (source, want, region.phase)
+            if have == want or key in member_of:
+                continue
+            steps = reshard_steps(have, want, mesh)
+            if len(steps) != 1 or steps[0].kind != "all_gather" or steps[0].dim is None:
+                continue
+            meta = ir.require(source, ir.ValueMeta).tensor
+            layer = ir.numbered_layer(region.module)
+            group = (region.phase, layer.name if layer else "", steps[0].axis, meta.dtype)
+            shape = tuple(ir.evaluate(size) for size in meta.shape)
+            nbytes = int(ir.product(local_shape(shape, have, mesh))) * meta.dtype.itemsize
+            found.setdefault(group, []).append(Gathered(source, want, steps[0].dim, nbytes))
+            member_of[key] = group
+    groups = {
+        (phase, layer, axis, dtype): GatherGroup(index, phase, axis, tuple(members))
+        for index, ((phase, layer, axis, dtype), members) in enumerate(found.items())
+    }
+    return list(groups.values()), {key: groups[group] for key, group in member_of.items()}
+
+
+@dataclass(frozen=True)
+class Bucketed:
+    """A result of the step that leaves in a bucket: its position among the outputs, its
+    value, how it travels and its bytes on each device."""
+
+    index: int
+    source: fx.Node
+    route: BucketRoute
+    dtype: torch.dtype
+    nbytes: int
+
+    @staticmethod
+    def of(
+        index: int, source: fx.Node, current: Spec, route: BucketRoute, mesh: tuple[int, ...]
+    ) -> Bucketed:
+        meta = ir.require(source, ir.ValueMeta).tensor
+        shape = tuple(ir.evaluate(size) for size in meta.shape)
+        nbytes = int(ir.product(local_shape(shape, current, mesh))) * meta.dtype.itemsize
+        return Bucketed(index, source, route, meta.dtype, nbytes)
+
+
+FIRST_BUCKET_BYTES = 2**20
+"""The first bucket of each route is small (as DDP's), so that communication starts early in
+the backward instead of after 25 MiB of gradients."""
+
+
+def cut_buckets(
+    members: Sequence[Bucketed], order: Mapping[fx.Node, int], limit: int
+) -> list[list[Bucketed]]:
+    """``members`` in buckets: one route and dtype per bucket, values in the order the program
+    computes them (``order``: each source node's position), at most ``limit`` bytes each
+    (:data:`FIRST_BUCKET_BYTES` for a route's first; a larger value alone). Buckets come in the
+    order they can start (by their last value). The cut depends on global shapes and specs
     only, so every rank makes the same buckets and runs the same collectives; the plan report
     replays it."""
+    groups: dict[tuple[object, ...], list[Bucketed]] = {}
+    for member in members:
+        groups.setdefault((*member.route.key, member.dtype), []).append(member)
+    cut: list[list[Bucketed]] = []
+    for group in groups.values():
+        ordered = sorted(group, key=lambda m: order[m.source])
+        sizes = [m.nbytes for m in ordered]
+        for positions in buckets(sizes, limit, first=min(limit, FIRST_BUCKET_BYTES)):
+            cut.append([ordered[p] for p in positions])
+    return sorted(cut, key=lambda bucket: order[bucket[-1].source])
+
+
+def buckets(sizes: Sequence[int], limit: int, first: int | None = None) -> list[list[int]]:
+    """The positions of values of ``sizes`` bytes per device, in order, cut into runs of at
+    most ``limit`` bytes (``first`` for the first run; a larger value alone)."""
     cut: list[list[int]] = []
     total = 0
     for position, size in enumerate(sizes):
-        if not cut or total + size > limit:
+        cap = limit if len(cut) > 1 or first is None else first
+        if not cut or total + size > cap:
             cut.append([])
             total = 0
         cut[-1].append(position)

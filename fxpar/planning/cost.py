@@ -40,15 +40,15 @@ import math
 import operator
 from collections import defaultdict
 from collections.abc import Collection, Iterable, Sequence
-from dataclasses import dataclass
 
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Shard
 
 from fxpar import ir
 from fxpar.cluster import Cluster
+from fxpar.ir.meta import numbered_layer
 from fxpar.sharding import Spec, Strategy, local_shape
-from fxpar.sharding.reshard import reshard_steps, single_all_reduce
+from fxpar.sharding.reshard import bucket_route, reshard_steps
 
 # -- time ---------------------------------------------------------------------------------------
 
@@ -90,16 +90,20 @@ def reshard_seconds(src: Spec, dst: Spec, meta: ir.TensorMeta, cluster: Cluster)
 def output_seconds(src: Spec, dst: Spec, meta: ir.TensorMeta, cluster: Cluster) -> float:
     """Time to turn a result of the step (loss, gradient, buffer update) laid out as ``src``
     into ``dst``, its output layout. As :func:`reshard_seconds`, except for a result that takes
-    one all-reduce: the lowering sends those together, in buckets of up to 25 MiB per mesh axis
+    only reductions (all-reduces, or one reduce-scatter: :func:`bucket_route`): the lowering
+    sends those together, in buckets of up to 25 MiB per route
     (:data:`fxpar.lowering.BUCKET_BYTES`), so each pays the time of its bytes but not a
     collective's latency (the one latency per bucket is left out)."""
-    axis = single_all_reduce(src, dst, cluster.mesh_shape)
-    if axis is None:
+    route = bucket_route(src, dst, cluster.mesh_shape)
+    if route is None:
         return reshard_seconds(src, dst, meta, cluster)
     shape = tuple(ir.evaluate(s) for s in meta.shape)
     nbytes = math.prod(local_shape(shape, src, cluster.mesh_shape)) * meta.dtype.itemsize
-    n, bandwidth = cluster.mesh_shape[axis], cluster.bandwidth[axis]
-    return collective_seconds("all_reduce", nbytes, n, bandwidth, 0.0)
+    seconds = 0.0
+    for axis in route.axes:
+        n, bandwidth = cluster.mesh_shape[axis], cluster.bandwidth[axis]
+        seconds += collective_seconds(route.kind, nbytes, n, bandwidth, 0.0)
+    return seconds
 
 
 def split_factor(strategy: Strategy, mesh_shape: tuple[int, ...]) -> int:
@@ -231,36 +235,6 @@ def saved_bytes(
 
 
 # -- layers -------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class NumberedLayer:
-    """The numbered layer a module sits in: child ``index`` of ``container``."""
-
-    container: str
-    """The module path holding the layers (``blocks``, ``transformer.h``; ``""`` for the model
-    itself)."""
-    index: str
-
-    @property
-    def name(self) -> str:
-        """``blocks.3``: the layer's module path."""
-        return f"{self.container}.{self.index}" if self.container else self.index
-
-    @property
-    def pattern(self) -> str:
-        """``blocks.*``: every layer of the container."""
-        return f"{self.container}.*" if self.container else "*"
-
-
-def numbered_layer(module: str) -> NumberedLayer | None:
-    """The layer of ``module``'s first all-digit component (``blocks.3`` for ``blocks.3.attn``);
-    None for a module outside numbered layers."""
-    parts = module.split(".") if module else []
-    for depth, part in enumerate(parts):
-        if part.isdigit():
-            return NumberedLayer(".".join(parts[:depth]), part)
-    return None
 
 
 def repeated_layers(modules: Iterable[str]) -> tuple[str, list[str]] | None:

@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Shard
 
@@ -43,12 +42,22 @@ from fxpar import ir
 from fxpar.cluster import Cluster
 from fxpar.errors import FxparError
 from fxpar.ir.program import Program
-from fxpar.lowering import BUCKET_BYTES, CollectiveRecord, buckets, needs_strategy, output_specs
+from fxpar.lowering import (
+    BUCKET_BYTES,
+    Bucketed,
+    CollectiveRecord,
+    GatherGroup,
+    cut_buckets,
+    gather_groups,
+    needs_strategy,
+    output_specs,
+    value_spec,
+)
 from fxpar.planning import cost
 from fxpar.rules import coverage
 from fxpar.rules.registry import tensor_inputs
 from fxpar.sharding import Sharding, Spec, local_shape, replicated
-from fxpar.sharding.reshard import reshard_steps, single_all_reduce
+from fxpar.sharding.reshard import bucket_route, reshard_steps
 
 if TYPE_CHECKING:
     from fxpar.planning.plan import Plan
@@ -109,6 +118,31 @@ def walk(program: Program, cluster: Cluster) -> Walk:
     mesh = cluster.mesh_shape
     found = Walk()
     converted: set[tuple[fx.Node, Spec, ir.Phase | None]] = set()
+    # The lowering's grouped gathers of placeholders (fxpar.lowering.gather_groups), each
+    # started at its first use or while the group before it is waited on.
+    placeholders = {node: value_spec(node) for node in program.placeholders().values()}
+    groups, group_of = gather_groups(program.graph, placeholders, mesh)
+    started: set[int] = set()
+
+    def gather(group: GatherGroup, consumer: fx.Node) -> None:
+        for index in (group.index, group.index + 1):
+            if index < len(groups) and index not in started:
+                started.add(index)
+                record("all_gather", groups[index].axis, groups[index].nbytes,
+                       groups[index].members[0].source, consumer, groups[index].phase)  # fmt: skip
+        converted.update((member.source, member.spec, group.phase) for member in group.members)
+
+    def record(
+        kind: str, axis: int, nbytes: int, source: fx.Node, consumer: fx.Node, phase: ir.Phase
+    ) -> None:
+        found.records.append(
+            CollectiveRecord(kind, axis, nbytes, source.name, consumer.name, phase)
+        )
+        found.record_seconds.append(
+            cost.collective_seconds(
+                kind, nbytes, mesh[axis], cluster.bandwidth[axis], cluster.latency[axis]
+            )
+        )
 
     def convert(
         source: fx.Node, want: Spec, consumer: fx.Node, phase: ir.Phase, priced: bool = False
@@ -123,22 +157,17 @@ def walk(program: Program, cluster: Cluster) -> Walk:
         key = (source, want, phase if source.op == "placeholder" else None)
         if current == want or key in converted:
             return
+        group = group_of.get(key)  # type: ignore[arg-type]
+        if group is not None:
+            gather(group, consumer)
+            return
         converted.add(key)
         shape = tuple(ir.evaluate(s) for s in meta.shape)
         spec = current
         for step in reshard_steps(current, want, mesh):
             if step.is_collective:
                 nbytes = math.prod(local_shape(shape, spec, mesh)) * meta.dtype.itemsize
-                found.records.append(
-                    CollectiveRecord(
-                        step.kind, step.axis, nbytes, source.name, consumer.name, phase
-                    )
-                )
-                axis = step.axis
-                seconds = cost.collective_seconds(
-                    step.kind, nbytes, mesh[axis], cluster.bandwidth[axis], cluster.latency[axis]
-                )
-                found.record_seconds.append(seconds)
+                record(step.kind, step.axis, nbytes, source, consumer, phase)
             spec = step.apply(spec)
 
     for node in program.graph.nodes:
@@ -150,38 +179,28 @@ def walk(program: Program, cluster: Cluster) -> Walk:
             results = node.args[0]
             assert isinstance(results, (tuple, list))
             # The lowering's buckets (fxpar.lowering._RankLowering._outputs): outputs that
-            # leave by one all-reduce share one per bucket, mesh axis and dtype.
-            bucketed: dict[tuple[int, torch.dtype], list[tuple[fx.Node, int]]] = {}
-            for result, spec in zip(results, output_specs(program, cluster.ndim), strict=True):
+            # take only reductions travel together, per route and dtype.
+            members = []
+            leaving = output_specs(program, cluster.ndim)
+            for index, (result, spec) in enumerate(zip(results, leaving, strict=True)):
                 if not isinstance(result, fx.Node):
                     continue
                 current = found.specs[result][0]
                 assert current is not None
                 meta = ir.require(result, ir.ValueMeta).tensor
-                # Priced as the cost model prices a result: in a bucket if one all-reduce.
+                # Priced as the cost model prices a result: in a bucket if only reductions.
                 found.edge_seconds += cost.output_seconds(current, spec, meta, cluster)
-                axis = single_all_reduce(current, spec, mesh)
-                if axis is None or (result, spec, None) in converted:
+                route = bucket_route(current, spec, mesh)
+                if route is None or (result, spec, None) in converted:
                     convert(result, spec, node, ir.Phase.OUTPUT, priced=True)
                     continue
-                shape = tuple(ir.evaluate(s) for s in meta.shape)
-                nbytes = math.prod(local_shape(shape, current, mesh)) * meta.dtype.itemsize
-                bucketed.setdefault((axis, meta.dtype), []).append((result, nbytes))
-            for (axis, _), members in bucketed.items():
-                for positions in buckets([n for _, n in members], BUCKET_BYTES):
-                    nbytes = sum(members[p][1] for p in positions)
-                    last = members[positions[-1]][0]
-                    found.records.append(
-                        CollectiveRecord(
-                            "all_reduce", axis, nbytes, last.name, node.name, ir.Phase.OUTPUT
-                        )
-                    )
-                    found.record_seconds.append(
-                        cost.collective_seconds(
-                            "all_reduce", nbytes, mesh[axis], cluster.bandwidth[axis],
-                            cluster.latency[axis],
-                        )
-                    )  # fmt: skip
+                members.append(Bucketed.of(index, result, current, route, mesh))
+            order = {n: position for position, n in enumerate(program.graph.nodes)}
+            for bucket in cut_buckets(members, order, BUCKET_BYTES):
+                nbytes = sum(member.nbytes for member in bucket)
+                route = bucket[0].route
+                for axis in route.axes:
+                    record(route.kind, axis, nbytes, bucket[-1].source, node, ir.Phase.OUTPUT)
         elif node.target is operator.getitem:
             source, index = node.args
             assert isinstance(source, fx.Node) and isinstance(index, int)

@@ -9,7 +9,9 @@ DeviceMesh, and the simulator (:mod:`fxpar.testing.simulate`) exchanges tensors 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -28,6 +30,34 @@ class Communicator(Protocol):
     def all_to_all(
         self, tensor: torch.Tensor, split_dim: int, concat_dim: int, axis: int
     ) -> torch.Tensor: ...
+
+    def start_all_reduce(self, flat: torch.Tensor, axis: int) -> Pending:
+        """Start summing the 1-D contiguous ``flat`` in place over ``axis``; nothing else
+        reads or writes it until the returned handle is waited on."""
+        ...
+
+    def start_reduce_scatter(self, output: torch.Tensor, flat: torch.Tensor, axis: int) -> Pending:
+        """Start writing to ``output`` (1-D) this device's chunk of the sum over ``axis`` of
+        the 1-D ``flat`` (chunk ``i`` of ``flat`` goes to the device at index ``i``)."""
+        ...
+
+    def start_all_gather(self, output: torch.Tensor, flat: torch.Tensor, axis: int) -> Pending:
+        """Start writing to ``output`` (1-D) the 1-D ``flat`` of every device along ``axis``,
+        in order."""
+        ...
+
+
+class Pending(Protocol):
+    """A collective in flight."""
+
+    def wait(self) -> object: ...
+
+
+class Done:
+    """The handle of a collective that completed when it was started."""
+
+    def wait(self) -> None:
+        return None
 
 
 def all_gather(comm: Communicator, tensor: torch.Tensor, dim: int, axis: int) -> torch.Tensor:
@@ -52,24 +82,108 @@ def all_to_all(
     return comm.all_to_all(tensor, split_dim, concat_dim, axis)
 
 
-def all_reduce_bucket(
-    comm: Communicator, tensors: Sequence[torch.Tensor], axis: int
-) -> tuple[torch.Tensor, ...]:
-    """Sum each of ``tensors`` (of one dtype) over ``axis`` with ONE all-reduce: they are
-    packed into a flat buffer, reduced, and unpacked (contiguous). Many small gradients then
-    cost one collective's latency instead of one each."""
+@dataclass
+class Bucket:
+    """Values travelling together in one flat buffer: a collective in flight over it, how to
+    cut the result back into values, and the all-reduces over further mesh axes still to run
+    (a gradient summed over two axes of a 2-D mesh)."""
+
+    pending: Pending
+    result: torch.Tensor
+    unpack: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
+    then_all_reduce: tuple[int, ...] = ()
+
+
+def start_all_reduce_bucket(
+    comm: Communicator, tensors: Sequence[torch.Tensor], axes: Sequence[int]
+) -> Bucket:
+    """Start summing each of ``tensors`` (of one dtype) over mesh ``axes`` with ONE
+    all-reduce per axis: they are packed into a fresh flat buffer, reduced in place and, at
+    :func:`wait_bucket`, cut back into their shapes (contiguous). Many small gradients then
+    cost one collective's latency instead of one each, and the program runs on while the
+    collective travels (gradients of earlier layers are still being computed)."""
     flat = torch.cat([tensor.reshape(-1) for tensor in tensors])
-    reduced = comm.all_reduce(flat, axis)
-    pieces = reduced.split([tensor.numel() for tensor in tensors])
-    return tuple(piece.view(tensor.shape) for piece, tensor in zip(pieces, tensors, strict=True))
+    shapes = [tensor.shape for tensor in tensors]
+
+    def unpack(result: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        pieces = result.split([math.prod(shape) for shape in shapes])
+        return tuple(piece.view(shape) for piece, shape in zip(pieces, shapes, strict=True))
+
+    first, *rest = axes
+    return Bucket(comm.start_all_reduce(flat, first), flat, unpack, tuple(rest))
 
 
-COLLECTIVE_FUNCTIONS = (all_gather, all_reduce, reduce_scatter, all_to_all, all_reduce_bucket)
+def start_reduce_scatter_bucket(
+    comm: Communicator, tensors: Sequence[torch.Tensor], dims: Sequence[int], axis: int, size: int
+) -> Bucket:
+    """Start summing each of ``tensors`` over mesh ``axis`` (of ``size`` devices) and keeping
+    this device's chunk of tensor dim ``dims[i]``, with ONE reduce-scatter: row ``j`` of the
+    packed buffer holds chunk ``j`` of every tensor, so device ``j`` receives exactly its
+    chunks."""
+    fronts = [tensor.movedim(dim, 0) for tensor, dim in zip(tensors, dims, strict=True)]
+    flat = torch.cat([front.reshape(size, -1) for front in fronts], dim=1).reshape(-1)
+    chunks = [(front.shape[0] // size, *front.shape[1:]) for front in fronts]
+    output = flat.new_empty(flat.numel() // size)
+
+    def unpack(result: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        pieces = result.split([math.prod(chunk) for chunk in chunks])
+        return tuple(
+            piece.view(chunk).movedim(0, dim).contiguous()
+            for piece, chunk, dim in zip(pieces, chunks, dims, strict=True)
+        )
+
+    return Bucket(comm.start_reduce_scatter(output, flat, axis), output, unpack)
+
+
+def start_all_gather_bucket(
+    comm: Communicator, tensors: Sequence[torch.Tensor], dims: Sequence[int], axis: int, size: int
+) -> Bucket:
+    """Start gathering each of ``tensors`` along tensor dim ``dims[i]`` from the ``size``
+    devices of mesh ``axis`` with ONE all-gather (a fully sharded layer's parameters, all at
+    once, as FSDP gathers a flat parameter)."""
+    fronts = [tensor.movedim(dim, 0) for tensor, dim in zip(tensors, dims, strict=True)]
+    flat = torch.cat([front.reshape(-1) for front in fronts])
+    output = flat.new_empty(flat.numel() * size)
+
+    def unpack(result: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        rows = result.view(size, -1).split([front.numel() for front in fronts], dim=1)
+        return tuple(
+            row.reshape(size * front.shape[0], *front.shape[1:]).movedim(0, dim).contiguous()
+            for row, front, dim in zip(rows, fronts, dims, strict=True)
+        )
+
+    return Bucket(comm.start_all_gather(output, flat, axis), output, unpack)
+
+
+def wait_bucket(comm: Communicator, bucket: Bucket) -> tuple[torch.Tensor, ...]:
+    """The values of ``bucket`` once its collectives are done."""
+    bucket.pending.wait()
+    for axis in bucket.then_all_reduce:
+        comm.start_all_reduce(bucket.result, axis).wait()
+    return bucket.unpack(bucket.result)
+
+
+COLLECTIVE_FUNCTIONS = (
+    all_gather, all_reduce, reduce_scatter, all_to_all,
+    start_all_reduce_bucket, start_reduce_scatter_bucket, start_all_gather_bucket,
+)  # fmt: skip
+"""The calls of a per-rank program that start collectives (:func:`wait_bucket` only waits)."""
 
 
 class OneDeviceCommunicator:
     """The communicator of a one-device mesh: every collective over an axis of size 1 is the
     identity."""
+
+    def start_all_reduce(self, flat: torch.Tensor, axis: int) -> Pending:
+        return Done()
+
+    def start_reduce_scatter(self, output: torch.Tensor, flat: torch.Tensor, axis: int) -> Pending:
+        output.copy_(flat)
+        return Done()
+
+    def start_all_gather(self, output: torch.Tensor, flat: torch.Tensor, axis: int) -> Pending:
+        output.copy_(flat)
+        return Done()
 
     def all_gather(self, tensor: torch.Tensor, dim: int, axis: int) -> torch.Tensor:
         return tensor
@@ -116,6 +230,17 @@ class ProcessGroupCommunicator:
         dist.all_reduce(result, group=self._groups[axis])
         return result
 
+    def start_all_reduce(self, flat: torch.Tensor, axis: int) -> Pending:
+        return _handle(dist.all_reduce(flat, group=self._groups[axis], async_op=True))
+
+    def start_reduce_scatter(self, output: torch.Tensor, flat: torch.Tensor, axis: int) -> Pending:
+        work = dist.reduce_scatter_tensor(output, flat, group=self._groups[axis], async_op=True)
+        return _handle(work)
+
+    def start_all_gather(self, output: torch.Tensor, flat: torch.Tensor, axis: int) -> Pending:
+        work = dist.all_gather_into_tensor(output, flat, group=self._groups[axis], async_op=True)
+        return _handle(work)
+
     def reduce_scatter(self, tensor: torch.Tensor, dim: int, axis: int) -> torch.Tensor:
         front = tensor.movedim(dim, 0).contiguous()
         output = front.new_empty((front.shape[0] // self._size(axis), *front.shape[1:]))
@@ -139,3 +264,8 @@ class ProcessGroupCommunicator:
         shape = list(piece)
         shape[at] *= size
         return merged.reshape(shape).movedim(0, split_dim).contiguous()
+
+
+def _handle(work: object) -> Pending:
+    """A torch.distributed work object (``None`` where the call ran synchronously)."""
+    return Done() if work is None else work  # type: ignore[return-value]

@@ -118,12 +118,35 @@ def _alone(axis: int, source_dim: int | None, target_dim: int, src: Spec, dst: S
     return source_dim is not None
 
 
-def single_all_reduce(current: Spec, want: Spec, mesh_shape: Sequence[int]) -> int | None:
-    """The mesh axis when going from ``current`` to ``want`` takes one all-reduce and nothing
-    else (what an output needs to join a bucket), else None."""
+@dataclass(frozen=True)
+class BucketRoute:
+    """How a result of the step reaches its output layout when that takes only reductions: a
+    sum over one or more mesh axes (``all_reduce``, data parallelism's gradients) or over one
+    axis keeping this device's chunk of tensor dim ``dim`` (``reduce_scatter``, fully sharded
+    gradients). Results on the same route (and of one dtype) travel together in buckets."""
+
+    kind: Literal["all_reduce", "reduce_scatter"]
+    axes: tuple[int, ...]
+    dim: int | None = None
+
+    @property
+    def key(self) -> tuple[str, tuple[int, ...]]:
+        """What results must share to go in one bucket (reduce-scatters may split
+        different dims)."""
+        return self.kind, self.axes
+
+    def steps(self) -> list[ReshardStep]:
+        return [ReshardStep(self.kind, axis, self.dim) for axis in self.axes]
+
+
+def bucket_route(current: Spec, want: Spec, mesh_shape: Sequence[int]) -> BucketRoute | None:
+    """The route of a result going from ``current`` to ``want`` when it can travel in a bucket
+    (all-reduces only, or one reduce-scatter), else None."""
     if current == want:
         return None
     steps = reshard_steps(current, want, mesh_shape)
-    if len(steps) != 1 or steps[0].kind != "all_reduce":
-        return None
-    return steps[0].axis
+    if steps and all(step.kind == "all_reduce" for step in steps):
+        return BucketRoute("all_reduce", tuple(step.axis for step in steps))
+    if len(steps) == 1 and steps[0].kind == "reduce_scatter":
+        return BucketRoute("reduce_scatter", (steps[0].axis,), steps[0].dim)
+    return None

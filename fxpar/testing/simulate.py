@@ -21,6 +21,7 @@ from fxpar.cluster import Coordinate
 from fxpar.errors import FxparError
 from fxpar.ir.program import StepResult
 from fxpar.lowering import SPMDProgram
+from fxpar.runtime.collectives import Done, Pending
 
 R = TypeVar("R")
 
@@ -93,6 +94,22 @@ class SimulatedCommunicator:
         total = self.all_reduce(tensor, axis)
         size = self.exchange.mesh_shape[axis]
         return total.chunk(size, dim)[self.coordinate[axis]].contiguous()
+
+    # The simulated devices exchange at once: a collective "started" is already done. The
+    # exchange holds the tensors it is given while other devices read them: an in-place
+    # collective gives it a copy.
+
+    def start_all_reduce(self, flat: torch.Tensor, axis: int) -> Pending:
+        flat.copy_(self.all_reduce(flat.clone(), axis))
+        return Done()
+
+    def start_reduce_scatter(self, output: torch.Tensor, flat: torch.Tensor, axis: int) -> Pending:
+        output.copy_(self.reduce_scatter(flat, 0, axis))
+        return Done()
+
+    def start_all_gather(self, output: torch.Tensor, flat: torch.Tensor, axis: int) -> Pending:
+        output.copy_(self.all_gather(flat, 0, axis))
+        return Done()
 
     def all_to_all(
         self, tensor: torch.Tensor, split_dim: int, concat_dim: int, axis: int
