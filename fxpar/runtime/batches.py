@@ -20,7 +20,7 @@ large values; bit patterns have neither problem.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -108,20 +108,21 @@ class BatchSignature:
         *,
         check_ranks: bool,
         rank: int = 0,
+        defer: Callable[[Callable[[], None]], None] | None = None,
     ) -> list[torch.Tensor]:
         """:meth:`bind`, then, with ``check_ranks``, :func:`check_same_batch` (a collective
-        over the default process group: call it on every rank). A rank whose batch
-        :meth:`bind` rejects still joins the comparison, so that its peers fail with it
-        instead of waiting for it at the step's first collective."""
+        over the default process group: call it on every rank; ``defer`` as there). A rank
+        whose batch :meth:`bind` rejects still joins the comparison, so that its peers fail
+        with it instead of waiting for it at the step's first collective."""
         try:
             tensors = self.bind(batch, named)
         except BatchError:
             if check_ranks:
                 blank = torch.zeros((len(self.names), _DIGEST_BYTES), dtype=torch.uint8)
-                _gather(blank, rejected=True)
+                _start_gather(blank, rejected=True)()
             raise
         if check_ranks:
-            check_same_batch(tensors, rank=rank)
+            check_same_batch(tensors, rank=rank, defer=defer)
         return tensors
 
 
@@ -196,41 +197,69 @@ def batch_digest(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.cat(rows)
 
 
-def check_same_batch(tensors: Sequence[torch.Tensor], *, rank: int) -> None:
+def check_same_batch(
+    tensors: Sequence[torch.Tensor],
+    *,
+    rank: int,
+    defer: Callable[[Callable[[], None]], None] | None = None,
+) -> None:
     """Raise on every rank unless every rank of the default process group holds bitwise the
     same ``tensors``. A collective: call it on every rank.
+
+    ``defer``: start the comparison now but finish it later: ``defer`` receives the function
+    that waits for it and raises, to call before the step's first collective (a
+    :class:`~fxpar.runtime.collectives.ProcessGroupCommunicator`'s ``defer``), so that the
+    comparison travels while the step computes up to there. Every rank then fails at the same
+    point, before any collective of the step.
 
     Raises:
         BatchError: some rank holds another batch, or rejected its own (see
             :meth:`BatchSignature.take`).
     """
     mine = batch_digest(tensors)
-    everyone = _gather(mine, rejected=False)
-    rejected = [r for r, (_, refused) in enumerate(everyone) if refused]
-    if rejected:
-        raise BatchError(
-            f"ranks {rejected} were given batches that do not match the compiled step (their "
-            "own errors say how); every rank must pass the same global batch"
-        )
-    differing = [r for r, (theirs, _) in enumerate(everyone) if not torch.equal(theirs, mine)]
-    if differing:
-        raise BatchError(
-            f"rank {rank} got a different batch than ranks {differing}: the compiled model "
-            "expects the same global batch on every rank (each takes its own piece); seed the "
-            "data loader identically, or pass check_batches=False to fxpar.compile if you "
-            "mean it"
-        )
+    arrived = _start_gather(mine, rejected=False)
+
+    def finish() -> None:
+        everyone = arrived()
+        rejected = [r for r, (_, refused) in enumerate(everyone) if refused]
+        if rejected:
+            raise BatchError(
+                f"ranks {rejected} were given batches that do not match the compiled step "
+                "(their own errors say how); every rank must pass the same global batch"
+            )
+        differing = [r for r, (theirs, _) in enumerate(everyone) if not torch.equal(theirs, mine)]
+        if differing:
+            raise BatchError(
+                f"rank {rank} got a different batch than ranks {differing}: the compiled model "
+                "expects the same global batch on every rank (each takes its own piece); seed "
+                "the data loader identically, or pass check_batches=False to fxpar.compile if "
+                "you mean it"
+            )
+
+    if defer is None:
+        finish()
+    else:
+        defer(finish)
 
 
-def _gather(digests: torch.Tensor, *, rejected: bool) -> list[tuple[torch.Tensor, bool]]:
-    """Every rank's digests and whether it rejected its batch, in one all-gather: a status row
-    travels first."""
+def _start_gather(
+    digests: torch.Tensor, *, rejected: bool
+) -> Callable[[], list[tuple[torch.Tensor, bool]]]:
+    """Start gathering every rank's digests and whether it rejected its batch, in one
+    all-gather (a status row travels first); the returned function waits for them."""
     status = torch.zeros((1, _DIGEST_BYTES), dtype=torch.uint8)
     status[0, 0] = int(rejected)
     mine = torch.cat([status, digests])
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, mine)
-    return [(theirs[1:], bool(theirs[0, 0])) for theirs in everyone]
+    world = dist.get_world_size()
+    output = mine.new_empty((world * mine.shape[0], _DIGEST_BYTES))
+    work = dist.all_gather_into_tensor(output, mine, async_op=True)
+
+    def arrived() -> list[tuple[torch.Tensor, bool]]:
+        if work is not None:
+            work.wait()
+        return [(theirs[1:], bool(theirs[0, 0])) for theirs in output.chunk(world)]
+
+    return arrived
 
 
 __all__ = [

@@ -174,6 +174,12 @@ class OneDeviceCommunicator:
     """The communicator of a one-device mesh: every collective over an axis of size 1 is the
     identity."""
 
+    def defer(self, finish: Callable[[], None]) -> None:
+        finish()
+
+    def settle(self) -> None:
+        return None
+
     def start_all_reduce(self, flat: torch.Tensor, axis: int) -> Pending:
         return Done()
 
@@ -214,34 +220,51 @@ class ProcessGroupCommunicator:
     def __init__(self, device_mesh: object) -> None:
         self.device_mesh = device_mesh
         self._groups = [device_mesh.get_group(axis) for axis in range(device_mesh.ndim)]  # type: ignore[attr-defined]
+        self._before: list[Callable[[], None]] = []
+
+    def defer(self, finish: Callable[[], None]) -> None:
+        """Run ``finish`` before this communicator's next collective (or at :meth:`settle`):
+        a check whose own collective travels while the program computes up to its first."""
+        self._before.append(finish)
+
+    def settle(self) -> None:
+        """Run what :meth:`defer` left (each may raise, on every rank alike)."""
+        while self._before:
+            self._before.pop(0)()
 
     def _size(self, axis: int) -> int:
         return dist.get_world_size(self._groups[axis])
 
     def all_gather(self, tensor: torch.Tensor, dim: int, axis: int) -> torch.Tensor:
+        self.settle()
         front = tensor.movedim(dim, 0).contiguous()
         output = front.new_empty((self._size(axis) * front.shape[0], *front.shape[1:]))
         dist.all_gather_into_tensor(output, front, group=self._groups[axis])
         return output.movedim(0, dim).contiguous()
 
     def all_reduce(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
+        self.settle()
         # One copy, contiguous whatever the input's strides (a transposed gradient).
         result = tensor.clone(memory_format=torch.contiguous_format)
         dist.all_reduce(result, group=self._groups[axis])
         return result
 
     def start_all_reduce(self, flat: torch.Tensor, axis: int) -> Pending:
+        self.settle()
         return _handle(dist.all_reduce(flat, group=self._groups[axis], async_op=True))
 
     def start_reduce_scatter(self, output: torch.Tensor, flat: torch.Tensor, axis: int) -> Pending:
+        self.settle()
         work = dist.reduce_scatter_tensor(output, flat, group=self._groups[axis], async_op=True)
         return _handle(work)
 
     def start_all_gather(self, output: torch.Tensor, flat: torch.Tensor, axis: int) -> Pending:
+        self.settle()
         work = dist.all_gather_into_tensor(output, flat, group=self._groups[axis], async_op=True)
         return _handle(work)
 
     def reduce_scatter(self, tensor: torch.Tensor, dim: int, axis: int) -> torch.Tensor:
+        self.settle()
         front = tensor.movedim(dim, 0).contiguous()
         output = front.new_empty((front.shape[0] // self._size(axis), *front.shape[1:]))
         dist.reduce_scatter_tensor(output, front, group=self._groups[axis])
@@ -250,6 +273,7 @@ class ProcessGroupCommunicator:
     def all_to_all(
         self, tensor: torch.Tensor, split_dim: int, concat_dim: int, axis: int
     ) -> torch.Tensor:
+        self.settle()
         size = self._size(axis)
         # Chunk j of split_dim goes to device j: with split_dim in front, that is chunk j of
         # dim 0, as all_to_all_single sends it; what arrives is stacked on dim 0 in order.

@@ -393,7 +393,13 @@ class ParallelModel:
             for draw, tensor in zip(signature.random, draws, strict=True)
         ]
         with torch.no_grad():
-            return tuple(step.program(self.rank)(self._communicator, *inputs))
+            try:
+                outputs = tuple(step.program(self.rank)(self._communicator, *inputs))
+            except BaseException:
+                self._communicator.settle()  # a deferred batch check says why, if it fails
+                raise
+        self._communicator.settle()  # the step may have had no collective to run it
+        return outputs
 
     def _prepare(
         self, kind: StepKind, batch: tuple[torch.Tensor, ...], named: Mapping[str, torch.Tensor]
@@ -409,11 +415,18 @@ class ParallelModel:
             current.take(batch, named, check_ranks=self._same_batch, rank=self.rank)
             raise AssertionError("take refuses a batch that given refused")  # pragma: no cover
         signature = BatchSignature(current.names, given)
-        tensors = signature.take(batch, named, check_ranks=self._same_batch, rank=self.rank)
+        # The comparison of batches across ranks travels while the step computes up to its
+        # first collective, which waits for it (and every rank raises there on a mismatch).
+        tensors = signature.take(
+            batch, named, check_ranks=self._same_batch, rank=self.rank,
+            defer=self._communicator.defer,
+        )  # fmt: skip
         metas = self._global_metas(given)
         key = step_key(kind, self.training, metas)
         step = self._steps.get(key)
         if step is None:
+            # Every rank plans a new shape only once all agree on the batch.
+            self._communicator.settle()
             shaped = [_meta_tensor(meta) for meta in metas]
             planner = self._planner_or_fail(key)
             step = self._plan_new(
