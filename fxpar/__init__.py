@@ -9,8 +9,9 @@ What exists today: :func:`capture` (one training step as a functional ATen graph
 annotation, sharding rules (:mod:`fxpar.rules`), manual plans (:mod:`fxpar.plans`), automatic
 intra-op planning (:func:`plan`, solvers in :mod:`fxpar.solvers`), lowering to per-rank programs
 (:func:`lower`), running them simulated (:mod:`fxpar.testing`) or on gloo processes
-(:mod:`fxpar.runtime`), and training end to end with :func:`compile` (:class:`ParallelModel`,
-sharded optimizers in :mod:`fxpar.optim`, sharded checkpoints).
+(:mod:`fxpar.runtime`), a Cluster's numbers measured on the machine (:func:`calibrate`), and
+training end to end with :func:`compile` (:class:`ParallelModel`, sharded optimizers in
+:mod:`fxpar.optim`, sharded checkpoints).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from fxpar.planning import plan_file as plan_io
 from fxpar.planning.plan import Plan
 from fxpar.planning.problem import PlanOptions
 from fxpar.runtime import launch as _launch
+from fxpar.runtime.calibration import calibrate
 from fxpar.runtime.parallel import ParallelModel
 
 # Imported for its side effect: the docs call fxpar.runtime.launch.spawn after `import fxpar`,
@@ -52,6 +54,7 @@ __all__ = [
     "Program",
     "Signature",
     "StepResult",
+    "calibrate",
     "capture",
     "checkpoint",
     "compile",

@@ -3,13 +3,19 @@
 fxpar demo   plan a small GPT for a mesh of local CPU processes, train it there (fxpar starts
              the gloo processes itself) and beside it on one device, and compare the losses
 fxpar plan   plan a model, small or large (built on the meta device, no weights allocated), for
-             a mesh of a cluster preset, and print the plan report
+             a mesh of a cluster preset or cluster file, and print the plan report
+fxpar calibrate
+             measure latency, bandwidth, FLOP/s and memory bandwidth on local gloo processes
+             and print (or save as a cluster file) the Cluster fitted to them
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
+import math
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -28,6 +34,7 @@ from fxpar.models.shapes import GPT2_SHAPES, LLAMA_LAYERS, llama
 from fxpar.passes import PassManager, default_pipeline
 from fxpar.pipeline import Pipeline, plan_stages
 from fxpar.planning.plan import plan_program
+from fxpar.runtime.calibration import Calibration, measure
 from fxpar.runtime.launch import spawn
 from fxpar.solvers import ExhaustiveSolver, GreedySolver, ILPSolver
 
@@ -241,11 +248,20 @@ def build_target(spec: str, batch: int, length: int) -> Target:
     raise FxparError(f"{spec} returned {type(built).__name__}, not a model or a tuple")
 
 
-def plan_command(args: argparse.Namespace) -> int:
+def plan_cluster(args: argparse.Namespace, mesh: tuple[int, ...]) -> fxpar.Cluster:
+    """The cluster ``fxpar plan`` plans for: ``--cluster-file``'s, else ``--cluster``'s preset,
+    on ``mesh``, with ``--memory-gib``'s memory if given."""
+    if args.cluster_file:
+        cluster = fxpar.Cluster.load(args.cluster_file, mesh)
+    else:
+        cluster = fxpar.Cluster.preset(args.cluster, mesh)
+    if args.memory_gib is not None:
+        cluster = dataclasses.replace(cluster, memory=args.memory_gib * 2**30)
+    return cluster
 
-    mesh = fxpar.Cluster.parse_mesh(args.mesh)
-    overrides = {} if args.memory_gib is None else {"memory": args.memory_gib * 2**30}
-    cluster = fxpar.Cluster.preset(args.cluster, mesh, **overrides)
+
+def plan_command(args: argparse.Namespace) -> int:
+    cluster = plan_cluster(args, fxpar.Cluster.parse_mesh(args.mesh))
     target = build_target(args.model, args.batch, args.length)
     params = sum(p.numel() for p in target.model.parameters())
     print(f"planning {args.model} ({params / 1e9:.2f}B parameters, on meta) for {cluster}")
@@ -263,7 +279,7 @@ def plan_command(args: argparse.Namespace) -> int:
         pipeline = Pipeline(
             microbatches=args.microbatches, schedule=args.schedule, remat=args.remat
         )
-        flat = fxpar.Cluster.preset(args.cluster, (cluster.world_size,), **overrides)
+        flat = plan_cluster(args, (cluster.world_size,))
         choice = plan_stages(program, flat, pipeline)
         print(f"\nas a pipeline on the {flat.world_size} devices (stage DP):\n{choice.report()}")
     if args.save:
@@ -271,6 +287,39 @@ def plan_command(args: argparse.Namespace) -> int:
     if args.plot:
         print(f"picture written to {plan.plot(args.plot)}")
     return 0
+
+
+# -- fxpar calibrate -------------------------------------------------------------------------
+
+
+def calibrate_command(args: argparse.Namespace) -> int:
+    mesh = fxpar.Cluster.parse_mesh(args.mesh) if args.mesh else (args.world,)
+    if math.prod(mesh) != args.world:
+        raise FxparError(
+            f"mesh {args.mesh} has {math.prod(mesh)} devices but --world starts {args.world} "
+            "processes; choose a mesh whose sizes multiply to the world"
+        )
+    given = fxpar.Cluster.preset(args.cluster, mesh)
+    # The processes share the machine's cores, as `fxpar demo`'s do; each gets its share.
+    threads = args.threads or max(1, (os.cpu_count() or 1) // args.world)
+    print(
+        f"calibrating a {given} on {args.world} local gloo processes, {threads} torch "
+        f"thread{'s' if threads > 1 else ''} each",
+        flush=True,
+    )
+    start = time.perf_counter()
+    calibration = spawn(_calibrate_rank, args.world, given, threads)[0]
+    print(f"measured in {time.perf_counter() - start:.1f} s (start-up included)\n")
+    print(calibration.table(given=f"{args.cluster} preset"))
+    if args.output:
+        path = calibration.cluster.save(args.output)
+        print(f"\ncluster written to {path}; plan with it: fxpar plan --cluster-file {path} ...")
+    return 0
+
+
+def _calibrate_rank(rank: int, world_size: int, given: fxpar.Cluster, threads: int) -> Calibration:
+    torch.set_num_threads(threads)
+    return measure(given)
 
 
 # -- entry point -----------------------------------------------------------------------------
@@ -302,6 +351,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              help=f"one of {', '.join(MODEL_NAMES)}, or module:attr")  # fmt: skip
     plan_parser.add_argument("--mesh", required=True, help="mesh shape, e.g. 8 or 2x4")
     plan_parser.add_argument("--cluster", default="h100", help="preset: cpu, a100, h100")
+    plan_parser.add_argument("--cluster-file", help="fxpar calibrate --output's, not a preset")
     plan_parser.add_argument("--batch", type=int, default=8)
     plan_parser.add_argument("--length", type=int, default=1024)
     plan_parser.add_argument("--memory-gib", type=float, default=None,
@@ -315,6 +365,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan_parser.add_argument("--save", help="write the plan as JSON here")
     plan_parser.add_argument("--plot", help="write a PNG of memory and communication here")
     plan_parser.set_defaults(run=plan_command)
+
+    calibrate_parser = commands.add_parser(
+        "calibrate", help="fit a cluster's links and devices to local gloo processes"
+    )
+    calibrate_parser.add_argument("--world", type=int, required=True, help="processes to start")
+    calibrate_parser.add_argument("--mesh", help="mesh shape of the world, e.g. 2x2 (default: N)")
+    calibrate_parser.add_argument("--cluster", default="cpu", help="preset whose memory it keeps")
+    calibrate_parser.add_argument("--threads", type=int, default=0,
+                                  help="torch threads a process (default: cores/N)")  # fmt: skip
+    calibrate_parser.add_argument("--output", help="write the fitted cluster here (JSON)")
+    calibrate_parser.set_defaults(run=calibrate_command)
 
     args = parser.parse_args(argv)
     try:

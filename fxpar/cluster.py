@@ -9,10 +9,12 @@ collectives of the per-rank programs.
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import os
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
 from typing import Any
 
 from fxpar.errors import DistributedError, FxparError
@@ -21,6 +23,7 @@ Coordinate = tuple[int, ...]
 
 
 GiB = 2**30
+CLUSTER_FORMAT = "fxpar-cluster"
 
 # (bandwidth in bytes/s per device, latency in s) inside a node and between nodes; FLOP/s at the
 # precision training uses (bf16 dense for GPUs), memory bandwidth and capacity per device.
@@ -122,6 +125,68 @@ class Cluster:
                 f"WORLD_SIZE={world} processes; choose a mesh whose sizes multiply to {world}"
             )
         return Cluster.preset(preset, mesh_shape, **overrides)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, as JSON writes it (tuples as lists)."""
+        return {
+            field.name: list(value) if isinstance(value, tuple) else value
+            for field in fields(self)
+            for value in (getattr(self, field.name),)
+        }
+
+    @staticmethod
+    def from_dict(data: Mapping[str, Any]) -> Cluster:
+        """The cluster :meth:`to_dict` wrote (fields left out take their defaults)."""
+        known = {field.name for field in fields(Cluster)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise FxparError(f"a cluster has no fields {unknown}; its fields are {sorted(known)}")
+        if "mesh_shape" not in data:
+            raise FxparError(f"a cluster needs a mesh_shape, got only {sorted(data)}")
+        try:
+            values: dict[str, Any] = {
+                key: tuple(value) if isinstance(value, list) else value
+                for key, value in data.items()
+            }
+            return Cluster(**values)
+        except TypeError as error:
+            raise FxparError(f"cannot build a cluster from {dict(data)}: {error}") from error
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write the cluster as JSON (a *cluster file*; :meth:`load` reads it back)."""
+        document = {"format": CLUSTER_FORMAT, **self.to_dict()}
+        path = Path(path)
+        lines = [f"  {json.dumps(key)}: {json.dumps(value)}" for key, value in document.items()]
+        path.write_text("{\n" + ",\n".join(lines) + "\n}\n")  # one field a line
+        return path
+
+    @staticmethod
+    def load(path: str | os.PathLike[str], mesh_shape: tuple[int, ...] | None = None) -> Cluster:
+        """The cluster of a cluster file (:meth:`save`, ``fxpar calibrate --output``), on
+        ``mesh_shape`` if given: a mesh of as many axes keeps the file's axis names and
+        per-axis links; another one takes the links of the file's last axis on every axis (as
+        a preset gives a one-axis mesh its in-node links)."""
+        try:
+            document = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as error:
+            raise FxparError(f"cannot read the cluster file {path}: {error}") from error
+        if not isinstance(document, dict) or document.pop("format", None) != CLUSTER_FORMAT:
+            raise FxparError(
+                f'{path} is not a cluster file (a JSON object with "format": '
+                f'"{CLUSTER_FORMAT}"); write one with Cluster.save or fxpar calibrate --output'
+            )
+        saved = Cluster.from_dict(document)
+        if mesh_shape is None or tuple(mesh_shape) == saved.mesh_shape:
+            return saved
+        if len(mesh_shape) == saved.ndim:
+            return replace(saved, mesh_shape=tuple(mesh_shape))
+        return replace(
+            saved,
+            mesh_shape=tuple(mesh_shape),
+            axis_names=(),
+            bandwidth=saved.bandwidth[-1:],
+            latency=saved.latency[-1:],
+        )
 
     @staticmethod
     def parse_mesh(text: str) -> tuple[int, ...]:

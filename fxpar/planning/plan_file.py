@@ -53,10 +53,6 @@ logger = logging.getLogger(__name__)
 
 FORMAT = "fxpar-plan"
 VERSION = 1
-_CLUSTER_FIELDS = (
-    "mesh_shape", "axis_names", "device_type", "bandwidth", "latency", "flops",
-    "memory_bandwidth", "memory",
-)  # fmt: skip
 
 
 class PlanFileError(FxparError):
@@ -98,25 +94,14 @@ def parse_spec(text: str, mesh_ndim: int, where: str = "spec") -> Spec:
 
 
 def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
-    return {
-        name: list(value) if isinstance(value, tuple) else value
-        for name in _CLUSTER_FIELDS
-        for value in (getattr(cluster, name),)
-    }
+    return cluster.to_dict()
 
 
 def cluster_from_dict(data: Mapping[str, Any]) -> Cluster:
     try:
-        fields: dict[str, Any] = {
-            name: tuple(data[name]) if isinstance(data[name], list) else data[name]
-            for name in _CLUSTER_FIELDS
-            if name in data
-        }
-        return Cluster(**fields)
-    except (TypeError, KeyError) as error:
-        raise PlanFileError(
-            f"the plan file's cluster {dict(data)} is not readable: {error}"
-        ) from error
+        return Cluster.from_dict(data)
+    except FxparError as error:
+        raise PlanFileError(f"the plan file's cluster is not readable: {error}") from error
 
 
 def plan_document(plan: Plan) -> dict[str, Any]:

@@ -1,0 +1,359 @@
+"""Calibration: fit a Cluster's link and device numbers to the processes that run the step.
+
+:func:`calibrate` runs collectively on every rank of an initialized ``torch.distributed`` job
+whose world is the cluster's mesh, and returns the cluster with ``latency``, ``bandwidth``,
+``flops`` and ``memory_bandwidth`` replaced by what these processes achieve (mesh shape, axis
+names, device type and memory stay as given)::
+
+    cluster = fxpar.calibrate(fxpar.Cluster.preset("cpu", (2,)))  # on every rank
+    cluster.save("cluster.json")  # fxpar plan --cluster-file cluster.json, Cluster.load(...)
+
+What it times (:class:`CalibrationOptions` sets the sizes and repeats):
+
+- On each mesh axis of more than one device, an all-reduce of one element and one of
+  ``large_bytes``, on every process group of the axis at once, as a step runs them. The two
+  times fix the axis' ``α`` and ``β`` of the cost model's all-reduce,
+  ``α + 2(n−1)/n·B/β`` (:func:`fxpar.planning.cost.collective_seconds`): the line through both
+  points, so the model gives back both measured times. An all-reduce of ``check_bytes`` is
+  timed too and not fitted: it shows how well the straight line holds between them. An axis of
+  one device has no collective to time and keeps its numbers.
+- A ``matmul_size``-cubed matrix product in ``dtype`` (``2·size³`` FLOPs over its time gives
+  ``flops``) and a copy of ``copy_bytes`` (it reads and writes them: ``2·copy_bytes`` over its
+  time gives ``memory_bandwidth``), the two roofline terms of
+  :func:`fxpar.planning.cost.roofline_seconds`. Every rank computes at once, so on a machine
+  shared by several ranks each device's share of it is what is measured.
+
+Each operation runs ``warmup`` times untimed, then ``repeats`` times. A collective starts each
+run after a barrier of its own process group; local work runs back to back, every rank at once,
+as in a step (:func:`_typical_seconds` says why). A rank keeps the lower quartile of its times
+(:attr:`CalibrationOptions.quantile`), and the slowest rank's (one all-reduce MAX) is the time
+every rank fits: every rank returns the same Cluster. With the defaults calibration takes about
+a second on local CPU processes.
+
+Why a function and not a ``Cluster`` method: :mod:`fxpar.cluster` is a leaf that the cost model
+imports, and calibration needs the cost model's formulas (so that the fitted numbers give back
+the measured times) and torch.distributed; a method would make the cluster import the cost
+model, a cycle.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+
+from fxpar import ir
+from fxpar.cluster import Cluster
+from fxpar.errors import DistributedError, FxparError
+from fxpar.planning.cost import collective_seconds, roofline_seconds
+
+logger = logging.getLogger(__name__)
+
+ALL_REDUCE, MATMUL, COPY = "all_reduce", "matmul", "copy"
+
+
+@dataclass(frozen=True)
+class CalibrationOptions:
+    """What :func:`calibrate` times, and how often."""
+
+    large_bytes: int = 4 * 2**20
+    """The all-reduce whose time fits each axis' bandwidth."""
+    check_bytes: int = 256 * 2**10
+    """An all-reduce timed but not fitted: between the one element and ``large_bytes``."""
+    matmul_size: int = 512
+    """The product of two square matrices of this size fits ``flops``."""
+    copy_bytes: int = 32 * 2**20
+    """The copy that fits ``memory_bandwidth``."""
+    dtype: torch.dtype = torch.float32
+    """The element type of every tensor timed: the one training computes in."""
+    warmup: int = 2
+    repeats: int = 15
+    quantile: float = 0.25
+    """Which of a rank's ``repeats`` times it keeps: 0.5 the median, 0 the fastest. On a busy
+    machine (other programs, or more processes than cores) a collective's time is bimodal,
+    the transfer itself or the transfer plus a scheduler slice (milliseconds) for a peer that
+    was not running; the median flips between the two from one calibration to the next, while
+    the lower quartile holds unless most runs stall."""
+
+    def __post_init__(self) -> None:
+        itemsize = self.dtype.itemsize
+        sizes = {
+            "large_bytes": self.large_bytes,
+            "check_bytes": self.check_bytes,
+            "copy_bytes": self.copy_bytes,
+        }
+        for name, size in sizes.items():
+            if size < itemsize:
+                raise FxparError(f"{name}={size} holds not even one {self.dtype} element")
+        if not self.check_bytes < self.large_bytes:
+            raise FxparError(
+                f"check_bytes={self.check_bytes} must be below large_bytes={self.large_bytes}: "
+                "it checks the fitted line between one element and large_bytes"
+            )
+        if self.matmul_size < 1 or self.warmup < 0 or self.repeats < 1:
+            raise FxparError(
+                f"need matmul_size >= 1, warmup >= 0 and repeats >= 1, got {self.matmul_size}, "
+                f"{self.warmup} and {self.repeats}"
+            )
+        if not 0 <= self.quantile <= 1:
+            raise FxparError(f"quantile must lie in [0, 1], got {self.quantile}")
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One operation calibration timed, and the slowest rank's time for it."""
+
+    operation: str
+    """``all_reduce``, ``matmul`` or ``copy``."""
+    nbytes: int
+    """An all-reduce's local tensor; for a matmul or a copy, the bytes it reads and writes (as
+    the roofline counts them)."""
+    seconds: float
+    axis: int | None = None
+    """The mesh axis of an all-reduce."""
+    flops: int = 0
+    fitted: bool = True
+    """False for the all-reduce that only checks the fit."""
+
+    def model_seconds(self, cluster: Cluster) -> float:
+        """What the cost model says this operation takes on ``cluster``."""
+        if self.operation == ALL_REDUCE:
+            assert self.axis is not None
+            return collective_seconds(
+                ALL_REDUCE,
+                self.nbytes,
+                cluster.mesh_shape[self.axis],
+                cluster.bandwidth[self.axis],
+                cluster.latency[self.axis],
+            )
+        work = ir.Cost(flops=self.flops, bytes_read=self.nbytes, bytes_written=0, output_bytes=0)
+        return roofline_seconds(work, cluster)
+
+    def label(self, cluster: Cluster) -> str:
+        if self.axis is None:
+            return self.operation
+        role = "fit" if self.fitted else "check"
+        return f"all-reduce on {cluster.axis_names[self.axis]} ({role})"
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What :func:`measure` timed, the cluster it was given and the cluster fitted to it."""
+
+    given: Cluster
+    cluster: Cluster
+    timings: tuple[Timing, ...]
+
+    def table(self, given: str = "given") -> str:
+        """The fitted fields beside the given ones (a column headed ``given``), then every
+        timing beside the fitted model's time for it."""
+        clusters = (self.given, self.cluster)
+        fields: list[tuple[str, ...]] = [("field", given, "calibrated")]
+        for axis, name in enumerate(self.cluster.axis_names):
+            fields.append((f"latency {name}", *(_seconds(c.latency[axis]) for c in clusters)))
+            fields.append(
+                (f"bandwidth {name}", *(_rate(c.bandwidth[axis], "B/s") for c in clusters))
+            )
+        fields.append(("flops", *(_rate(c.flops, "FLOP/s") for c in clusters)))
+        fields.append(("memory_bandwidth", *(_rate(c.memory_bandwidth, "B/s") for c in clusters)))
+        timings: list[tuple[str, ...]] = [("operation", "bytes", "measured", "model")]
+        for timing in self.timings:
+            measured, model = timing.seconds, timing.model_seconds(self.cluster)
+            timings.append(
+                (
+                    timing.label(self.cluster),
+                    _rate(timing.nbytes, "B"),
+                    _seconds(measured),
+                    _seconds(model),
+                )
+            )
+        return f"{_columns(fields)}\n\n{_columns(timings)}"
+
+
+def calibrate(
+    cluster: Cluster,
+    device_mesh: DeviceMesh | None = None,
+    options: CalibrationOptions | None = None,
+) -> Cluster:
+    """``cluster`` with its links and devices measured on the processes of this job.
+
+    Call it on every rank, like a collective. ``device_mesh`` defaults to
+    ``cluster.device_mesh()``; :func:`measure` says what is timed and keeps the timings.
+
+    Raises:
+        DistributedError: torch.distributed is not initialized, its world is not the mesh's,
+            or ``device_mesh`` has another shape.
+    """
+    return measure(cluster, device_mesh, options).cluster
+
+
+def measure(
+    cluster: Cluster,
+    device_mesh: DeviceMesh | None = None,
+    options: CalibrationOptions | None = None,
+) -> Calibration:
+    """:func:`calibrate`, keeping what was timed and the cluster it was given."""
+    options = options or CalibrationOptions()
+    if cluster.device_type != "cpu":
+        # Timing GPU work needs the tensors on the device and a synchronize around each run.
+        raise FxparError(
+            f"calibrate times CPU processes (gloo) only, not device_type "
+            f"{cluster.device_type!r}; use a preset's numbers for GPUs"
+        )
+    cluster.check_process_group()
+    if device_mesh is None:
+        device_mesh = cluster.device_mesh()
+    elif tuple(device_mesh.shape) != cluster.mesh_shape:
+        raise DistributedError(
+            f"the device mesh has shape {tuple(device_mesh.shape)} but the cluster's mesh is "
+            f"{cluster.mesh_shape}: pass cluster.device_mesh(), or none"
+        )
+    start = time.perf_counter()
+    planned = _planned_timings(cluster, options)
+    kept = []
+    for timing in planned:
+        group = None if timing.axis is None else device_mesh.get_group(timing.axis)
+        kept.append(_typical_seconds(_runner(timing, group, options), group, options))
+    slowest = torch.tensor(kept, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    timings = tuple(
+        replace(timing, seconds=seconds)
+        for timing, seconds in zip(planned, slowest.tolist(), strict=True)
+    )
+    fitted = fit(cluster, timings)
+    logger.info("calibrated %s in %.2f s", cluster, time.perf_counter() - start)
+    return Calibration(cluster, fitted, timings)
+
+
+def fit(cluster: Cluster, timings: Sequence[Timing]) -> Cluster:
+    """``cluster`` with the fields that ``timings`` measure fitted to them (see the module's
+    docstring); other fields, and the links of axes without timings, as they were."""
+    latency, bandwidth = list(cluster.latency), list(cluster.bandwidth)
+    for axis, devices in enumerate(cluster.mesh_shape):
+        points = sorted(
+            (t.nbytes, t.seconds)
+            for t in timings
+            if t.operation == ALL_REDUCE and t.axis == axis and t.fitted
+        )
+        if not points:
+            continue
+        (small, small_s), (large, large_s) = points[0], points[-1]
+        share = 2 * (devices - 1) / devices  # what collective_seconds charges an all-reduce
+        if large_s > small_s:
+            bandwidth[axis] = share * (large - small) / (large_s - small_s)
+            latency[axis] = small_s - share * small / bandwidth[axis]
+        if large_s <= small_s or latency[axis] <= 0:
+            raise FxparError(
+                f"on mesh axis {cluster.axis_names[axis]}, all-reduces of {small} and {large} "
+                f"bytes took {small_s * 1e6:.0f} and {large_s * 1e6:.0f} us: no line of a "
+                "positive latency and bandwidth goes through both (the machine is too noisy "
+                "for these sizes); calibrate again with a larger CalibrationOptions.large_bytes"
+            )
+    flops, memory_bandwidth = cluster.flops, cluster.memory_bandwidth
+    for timing in timings:
+        if timing.operation == MATMUL:
+            flops = timing.flops / timing.seconds
+        elif timing.operation == COPY:
+            memory_bandwidth = timing.nbytes / timing.seconds
+    return replace(
+        cluster,
+        latency=tuple(latency),
+        bandwidth=tuple(bandwidth),
+        flops=flops,
+        memory_bandwidth=memory_bandwidth,
+    )
+
+
+def _planned_timings(cluster: Cluster, options: CalibrationOptions) -> list[Timing]:
+    """What to time, in the order every rank times it (seconds still 0)."""
+    itemsize = options.dtype.itemsize
+    planned = []
+    for axis, devices in enumerate(cluster.mesh_shape):
+        if devices == 1:
+            continue
+        for nbytes, fitted in (
+            (itemsize, True),
+            (options.check_bytes, False),
+            (options.large_bytes, True),
+        ):
+            whole = nbytes // itemsize * itemsize
+            planned.append(Timing(ALL_REDUCE, whole, 0.0, axis=axis, fitted=fitted))
+    size = options.matmul_size
+    planned.append(Timing(MATMUL, 3 * size * size * itemsize, 0.0, flops=2 * size**3))
+    copied = options.copy_bytes // itemsize * itemsize
+    planned.append(Timing(COPY, 2 * copied, 0.0))  # read once, written once
+    return planned
+
+
+def _runner(
+    timing: Timing, group: ProcessGroup | None, options: CalibrationOptions
+) -> Callable[[], object]:
+    """A function that runs ``timing``'s operation once, its tensors made beforehand."""
+    dtype = options.dtype
+    if timing.operation == ALL_REDUCE:
+        # Zeros stay zeros however often they are summed: no overflow, no denormals.
+        buffer = torch.zeros(timing.nbytes // dtype.itemsize, dtype=dtype)
+        return lambda: dist.all_reduce(buffer, group=group)
+    if timing.operation == MATMUL:
+        size = options.matmul_size
+        left, right = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
+        product = torch.empty(size, size, dtype=dtype)
+        return lambda: torch.mm(left, right, out=product)
+    source = torch.ones(timing.nbytes // 2 // dtype.itemsize, dtype=dtype)
+    target = torch.empty_like(source)
+    return lambda: target.copy_(source)
+
+
+def _typical_seconds(
+    run: Callable[[], object], group: ProcessGroup | None, options: CalibrationOptions
+) -> float:
+    """This rank's time of ``run``: the ``quantile`` of its repeats.
+
+    A collective (on ``group``) starts each run together with its peers, after a barrier of
+    that group alone: a barrier of the world wakes every process at once, and on a machine with
+    fewer cores than processes some then wait a whole scheduler slice. Local work (``group``
+    None) runs back to back after one barrier of the world, so that every rank computes at once
+    throughout, as in a step: started together each time, ranks sharing a core would take
+    turns and each time a matmul with the core to itself."""
+    for _ in range(options.warmup):
+        run()
+    dist.barrier(group=group)
+    samples = []
+    for _ in range(options.repeats):
+        if group is not None:
+            dist.barrier(group=group)
+        start = time.perf_counter()
+        run()
+        samples.append(time.perf_counter() - start)
+    return sorted(samples)[round(options.quantile * (len(samples) - 1))]
+
+
+def _seconds(value: float) -> str:
+    if value >= 1e-3:
+        return f"{value * 1e3:.2f} ms"
+    return f"{value * 1e6:.1f} us"
+
+
+def _rate(value: float, unit: str) -> str:
+    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if value >= scale:
+            return f"{value / scale:.3g} {prefix}{unit}"
+    return f"{value:.3g} {unit}"
+
+
+def _columns(rows: Sequence[tuple[str, ...]]) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = [
+        "  ".join(
+            cell.ljust(w) if i == 0 else cell.rjust(w)
+            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        )
+        for row in rows
+    ]
+    return "\n".join(line.rstrip() for line in lines)

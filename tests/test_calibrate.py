@@ -1,0 +1,221 @@
+"""Calibration fits a Cluster to the processes it runs on: every rank gets the same cluster, the
+fitted numbers give back the times they were fitted to under the cost model's own formulas, the
+straight line holds roughly in between, and a cluster file carries the result to `fxpar plan`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import fxpar
+from fxpar.cli import main
+from fxpar.errors import DistributedError, FxparError
+from fxpar.planning.cost import collective_seconds
+from fxpar.runtime.calibration import (
+    ALL_REDUCE,
+    COPY,
+    MATMUL,
+    Calibration,
+    CalibrationOptions,
+    Timing,
+    fit,
+    measure,
+)
+from fxpar.runtime.launch import spawn
+
+GIVEN = fxpar.Cluster.preset("cpu", (2,))
+ONE_BY_TWO = fxpar.Cluster.preset("cpu", (1, 2), axis_names=("outer", "inner"))
+
+
+def _calibrate_rank(rank: int, world_size: int) -> dict[str, object]:
+    """Two calibrations, then the errors of a cluster and a device mesh that are not the
+    world's."""
+    torch.set_num_threads(1)
+    found: dict[str, object] = {"flat": measure(GIVEN), "one_by_two": measure(ONE_BY_TWO)}
+    for name, call in {
+        "world": lambda: fxpar.calibrate(fxpar.Cluster((4,))),
+        "mesh": lambda: fxpar.calibrate(GIVEN, ONE_BY_TWO.device_mesh()),
+    }.items():
+        try:
+            call()
+        except DistributedError as error:
+            found[name] = str(error)
+    return found
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict[str, object]]:
+    return spawn(_calibrate_rank, 2, timeout_s=120)
+
+
+def _all_fitted(cluster: fxpar.Cluster) -> list[float]:
+    return [*cluster.latency, *cluster.bandwidth, cluster.flops, cluster.memory_bandwidth]
+
+
+@pytest.mark.slow
+def test_every_rank_gets_the_same_sane_cluster_on_the_same_mesh(
+    ranks: list[dict[str, object]],
+) -> None:
+    first, second = (r["flat"] for r in ranks)
+    assert isinstance(first, Calibration) and isinstance(second, Calibration)
+    assert first.cluster == second.cluster and first.timings == second.timings
+    cluster = first.cluster
+    assert all(math.isfinite(v) and v > 0 for v in _all_fitted(cluster))
+    unchanged = ("mesh_shape", "axis_names", "device_type", "memory")
+    assert {f: getattr(cluster, f) for f in unchanged} == {f: getattr(GIVEN, f) for f in unchanged}
+    assert cluster != GIVEN  # measured, not the preset's numbers handed back
+
+
+@pytest.mark.slow
+def test_the_fitted_model_gives_back_the_fitted_times_and_roughly_the_one_between(
+    ranks: list[dict[str, object]],
+) -> None:
+    """The line through the small and large all-reduce (and the matmul and copy rates) gives
+    back their times under the cost model's formulas; the all-reduce of a middle size, timed
+    in the same calibration but not fitted, lies within 3x of the line (a loose bound: a
+    busy machine stalls some collectives for a scheduler slice)."""
+    calibration = ranks[0]["flat"]
+    assert isinstance(calibration, Calibration)
+    kinds = [(t.operation, t.fitted) for t in calibration.timings]
+    assert kinds == [(ALL_REDUCE, True), (ALL_REDUCE, False), (ALL_REDUCE, True),
+                     (MATMUL, True), (COPY, True)]  # fmt: skip
+    for timing in calibration.timings:
+        model = timing.model_seconds(calibration.cluster)
+        if timing.fitted:
+            assert model == pytest.approx(timing.seconds, rel=1e-9), timing
+        else:
+            assert 1 / 3 < model / timing.seconds < 3, calibration.table()
+    check = calibration.timings[1]
+    n, bandwidth = 2, calibration.cluster.bandwidth[0]
+    expected = collective_seconds("all_reduce", check.nbytes, n, bandwidth,
+                                  calibration.cluster.latency[0])  # fmt: skip
+    assert check.model_seconds(calibration.cluster) == expected
+
+
+@pytest.mark.slow
+def test_an_axis_of_one_device_keeps_its_links(ranks: list[dict[str, object]]) -> None:
+    calibration = ranks[0]["one_by_two"]
+    assert isinstance(calibration, Calibration)
+    cluster = calibration.cluster
+    assert {t.axis for t in calibration.timings if t.operation == ALL_REDUCE} == {1}
+    assert (cluster.latency[0], cluster.bandwidth[0]) == (ONE_BY_TWO.latency[0],
+                                                          ONE_BY_TWO.bandwidth[0])  # fmt: skip
+    assert cluster.latency[1] != ONE_BY_TWO.latency[1]
+    assert ranks[1]["one_by_two"].cluster == cluster  # type: ignore[attr-defined]
+
+
+@pytest.mark.slow
+def test_a_cluster_or_mesh_that_is_not_the_world_is_refused(
+    ranks: list[dict[str, object]],
+) -> None:
+    for rank in ranks:
+        assert "the process group has 2 ranks but the cluster's mesh (4,)" in str(rank["world"])
+        assert "the device mesh has shape (1, 2) but the cluster's mesh is (2,)" in str(
+            rank["mesh"]
+        )
+
+
+def test_calibrating_without_a_process_group_says_how_to_start_one() -> None:
+    with pytest.raises(DistributedError, match=r"torch\.distributed is not initialized"):
+        fxpar.calibrate(GIVEN)
+
+
+def test_calibrating_gpus_is_refused_by_name() -> None:
+    with pytest.raises(FxparError, match="not device_type 'cuda'"):
+        fxpar.calibrate(fxpar.Cluster.preset("h100", (2,)))
+
+
+def _timings_of(cluster: fxpar.Cluster, options: CalibrationOptions) -> list[Timing]:
+    """What a machine that is exactly ``cluster`` would measure."""
+    itemsize = options.dtype.itemsize
+    timings = [
+        Timing(ALL_REDUCE, nbytes, 0.0, axis=0, fitted=nbytes != options.check_bytes)
+        for nbytes in (itemsize, options.check_bytes, options.large_bytes)
+    ]
+    timings.append(Timing(MATMUL, 3 * 512 * 512 * itemsize, 0.0, flops=2 * 512**3))
+    timings.append(Timing(COPY, 2 * options.copy_bytes, 0.0))
+    return [dataclasses.replace(t, seconds=t.model_seconds(cluster)) for t in timings]
+
+
+def test_fit_recovers_the_cluster_that_produced_the_times() -> None:
+    machine = fxpar.Cluster((4,), latency=(3e-4,), bandwidth=(7e8,), flops=3e10,
+                            memory_bandwidth=1.2e10)  # fmt: skip
+    options = CalibrationOptions()
+    fitted = fit(fxpar.Cluster.preset("cpu", (4,)), _timings_of(machine, options))
+    assert fitted.latency[0] == pytest.approx(3e-4, rel=1e-9)
+    assert fitted.bandwidth[0] == pytest.approx(7e8, rel=1e-9)
+    assert fitted.flops == pytest.approx(3e10, rel=1e-9)
+    assert fitted.memory_bandwidth == pytest.approx(1.2e10, rel=1e-9)
+    assert fitted.memory == fxpar.Cluster.preset("cpu", (4,)).memory
+
+
+def test_fit_refuses_times_no_line_of_positive_latency_and_bandwidth_passes_through() -> None:
+    timings = _timings_of(GIVEN, CalibrationOptions())
+    timings[2] = dataclasses.replace(timings[2], seconds=timings[0].seconds / 2)  # large < small
+    with pytest.raises(FxparError, match="calibrate again with a larger"):
+        fit(GIVEN, timings)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"check_bytes": 8 * 2**20}, "must be below large_bytes"),
+        ({"copy_bytes": 2}, "copy_bytes=2 holds not even one"),
+        ({"repeats": 0}, "repeats >= 1"),
+        ({"quantile": 1.5}, "quantile must lie in"),
+    ],
+)
+def test_bad_options_are_named(options: dict[str, object], message: str) -> None:
+    with pytest.raises(FxparError, match=message):
+        CalibrationOptions(**options)  # type: ignore[arg-type]
+
+
+def test_a_cluster_file_loads_back_on_its_mesh_or_another(tmp_path: Path) -> None:
+    cluster = fxpar.Cluster((2, 4), axis_names=("node", "gpu"), bandwidth=(1e9, 8e9),
+                            latency=(2e-4, 3e-5), flops=4e10)  # fmt: skip
+    path = cluster.save(tmp_path / "cluster.json")
+    assert json.loads(path.read_text())["format"] == "fxpar-cluster"
+    assert fxpar.Cluster.load(path) == cluster
+    same_axes = fxpar.Cluster.load(path, (4, 2))
+    assert same_axes == dataclasses.replace(cluster, mesh_shape=(4, 2))
+    flat = fxpar.Cluster.load(path, (8,))
+    assert (flat.axis_names, flat.bandwidth, flat.latency) == (("axis0",), (8e9,), (3e-5,))
+    assert flat.flops == 4e10
+    (tmp_path / "plan.json").write_text('{"format": "fxpar-plan"}')
+    with pytest.raises(FxparError, match="is not a cluster file"):
+        fxpar.Cluster.load(tmp_path / "plan.json")
+    with pytest.raises(FxparError, match=r"a cluster has no fields \['speed'\]"):
+        fxpar.Cluster.from_dict({"mesh_shape": [2], "speed": 1})
+
+
+@pytest.mark.slow
+def test_calibrate_command_prints_and_saves_a_cluster_that_plan_reads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    output = tmp_path / "cluster.json"
+    assert main(["calibrate", "--world", "2", "--output", str(output)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"on 2 local gloo processes, \d+ torch threads? each", out)
+    for row in ("latency axis0", "bandwidth axis0", "flops", "memory_bandwidth",
+                "all-reduce on axis0 (check)", "matmul", "copy"):  # fmt: skip
+        assert row in out
+    assert f"cluster written to {output}" in out
+    cluster = fxpar.Cluster.load(output)
+    assert cluster.mesh_shape == (2,) and cluster.memory == GIVEN.memory
+    assert all(math.isfinite(v) and v > 0 for v in _all_fitted(cluster))
+    argv = ["plan", "--model", "test_cli:tiny_target", "--mesh", "2", "--cluster-file", str(output)]
+    assert main(argv) == 0
+    assert "plan: ilp, optimal" in capsys.readouterr().out
+
+
+def test_calibrate_command_refuses_a_mesh_that_is_not_the_world(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["calibrate", "--world", "2", "--mesh", "2x2"]) == 2
+    assert "mesh 2x2 has 4 devices but --world starts 2 processes" in capsys.readouterr().err
