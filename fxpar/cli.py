@@ -126,7 +126,7 @@ def demo(args: argparse.Namespace) -> int:
         flush=True,
     )
     start = time.perf_counter()
-    parallel_losses = spawn(_demo_rank, settings.devices, settings)[0]
+    parallel_losses, stepping = spawn(_demo_rank, settings.devices, settings)[0]
     parallel_seconds = time.perf_counter() - start
 
     model = settings.model()
@@ -156,13 +156,15 @@ def demo(args: argparse.Namespace) -> int:
         f"\nlargest relative loss difference over {settings.steps} steps: {worst:.1e} "
         f"({'the curves agree' if agree else 'THE CURVES DIVERGE'}); loss "
         f"{single_losses[0]:.2f} -> {single_losses[-1]:.2f}. Wall time: {parallel_seconds:.1f} s "
-        f"on {settings.devices} processes (start-up included), {single_seconds:.1f} s on one "
-        "device; on a machine with fewer cores than processes the ranks take turns."
+        f"on {settings.devices} processes (start-up included; "
+        f"{1000 * stepping / settings.steps:.1f} ms per step), {single_seconds:.1f} s on one "
+        f"device ({1000 * single_seconds / settings.steps:.1f} ms per step); on a machine with "
+        "fewer cores than processes the ranks take turns."
     )
     return 0 if agree else 1
 
 
-def _demo_rank(rank: int, world_size: int, settings: DemoSettings) -> list[float]:
+def _demo_rank(rank: int, world_size: int, settings: DemoSettings) -> tuple[list[float], float]:
     torch.set_num_threads(1)  # the processes share the machine's cores
     data = settings.data()
     cluster = fxpar.Cluster.preset("cpu", (world_size,))
@@ -177,11 +179,12 @@ def _demo_rank(rank: int, world_size: int, settings: DemoSettings) -> list[float
         print(f"\nrank 0's program runs {collectives} collectives per step\n", flush=True)
     bar = ProgressBar(settings.steps, f"fxpar, {world_size} ranks") if rank == 0 else None
     losses = []
+    start = time.perf_counter()
     for step, batch in enumerate(data, 1):
         losses.append(parallel.step(*batch).item())
         if bar is not None:
             bar.update(step, f"loss {losses[-1]:.3f}")
-    return losses
+    return losses, time.perf_counter() - start
 
 
 def _pipeline(name: str, time_limit: float | None = None) -> PassManager:

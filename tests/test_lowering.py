@@ -14,8 +14,9 @@ import fxpar
 from fxpar import ir, plans
 from fxpar.cluster import Cluster
 from fxpar.errors import FxparError, LoweringError
-from fxpar.lowering import CollectiveRecord, SPMDProgram, lower
+from fxpar.lowering import CollectiveRecord, SPMDProgram, gather_groups, lower
 from fxpar.models import GPT, GPTConfig, gpt_loss
+from fxpar.runtime import collectives
 from fxpar.sharding import Sharding
 from fxpar.testing import assert_equivalent
 
@@ -118,8 +119,9 @@ def test_fully_sharded_gathers_parameters_and_reduce_scatters_gradients() -> Non
     assert len(sharded) == len(spmd.program.signature.parameters)  # every dim 0 here is even
     assert kinds[("all_gather", ir.Phase.FORWARD)] == len(sharded)
     # Parameters the backward reads directly (the norms' weights) are gathered again there
-    # rather than kept from the forward. (Linear weights reach the backward through the
-    # forward's transposed view, which keeps the gathered copy: see the session notes.)
+    # rather than kept from the forward. (Without buckets, Linear weights reach the backward
+    # through the forward's transposed view, which keeps the gathered copy; with them, see
+    # test_fully_sharded_weights_gathered_in_the_forward_die_with_the_forward.)
     regathered = {r.tensor for r in spmd.collectives() if r.kind == "all_gather"
                   and r.phase is ir.Phase.BACKWARD}  # fmt: skip
     assert {"blocks_0_ln_1_weight", "blocks_1_ln_2_bias", "ln_f_weight"} <= regathered
@@ -151,6 +153,62 @@ def test_fully_sharded_gathers_parameters_and_reduce_scatters_gradients() -> Non
         code = rank.code()
         assert code.count("start_reduce_scatter_bucket(") == len(scattered(bucketed.records))
         assert "reduce_scatter(comm" not in code
+
+
+@pytest.mark.parametrize("mesh", [(2,), (4,)], ids=str)
+def test_fully_sharded_weights_gathered_in_the_forward_die_with_the_forward(
+    mesh: tuple[int, ...],
+) -> None:
+    """ZeRO-3: a Linear's backward reads the forward's ``t(weight)``; the lowering gathers the
+    weight again in the backward and recomputes the view there, so no gathered copy (nor a
+    view of one) outlives the forward, and each layer's backward gathers its weights in one
+    collective."""
+    spmd = lowered("fully_sharded", mesh)
+    backward_gathers = [
+        r for r in spmd.collectives() if r.kind == "all_gather" and r.phase is ir.Phase.BACKWARD
+    ]
+    # One gather per layer in the backward (two blocks, and the embeddings, norm and head).
+    assert len(backward_gathers) == 3
+    placeholders = spmd.program.placeholders()
+    specs = {node: spmd.input_specs[i] for i, node in enumerate(placeholders.values())}
+    gathers = gather_groups(spmd.program.graph, specs, spmd.cluster.mesh_shape)
+    again = {
+        member.source.name
+        for group in gathers.groups
+        if group.phase is ir.Phase.BACKWARD
+        for member in group.members
+    }
+    assert {"blocks_0_attn_qkv_weight", "blocks_1_mlp_proj_weight", "wte_weight"} <= again
+    assert sum(r.bytes for r in backward_gathers) == sum(
+        group.nbytes for group in gathers.groups if group.phase is ir.Phase.BACKWARD
+    )
+    for rank in spmd.ranks:
+        graph = rank.graph_module.graph
+        order = {node: position for position, node in enumerate(graph.nodes)}
+        first_backward = min(
+            order[
+                graph.find_nodes(op="call_function", target=getattr(torch.ops.aten, t).default)[0]
+            ]
+            for t in ("nll_loss_backward",)
+        )
+        waits = graph.find_nodes(op="call_function", target=collectives.wait_bucket)
+        forward_waits = [w for w in waits if order[w] < first_backward]
+        assert forward_waits
+        # Everything computed from a forward gather by views is used before the backward.
+        alive = {user for wait in forward_waits for user in wait.users}
+        frontier = list(alive)
+        while frontier:
+            node = frontier.pop()
+            for user in node.users:
+                if user.op == "call_function" and user not in alive and "view" in str(user.target):
+                    alive.add(user)
+                    frontier.append(user)
+                if str(user.target).startswith("aten.t.") and user not in alive:
+                    alive.add(user)
+                    frontier.append(user)
+        for value in alive:
+            last_use = max(order[user] for user in value.users)
+            assert last_use < first_backward, f"{value.name} is read in the backward"
 
 
 def test_per_rank_programs_read_as_code() -> None:

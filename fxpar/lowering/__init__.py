@@ -1,30 +1,36 @@
 """Lowering: a planned Program to one program per rank, with local shapes and collectives.
 
 :mod:`fxpar.lowering.spmd` rewrites a graph whose every node carries its chosen strategy into
-per-rank GraphModules (:func:`lower`, :func:`lower_graph`).
+per-rank GraphModules (:func:`lower`, :func:`lower_graph`); :mod:`fxpar.lowering.grouping`
+decides which of their collectives travel together (buckets, per-layer gathers) and when.
 """
 
 from __future__ import annotations
 
-from fxpar.lowering.spmd import (
+from fxpar.lowering.grouping import (
     BUCKET_BYTES,
     FIRST_BUCKET_BYTES,
     Bucketed,
-    CollectiveRecord,
     Gathered,
     GatherGroup,
+    Gathers,
+    ViewChain,
+    buckets,
+    cut_buckets,
+    gather_groups,
+    needs_strategy,
+    reread_in_backward,
+)
+from fxpar.lowering.spmd import (
+    CollectiveRecord,
     LoweredGraph,
     RankProgram,
     SPMDProgram,
-    buckets,
     conversion_program,
-    cut_buckets,
     deferred_gradient_specs,
-    gather_groups,
     localize_shape_arguments,
     lower,
     lower_graph,
-    needs_strategy,
     output_specs,
     value_spec,
 )
@@ -38,9 +44,11 @@ __all__ = [
     "CollectiveRecord",
     "GatherGroup",
     "Gathered",
+    "Gathers",
     "LoweredGraph",
     "RankProgram",
     "SPMDProgram",
+    "ViewChain",
     "bucket_route",
     "buckets",
     "conversion_program",
@@ -52,5 +60,6 @@ __all__ = [
     "lower_graph",
     "needs_strategy",
     "output_specs",
+    "reread_in_backward",
     "value_spec",
 ]

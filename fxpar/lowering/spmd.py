@@ -32,6 +32,16 @@ from fxpar import ir
 from fxpar.cluster import Cluster, Coordinate
 from fxpar.errors import LoweringError
 from fxpar.ir.program import Program, StepResult
+from fxpar.lowering.grouping import (
+    BUCKET_BYTES,
+    Bucketed,
+    GatherGroup,
+    Gathers,
+    ViewChain,
+    cut_buckets,
+    gather_groups,
+    needs_strategy,
+)
 from fxpar.rules.registry import tensor_inputs
 from fxpar.runtime import collectives
 from fxpar.sharding import (
@@ -132,11 +142,6 @@ _VIEWS_AS_RESHAPE = {
     aten.view.default: aten.reshape.default,
     aten._unsafe_view.default: aten.reshape.default,
 }
-
-
-BUCKET_BYTES = 25 * 2**20
-"""How many bytes of a device's outputs one bucketed all-reduce packs at most (as DDP's
-default bucket)."""
 
 
 def lower(
@@ -265,13 +270,6 @@ def _check_lowerable(graph: fx.Graph, mesh_ndim: int) -> None:
                         f"node {node.name!r}: spec {spec_str(spec)} has {len(spec)} placements "
                         f"but the mesh has {mesh_ndim} axes"
                     )
-
-
-def needs_strategy(node: fx.Node) -> bool:
-    """Whether ``node`` is an op that takes a strategy (a call with tensor outputs)."""
-    if node.op != "call_function" or node.target is operator.getitem:
-        return False
-    return bool(ir.require(node, ir.ValueMeta).tensors)
 
 
 def value_spec(node: fx.Node) -> Spec:
@@ -407,11 +405,11 @@ class _RankLowering:
     def run(
         self, input_specs: Mapping[fx.Node, Spec], leaving: Sequence[Spec], class_name: str
     ) -> fx.GraphModule:
-        self.groups: list[GatherGroup] = []
-        self.group_of: dict[GatherKey, GatherGroup] = {}
+        self.gathers = Gathers([], {}, {})
         if self.bucket_bytes:
-            self.groups, self.group_of = gather_groups(self.source.graph, input_specs, self.mesh)
+            self.gathers = gather_groups(self.source.graph, input_specs, self.mesh)
         self.started: dict[int, fx.Node] = {}
+        self.recomputed: dict[fx.Node, fx.Node] = {}
         for node in self.source.graph.nodes:
             if node.op == "placeholder":
                 local = self.graph.placeholder(node.name)
@@ -515,15 +513,35 @@ class _RankLowering:
             value = ir.require(arg, ir.ValueMeta)
             if value.multiple or value.outputs[0] is None:
                 return self.env[arg][0]
-            return self._convert(arg, next(required), consumer=node, phase=phase)
+            want = next(required)
+            chain = self.gathers.chains.get((arg, want)) if phase is ir.Phase.BACKWARD else None
+            if chain is not None:
+                return self._recompute(chain, node)
+            return self._convert(arg, want, consumer=node, phase=phase)
 
+        self.env[node] = (self._emit_op(node, replace), strategy.outputs)
+
+    def _emit_op(self, node: fx.Node, replace: Callable[[fx.Node], fx.Node]) -> fx.Node:
+        """The local call of ``node`` on the local values ``replace`` gives for its inputs."""
+        outputs = ir.require(node, Sharding).strategy.outputs
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), replace)
-        args = localize_shape_arguments(node, tuple(args), strategy.outputs, self.mesh)
+        args = localize_shape_arguments(node, tuple(args), outputs, self.mesh)
         # A local piece may be strided where the global tensor was contiguous (a slice, a
         # transposed shard): views become reshapes, which copy only when they must.
         target: Any = _VIEWS_AS_RESHAPE.get(node.target, node.target)  # type: ignore[call-overload]
-        local = self.graph.call_function(target, args, dict(kwargs))
-        self.env[node] = (local, strategy.outputs)
+        return self.graph.call_function(target, args, dict(kwargs))
+
+    def _recompute(self, chain: ViewChain, consumer: fx.Node) -> fx.Node:
+        """The last view of ``chain`` computed again from the backward's own gather of its
+        placeholder (once per view), so that the forward's gathered copy dies with the
+        forward."""
+        last = chain.views[-1]
+        if last not in self.recomputed:
+            value = self._convert(chain.source, chain.spec, consumer, ir.Phase.BACKWARD)
+            for view in chain.views:
+                value = self._emit_op(view, _Constant(value))
+            self.recomputed[last] = value
+        return self.recomputed[last]
 
     def _convert(self, source: object, spec: Spec, consumer: fx.Node, phase: ir.Phase) -> Any:
         """The local value of ``source`` laid out as ``spec``, inserting the steps to get there
@@ -541,7 +559,7 @@ class _RankLowering:
             return local
         if key in self.converted:
             return self.converted[key]
-        group = self.group_of.get(key)  # type: ignore[arg-type]
+        group = self.gathers.group_of.get(key)  # type: ignore[arg-type]
         if group is not None:
             self._gather(group, consumer)
             return self.converted[key]
@@ -556,8 +574,8 @@ class _RankLowering:
         """Wait for ``group``'s gather (starting it, and the next group's, if not yet
         started) and take its values."""
         for index in (group.index, group.index + 1):
-            if index < len(self.groups) and index not in self.started:
-                self.started[index] = self._start_gather(self.groups[index], consumer)
+            if index < len(self.gathers.groups) and index not in self.started:
+                self.started[index] = self._start_gather(self.gathers.groups[index], consumer)
         done = self.graph.call_function(
             collectives.wait_bucket, (self.comm, self.started[group.index])
         )
@@ -626,134 +644,10 @@ class _RankLowering:
 
 
 @dataclass(frozen=True)
-class Gathered:
-    """A placeholder gathered in a group: its wanted spec, the tensor dim gathered and its
-    bytes on each device before the gather."""
+class _Constant:
+    """The replacement of a view's one input: always ``value``."""
 
-    source: fx.Node
-    spec: Spec
-    dim: int
-    nbytes: int
+    value: fx.Node
 
-
-@dataclass(frozen=True)
-class GatherGroup:
-    """Placeholders (a fully sharded layer's parameters) that one phase's ops of one layer
-    need gathered along the same mesh axis: they are gathered with ONE all-gather, started
-    while the layer before computes (prefetch), as FSDP gathers a flat parameter."""
-
-    index: int
-    """Its place among the groups, in the order the program first needs them."""
-    phase: ir.Phase
-    axis: int
-    members: tuple[Gathered, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return sum(member.nbytes for member in self.members)
-
-
-GatherKey = tuple[fx.Node, Spec, ir.Phase]
-"""A conversion of a placeholder: to which spec, in which phase (the lowering's reuse key)."""
-
-
-def gather_groups(
-    graph: fx.Graph, placeholder_specs: Mapping[fx.Node, Spec], mesh: tuple[int, ...]
-) -> tuple[list[GatherGroup], dict[GatherKey, GatherGroup]]:
-    """The groups of placeholder gathers of ``graph`` (in the order they are first needed)
-    and the group of each conversion that is one: every conversion of a placeholder that is
-    one all-gather joins the group of its first consumer's phase, numbered layer
-    (:func:`fxpar.ir.meta.numbered_layer`; modules outside layers share one group), mesh axis
-    and dtype. Depends on global shapes and specs only: every rank makes the same groups."""
-    GroupKey = tuple[ir.Phase, str, int, torch.dtype]
-    found: dict[GroupKey, list[Gathered]] = {}
-    member_of: dict[GatherKey, GroupKey] = {}
-    for node in graph.nodes:
-        if not needs_strategy(node):
-            continue
-        region = ir.require(node, ir.Region)
-        inputs = ir.require(node, Sharding).strategy.inputs
-        for source, want in zip(tensor_inputs(node), inputs, strict=False):
-            if source.op != "placeholder" or want is None:
-                continue
-            have = placeholder_specs[source]
-            key = (source, want, region.phase)
-            if have == want or key in member_of:
-                continue
-            steps = reshard_steps(have, want, mesh)
-            if len(steps) != 1 or steps[0].kind != "all_gather" or steps[0].dim is None:
-                continue
-            meta = ir.require(source, ir.ValueMeta).tensor
-            layer = ir.numbered_layer(region.module)
-            group = (region.phase, layer.name if layer else "", steps[0].axis, meta.dtype)
-            shape = tuple(ir.evaluate(size) for size in meta.shape)
-            nbytes = int(ir.product(local_shape(shape, have, mesh))) * meta.dtype.itemsize
-            found.setdefault(group, []).append(Gathered(source, want, steps[0].dim, nbytes))
-            member_of[key] = group
-    groups = {
-        (phase, layer, axis, dtype): GatherGroup(index, phase, axis, tuple(members))
-        for index, ((phase, layer, axis, dtype), members) in enumerate(found.items())
-    }
-    return list(groups.values()), {key: groups[group] for key, group in member_of.items()}
-
-
-@dataclass(frozen=True)
-class Bucketed:
-    """A result of the step that leaves in a bucket: its position among the outputs, its
-    value, how it travels and its bytes on each device."""
-
-    index: int
-    source: fx.Node
-    route: BucketRoute
-    dtype: torch.dtype
-    nbytes: int
-
-    @staticmethod
-    def of(
-        index: int, source: fx.Node, current: Spec, route: BucketRoute, mesh: tuple[int, ...]
-    ) -> Bucketed:
-        meta = ir.require(source, ir.ValueMeta).tensor
-        shape = tuple(ir.evaluate(size) for size in meta.shape)
-        nbytes = int(ir.product(local_shape(shape, current, mesh))) * meta.dtype.itemsize
-        return Bucketed(index, source, route, meta.dtype, nbytes)
-
-
-FIRST_BUCKET_BYTES = 2**20
-"""The first bucket of each route is small (as DDP's), so that communication starts early in
-the backward instead of after 25 MiB of gradients."""
-
-
-def cut_buckets(
-    members: Sequence[Bucketed], order: Mapping[fx.Node, int], limit: int
-) -> list[list[Bucketed]]:
-    """``members`` in buckets: one route and dtype per bucket, values in the order the program
-    computes them (``order``: each source node's position), at most ``limit`` bytes each
-    (:data:`FIRST_BUCKET_BYTES` for a route's first; a larger value alone). Buckets come in the
-    order they can start (by their last value). The cut depends on global shapes and specs
-    only, so every rank makes the same buckets and runs the same collectives; the plan report
-    replays it."""
-    groups: dict[tuple[object, ...], list[Bucketed]] = {}
-    for member in members:
-        groups.setdefault((*member.route.key, member.dtype), []).append(member)
-    cut: list[list[Bucketed]] = []
-    for group in groups.values():
-        ordered = sorted(group, key=lambda m: order[m.source])
-        sizes = [m.nbytes for m in ordered]
-        for positions in buckets(sizes, limit, first=min(limit, FIRST_BUCKET_BYTES)):
-            cut.append([ordered[p] for p in positions])
-    return sorted(cut, key=lambda bucket: order[bucket[-1].source])
-
-
-def buckets(sizes: Sequence[int], limit: int, first: int | None = None) -> list[list[int]]:
-    """The positions of values of ``sizes`` bytes per device, in order, cut into runs of at
-    most ``limit`` bytes (``first`` for the first run; a larger value alone)."""
-    cut: list[list[int]] = []
-    total = 0
-    for position, size in enumerate(sizes):
-        cap = limit if len(cut) > 1 or first is None else first
-        if not cut or total + size > cap:
-            cut.append([])
-            total = 0
-        cut[-1].append(position)
-        total += size
-    return cut
+    def __call__(self, _: fx.Node) -> fx.Node:
+        return self.value

@@ -106,6 +106,16 @@ def output_seconds(src: Spec, dst: Spec, meta: ir.TensorMeta, cluster: Cluster) 
     return seconds
 
 
+def regathered_seconds(src: Spec, dst: Spec, meta: ir.TensorMeta, cluster: Cluster) -> float:
+    """Time to turn a parameter laid out as ``src`` into ``dst`` for a forward view that the
+    backward reads too (``t(weight)``): as :func:`reshard_seconds`, twice when it is one
+    all-gather, since the backward gathers the parameter again and recomputes the view
+    rather than keep the forward's gathered copy (:class:`fxpar.lowering.ViewChain`)."""
+    seconds = reshard_seconds(src, dst, meta, cluster)
+    steps = reshard_steps(src, dst, cluster.mesh_shape) if src != dst else []
+    return 2 * seconds if len(steps) == 1 and steps[0].kind == "all_gather" else seconds
+
+
 def split_factor(strategy: Strategy, mesh_shape: tuple[int, ...]) -> int:
     """How many devices share the node's work under ``strategy``."""
     factor = 1

@@ -40,12 +40,14 @@ from fxpar import ir
 from fxpar.cluster import Cluster
 from fxpar.errors import FxparError
 from fxpar.ir.program import Program
+from fxpar.lowering.grouping import reread_in_backward
 from fxpar.planning.cost import (
     compute_seconds,
     local_bytes,
     numbered_layer,
     output_seconds,
     parameter_memory,
+    regathered_seconds,
     reshard_seconds,
     saved_bytes,
     saved_outputs,
@@ -53,6 +55,14 @@ from fxpar.planning.cost import (
 from fxpar.rules.registry import tensor_inputs
 from fxpar.sharding import Sharding, Spec, Strategies, Strategy, replicated, spec_str
 from fxpar.solvers.problem import Edge, IntraOpProblem
+
+_PRICES: dict[str, Callable[[Spec, Spec, ir.TensorMeta, Cluster], float]] = {
+    "": reshard_seconds,
+    "output": output_seconds,
+    "regathered": regathered_seconds,
+}
+"""How an edge's resharding is priced: in general; as a result of the step (in buckets); as a
+parameter read by a forward view the backward reads too (gathered again there)."""
 
 
 @dataclass(frozen=True)
@@ -132,7 +142,7 @@ class _Builder:
         # Reshard times are kept by small ints for specs and metas: hashing a spec (a tuple of
         # torch placements) is slow, and a reshard matrix prices many pairs of the same specs.
         self._ids: dict[object, int] = {}
-        self._seconds_by_id: dict[tuple[int, int, int, bool], float] = {}
+        self._seconds_by_id: dict[tuple[int, int, int, str], float] = {}
         self._used_pins: set[str] = set()
 
     # -- units ----------------------------------------------------------------------------------
@@ -221,25 +231,25 @@ class _Builder:
     def _moved(self, have: Spec, want: Spec, meta: ir.TensorMeta) -> float:
         ids = self._ids
         of = (ids.setdefault(have, len(ids)), ids.setdefault(want, len(ids)))
-        return self._priced(have, want, meta, (*of, ids.setdefault(meta, len(ids)), False))
+        return self._priced(have, want, meta, (*of, ids.setdefault(meta, len(ids)), ""))
 
     def _priced(
-        self, have: Spec, want: Spec, meta: ir.TensorMeta, key: tuple[int, int, int, bool]
+        self, have: Spec, want: Spec, meta: ir.TensorMeta, key: tuple[int, int, int, str]
     ) -> float:
-        """Seconds to reshard ``meta`` from ``have`` to ``want``, for an output of the step if
-        ``key[3]``, remembered under ``key`` (the ids of the specs and meta)."""
+        """Seconds to reshard ``meta`` from ``have`` to ``want``, priced as ``key[3]`` says
+        (:data:`_PRICES`), remembered under ``key`` (the ids of the specs and meta)."""
         seconds = self._seconds_by_id.get(key)
         if seconds is None:
-            price = output_seconds if key[3] else reshard_seconds
+            price = _PRICES[key[3]]
             seconds = self._seconds_by_id[key] = price(have, want, meta, self.cluster)
         return seconds
 
     def _reshard_matrix(
-        self, produced: list[Spec], required: list[Spec], meta: ir.TensorMeta, output: bool
+        self, produced: list[Spec], required: list[Spec], meta: ir.TensorMeta, price: str
     ) -> npt.NDArray[np.float64]:
         """Seconds to reshard ``meta`` from each produced spec to each required one (each
-        distinct pair priced once: a 2-D mesh offers many strategies per spec); for an
-        ``output`` of the step, as the lowering sends it (``cost.output_seconds``)."""
+        distinct pair priced once: a 2-D mesh offers many strategies per spec), priced as the
+        lowering sends it (``price``: a key of :data:`_PRICES`)."""
         haves = {spec: i for i, spec in enumerate(dict.fromkeys(produced))}
         wants = {spec: i for i, spec in enumerate(dict.fromkeys(required))}
         ids = self._ids
@@ -249,7 +259,7 @@ class _Builder:
         table = np.empty((len(haves), len(wants)))
         for i, (have, have_id) in enumerate(zip(haves, have_ids, strict=True)):
             for j, (want, want_id) in enumerate(zip(wants, want_ids, strict=True)):
-                table[i, j] = self._priced(have, want, meta, (have_id, want_id, of_meta, output))
+                table[i, j] = self._priced(have, want, meta, (have_id, want_id, of_meta, price))
         rows = np.array([haves[spec] for spec in produced])
         columns = np.array([wants[spec] for spec in required])
         return table[np.ix_(rows, columns)]
@@ -350,8 +360,12 @@ class _Builder:
             if key not in matrix_cache:
                 produced = [self.out_spec(source, s) for s in range(sizes[u])]
                 required = [spec_of_choice(t) for t in range(sizes[v])]
-                output = key[0] == "output"
-                matrix_cache[key] = self._reshard_matrix(produced, required, meta, output)
+                price = "output" if key[0] == "output" else ""
+                if source.op == "placeholder" and reread_in_backward(
+                    self.units[consumer_unit].root
+                ):
+                    price = "regathered"
+                matrix_cache[key] = self._reshard_matrix(produced, required, meta, price)
             matrix = matrix_cache[key]
             if u == v:
                 for s in range(sizes[u]):

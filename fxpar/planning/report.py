@@ -121,7 +121,8 @@ def walk(program: Program, cluster: Cluster) -> Walk:
     # The lowering's grouped gathers of placeholders (fxpar.lowering.gather_groups), each
     # started at its first use or while the group before it is waited on.
     placeholders = {node: value_spec(node) for node in program.placeholders().values()}
-    groups, group_of = gather_groups(program.graph, placeholders, mesh)
+    gathers = gather_groups(program.graph, placeholders, mesh)
+    groups = gathers.groups
     started: set[int] = set()
 
     def gather(group: GatherGroup, consumer: fx.Node) -> None:
@@ -157,7 +158,7 @@ def walk(program: Program, cluster: Cluster) -> Walk:
         key = (source, want, phase if source.op == "placeholder" else None)
         if current == want or key in converted:
             return
-        group = group_of.get(key)  # type: ignore[arg-type]
+        group = gathers.group_of.get(key)  # type: ignore[arg-type]
         if group is not None:
             gather(group, consumer)
             return
@@ -209,7 +210,11 @@ def walk(program: Program, cluster: Cluster) -> Walk:
             strategy = _chosen(node).strategy
             phase = ir.require(node, ir.Region).phase
             for source, want in zip(tensor_inputs(node), strategy.inputs, strict=True):
-                convert(source, want, node, phase)
+                chain = gathers.chains.get((source, want)) if phase is ir.Phase.BACKWARD else None
+                if chain is not None:  # the view is recomputed from the backward's own gather
+                    convert(chain.source, chain.spec, node, phase, priced=True)
+                else:
+                    convert(source, want, node, phase)
             found.specs[node] = strategy.outputs
             work = ir.get(node, ir.Cost)
             if work is not None:

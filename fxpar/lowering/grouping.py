@@ -1,0 +1,292 @@
+"""Which collectives of a per-rank program travel together, and when they start.
+
+- :func:`cut_buckets`: results of the step that take only reductions (data parallelism's
+  gradient sums, fully sharded gradients' reduce-scatters) go in flat buckets, in the order the
+  backward computes them, each started as soon as its last value exists;
+- :func:`gather_groups`: the placeholders a layer needs gathered (a fully sharded layer's
+  parameters) go in one all-gather per layer and phase, the next group prefetched;
+- :class:`ViewChain`: a backward op that reads a forward view of a gathered parameter
+  (``t(weight)``) reads it recomputed from the backward's own gather instead, so the forward's
+  gathered copy is freed after the forward (ZeRO-3's memory).
+
+All of it depends on the graph's global shapes and chosen specs only, so every rank makes the
+same choices and runs the same collectives; the plan report replays them.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from fxpar import ir
+from fxpar.rules.registry import tensor_inputs
+from fxpar.sharding import Sharding, Spec, local_shape
+from fxpar.sharding.reshard import BucketRoute, reshard_steps
+
+aten = torch.ops.aten
+
+BUCKET_BYTES = 25 * 2**20
+"""How many bytes of a device's outputs one bucketed all-reduce packs at most (as DDP's
+default bucket)."""
+
+
+def needs_strategy(node: fx.Node) -> bool:
+    """Whether ``node`` is an op that takes a strategy (a call with tensor outputs)."""
+    if node.op != "call_function" or node.target is operator.getitem:
+        return False
+    return bool(ir.require(node, ir.ValueMeta).tensors)
+
+
+@dataclass(frozen=True)
+class Gathered:
+    """A placeholder gathered in a group: its wanted spec, the tensor dim gathered and its
+    bytes on each device before the gather."""
+
+    source: fx.Node
+    spec: Spec
+    dim: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class GatherGroup:
+    """Placeholders (a fully sharded layer's parameters) that one phase's ops of one layer
+    need gathered along the same mesh axis: they are gathered with ONE all-gather, started
+    while the layer before computes (prefetch), as FSDP gathers a flat parameter."""
+
+    index: int
+    """Its place among the groups, in the order the program first needs them."""
+    phase: ir.Phase
+    axis: int
+    members: tuple[Gathered, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(member.nbytes for member in self.members)
+
+
+GatherKey = tuple[fx.Node, Spec, ir.Phase]
+"""A conversion of a placeholder: to which spec, in which phase (the lowering's reuse key)."""
+
+
+@dataclass(frozen=True)
+class ViewChain:
+    """A forward view of a placeholder (``t(weight)``, ``weight.to(bf16)``) read by a backward
+    op: the placeholder, the spec the first view reads it in (one all-gather away from its
+    own), and the views in order."""
+
+    source: fx.Node
+    spec: Spec
+    views: tuple[fx.Node, ...]
+
+
+_VIEW_OPS = frozenset({
+    aten.t.default, aten.transpose.int, aten.permute.default, aten.view.default,
+    aten._unsafe_view.default, aten.reshape.default, aten.expand.default,
+    aten.unsqueeze.default, aten.squeeze.dim, aten.alias.default, aten.detach.default,
+    aten._to_copy.default,
+})  # fmt: skip
+"""Ops cheap to recompute from a parameter (views, and the cast of mixed precision)."""
+
+
+@dataclass(frozen=True)
+class Gathers:
+    """What :func:`gather_groups` finds."""
+
+    groups: list[GatherGroup]
+    """In the order the program first needs them."""
+    group_of: dict[GatherKey, GatherGroup]
+    """The group of each placeholder conversion that is one all-gather."""
+    chains: dict[tuple[fx.Node, Spec], ViewChain]
+    """Each (forward view, spec) a backward op reads that is recomputed from the backward's
+    own gather of its placeholder."""
+
+
+def gather_groups(
+    graph: fx.Graph, placeholder_specs: Mapping[fx.Node, Spec], mesh: tuple[int, ...]
+) -> Gathers:
+    """The groups of placeholder gathers of ``graph``: every conversion of a placeholder that
+    is one all-gather joins the group of its first consumer's phase, numbered layer
+    (:func:`fxpar.ir.meta.numbered_layer`; modules outside layers share one group), mesh axis
+    and dtype. A backward op reading a forward view of such a placeholder (see
+    :class:`ViewChain`) counts as reading the placeholder: the backward gathers it again and
+    recomputes the view, so no gathered copy lives from the forward to the backward."""
+    chains = _view_chains(graph, placeholder_specs, mesh)
+    GroupKey = tuple[ir.Phase, str, int, torch.dtype]
+    found: dict[GroupKey, list[Gathered]] = {}
+    member_of: dict[GatherKey, GroupKey] = {}
+    for node in graph.nodes:
+        if not needs_strategy(node):
+            continue
+        region = ir.require(node, ir.Region)
+        inputs = ir.require(node, Sharding).strategy.inputs
+        for source, want in zip(tensor_inputs(node), inputs, strict=False):
+            chain = chains.get((source, want)) if region.phase is ir.Phase.BACKWARD else None
+            if chain is not None:
+                source, want = chain.source, chain.spec
+            if source.op != "placeholder" or want is None:
+                continue
+            have = placeholder_specs[source]
+            key = (source, want, region.phase)
+            if have == want or key in member_of:
+                continue
+            steps = reshard_steps(have, want, mesh)
+            if len(steps) != 1 or steps[0].kind != "all_gather" or steps[0].dim is None:
+                continue
+            meta = ir.require(source, ir.ValueMeta).tensor
+            layer = ir.numbered_layer(region.module)
+            group = (region.phase, layer.name if layer else "", steps[0].axis, meta.dtype)
+            shape = tuple(ir.evaluate(size) for size in meta.shape)
+            nbytes = int(ir.product(local_shape(shape, have, mesh))) * meta.dtype.itemsize
+            found.setdefault(group, []).append(Gathered(source, want, steps[0].dim, nbytes))
+            member_of[key] = group
+    groups = {
+        (phase, layer, axis, dtype): GatherGroup(index, phase, axis, tuple(members))
+        for index, ((phase, layer, axis, dtype), members) in enumerate(found.items())
+    }
+    group_of = {key: groups[group] for key, group in member_of.items()}
+    return Gathers(list(groups.values()), group_of, chains)
+
+
+def _view_chains(
+    graph: fx.Graph, placeholder_specs: Mapping[fx.Node, Spec], mesh: tuple[int, ...]
+) -> dict[tuple[fx.Node, Spec], ViewChain]:
+    """Each forward view of a placeholder that a backward op reads in the view's own spec,
+    where the placeholder reaches the first view by one all-gather and the views need no
+    conversion between them."""
+    chains: dict[fx.Node, ViewChain | None] = {}
+
+    def chain_of(node: fx.Node) -> ViewChain | None:
+        if node not in chains:
+            chains[node] = _extend(node, chain_of, placeholder_specs, mesh)
+        return chains[node]
+
+    found: dict[tuple[fx.Node, Spec], ViewChain] = {}
+    for node in graph.nodes:
+        if not needs_strategy(node) or ir.require(node, ir.Region).phase is not ir.Phase.BACKWARD:
+            continue
+        inputs = ir.require(node, Sharding).strategy.inputs
+        for source, want in zip(tensor_inputs(node), inputs, strict=False):
+            chain = chain_of(source) if want is not None else None
+            if chain is not None and _output_spec(source) == want:
+                found[(source, want)] = chain
+    return found
+
+
+def _extend(
+    node: fx.Node,
+    chain_of: Callable[[fx.Node], ViewChain | None],
+    placeholder_specs: Mapping[fx.Node, Spec],
+    mesh: tuple[int, ...],
+) -> ViewChain | None:
+    """The chain ending at ``node``, if it is a forward view of a placeholder (or of such a
+    view) with nothing converted on the way."""
+    if node.op != "call_function" or node.target not in _VIEW_OPS:
+        return None
+    sharding = ir.get(node, Sharding)
+    inputs = tensor_inputs(node)
+    if ir.require(node, ir.Region).phase is not ir.Phase.FORWARD or sharding is None:
+        return None
+    if len(inputs) != 1 or len(sharding.strategy.inputs) != 1:
+        return None
+    (source,), (want,) = inputs, sharding.strategy.inputs
+    if want is None:
+        return None
+    if source.op == "placeholder":
+        have = placeholder_specs[source]
+        steps = reshard_steps(have, want, mesh) if have != want else []
+        if len(steps) == 1 and steps[0].kind == "all_gather":
+            return ViewChain(source, want, (node,))
+        return None
+    before = chain_of(source)
+    if before is None or _output_spec(source) != want:
+        return None
+    return ViewChain(before.source, before.spec, (*before.views, node))
+
+
+def reread_in_backward(node: fx.Node) -> bool:
+    """Whether ``node`` is a forward view (of the kinds a :class:`ViewChain` recomputes)
+    whose value a backward op reads, directly or through further forward views: where it
+    views a gathered parameter, the backward gathers that parameter again."""
+    if node.op != "call_function" or node.target not in _VIEW_OPS:
+        return False
+    if ir.require(node, ir.Region).phase is not ir.Phase.FORWARD:
+        return False
+    for user in node.users:
+        region = ir.get(user, ir.Region)
+        if (region is not None and region.phase is ir.Phase.BACKWARD) or reread_in_backward(user):
+            return True
+    return False
+
+
+def _output_spec(node: fx.Node) -> Spec | None:
+    if node.op != "call_function" or node.target is operator.getitem:
+        return None
+    sharding = ir.get(node, Sharding)
+    return sharding.strategy.outputs[0] if sharding is not None else None
+
+
+@dataclass(frozen=True)
+class Bucketed:
+    """A result of the step that leaves in a bucket: its position among the outputs, its
+    value, how it travels and its bytes on each device."""
+
+    index: int
+    source: fx.Node
+    route: BucketRoute
+    dtype: torch.dtype
+    nbytes: int
+
+    @staticmethod
+    def of(
+        index: int, source: fx.Node, current: Spec, route: BucketRoute, mesh: tuple[int, ...]
+    ) -> Bucketed:
+        meta = ir.require(source, ir.ValueMeta).tensor
+        shape = tuple(ir.evaluate(size) for size in meta.shape)
+        nbytes = int(ir.product(local_shape(shape, current, mesh))) * meta.dtype.itemsize
+        return Bucketed(index, source, route, meta.dtype, nbytes)
+
+
+FIRST_BUCKET_BYTES = 2**20
+"""The first bucket of each route is small (as DDP's), so that communication starts early in
+the backward instead of after 25 MiB of gradients."""
+
+
+def cut_buckets(
+    members: Sequence[Bucketed], order: Mapping[fx.Node, int], limit: int
+) -> list[list[Bucketed]]:
+    """``members`` in buckets: one route and dtype per bucket, values in the order the program
+    computes them (``order``: each source node's position), at most ``limit`` bytes each
+    (:data:`FIRST_BUCKET_BYTES` for a route's first; a larger value alone). Buckets come in the
+    order they can start (by their last value). The cut depends on global shapes and specs
+    only, so every rank makes the same buckets and runs the same collectives; the plan report
+    replays it."""
+    groups: dict[tuple[object, ...], list[Bucketed]] = {}
+    for member in members:
+        groups.setdefault((*member.route.key, member.dtype), []).append(member)
+    cut: list[list[Bucketed]] = []
+    for group in groups.values():
+        ordered = sorted(group, key=lambda m: order[m.source])
+        sizes = [m.nbytes for m in ordered]
+        for positions in buckets(sizes, limit, first=min(limit, FIRST_BUCKET_BYTES)):
+            cut.append([ordered[p] for p in positions])
+    return sorted(cut, key=lambda bucket: order[bucket[-1].source])
+
+
+def buckets(sizes: Sequence[int], limit: int, first: int | None = None) -> list[list[int]]:
+    """The positions of values of ``sizes`` bytes per device, in order, cut into runs of at
+    most ``limit`` bytes (``first`` for the first run; a larger value alone)."""
+    cut: list[list[int]] = []
+    total = 0
+    for position, size in enumerate(sizes):
+        cap = limit if len(cut) > 1 or first is None else first
+        if not cut or total + size > cap:
+            cut.append([])
+            total = 0
+        cut[-1].append(position)
+        total += size
+    return cut
