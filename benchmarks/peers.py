@@ -13,8 +13,10 @@ The same GPT (4 layers, width 256, 4 heads, vocab 256), the same global batch of
   runs on its local heads (``n_head / world``, as torchtitan's attention does), since the
   model's own forward reshapes to the full width;
 - fxpar with the manual plans ``data_parallel``, ``fully_sharded`` and ``tensor_parallel``, and
-  with the plan the ILP chooses (no ``manual``); every rank passes the whole batch
-  (``batch="global"``, with the default batch check, one small all-gather per step).
+  with the plan the ILP chooses (no ``manual``) for fxpar's default ``Cluster`` and for that
+  cluster calibrated on the running processes (``fxpar.calibrate``); every rank passes the
+  whole batch (``batch="global"``, with the default batch check: one small all-gather per
+  step, travelling while the forward computes).
 
 Every process uses one thread. For each world size, each variant first takes ``--warmup``
 steps (fxpar plans and lowers on its first), then ``--rounds`` rounds follow; round r runs
@@ -68,6 +70,7 @@ MANUAL_PLANS = {
     "fxpar tp": fxpar.plans.tensor_parallel,
 }
 PEER_OF = {"fxpar dp": "DDP", "fxpar fsdp": "FSDP2", "fxpar tp": "DTensor TP"}
+ILP_PLANS = ("fxpar ILP", "fxpar ILP calibrated")
 
 
 @dataclass(frozen=True)
@@ -174,9 +177,9 @@ def _collectives(parallel: fxpar.ParallelModel) -> str:
     return f"{sum(kinds.values())} ({listed})"
 
 
-def _closest_manual_plan(compiled: dict[str, fxpar.ParallelModel]) -> str:
+def _closest_manual_plan(compiled: dict[str, fxpar.ParallelModel], ilp_name: str) -> str:
     """Which manual plan lays out the ILP's parameters and inputs most alike, and where not."""
-    ilp = compiled["fxpar ILP"].spmd
+    ilp = compiled[ilp_name].spmd
     names = list(ilp.program.placeholders())
 
     def differences(plan: str) -> list[str]:
@@ -198,16 +201,25 @@ def _fxpar_variants(
     """fxpar's manual plans and the ILP's; their collectives per step, and a note on the ILP's
     plan (its summary, and the manual plan closest to it)."""
     compiled: dict[str, fxpar.ParallelModel] = {}
-    for name, manual in [*MANUAL_PLANS.items(), ("fxpar ILP", None)]:
+    default = fxpar.Cluster((world_size,))
+    calibrated = fxpar.calibrate(default)  # this machine's links and cores, measured
+    for name, manual, cluster in [
+        *((name, manual, default) for name, manual in MANUAL_PLANS.items()),
+        ("fxpar ILP", None, default),
+        ("fxpar ILP calibrated", None, calibrated),
+    ]:
         compiled[name] = fxpar.compile(
-            _model(), fxpar.Cluster((world_size,)), (tokens,), gpt_loss,
+            _model(), cluster, (tokens,), gpt_loss,
             example_targets=(targets,), optimizer=fxpar.optim.SGD(lr=LR), manual=manual,
         )  # fmt: skip
     variants = [
         Variant(name, lambda parallel=parallel: parallel.step(tokens, targets))
         for name, parallel in compiled.items()
     ]
-    note = compiled["fxpar ILP"].plan.summary() + "; " + _closest_manual_plan(compiled)
+    note = "; ".join(
+        f"{name}: {compiled[name].plan.summary()}; {_closest_manual_plan(compiled, name)}"
+        for name in ILP_PLANS
+    )
     return variants, {name: _collectives(p) for name, p in compiled.items()}, note
 
 
@@ -290,7 +302,7 @@ def _slowest(per_rank: list[dict[str, Result]]) -> dict[str, Result]:
 
 
 def _ratio(results: dict[str, Result], name: str) -> str:
-    if name == "fxpar ILP":
+    if name in ILP_PLANS:
         manual = min(MANUAL_PLANS, key=lambda plan: statistics.median(results[plan].seconds))
         versus, label = results[manual], f" (vs {manual})"
     elif name in PEER_OF:
@@ -349,7 +361,7 @@ def main() -> int:
             row = _row(world, name, result, single.loss, _ratio(results, name))
             mismatches += row.endswith("MISMATCH")
             print(row, flush=True)
-        notes.append(f"world {world}: ILP: {per_rank[0][1]}")
+        notes.append(f"world {world}: {per_rank[0][1]}")
     print("\n" + "\n".join(notes))
     if mismatches:
         print(f"\n{mismatches} variant(s) differ from the single process by more than "
