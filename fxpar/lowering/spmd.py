@@ -627,20 +627,31 @@ class _RankLowering:
             if self.coordinate[step.axis] == 0:
                 return value, after
             return self.graph.call_function(aten.zeros_like.default, (value,)), after
+        nbytes = ir.product((*shape, meta.dtype.itemsize))
+        self.records.append(
+            CollectiveRecord(step.kind, step.axis, int(nbytes), source.name, consumer.name, phase)
+        )
         if step.kind == "all_gather":
             call, args = collectives.all_gather, (self.comm, value, step.dim, step.axis)
         elif step.kind == "all_reduce":
-            call, args = collectives.all_reduce, (self.comm, value, step.axis)
+            return self._all_reduce(value, step.axis), after
         elif step.kind == "reduce_scatter":
             call, args = collectives.reduce_scatter, (self.comm, value, step.dim, step.axis)
         else:
             call = collectives.all_to_all
             args = (self.comm, value, step.to_dim, step.dim, step.axis)
-        nbytes = ir.product((*shape, meta.dtype.itemsize))
-        self.records.append(
-            CollectiveRecord(step.kind, step.axis, int(nbytes), source.name, consumer.name, phase)
-        )
         return self.graph.call_function(call, args), after
+
+    def _all_reduce(self, value: fx.Node, axis: int) -> fx.Node:
+        """The sum of ``value`` over ``axis``, started right after ``value`` is computed and
+        waited on here, where it is needed."""
+        args = (self.comm, value, axis)
+        if value.op == "placeholder":  # nothing to overlap, and placeholders come first
+            started = self.graph.call_function(collectives.start_all_reduce, args)
+        else:
+            with self.graph.inserting_after(value):
+                started = self.graph.call_function(collectives.start_all_reduce, args)
+        return self.graph.call_function(collectives.wait_all_reduce, (started,))
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,8 @@ class Communicator(Protocol):
     ) -> torch.Tensor: ...
 
     def start_all_reduce(self, flat: torch.Tensor, axis: int) -> Pending:
-        """Start summing the 1-D contiguous ``flat`` in place over ``axis``; nothing else
-        reads or writes it until the returned handle is waited on."""
+        """Start summing the contiguous ``flat`` in place over ``axis``; nothing else reads
+        or writes it until the returned handle is waited on."""
         ...
 
     def start_reduce_scatter(self, output: torch.Tensor, flat: torch.Tensor, axis: int) -> Pending:
@@ -80,6 +80,29 @@ def all_to_all(
 ) -> torch.Tensor:
     """From sharded on ``concat_dim`` to sharded on ``split_dim`` along ``axis``."""
     return comm.all_to_all(tensor, split_dim, concat_dim, axis)
+
+
+@dataclass
+class InFlight:
+    """A tensor being summed over a mesh axis, in place in its own buffer."""
+
+    pending: Pending
+    result: torch.Tensor
+
+
+def start_all_reduce(comm: Communicator, tensor: torch.Tensor, axis: int) -> InFlight:
+    """Start summing a contiguous copy of ``tensor`` over ``axis``: the lowering starts it as
+    soon as ``tensor`` is computed, and :func:`wait_all_reduce` waits right before the sum
+    is read, so it travels while the ops in between run (a tensor-parallel layer's input
+    gradient while its weight gradient is computed)."""
+    result = tensor.clone(memory_format=torch.contiguous_format)
+    return InFlight(comm.start_all_reduce(result, axis), result)
+
+
+def wait_all_reduce(in_flight: InFlight) -> torch.Tensor:
+    """The sum :func:`start_all_reduce` started."""
+    in_flight.pending.wait()
+    return in_flight.result
 
 
 @dataclass
@@ -164,10 +187,11 @@ def wait_bucket(comm: Communicator, bucket: Bucket) -> tuple[torch.Tensor, ...]:
 
 
 COLLECTIVE_FUNCTIONS = (
-    all_gather, all_reduce, reduce_scatter, all_to_all,
+    all_gather, all_reduce, reduce_scatter, all_to_all, start_all_reduce,
     start_all_reduce_bucket, start_reduce_scatter_bucket, start_all_gather_bucket,
 )  # fmt: skip
-"""The calls of a per-rank program that start collectives (:func:`wait_bucket` only waits)."""
+"""The calls of a per-rank program that start collectives (:func:`wait_bucket` and
+:func:`wait_all_reduce` only wait)."""
 
 
 class OneDeviceCommunicator:
