@@ -69,7 +69,7 @@ def _collectives(rank: int, world_size: int) -> list[str]:
             ):
                 expected = whole.chunk(world_size, dim)[rank]
                 checks[f"reduce_scatter bucket {dims} {index}"] = (got, expected)
-            bucket = start_all_gather_bucket(comm, [mine, other], dims, 0, world_size)
+            bucket = start_all_gather_bucket(comm, [mine, other], dims, (0,), (world_size,))
             parts = ((everyone, dims[0]), (others, dims[1]))
             for index, (got, (pieces, dim)) in enumerate(
                 zip(wait_bucket(comm, bucket), parts, strict=True)

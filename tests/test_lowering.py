@@ -155,7 +155,7 @@ def test_fully_sharded_gathers_parameters_and_reduce_scatters_gradients() -> Non
         assert "reduce_scatter(comm" not in code
 
 
-@pytest.mark.parametrize("mesh", [(2,), (4,)], ids=str)
+@pytest.mark.parametrize("mesh", [(2,), (4,), (2, 2)], ids=str)
 def test_fully_sharded_weights_gathered_in_the_forward_die_with_the_forward(
     mesh: tuple[int, ...],
 ) -> None:
@@ -167,8 +167,9 @@ def test_fully_sharded_weights_gathered_in_the_forward_die_with_the_forward(
     backward_gathers = [
         r for r in spmd.collectives() if r.kind == "all_gather" and r.phase is ir.Phase.BACKWARD
     ]
-    # One gather per layer in the backward (two blocks, and the embeddings, norm and head).
-    assert len(backward_gathers) == 3
+    # One gather per layer and mesh axis in the backward (two blocks, and the embeddings, norm
+    # and head).
+    assert len(backward_gathers) == 3 * len(mesh)
     placeholders = spmd.program.placeholders()
     specs = {node: spmd.input_specs[i] for i, node in enumerate(placeholders.values())}
     gathers = gather_groups(spmd.program.graph, specs, spmd.cluster.mesh_shape)
@@ -179,9 +180,15 @@ def test_fully_sharded_weights_gathered_in_the_forward_die_with_the_forward(
         for member in group.members
     }
     assert {"blocks_0_attn_qkv_weight", "blocks_1_mlp_proj_weight", "wte_weight"} <= again
-    assert sum(r.bytes for r in backward_gathers) == sum(
-        group.nbytes for group in gathers.groups if group.phase is ir.Phase.BACKWARD
-    )
+    # Each axis's all-gather sends what the gathers before it made (innermost axis first).
+    expected = 0
+    for group in gathers.groups:
+        if group.phase is ir.Phase.BACKWARD:
+            nbytes = group.nbytes
+            for axis in group.axes:
+                expected += nbytes
+                nbytes *= mesh[axis]
+    assert sum(r.bytes for r in backward_gathers) == expected
     for rank in spmd.ranks:
         graph = rank.graph_module.graph
         order = {node: position for position, node in enumerate(graph.nodes)}

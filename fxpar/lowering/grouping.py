@@ -25,7 +25,7 @@ import torch.fx as fx
 from fxpar import ir
 from fxpar.rules.registry import tensor_inputs
 from fxpar.sharding import Sharding, Spec, local_shape
-from fxpar.sharding.reshard import BucketRoute, reshard_steps
+from fxpar.sharding.reshard import BucketRoute, gather_route, reshard_steps
 
 aten = torch.ops.aten
 
@@ -55,17 +55,19 @@ class Gathered:
 @dataclass(frozen=True)
 class GatherGroup:
     """Placeholders (a fully sharded layer's parameters) that one phase's ops of one layer
-    need gathered along the same mesh axis: they are gathered with ONE all-gather, started
-    while the layer before computes (prefetch), as FSDP gathers a flat parameter."""
+    need gathered over the same mesh axes: they are gathered with ONE all-gather per axis,
+    started while the layer before computes (prefetch), as FSDP gathers a flat parameter."""
 
     index: int
     """Its place among the groups, in the order the program first needs them."""
     phase: ir.Phase
-    axis: int
+    axes: tuple[int, ...]
+    """Gathered in this order, innermost first (so the outermost axis ends outermost)."""
     members: tuple[Gathered, ...]
 
     @property
     def nbytes(self) -> int:
+        """Bytes each device contributes to the first all-gather."""
         return sum(member.nbytes for member in self.members)
 
 
@@ -76,8 +78,8 @@ GatherKey = tuple[fx.Node, Spec, ir.Phase]
 @dataclass(frozen=True)
 class ViewChain:
     """A forward view of a placeholder (``t(weight)``, ``weight.to(bf16)``) read by a backward
-    op: the placeholder, the spec the first view reads it in (one all-gather away from its
-    own), and the views in order."""
+    op: the placeholder, the spec the first view reads it in (all-gathers away from its own:
+    :func:`fxpar.sharding.reshard.gather_route`), and the views in order."""
 
     source: fx.Node
     spec: Spec
@@ -100,7 +102,7 @@ class Gathers:
     groups: list[GatherGroup]
     """In the order the program first needs them."""
     group_of: dict[GatherKey, GatherGroup]
-    """The group of each placeholder conversion that is one all-gather."""
+    """The group of each placeholder conversion that is all-gathers only."""
     chains: dict[tuple[fx.Node, Spec], ViewChain]
     """Each (forward view, spec) a backward op reads that is recomputed from the backward's
     own gather of its placeholder."""
@@ -110,13 +112,14 @@ def gather_groups(
     graph: fx.Graph, placeholder_specs: Mapping[fx.Node, Spec], mesh: tuple[int, ...]
 ) -> Gathers:
     """The groups of placeholder gathers of ``graph``: every conversion of a placeholder that
-    is one all-gather joins the group of its first consumer's phase, numbered layer
-    (:func:`fxpar.ir.meta.numbered_layer`; modules outside layers share one group), mesh axis
-    and dtype. A backward op reading a forward view of such a placeholder (see
-    :class:`ViewChain`) counts as reading the placeholder: the backward gathers it again and
-    recomputes the view, so no gathered copy lives from the forward to the backward."""
+    is all-gathers of one dim (:func:`fxpar.sharding.reshard.gather_route`) joins the group
+    of its first consumer's phase, numbered layer (:func:`fxpar.ir.meta.numbered_layer`;
+    modules outside layers share one group), mesh axes and dtype. A backward op reading a
+    forward view of such a placeholder (see :class:`ViewChain`) counts as reading the
+    placeholder: the backward gathers it again and recomputes the view, so no gathered copy
+    lives from the forward to the backward."""
     chains = _view_chains(graph, placeholder_specs, mesh)
-    GroupKey = tuple[ir.Phase, str, int, torch.dtype]
+    GroupKey = tuple[ir.Phase, str, tuple[int, ...], torch.dtype]
     found: dict[GroupKey, list[Gathered]] = {}
     member_of: dict[GatherKey, GroupKey] = {}
     for node in graph.nodes:
@@ -132,21 +135,21 @@ def gather_groups(
                 continue
             have = placeholder_specs[source]
             key = (source, want, region.phase)
-            if have == want or key in member_of:
+            axes = gather_route(have, want, mesh) if key not in member_of else None
+            if axes is None:
                 continue
-            steps = reshard_steps(have, want, mesh)
-            if len(steps) != 1 or steps[0].kind != "all_gather" or steps[0].dim is None:
-                continue
+            dim = reshard_steps(have, want, mesh)[0].dim
+            assert dim is not None
             meta = ir.require(source, ir.ValueMeta).tensor
             layer = ir.numbered_layer(region.module)
-            group = (region.phase, layer.name if layer else "", steps[0].axis, meta.dtype)
+            group = (region.phase, layer.name if layer else "", axes, meta.dtype)
             shape = tuple(ir.evaluate(size) for size in meta.shape)
             nbytes = int(ir.product(local_shape(shape, have, mesh))) * meta.dtype.itemsize
-            found.setdefault(group, []).append(Gathered(source, want, steps[0].dim, nbytes))
+            found.setdefault(group, []).append(Gathered(source, want, dim, nbytes))
             member_of[key] = group
     groups = {
-        (phase, layer, axis, dtype): GatherGroup(index, phase, axis, tuple(members))
-        for index, ((phase, layer, axis, dtype), members) in enumerate(found.items())
+        (phase, layer, axes, dtype): GatherGroup(index, phase, axes, tuple(members))
+        for index, ((phase, layer, axes, dtype), members) in enumerate(found.items())
     }
     group_of = {key: groups[group] for key, group in member_of.items()}
     return Gathers(list(groups.values()), group_of, chains)
@@ -156,7 +159,7 @@ def _view_chains(
     graph: fx.Graph, placeholder_specs: Mapping[fx.Node, Spec], mesh: tuple[int, ...]
 ) -> dict[tuple[fx.Node, Spec], ViewChain]:
     """Each forward view of a placeholder that a backward op reads in the view's own spec,
-    where the placeholder reaches the first view by one all-gather and the views need no
+    where the placeholder reaches the first view by all-gathers and the views need no
     conversion between them."""
     chains: dict[fx.Node, ViewChain | None] = {}
 
@@ -197,11 +200,9 @@ def _extend(
     if want is None:
         return None
     if source.op == "placeholder":
-        have = placeholder_specs[source]
-        steps = reshard_steps(have, want, mesh) if have != want else []
-        if len(steps) == 1 and steps[0].kind == "all_gather":
-            return ViewChain(source, want, (node,))
-        return None
+        if gather_route(placeholder_specs[source], want, mesh) is None:
+            return None
+        return ViewChain(source, want, (node,))
     before = chain_of(source)
     if before is None or _output_spec(source) != want:
         return None

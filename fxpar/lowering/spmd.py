@@ -586,14 +586,17 @@ class _RankLowering:
     def _start_gather(self, group: GatherGroup, consumer: fx.Node) -> fx.Node:
         values = [self.env[member.source][0] for member in group.members]
         dims = tuple(member.dim for member in group.members)
-        size = self.mesh[group.axis]
-        args = (self.comm, values, dims, group.axis, size)
-        self.records.append(
-            CollectiveRecord(
-                "all_gather", group.axis, group.nbytes, group.members[0].source.name,
-                consumer.name, group.phase,
-            )
-        )  # fmt: skip
+        sizes = tuple(self.mesh[axis] for axis in group.axes)
+        args = (self.comm, values, dims, group.axes, sizes)
+        nbytes = group.nbytes
+        for axis in group.axes:
+            self.records.append(
+                CollectiveRecord(
+                    "all_gather", axis, nbytes, group.members[0].source.name, consumer.name,
+                    group.phase,
+                )
+            )  # fmt: skip
+            nbytes *= self.mesh[axis]
         return self.graph.call_function(collectives.start_all_gather_bucket, args)
 
     def _emit(

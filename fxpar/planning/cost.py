@@ -48,7 +48,7 @@ from fxpar import ir
 from fxpar.cluster import Cluster
 from fxpar.ir.meta import numbered_layer
 from fxpar.sharding import Spec, Strategy, local_shape
-from fxpar.sharding.reshard import bucket_route, reshard_steps
+from fxpar.sharding.reshard import bucket_route, gather_route, reshard_steps
 
 # -- time ---------------------------------------------------------------------------------------
 
@@ -108,12 +108,12 @@ def output_seconds(src: Spec, dst: Spec, meta: ir.TensorMeta, cluster: Cluster) 
 
 def regathered_seconds(src: Spec, dst: Spec, meta: ir.TensorMeta, cluster: Cluster) -> float:
     """Time to turn a parameter laid out as ``src`` into ``dst`` for a forward view that the
-    backward reads too (``t(weight)``): as :func:`reshard_seconds`, twice when it is one
-    all-gather, since the backward gathers the parameter again and recomputes the view
-    rather than keep the forward's gathered copy (:class:`fxpar.lowering.ViewChain`)."""
+    backward reads too (``t(weight)``): as :func:`reshard_seconds`, twice when it takes
+    all-gathers only (:func:`gather_route`), since the backward gathers the parameter again
+    and recomputes the view rather than keep the forward's gathered copy
+    (:class:`fxpar.lowering.ViewChain`)."""
     seconds = reshard_seconds(src, dst, meta, cluster)
-    steps = reshard_steps(src, dst, cluster.mesh_shape) if src != dst else []
-    return 2 * seconds if len(steps) == 1 and steps[0].kind == "all_gather" else seconds
+    return 2 * seconds if gather_route(src, dst, cluster.mesh_shape) is not None else seconds
 
 
 def split_factor(strategy: Strategy, mesh_shape: tuple[int, ...]) -> int:

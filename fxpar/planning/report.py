@@ -51,6 +51,7 @@ from fxpar.lowering import (
     gather_groups,
     needs_strategy,
     output_specs,
+    reread_in_backward,
     value_spec,
 )
 from fxpar.planning import cost
@@ -129,8 +130,11 @@ def walk(program: Program, cluster: Cluster) -> Walk:
         for index in (group.index, group.index + 1):
             if index < len(groups) and index not in started:
                 started.add(index)
-                record("all_gather", groups[index].axis, groups[index].nbytes,
-                       groups[index].members[0].source, consumer, groups[index].phase)  # fmt: skip
+                nbytes = groups[index].nbytes
+                for axis in groups[index].axes:
+                    record("all_gather", axis, nbytes, groups[index].members[0].source,
+                           consumer, groups[index].phase)  # fmt: skip
+                    nbytes *= mesh[axis]
         converted.update((member.source, member.spec, group.phase) for member in group.members)
 
     def record(
@@ -153,7 +157,11 @@ def walk(program: Program, cluster: Cluster) -> Walk:
         assert current is not None
         meta = ir.require(source, ir.ValueMeta).tensor
         if not priced:
-            found.edge_seconds += cost.reshard_seconds(current, want, meta, cluster)
+            # As the problem prices it: a parameter a forward view reads for the backward too
+            # is gathered twice (fxpar.lowering.ViewChain).
+            regathered = source.op == "placeholder" and reread_in_backward(consumer)
+            price = cost.regathered_seconds if regathered else cost.reshard_seconds
+            found.edge_seconds += price(current, want, meta, cluster)
         # The lowering's reuse rule (fxpar.lowering._RankLowering._convert).
         key = (source, want, phase if source.op == "placeholder" else None)
         if current == want or key in converted:

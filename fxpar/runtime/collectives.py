@@ -109,12 +109,15 @@ def wait_all_reduce(in_flight: InFlight) -> torch.Tensor:
 class Bucket:
     """Values travelling together in one flat buffer: a collective in flight over it, how to
     cut the result back into values, and the all-reduces over further mesh axes still to run
-    (a gradient summed over two axes of a 2-D mesh)."""
+    (a gradient summed over two axes of a 2-D mesh) or all-gathers (a parameter sharded over
+    both)."""
 
     pending: Pending
     result: torch.Tensor
     unpack: Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
     then_all_reduce: tuple[int, ...] = ()
+    then_all_gather: tuple[tuple[int, int], ...] = ()
+    """Further (mesh axis, devices) to gather the whole buffer over, in order."""
 
 
 def start_all_reduce_bucket(
@@ -159,31 +162,47 @@ def start_reduce_scatter_bucket(
 
 
 def start_all_gather_bucket(
-    comm: Communicator, tensors: Sequence[torch.Tensor], dims: Sequence[int], axis: int, size: int
+    comm: Communicator,
+    tensors: Sequence[torch.Tensor],
+    dims: Sequence[int],
+    axes: Sequence[int],
+    sizes: Sequence[int],
 ) -> Bucket:
-    """Start gathering each of ``tensors`` along tensor dim ``dims[i]`` from the ``size``
-    devices of mesh ``axis`` with ONE all-gather (a fully sharded layer's parameters, all at
-    once, as FSDP gathers a flat parameter)."""
+    """Start gathering each of ``tensors`` along tensor dim ``dims[i]`` from the devices of
+    mesh ``axes`` (of ``sizes`` devices; innermost axis first, each sharding that dim) with
+    ONE all-gather per axis: a fully sharded layer's parameters, all at once, as FSDP gathers
+    a flat parameter. The first axis's gather travels until :func:`wait_bucket`, which runs
+    the others."""
     fronts = [tensor.movedim(dim, 0) for tensor, dim in zip(tensors, dims, strict=True)]
     flat = torch.cat([front.reshape(-1) for front in fronts])
-    output = flat.new_empty(flat.numel() * size)
+    output = flat.new_empty(flat.numel() * sizes[0])
+    devices = math.prod(sizes)
 
     def unpack(result: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        rows = result.view(size, -1).split([front.numel() for front in fronts], dim=1)
+        # Each gather stacks the flat buffers of its axis in front, so the outermost axis
+        # ends outermost: device order along the dim, as nested shards lay it out.
+        rows = result.view(devices, -1).split([front.numel() for front in fronts], dim=1)
         return tuple(
-            row.reshape(size * front.shape[0], *front.shape[1:]).movedim(0, dim).contiguous()
+            row.reshape(devices * front.shape[0], *front.shape[1:]).movedim(0, dim).contiguous()
             for row, front, dim in zip(rows, fronts, dims, strict=True)
         )
 
-    return Bucket(comm.start_all_gather(output, flat, axis), output, unpack)
+    pending = comm.start_all_gather(output, flat, axes[0])
+    rest = tuple(zip(axes[1:], sizes[1:], strict=True))
+    return Bucket(pending, output, unpack, then_all_gather=rest)
 
 
 def wait_bucket(comm: Communicator, bucket: Bucket) -> tuple[torch.Tensor, ...]:
     """The values of ``bucket`` once its collectives are done."""
     bucket.pending.wait()
+    result = bucket.result
     for axis in bucket.then_all_reduce:
-        comm.start_all_reduce(bucket.result, axis).wait()
-    return bucket.unpack(bucket.result)
+        comm.start_all_reduce(result, axis).wait()
+    for axis, size in bucket.then_all_gather:
+        gathered = result.new_empty(result.numel() * size)
+        comm.start_all_gather(gathered, result, axis).wait()
+        result = gathered
+    return bucket.unpack(result)
 
 
 COLLECTIVE_FUNCTIONS = (

@@ -150,3 +150,15 @@ def bucket_route(current: Spec, want: Spec, mesh_shape: Sequence[int]) -> Bucket
     if len(steps) == 1 and steps[0].kind == "reduce_scatter":
         return BucketRoute("reduce_scatter", (steps[0].axis,), steps[0].dim)
     return None
+
+
+def gather_route(current: Spec, want: Spec, mesh_shape: Sequence[int]) -> tuple[int, ...] | None:
+    """The mesh axes, in the order gathered (innermost first), when going from ``current`` to
+    ``want`` takes only all-gathers of one tensor dim (a parameter sharded on dim 0 over one
+    or more axes, gathered whole), else None."""
+    if current == want:
+        return None
+    steps = reshard_steps(current, want, mesh_shape)
+    if not steps or any(s.kind != "all_gather" or s.dim != steps[0].dim for s in steps):
+        return None
+    return tuple(step.axis for step in steps)
