@@ -256,3 +256,27 @@ def test_cluster_validates_its_mesh() -> None:
     assert [cluster.rank(c) for c in cluster.coordinates()] == list(range(6))
     assert cluster.coordinate(4) == (1, 1)
     assert cluster.axis_index("tp") == 1
+
+
+def test_tensor_parallel_backward_all_reduces_travel_behind_the_weight_gradients() -> None:
+    """A started all-reduce is waited on only where its sum is read; the ops that do not
+    need it (the weight gradients' matmuls of a Megatron block's backward) run in between,
+    and a start with nothing to overlap is one blocking all-reduce. The programs still train
+    like one device (test_named_plans_train_like_one_device)."""
+    spmd = lowered("tensor_parallel", (2,))
+    graph = spmd.for_rank(0).graph_module.graph
+    order = {node: position for position, node in enumerate(graph.nodes)}
+    waits = graph.find_nodes(op="call_function", target=collectives.wait_all_reduce)
+    assert waits
+    overlapped = 0
+    for wait in waits:
+        (start,) = wait.all_input_nodes
+        between = [n for n in graph.nodes if order[start] < order[n] < order[wait]]
+        assert between  # otherwise it would have been one blocking all-reduce
+        assert not any(wait in n.all_input_nodes for n in between)
+        overlapped += any(n.target is torch.ops.aten.mm.default for n in between)
+    # The backward of each of the two blocks sums two input gradients behind matmuls.
+    assert overlapped >= 4
+    assert len(waits) + len(
+        graph.find_nodes(op="call_function", target=collectives.all_reduce)
+    ) == sum(r.kind == "all_reduce" for r in spmd.collectives() if r.phase is not ir.Phase.OUTPUT)

@@ -432,6 +432,7 @@ class _RankLowering:
                 self._lower_op(node)
             else:
                 raise LoweringError(f"cannot lower node {node.name!r} ({node.target})")
+        overlap_all_reduces(self.graph)
         return fx.GraphModule(self.source, self.graph, class_name=class_name)
 
     def _outputs(self, output: fx.Node, leaving: Sequence[Spec]) -> list[Any]:
@@ -649,12 +650,54 @@ class _RankLowering:
         """The sum of ``value`` over ``axis``, started right after ``value`` is computed and
         waited on here, where it is needed."""
         args = (self.comm, value, axis)
-        if value.op == "placeholder":  # nothing to overlap, and placeholders come first
+        if value.op == "placeholder":  # placeholders come first; nothing to overlap
+            return self.graph.call_function(collectives.all_reduce, args)
+        with self.graph.inserting_after(value):
             started = self.graph.call_function(collectives.start_all_reduce, args)
-        else:
-            with self.graph.inserting_after(value):
-                started = self.graph.call_function(collectives.start_all_reduce, args)
         return self.graph.call_function(collectives.wait_all_reduce, (started,))
+
+
+_ORDERED = frozenset({
+    *collectives.COLLECTIVE_FUNCTIONS, collectives.wait_all_reduce, collectives.wait_bucket,
+})  # fmt: skip
+"""Calls that keep their place: every rank must issue its collectives in one order."""
+
+
+def overlap_all_reduces(graph: fx.Graph) -> None:
+    """Give each started all-reduce something to travel behind: the ops before its start that
+    the summed value does not need move after the start, and the ops after its wait that do
+    not need the sum move before the wait, in order, as far as the nearest collective (a
+    tensor-parallel layer's weight gradient while its input gradient is summed). A start with
+    nothing left between it and its wait becomes one blocking all-reduce, which skips the
+    hand-off to the communication thread and back."""
+    for start in list(graph.find_nodes(op="call_function", target=collectives.start_all_reduce)):
+        # Ops before the start that the summed value does not need go after it, in order.
+        needed = set(start.all_input_nodes)
+        node = start.prev
+        while node.op == "call_function" and node.target not in _ORDERED:
+            previous = node.prev
+            if node in needed:
+                needed.update(node.all_input_nodes)
+            else:
+                start.append(node)
+            node = previous
+    for wait in list(graph.find_nodes(op="call_function", target=collectives.wait_all_reduce)):
+        needs_sum = {wait}
+        node = wait.next
+        while node.op == "call_function" and node.target not in _ORDERED:
+            following = node.next
+            if any(arg in needs_sum for arg in node.all_input_nodes):
+                needs_sum.add(node)
+            else:
+                wait.prepend(node)
+            node = following
+        (start,) = wait.all_input_nodes
+        if start.next is wait:
+            with graph.inserting_before(start):
+                blocking = graph.call_function(collectives.all_reduce, start.args)
+            wait.replace_all_uses_with(blocking)
+            graph.erase_node(wait)
+            graph.erase_node(start)
 
 
 @dataclass(frozen=True)
