@@ -181,6 +181,10 @@ def _two_ranks(rank: int, world_size: int) -> dict[str, Any]:
         pipelined.step(*other)
     except BatchError as error:
         results["different"] = str(error)
+    try:  # compared while the step runs, up to its first collective, where both ranks raise
+        parallel.step(*other)
+    except BatchError as error:
+        results["parallel different"] = str(error)
     unchecked = _regression(rank, world_size, pipeline=pipeline, check_batches=False)
     results["unchecked"] = unchecked.step(*other)
 
@@ -201,7 +205,8 @@ def test_batches_are_checked_alike_on_every_rank() -> None:
     for rank, results in enumerate(ranks):
         torch.testing.assert_close(results["parallel"], expected, msg=f"rank {rank}")
         torch.testing.assert_close(results["pipeline"], expected, msg=f"rank {rank}")
-        assert f"rank {rank} got a different batch than ranks [{1 - rank}]" in results["different"]
+        for name in ("different", "parallel different"):
+            assert f"rank {rank} got a different batch than ranks [{1 - rank}]" in results[name]
         assert torch.isfinite(results["unchecked"])  # trained on a mixture, as asked
     # Both would plan rank 1's new shape, but the ranks first compare batches, and both say
     # they differ (no rank goes on to plan alone and wait for the other).

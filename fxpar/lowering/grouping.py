@@ -24,7 +24,7 @@ import torch.fx as fx
 
 from fxpar import ir
 from fxpar.rules.registry import tensor_inputs
-from fxpar.sharding import Sharding, Spec, local_shape
+from fxpar.sharding import Sharding, Spec, piece_bytes
 from fxpar.sharding.reshard import BucketRoute, gather_route, reshard_steps
 
 aten = torch.ops.aten
@@ -69,6 +69,15 @@ class GatherGroup:
     def nbytes(self) -> int:
         """Bytes each device contributes to the first all-gather."""
         return sum(member.nbytes for member in self.members)
+
+    def sends(self, mesh: Sequence[int]) -> list[tuple[int, int]]:
+        """(mesh axis, bytes each device contributes) of each of its all-gathers, in order:
+        each gathers what the ones before it made."""
+        sends, nbytes = [], self.nbytes
+        for axis in self.axes:
+            sends.append((axis, nbytes))
+            nbytes *= mesh[axis]
+        return sends
 
 
 GatherKey = tuple[fx.Node, Spec, ir.Phase]
@@ -143,8 +152,7 @@ def gather_groups(
             meta = ir.require(source, ir.ValueMeta).tensor
             layer = ir.numbered_layer(region.module)
             group = (region.phase, layer.name if layer else "", axes, meta.dtype)
-            shape = tuple(ir.evaluate(size) for size in meta.shape)
-            nbytes = int(ir.product(local_shape(shape, have, mesh))) * meta.dtype.itemsize
+            nbytes = piece_bytes(meta, have, mesh)
             found.setdefault(group, []).append(Gathered(source, want, dim, nbytes))
             member_of[key] = group
     groups = {
@@ -247,9 +255,7 @@ class Bucketed:
         index: int, source: fx.Node, current: Spec, route: BucketRoute, mesh: tuple[int, ...]
     ) -> Bucketed:
         meta = ir.require(source, ir.ValueMeta).tensor
-        shape = tuple(ir.evaluate(size) for size in meta.shape)
-        nbytes = int(ir.product(local_shape(shape, current, mesh))) * meta.dtype.itemsize
-        return Bucketed(index, source, route, meta.dtype, nbytes)
+        return Bucketed(index, source, route, meta.dtype, piece_bytes(meta, current, mesh))
 
 
 FIRST_BUCKET_BYTES = 2**20

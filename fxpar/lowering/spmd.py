@@ -172,10 +172,13 @@ def lower(
         leaving = deferred_gradient_specs(program, cluster.mesh_shape)
     ranks = []
     records: tuple[CollectiveRecord, ...] = ()
+    # Which gathers travel together depends on global specs only: found once for every rank.
+    by_placeholder = dict(zip(placeholders, input_specs, strict=True))
+    gathers = _gathers(program.graph, by_placeholder, cluster.mesh_shape, bucket_bytes)
     for rank, coordinate in enumerate(cluster.coordinates()):
         lowered = _lower_checked(
             program.graph_module, cluster.mesh_shape, coordinate, input_specs, leaving,
-            bucket_bytes=bucket_bytes,
+            bucket_bytes=bucket_bytes, gathers=gathers,
         )  # fmt: skip
         if rank == 0:
             records = lowered.records
@@ -234,8 +237,10 @@ def _lower_checked(
     class_name: str = "RankStep",
     *,
     bucket_bytes: int = BUCKET_BYTES,
+    gathers: Gathers | None = None,
 ) -> LoweredGraph:
-    """:func:`lower_graph` on a graph :func:`_check_lowerable` accepted."""
+    """:func:`lower_graph` on a graph :func:`_check_lowerable` accepted (``gathers``: its
+    :func:`_gathers`, when the caller has them)."""
     placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
     if len(input_specs) != len(placeholders):
         raise LoweringError(
@@ -243,9 +248,18 @@ def _lower_checked(
         )
     lowering = _RankLowering(graph_module, mesh_shape, coordinate, bucket_bytes)
     specs = dict(zip(placeholders, input_specs, strict=True))
-    module = lowering.run(specs, output_specs, class_name)
+    if gathers is None:
+        gathers = _gathers(graph_module.graph, specs, mesh_shape, bucket_bytes)
+    module = lowering.run(specs, output_specs, class_name, gathers)
     values = {node.name: (local.name, specs) for node, (local, specs) in lowering.env.items()}
     return LoweredGraph(module, values, tuple(lowering.records))
+
+
+def _gathers(
+    graph: fx.Graph, specs: Mapping[fx.Node, Spec], mesh: tuple[int, ...], bucket_bytes: int
+) -> Gathers:
+    """The gather groups of ``graph`` (none when ``bucket_bytes`` turns grouping off)."""
+    return gather_groups(graph, specs, mesh) if bucket_bytes else Gathers([], {}, {})
 
 
 def _check_lowerable(graph: fx.Graph, mesh_ndim: int) -> None:
@@ -403,11 +417,13 @@ class _RankLowering:
         self.records: list[CollectiveRecord] = []
 
     def run(
-        self, input_specs: Mapping[fx.Node, Spec], leaving: Sequence[Spec], class_name: str
+        self,
+        input_specs: Mapping[fx.Node, Spec],
+        leaving: Sequence[Spec],
+        class_name: str,
+        gathers: Gathers,
     ) -> fx.GraphModule:
-        self.gathers = Gathers([], {}, {})
-        if self.bucket_bytes:
-            self.gathers = gather_groups(self.source.graph, input_specs, self.mesh)
+        self.gathers = gathers
         self.started: dict[int, fx.Node] = {}
         self.recomputed: dict[fx.Node, fx.Node] = {}
         for node in self.source.graph.nodes:
@@ -589,15 +605,13 @@ class _RankLowering:
         dims = tuple(member.dim for member in group.members)
         sizes = tuple(self.mesh[axis] for axis in group.axes)
         args = (self.comm, values, dims, group.axes, sizes)
-        nbytes = group.nbytes
-        for axis in group.axes:
+        for axis, nbytes in group.sends(self.mesh):
             self.records.append(
                 CollectiveRecord(
                     "all_gather", axis, nbytes, group.members[0].source.name, consumer.name,
                     group.phase,
                 )
             )  # fmt: skip
-            nbytes *= self.mesh[axis]
         return self.graph.call_function(collectives.start_all_gather_bucket, args)
 
     def _emit(

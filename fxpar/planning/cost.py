@@ -47,7 +47,7 @@ from torch.distributed.tensor import Partial, Shard
 from fxpar import ir
 from fxpar.cluster import Cluster
 from fxpar.ir.meta import numbered_layer
-from fxpar.sharding import Spec, Strategy, local_shape
+from fxpar.sharding import Spec, Strategy, local_shape, piece_bytes
 from fxpar.sharding.reshard import bucket_route, gather_route, reshard_steps
 
 # -- time ---------------------------------------------------------------------------------------
@@ -97,8 +97,7 @@ def output_seconds(src: Spec, dst: Spec, meta: ir.TensorMeta, cluster: Cluster) 
     route = bucket_route(src, dst, cluster.mesh_shape)
     if route is None:
         return reshard_seconds(src, dst, meta, cluster)
-    shape = tuple(ir.evaluate(s) for s in meta.shape)
-    nbytes = math.prod(local_shape(shape, src, cluster.mesh_shape)) * meta.dtype.itemsize
+    nbytes = piece_bytes(meta, src, cluster.mesh_shape)
     seconds = 0.0
     for axis in route.axes:
         n, bandwidth = cluster.mesh_shape[axis], cluster.bandwidth[axis]
@@ -152,8 +151,7 @@ def node_seconds(node: fx.Node, cluster: Cluster) -> float:
 
 def local_bytes(meta: ir.TensorMeta, spec: Spec, cluster: Cluster) -> int:
     """Bytes of one device's piece of a tensor."""
-    shape = tuple(ir.evaluate(s) for s in meta.shape)
-    return math.prod(local_shape(shape, spec, cluster.mesh_shape)) * meta.dtype.itemsize
+    return piece_bytes(meta, spec, cluster.mesh_shape)
 
 
 def value_bytes(value: ir.ValueMeta, specs: Sequence[Spec | None], cluster: Cluster) -> int:

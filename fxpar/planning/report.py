@@ -57,7 +57,7 @@ from fxpar.lowering import (
 from fxpar.planning import cost
 from fxpar.rules import coverage
 from fxpar.rules.registry import tensor_inputs
-from fxpar.sharding import Sharding, Spec, local_shape, replicated
+from fxpar.sharding import Sharding, Spec, piece_bytes, replicated
 from fxpar.sharding.reshard import bucket_route, reshard_steps
 
 if TYPE_CHECKING:
@@ -130,11 +130,9 @@ def walk(program: Program, cluster: Cluster) -> Walk:
         for index in (group.index, group.index + 1):
             if index < len(groups) and index not in started:
                 started.add(index)
-                nbytes = groups[index].nbytes
-                for axis in groups[index].axes:
+                for axis, nbytes in groups[index].sends(mesh):
                     record("all_gather", axis, nbytes, groups[index].members[0].source,
                            consumer, groups[index].phase)  # fmt: skip
-                    nbytes *= mesh[axis]
         converted.update((member.source, member.spec, group.phase) for member in group.members)
 
     def record(
@@ -171,12 +169,10 @@ def walk(program: Program, cluster: Cluster) -> Walk:
             gather(group, consumer)
             return
         converted.add(key)
-        shape = tuple(ir.evaluate(s) for s in meta.shape)
         spec = current
         for step in reshard_steps(current, want, mesh):
             if step.is_collective:
-                nbytes = math.prod(local_shape(shape, spec, mesh)) * meta.dtype.itemsize
-                record(step.kind, step.axis, nbytes, source, consumer, phase)
+                record(step.kind, step.axis, piece_bytes(meta, spec, mesh), source, consumer, phase)
             spec = step.apply(spec)
 
     for node in program.graph.nodes:

@@ -135,9 +135,6 @@ class BucketRoute:
         different dims)."""
         return self.kind, self.axes
 
-    def steps(self) -> list[ReshardStep]:
-        return [ReshardStep(self.kind, axis, self.dim) for axis in self.axes]
-
 
 def bucket_route(current: Spec, want: Spec, mesh_shape: Sequence[int]) -> BucketRoute | None:
     """The route of a result going from ``current`` to ``want`` when it can travel in a bucket

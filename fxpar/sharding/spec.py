@@ -16,6 +16,7 @@ and reassembling real tensors (what the simulator and the runtime use).
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from fxpar.cluster import Coordinate
 from fxpar.errors import FxparError
+from fxpar.ir.meta import TensorMeta, evaluate
 
 Spec = tuple[Placement, ...]
 
@@ -92,6 +94,12 @@ def local_shape(shape: Sequence[int], spec: Spec, mesh_shape: Sequence[int]) -> 
         raise FxparError(f"spec {spec_str(spec)} does not split shape {tuple(shape)} evenly")
     counts = shards_per_dim(spec, mesh_shape, len(shape))
     return tuple(size // count for size, count in zip(shape, counts, strict=True))
+
+
+def piece_bytes(meta: TensorMeta, spec: Spec, mesh_shape: Sequence[int]) -> int:
+    """Bytes of one device's piece of a tensor of ``meta`` laid out as ``spec``."""
+    shape = tuple(evaluate(size) for size in meta.shape)
+    return math.prod(local_shape(shape, spec, mesh_shape)) * meta.dtype.itemsize
 
 
 def has_partial(spec: Spec | None) -> bool:
