@@ -11,7 +11,8 @@ intra-op planning (:func:`plan`, solvers in :mod:`fxpar.solvers`), lowering to p
 (:func:`lower`), running them simulated (:mod:`fxpar.testing`) or on gloo processes
 (:mod:`fxpar.runtime`), a Cluster's numbers measured on the machine (:func:`calibrate`), and
 training end to end with :func:`compile` (:class:`ParallelModel`, sharded optimizers in
-:mod:`fxpar.optim`, sharded checkpoints).
+:mod:`fxpar.optim`, sharded checkpoints), models bigger than one process built by
+:func:`deferred_init` or loaded from a checkpoint piece by piece.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from fxpar.planning.plan import Plan
 from fxpar.planning.problem import PlanOptions
 from fxpar.runtime import launch as _launch
 from fxpar.runtime.calibration import calibrate
+from fxpar.runtime.deferred import deferred_init
 from fxpar.runtime.parallel import ParallelModel
 
 # Imported for its side effect: the docs call fxpar.runtime.launch.spawn after `import fxpar`,
@@ -58,6 +60,7 @@ __all__ = [
     "capture",
     "checkpoint",
     "compile",
+    "deferred_init",
     "errors",
     "ir",
     "lower",

@@ -17,6 +17,7 @@ chosen reaches the runtime: it sees per-rank programs and the specs of their inp
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, overload
@@ -35,6 +36,7 @@ from fxpar.ir.capture import (
     model_in_mode,
     with_batch_tensors,
 )
+from fxpar.ir.program import named_state
 from fxpar.optim import AdamW, Optimizer, check_optimizer
 from fxpar.passes import ManualPlan, PassManager, for_compile
 from fxpar.pipeline import Pipeline, PipelineModel, plan_stages
@@ -46,6 +48,7 @@ from fxpar.planning.problem import PlanOptions
 from fxpar.rules import RuleRegistry
 from fxpar.runtime.parallel import ParallelModel
 from fxpar.runtime.steps import CallInputs
+from fxpar.runtime.weights import check_sources
 from fxpar.sharding import Spec
 from fxpar.solvers.problem import IntraOpSolver
 
@@ -101,6 +104,7 @@ def compile(
     check_batches: bool = True,
     batch: str = "global",
     pipeline: None = None,
+    init: str | os.PathLike[str] | None = None,
 ) -> ParallelModel: ...
 
 
@@ -122,6 +126,7 @@ def compile(
     check_batches: bool = True,
     batch: str = "global",
     pipeline: Pipeline,
+    init: str | os.PathLike[str] | None = None,
 ) -> PipelineModel: ...
 
 
@@ -142,6 +147,7 @@ def compile(
     check_batches: bool = True,
     batch: str = "global",
     pipeline: Pipeline | None = None,
+    init: str | os.PathLike[str] | None = None,
 ) -> ParallelModel | PipelineModel:
     """Plan ``model``'s training step for ``cluster`` and build this process's share of it.
 
@@ -149,11 +155,15 @@ def compile(
     (``torchrun`` plus ``init_process_group``, or :func:`fxpar.runtime.launch.spawn`); a
     single-device cluster needs no process group. The weights of rank 0's ``model`` are the
     ones trained: they are broadcast, as DistributedDataParallel does, so every rank starts
-    from the same state even if the models were initialized differently.
+    from the same state even if the models were initialized differently. A model too big for
+    one process is never whole anywhere: build it with :func:`fxpar.deferred_init` (each rank
+    computes only its own pieces of the weights its constructor makes) or on the meta device
+    with ``init=`` a checkpoint (each rank reads only its own pieces).
 
     Args:
-        model: the module to train, with real weights. Its parameters are copied; the model
-            itself is left as it is.
+        model: the module to train: with real weights, built by :func:`fxpar.deferred_init`, or
+            on the meta device with ``init``. Its parameters are copied; the model itself is
+            left as it is.
         cluster: the device mesh and what its devices can do; its size must equal the world
             size.
         example_inputs, loss_fn, example_targets: as for :func:`fxpar.capture`. Batches given
@@ -179,6 +189,12 @@ def compile(
             mesh, chosen by ``solver`` (the ILP by default; ``pins``, ``options`` and
             ``rules`` apply); otherwise each stage runs data-parallel on
             ``pipeline.data_parallel`` devices.
+        init: a checkpoint of the model's weights under its own ``state_dict`` names to start
+            from instead of the model's: a ``safetensors`` file, a directory holding
+            ``model.safetensors`` or ``model.safetensors.index.json`` and its shards (what
+            Hugging Face's ``save_pretrained`` writes), or a ``torch.distributed.checkpoint``
+            directory. Tensors it lacks (non-persistent buffers) come from the model. See
+            docs/training.md, "Models bigger than one process".
     """
     optimizer = check_optimizer(optimizer if optimizer is not None else AdamW())
     intra_op = any(value is not None for value in (passes, solver, manual, pins, options, rules))
@@ -188,7 +204,7 @@ def compile(
     passes = for_compile(passes, optimizer_states=optimizer.state_copies)
     if pipeline is None:
         device_mesh = _device_mesh(cluster)
-    _check_materialized(model)
+    check_sources(model, list(named_state(model)), init)
     if batch not in ("global", "local"):
         raise FxparError(f"batch must be 'global' or 'local', got {batch!r}")
     stage_planner = PassPlanner(passes)
@@ -200,14 +216,14 @@ def compile(
             )
         return _compile_pipeline(
             model, cluster, example_inputs, loss_fn, example_targets, optimizer, pipeline,
-            planner=stage_planner, intra_op=intra_op, check_batches=check_batches,
+            planner=stage_planner, intra_op=intra_op, check_batches=check_batches, init=init,
         )  # fmt: skip
     program = capture(model, example_inputs, loss_fn, example_targets=example_targets)
     plan = plan_program(program, cluster, passes=passes)
     planner = _Planner(model, example_inputs, loss_fn, cluster, passes)
     return ParallelModel(
         plan, model, optimizer, device_mesh, check_batches=check_batches, planner=planner,
-        batch=batch,
+        batch=batch, init=init,
     )  # fmt: skip
 
 
@@ -223,6 +239,7 @@ def _compile_pipeline(
     planner: StagePlanner,
     intra_op: bool,
     check_batches: bool,
+    init: str | os.PathLike[str] | None,
 ) -> PipelineModel:
     """A pipeline whose stages run an intra-op plan on the cluster's mesh without its first
     axis (when that axis is the stages, or a solver, manual plan, pins, options, rules or
@@ -249,7 +266,7 @@ def _compile_pipeline(
         pipelined = PipelineModel(
             model, pipeline, example_inputs, loss_fn, example_targets=example_targets,
             optimizer=optimizer, stage_cluster=stage_cluster, planner=planner,
-            check_batches=check_batches,
+            check_batches=check_batches, init=init,
         )  # fmt: skip
         pipelined.stage_choice = choice
         return pipelined
@@ -268,7 +285,7 @@ def _compile_pipeline(
         )
     pipelined = PipelineModel(
         model, pipeline, example_inputs, loss_fn, example_targets=example_targets,
-        optimizer=optimizer, check_batches=check_batches,
+        optimizer=optimizer, check_batches=check_batches, init=init,
     )  # fmt: skip
     pipelined.stage_choice = choice
     return pipelined
@@ -322,17 +339,6 @@ def _device_mesh(cluster: Cluster) -> Any:
             "device_type='cpu' to run"
         )
     return cluster.device_mesh()
-
-
-def _check_materialized(model: nn.Module) -> None:
-    on_meta = [n for n, p in model.named_parameters() if p.is_meta]
-    if on_meta:
-        raise FxparError(
-            f"{type(model).__name__} has parameters on the meta device ({on_meta[0]!r}, ...): "
-            "fxpar.compile trains real weights. Plan without weights with fxpar.plan, or "
-            "materialize the model (model.to_empty(device='cpu') and initialize, or load a "
-            "checkpoint) first"
-        )
 
 
 __all__ = ["compile", "plan"]

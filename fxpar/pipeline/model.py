@@ -92,6 +92,7 @@ from fxpar.runtime.collectives import (
 from fxpar.runtime.fingerprint import check_same_model
 from fxpar.runtime.loop import clip_grad_norm_, one_step
 from fxpar.runtime.steps import call_inputs, forward_key
+from fxpar.runtime.weights import Piece, initial_pieces
 from fxpar.sharding import assemble
 
 if TYPE_CHECKING:
@@ -134,6 +135,7 @@ class PipelineModel:
         stage_cluster: Cluster | None = None,
         planner: Callable[[Program, Cluster], Plan] | None = None,
         check_batches: bool = True,
+        init: str | os.PathLike[str] | None = None,
     ) -> None:
         """``stage_cluster``: run an intra-op plan inside every stage, on a mesh of this shape
         (see the module docstring); ``planner(program, stage_cluster)`` makes the plan, the
@@ -144,7 +146,8 @@ class PipelineModel:
         default's kind) pins them, any other planner's plans are checked and refused if they
         move one. ``check_batches``: compare a digest of every batch across ranks before
         each step (one small all-gather), so that a rank fed another batch fails loudly
-        instead of training on a mixture."""
+        instead of training on a mixture. ``init``: a checkpoint to start from, as for
+        :func:`fxpar.compile`; each rank reads only its stage's pieces."""
         self.pipeline = pipeline
         self.check_batches = check_batches
         self.optimizer_spec = check_optimizer(optimizer if optimizer is not None else AdamW())
@@ -241,17 +244,15 @@ class PipelineModel:
         self.sharded: ShardedStage | None = trained.sharded
         state = named_state(model)
         check_same_model(state, names)
-        held = set(self.split.stage_parameters(self.stage))
-        self.parameters: dict[str, torch.Tensor] = {}
-        for name in self.signature.parameters:
-            tensor = self._broadcast(state[name].detach().clone())
-            if name in held:
-                self.parameters[name] = self._local(name, tensor)
-        self.buffers: dict[str, torch.Tensor] = {}
-        for name in self.signature.buffers:
-            tensor = self._broadcast(state[name].detach().clone())
-            if name in self.split.stage_buffers(self.stage):
-                self.buffers[name] = self._local(name, tensor)
+        held = set(self.split.stage_parameters(self.stage)) | set(
+            self.split.stage_buffers(self.stage)
+        )
+        mine = initial_pieces(
+            model, names, {name: self._piece(name) for name in names if name in held}, init,
+            distributed=self._distributed,
+        )  # fmt: skip
+        self.parameters = {n: mine[n] for n in self.signature.parameters if n in held}
+        self.buffers = {n: mine[n] for n in self.signature.buffers if n in held}
         self._trainable = [n for n in self.signature.gradients if n in self.parameters]
         self._norm_counted = [n for n in self._trainable if self._counts_in_norm(n)]
         self._gradient_dtype = next(
@@ -753,20 +754,17 @@ class PipelineModel:
         )
         return world_mesh[names]
 
-    def _local(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
-        """This device's piece of a whole parameter or buffer."""
-        return self.sharded.local(name, tensor).clone() if self.sharded else tensor
+    def _piece(self, name: str) -> Piece:
+        """Which piece of a whole parameter or buffer this device holds."""
+        if self.sharded is None:
+            return Piece()
+        sharded = self.sharded
+        return Piece(sharded.specs[name], sharded.cluster.mesh_shape, sharded.coordinate)
 
     def _whole(self, name: str, pieces: dict[Coordinate, torch.Tensor]) -> torch.Tensor:
         if self.sharded is None:
             return next(iter(pieces.values()))
         return assemble(pieces, self.sharded.specs[name], self.sharded.cluster.mesh_shape)
-
-    def _broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
-        # As DistributedDataParallel does: rank 0's weights are the ones trained.
-        if self._distributed:
-            dist.broadcast(tensor, src=0)
-        return tensor
 
     def __repr__(self) -> str:
         notes = len(self.semantics.notes)

@@ -51,6 +51,7 @@ from fxpar.runtime.steps import (
     forward_key,
     step_key,
 )
+from fxpar.runtime.weights import Piece, initial_pieces
 from fxpar.sharding import Spec, shard_tensor
 
 logger = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ class ParallelModel:
         check_batches: bool = True,
         planner: StepPlanner | None = None,
         batch: str = "global",
+        init: str | os.PathLike[str] | None = None,
     ) -> None:
         if batch not in ("global", "local"):
             raise FxparError(f"batch must be 'global' or 'local', got {batch!r}")
@@ -116,13 +118,13 @@ class ParallelModel:
         state = named_state(model)
         self._aliases = state_dict_aliases(model, names)
         check_same_model(state, names)
-        self.parameters: dict[str, torch.Tensor] = {}
-        self.buffers: dict[str, torch.Tensor] = {}
-        for name in names:
-            full = self._broadcast(state[name].detach().clone())
-            piece = self._local(name, full).clone()
-            target = self.parameters if name in self.signature.parameters else self.buffers
-            target[name] = piece
+        mesh_shape = self.cluster.mesh_shape
+        pieces = {
+            name: Piece(self._state_specs[name], mesh_shape, self.coordinate) for name in names
+        }
+        local = initial_pieces(model, names, pieces, init, distributed=device_mesh is not None)
+        self.parameters = {name: local[name] for name in self.signature.parameters}
+        self.buffers = {name: local[name] for name in self.signature.buffers}
         self.trainable = [self.parameters[name] for name in self.signature.gradients]
         self._gradient_index = {name: i for i, name in enumerate(self.signature.gradients)}
         self._gradient_dtype = next((p.dtype for p in self.trainable), torch.float32)
@@ -615,11 +617,6 @@ class ParallelModel:
         return checkpoint.dtensor(
             local, self._device_mesh, self._state_specs[name], self._state_metas[name].shape
         )
-
-    def _broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self._device_mesh is not None:
-            dist.broadcast(tensor, src=0)
-        return tensor
 
     def __repr__(self) -> str:
         return (
