@@ -35,6 +35,7 @@ from fxpar.ir.capture import (
     model_in_mode,
     with_batch_tensors,
 )
+from fxpar.ir.precision import MixedPrecision, check_policy
 from fxpar.optim import AdamW, Optimizer, check_optimizer
 from fxpar.passes import ManualPlan, PassManager, for_compile
 from fxpar.pipeline import Pipeline, PipelineModel, plan_stages
@@ -65,6 +66,7 @@ def plan(
     pins: Mapping[str, Spec] | None = None,
     options: PlanOptions | None = None,
     rules: RuleRegistry | None = None,
+    mixed_precision: MixedPrecision | None = None,
 ) -> Plan:
     """Capture ``model``'s training step and choose how to shard it over ``cluster``.
 
@@ -74,12 +76,16 @@ def plan(
     ``GreedySolver()`` or any object with ``solve(IntraOpProblem) -> IntraOpSolution``) or
     ``manual`` (a manual plan such as ``fxpar.plans.data_parallel``), ``options`` and
     ``rules``. ``pins`` maps name patterns of parameters, buffers, inputs or graph nodes to the
-    spec they must have, e.g. ``{"*.mlp.fc.weight": (Shard(0),)}``.
+    spec they must have, e.g. ``{"*.mlp.fc.weight": (Shard(0),)}``. ``mixed_precision``
+    (:class:`fxpar.MixedPrecision`) is applied at capture: the plan computes in its dtypes.
     """
     passes = pipeline_of(
         passes, solver=solver, manual=manual, options=options, rules=rules, pins=pins
     )
-    program = capture(model, example_inputs, loss_fn, example_targets=example_targets)
+    program = capture(
+        model, example_inputs, loss_fn, example_targets=example_targets,
+        mixed_precision=mixed_precision,
+    )  # fmt: skip
     return plan_program(program, cluster, passes=passes)
 
 
@@ -101,6 +107,7 @@ def compile(
     check_batches: bool = True,
     batch: str = "global",
     pipeline: None = None,
+    mixed_precision: MixedPrecision | None = None,
 ) -> ParallelModel: ...
 
 
@@ -122,6 +129,7 @@ def compile(
     check_batches: bool = True,
     batch: str = "global",
     pipeline: Pipeline,
+    mixed_precision: None = None,
 ) -> PipelineModel: ...
 
 
@@ -142,6 +150,7 @@ def compile(
     check_batches: bool = True,
     batch: str = "global",
     pipeline: Pipeline | None = None,
+    mixed_precision: MixedPrecision | None = None,
 ) -> ParallelModel | PipelineModel:
     """Plan ``model``'s training step for ``cluster`` and build this process's share of it.
 
@@ -179,8 +188,18 @@ def compile(
             mesh, chosen by ``solver`` (the ILP by default; ``pins``, ``options`` and
             ``rules`` apply); otherwise each stage runs data-parallel on
             ``pipeline.data_parallel`` devices.
+        mixed_precision: compute in ``param_dtype`` with float32 master weights and optimizer
+            state, gradients reduced in ``reduce_dtype`` (:class:`fxpar.MixedPrecision`,
+            docs/training.md). Not for pipelines yet.
     """
     optimizer = check_optimizer(optimizer if optimizer is not None else AdamW())
+    mixed_precision = check_policy(mixed_precision)
+    if mixed_precision is not None and pipeline is not None:
+        raise FxparError(
+            "mixed_precision is not supported with pipeline= yet: a pipeline's stages are "
+            "captured without it. Compile without a pipeline, or train the pipeline in the "
+            "model's own dtype"
+        )
     intra_op = any(value is not None for value in (passes, solver, manual, pins, options, rules))
     passes = pipeline_of(
         passes, solver=solver, manual=manual, options=options, rules=rules, pins=pins
@@ -202,9 +221,12 @@ def compile(
             model, cluster, example_inputs, loss_fn, example_targets, optimizer, pipeline,
             planner=stage_planner, intra_op=intra_op, check_batches=check_batches,
         )  # fmt: skip
-    program = capture(model, example_inputs, loss_fn, example_targets=example_targets)
+    program = capture(
+        model, example_inputs, loss_fn, example_targets=example_targets,
+        mixed_precision=mixed_precision,
+    )  # fmt: skip
     plan = plan_program(program, cluster, passes=passes)
-    planner = _Planner(model, example_inputs, loss_fn, cluster, passes)
+    planner = _Planner(model, example_inputs, loss_fn, cluster, passes, mixed_precision)
     return ParallelModel(
         plan, model, optimizer, device_mesh, check_batches=check_batches, planner=planner,
         batch=batch,
@@ -286,6 +308,7 @@ class _Planner:
     loss_fn: LossFn | None
     cluster: Cluster
     passes: PassManager
+    mixed_precision: MixedPrecision | None = None
 
     def plan_step(
         self,
@@ -298,15 +321,18 @@ class _Planner:
         inputs = with_batch_tensors(self.example_inputs, batch[:count])
         with model_in_mode(self.model, training):
             program = capture(
-                self.model, inputs, self.loss_fn, example_targets=batch[count:], step=kind
-            )
+                self.model, inputs, self.loss_fn, example_targets=batch[count:], step=kind,
+                mixed_precision=self.mixed_precision,
+            )  # fmt: skip
         # A loss evaluation has no gradients to place: the solver chooses its activations.
         passes = keeping_state(self.passes, state, solve=kind != "train")
         return plan_program(program, self.cluster, passes=passes)
 
     def plan_forward(self, training: bool, inputs: CallInputs, state: Mapping[str, Spec]) -> Plan:
         with model_in_mode(self.model, training):
-            program = capture(self.model, inputs, step="forward")
+            program = capture(
+                self.model, inputs, step="forward", mixed_precision=self.mixed_precision
+            )
         passes = keeping_state(self.passes, state, solve=True)
         return plan_program(program, self.cluster, passes=passes)
 
