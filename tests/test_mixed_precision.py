@@ -292,3 +292,58 @@ def test_fully_sharded_gathers_bf16_and_reduces_in_reduce_dtype(reduce_dtype: to
     assert set(gathers) == {torch.bfloat16}
     # One record per reduce-scatter, or per bucket of them (named by its first tensor).
     assert set(scatters) == {reduce_dtype}
+
+
+GLOO_PLANS = {
+    "fully_sharded": (plans.fully_sharded, torch.float32),
+    "fully_sharded_bf16_reduce": (plans.fully_sharded, torch.bfloat16),
+    "tensor_parallel": (plans.tensor_parallel, torch.float32),
+}
+
+
+def _two_ranks(rank: int, world_size: int) -> dict[str, list[float]]:
+    torch.set_num_threads(1)
+    results = {}
+    for label, (manual, reduce_dtype) in GLOO_PLANS.items():
+        data = _gpt_batches()
+        torch.manual_seed(0)
+        parallel = fxpar.compile(
+            GPT(CONFIG), fxpar.Cluster((2,)), (data[0][0],), gpt_loss,
+            example_targets=(data[0][1],), optimizer=fxpar.optim.SGD(lr=LR), manual=manual,
+            mixed_precision=fxpar.MixedPrecision(torch.bfloat16, reduce_dtype),
+        )  # fmt: skip
+        results[label] = [parallel.step(x, y).item() for x, y in data]
+    return results
+
+
+@pytest.mark.slow
+def test_two_gloo_ranks_match_single_device_reference() -> None:
+    """Fully sharded (gradients reduced in fp32 or bf16) and tensor-parallel plans with
+    mixed precision on 2 gloo ranks train like the single-device reference. Each rank computes
+    its half in bf16 and rounds where one device would not (a partial product, a partial sum),
+    so they agree to bf16 precision: 1e-2 relative, about two bf16 roundings of the loss."""
+    torch.manual_seed(0)
+    expected, _ = _reference(GPT(CONFIG), gpt_loss, _gpt_batches(), BF16_FP32)
+    ranks = spawn(_two_ranks, 2)
+    for label in GLOO_PLANS:
+        assert ranks[0][label] == ranks[1][label], label
+        torch.testing.assert_close(ranks[0][label], expected, rtol=1e-2, atol=0.0, msg=label)
+
+
+def test_bad_policies_are_refused() -> None:
+    """Integer dtypes, non-dtypes, a non-policy and a pipeline are refused with FxparError."""
+    with pytest.raises(FxparError, match="floating-point torch.dtype"):
+        fxpar.MixedPrecision(param_dtype=torch.int8)
+    with pytest.raises(FxparError, match="reduce_dtype"):
+        fxpar.MixedPrecision(reduce_dtype="float32")  # type: ignore[arg-type]
+    with pytest.raises(FxparError, match="cast_forward_inputs"):
+        fxpar.MixedPrecision(cast_forward_inputs=1)  # type: ignore[arg-type]
+    tokens, targets = _gpt_batches(1)[0]
+    with pytest.raises(FxparError, match="must be an fxpar.MixedPrecision"):
+        fxpar.capture(GPT(CONFIG), (tokens,), gpt_loss, example_targets=(targets,),
+                      mixed_precision=torch.bfloat16)  # type: ignore[arg-type]  # fmt: skip
+    with pytest.raises(FxparError, match="not supported with pipeline"):
+        fxpar.compile(
+            GPT(CONFIG), fxpar.Cluster((1,)), (tokens,), gpt_loss, example_targets=(targets,),
+            pipeline=fxpar.Pipeline(stages=1), mixed_precision=BF16_FP32,  # type: ignore[call-overload]
+        )  # fmt: skip
