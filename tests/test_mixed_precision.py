@@ -332,14 +332,14 @@ def test_two_gloo_ranks_match_single_device_reference() -> None:
 
 def test_bad_policies_are_refused() -> None:
     """Integer dtypes, non-dtypes, a non-policy and a pipeline are refused with FxparError."""
-    with pytest.raises(FxparError, match="floating-point torch.dtype"):
+    with pytest.raises(FxparError, match=r"floating-point torch\.dtype"):
         fxpar.MixedPrecision(param_dtype=torch.int8)
     with pytest.raises(FxparError, match="reduce_dtype"):
         fxpar.MixedPrecision(reduce_dtype="float32")  # type: ignore[arg-type]
     with pytest.raises(FxparError, match="cast_forward_inputs"):
         fxpar.MixedPrecision(cast_forward_inputs=1)  # type: ignore[arg-type]
     tokens, targets = _gpt_batches(1)[0]
-    with pytest.raises(FxparError, match="must be an fxpar.MixedPrecision"):
+    with pytest.raises(FxparError, match=r"must be an fxpar\.MixedPrecision"):
         fxpar.capture(GPT(CONFIG), (tokens,), gpt_loss, example_targets=(targets,),
                       mixed_precision=torch.bfloat16)  # type: ignore[arg-type]  # fmt: skip
     with pytest.raises(FxparError, match="not supported with pipeline"):

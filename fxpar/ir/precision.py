@@ -24,7 +24,7 @@ it returns already computes in those dtypes and nothing downstream needs to know
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,8 +126,8 @@ def cast_outputs(policy: MixedPrecision, output: Any) -> Any:
         return output
     if isinstance(output, torch.Tensor):
         return _cast_floating(output, policy.output_dtype)
-    if isinstance(output, Mapping) and not _is_pytree_node(output):
-        # A Hugging Face ModelOutput is a Mapping that pytree may not know: cast in place.
+    if isinstance(output, MutableMapping) and not _is_pytree_node(output):
+        # A Hugging Face ModelOutput is a mapping that pytree may not know: cast in place.
         for key, value in list(output.items()):
             output[key] = _cast_floating(value, policy.output_dtype)
         return output
@@ -165,7 +165,7 @@ class _ComputeCopy(torch.autograd.Function):
     on its way back to the master's dtype, each cast tagged with its role."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, master: torch.Tensor, param_dtype: torch.dtype, reduce_dtype: torch.dtype
     ) -> torch.Tensor:
         ctx.master_dtype, ctx.reduce_dtype = master.dtype, reduce_dtype
@@ -173,7 +173,7 @@ class _ComputeCopy(torch.autograd.Function):
             return master.to(param_dtype)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         if grad.dtype != ctx.reduce_dtype:
             with fx_traceback.annotate({CAST_KEY: ir.CastRole.TO_REDUCE.value}):
                 grad = grad.to(ctx.reduce_dtype)
