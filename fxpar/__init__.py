@@ -26,6 +26,7 @@ from fxpar.cluster import Cluster
 from fxpar.compiler import compile, plan
 from fxpar.ir import work_report as report
 from fxpar.ir.capture import capture
+from fxpar.ir.precision import MixedPrecision
 from fxpar.ir.program import Program, Signature, StepResult
 from fxpar.ir.verify import verify
 from fxpar.lowering import lower
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Cluster",
+    "MixedPrecision",
     "ParallelModel",
     "Pipeline",
     "PipelineModel",

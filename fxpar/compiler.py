@@ -36,6 +36,7 @@ from fxpar.ir.capture import (
     model_in_mode,
     with_batch_tensors,
 )
+from fxpar.ir.precision import MixedPrecision, check_policy
 from fxpar.ir.program import named_state
 from fxpar.optim import AdamW, Optimizer, check_optimizer
 from fxpar.passes import ManualPlan, PassManager, for_compile
@@ -68,6 +69,7 @@ def plan(
     pins: Mapping[str, Spec] | None = None,
     options: PlanOptions | None = None,
     rules: RuleRegistry | None = None,
+    mixed_precision: MixedPrecision | None = None,
 ) -> Plan:
     """Capture ``model``'s training step and choose how to shard it over ``cluster``.
 
@@ -77,12 +79,16 @@ def plan(
     ``GreedySolver()`` or any object with ``solve(IntraOpProblem) -> IntraOpSolution``) or
     ``manual`` (a manual plan such as ``fxpar.plans.data_parallel``), ``options`` and
     ``rules``. ``pins`` maps name patterns of parameters, buffers, inputs or graph nodes to the
-    spec they must have, e.g. ``{"*.mlp.fc.weight": (Shard(0),)}``.
+    spec they must have, e.g. ``{"*.mlp.fc.weight": (Shard(0),)}``. ``mixed_precision``
+    (:class:`fxpar.MixedPrecision`) is applied at capture: the plan computes in its dtypes.
     """
     passes = pipeline_of(
         passes, solver=solver, manual=manual, options=options, rules=rules, pins=pins
     )
-    program = capture(model, example_inputs, loss_fn, example_targets=example_targets)
+    program = capture(
+        model, example_inputs, loss_fn, example_targets=example_targets,
+        mixed_precision=mixed_precision,
+    )  # fmt: skip
     return plan_program(program, cluster, passes=passes)
 
 
@@ -105,6 +111,7 @@ def compile(
     batch: str = "global",
     pipeline: None = None,
     init: str | os.PathLike[str] | None = None,
+    mixed_precision: MixedPrecision | None = None,
 ) -> ParallelModel: ...
 
 
@@ -127,6 +134,7 @@ def compile(
     batch: str = "global",
     pipeline: Pipeline,
     init: str | os.PathLike[str] | None = None,
+    mixed_precision: None = None,
 ) -> PipelineModel: ...
 
 
@@ -148,6 +156,7 @@ def compile(
     batch: str = "global",
     pipeline: Pipeline | None = None,
     init: str | os.PathLike[str] | None = None,
+    mixed_precision: MixedPrecision | None = None,
 ) -> ParallelModel | PipelineModel:
     """Plan ``model``'s training step for ``cluster`` and build this process's share of it.
 
@@ -195,8 +204,18 @@ def compile(
             Hugging Face's ``save_pretrained`` writes), or a ``torch.distributed.checkpoint``
             directory. Tensors it lacks (non-persistent buffers) come from the model. See
             docs/training.md, "Models bigger than one process".
+        mixed_precision: compute in ``param_dtype`` with float32 master weights and optimizer
+            state, gradients reduced in ``reduce_dtype`` (:class:`fxpar.MixedPrecision`,
+            docs/training.md). Not for pipelines yet.
     """
     optimizer = check_optimizer(optimizer if optimizer is not None else AdamW())
+    mixed_precision = check_policy(mixed_precision)
+    if mixed_precision is not None and pipeline is not None:
+        raise FxparError(
+            "mixed_precision is not supported with pipeline= yet: a pipeline's stages are "
+            "captured without it. Compile without a pipeline, or train the pipeline in the "
+            "model's own dtype"
+        )
     intra_op = any(value is not None for value in (passes, solver, manual, pins, options, rules))
     passes = pipeline_of(
         passes, solver=solver, manual=manual, options=options, rules=rules, pins=pins
@@ -218,9 +237,12 @@ def compile(
             model, cluster, example_inputs, loss_fn, example_targets, optimizer, pipeline,
             planner=stage_planner, intra_op=intra_op, check_batches=check_batches, init=init,
         )  # fmt: skip
-    program = capture(model, example_inputs, loss_fn, example_targets=example_targets)
+    program = capture(
+        model, example_inputs, loss_fn, example_targets=example_targets,
+        mixed_precision=mixed_precision,
+    )  # fmt: skip
     plan = plan_program(program, cluster, passes=passes)
-    planner = _Planner(model, example_inputs, loss_fn, cluster, passes)
+    planner = _Planner(model, example_inputs, loss_fn, cluster, passes, mixed_precision)
     return ParallelModel(
         plan, model, optimizer, device_mesh, check_batches=check_batches, planner=planner,
         batch=batch, init=init,
@@ -303,6 +325,7 @@ class _Planner:
     loss_fn: LossFn | None
     cluster: Cluster
     passes: PassManager
+    mixed_precision: MixedPrecision | None = None
 
     def plan_step(
         self,
@@ -315,15 +338,18 @@ class _Planner:
         inputs = with_batch_tensors(self.example_inputs, batch[:count])
         with model_in_mode(self.model, training):
             program = capture(
-                self.model, inputs, self.loss_fn, example_targets=batch[count:], step=kind
-            )
+                self.model, inputs, self.loss_fn, example_targets=batch[count:], step=kind,
+                mixed_precision=self.mixed_precision,
+            )  # fmt: skip
         # A loss evaluation has no gradients to place: the solver chooses its activations.
         passes = keeping_state(self.passes, state, solve=kind != "train")
         return plan_program(program, self.cluster, passes=passes)
 
     def plan_forward(self, training: bool, inputs: CallInputs, state: Mapping[str, Spec]) -> Plan:
         with model_in_mode(self.model, training):
-            program = capture(self.model, inputs, step="forward")
+            program = capture(
+                self.model, inputs, step="forward", mixed_precision=self.mixed_precision
+            )
         passes = keeping_state(self.passes, state, solve=True)
         return plan_program(program, self.cluster, passes=passes)
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.tensor import Partial
 
 from fxpar import ir
 from fxpar.ir.program import Program, require_concrete_shapes
@@ -20,7 +21,8 @@ from fxpar.sharding import Strategies, Strategy, all_specs
 class AnnotateStrategies(Pass):
     """Attach :class:`~fxpar.sharding.Strategies` to every node that needs a decision:
     placeholders (any even Shard or Replicate per mesh axis) and ops with tensor outputs (from
-    ``rules``; ops without a rule get the replicated strategy only).
+    ``rules``; ops without a rule get the replicated strategy only). A mixed-precision cast out
+    of the reduction dtype keeps only the candidates that read no partial sum.
 
     A rule sees only an :class:`~fxpar.rules.OpCall` (the op, shapes and plain values), so
     calls that are equal get the same strategies: each distinct call is asked once per run, and
@@ -55,11 +57,24 @@ class AnnotateStrategies(Pass):
                     candidates = known[key]
                 else:
                     candidates = known[key] = tuple(rules.strategies(call))
+                cast = ir.get(node, ir.PrecisionCast)
+                if cast is not None and not cast.takes_partial:
+                    candidates = _without_partial_inputs(candidates)
             else:
                 continue
             ir.annotate(node, Strategies(mesh, candidates))
         program.annotate(RulesUsed(rules))
         return program
+
+
+def _without_partial_inputs(candidates: tuple[Strategy, ...]) -> tuple[Strategy, ...]:
+    """The candidates that read no partial sum: a gradient's cast out of the reduction dtype
+    (:class:`fxpar.ir.PrecisionCast`) has its input summed before it, in that dtype."""
+    return tuple(
+        c
+        for c in candidates
+        if not any(isinstance(p, Partial) for spec in c.inputs if spec is not None for p in spec)
+    )
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,11 @@ from __future__ import annotations
 from fxpar.ir.meta import (
     LOSS_REGION,
     META_KEY,
+    CastRole,
     Cost,
     NumberedLayer,
     Phase,
+    PrecisionCast,
     Region,
     Size,
     TensorMeta,
@@ -38,9 +40,11 @@ from fxpar.ir.meta import (
 __all__ = [
     "LOSS_REGION",
     "META_KEY",
+    "CastRole",
     "Cost",
     "NumberedLayer",
     "Phase",
+    "PrecisionCast",
     "Region",
     "Size",
     "TensorMeta",

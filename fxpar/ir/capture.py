@@ -49,6 +49,16 @@ from torch.fx.experimental.symbolic_shapes import (
 
 from fxpar import ir
 from fxpar.errors import CaptureError
+from fxpar.ir.precision import (
+    MixedPrecision,
+    cast_inputs,
+    cast_outputs,
+    cast_roles,
+    check_policy,
+    compute_parameter,
+    kept_in_own_dtype,
+    reported_loss,
+)
 from fxpar.ir.program import OutputTree, Program, Signature
 from fxpar.ir.rng import RandomDraw, can_draw_ahead, draws_random_numbers
 
@@ -83,6 +93,7 @@ def capture(
     example_targets: Sequence[torch.Tensor] = (),
     dynamic: bool = False,
     step: StepKind = "train",
+    mixed_precision: MixedPrecision | None = None,
 ) -> Program:
     """Trace one training step of ``model`` into a functional Program of ATen ops.
 
@@ -100,6 +111,10 @@ def capture(
             loss only (evaluation). ``"forward"``: the model alone (inference); ``loss_fn`` and
             targets are not taken, and the Program returns the tensors of the model's output
             (flattened as a pytree; :attr:`Signature.output_tree` rebuilds it).
+        mixed_precision: compute in lower precision with the parameters kept as they are
+            (master weights), as :class:`fxpar.MixedPrecision` says
+            (:mod:`fxpar.ir.precision`). The Program's placeholders and gradients keep the
+            parameters' dtypes; its forward and backward compute in ``param_dtype``.
 
     Returns:
         A Program whose graph maps (parameters, buffers, batch) to (loss, gradients, buffer
@@ -122,6 +137,7 @@ def capture(
             "step='forward' traces the model alone: leave loss_fn and example_targets out"
         )
 
+    policy = check_policy(mixed_precision)
     batch = _Batch.of(example_inputs, tuple(example_targets))
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
@@ -135,7 +151,9 @@ def capture(
         _fake_batch_tensor(fake_mode, t, device, dynamic) for t in _unaliased(batch.tensors)
     ]
 
-    traced_step = _TrainStep(model, loss_fn, batch, tuple(params), tuple(buffers), step)
+    traced_step = _TrainStep(model, loss_fn, batch, tuple(params), tuple(buffers), step, policy)
+    if policy is not None:
+        traced_step.kept_in_own_dtype = kept_in_own_dtype(model)
     try:
         with (
             _compiling(),
@@ -223,6 +241,8 @@ class _TrainStep:
     param_names: tuple[str, ...]
     buffer_names: tuple[str, ...]
     kind: StepKind = "train"
+    policy: MixedPrecision | None = None
+    kept_in_own_dtype: frozenset[str] = frozenset()
     module_stack: list[tuple[str, str]] = field(default_factory=list)
     buffer_updates: tuple[str, ...] = ()
     output_names: tuple[str, ...] = ("loss",)
@@ -262,7 +282,10 @@ class _TrainStep:
         )
         args, kwargs, targets = self.batch.rebuild(flat[num_params + num_buffers :])
         with fx_traceback.annotate({_PHASE: ir.Phase.FORWARD.value, _MODULE: ""}):
-            output = torch.func.functional_call(self.model, (params, buffers), args, kwargs)
+            computed, args, kwargs = self.in_compute_dtype(params, args, kwargs)
+            output = torch.func.functional_call(self.model, (computed, buffers), args, kwargs)
+            if self.policy is not None:
+                output = cast_outputs(self.policy, output)
             if self.kind == "forward":
                 self.output_tree = OutputTree.of(output)
                 self.output_names = tuple(
@@ -274,6 +297,8 @@ class _TrainStep:
                     loss = self.loss_fn(output, *targets)
             else:
                 loss = _loss_of(output)
+            if self.policy is not None and isinstance(loss, torch.Tensor):
+                loss = reported_loss(loss)
         if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise CaptureError(
@@ -296,6 +321,22 @@ class _TrainStep:
                 for g, p in zip(grads, trainable, strict=True)
             )
         return (loss, *grads)
+
+    def in_compute_dtype(
+        self, params: dict[str, torch.Tensor], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[dict[str, torch.Tensor], tuple[Any, ...], dict[str, Any]]:
+        """Parameters and model inputs as the forward reads them under the mixed-precision
+        policy: each parameter's cast is tagged with the module owning it."""
+        if self.policy is None:
+            return params, args, kwargs
+        computed = {}
+        for name, master in params.items():
+            if name in self.kept_in_own_dtype:
+                computed[name] = master
+                continue
+            with fx_traceback.annotate({_MODULE: name.rpartition(".")[0]}):
+                computed[name] = compute_parameter(self.policy, master)
+        return computed, cast_inputs(self.policy, args), cast_inputs(self.policy, kwargs)
 
 
 @contextlib.contextmanager
@@ -547,6 +588,7 @@ def _clean_graph(traced: fx.GraphModule, signature: Signature) -> fx.GraphModule
         env[node] = new
     graph.eliminate_dead_code()
     _annotate_values_and_regions(graph, signature)
+    cast_roles(graph.nodes)
     module = fx.GraphModule(traced, graph, class_name="TrainStep")
     return module
 

@@ -201,6 +201,38 @@ def numbered_layer(module: str) -> NumberedLayer | None:
     return None
 
 
+class CastRole(enum.Enum):
+    """What a cast that mixed precision put in the graph converts (:mod:`fxpar.ir.precision`)."""
+
+    PARAMETER = "parameter"
+    """A master parameter to the compute dtype, in the forward."""
+    TO_REDUCE = "to_reduce"
+    """A parameter's gradient to the reduction dtype, before it is summed over devices."""
+    FROM_REDUCE = "from_reduce"
+    """A summed gradient back to its master parameter's dtype."""
+
+
+@dataclass(frozen=True)
+class PrecisionCast:
+    """A cast of mixed precision, and what the planner must do around it so that parameters
+    travel in the compute dtype and gradients are summed in the reduction dtype."""
+
+    role: CastRole
+
+    @property
+    def follows_producer(self) -> bool:
+        """The cast takes its input in the layout its producer leaves it: a parameter is cast
+        where it is stored (so an all-gather moves the cast's bytes), and a partial gradient
+        stays partial through its cast to the reduction dtype (so it is summed after it)."""
+        return self.role is not CastRole.FROM_REDUCE
+
+    @property
+    def takes_partial(self) -> bool:
+        """False for the cast out of the reduction dtype: a partial gradient is summed
+        before it, in the reduction dtype."""
+        return self.role is not CastRole.FROM_REDUCE
+
+
 @dataclass(frozen=True)
 class Cost:
     """Work of one node: floating-point operations and bytes moved to and from memory.

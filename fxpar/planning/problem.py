@@ -7,7 +7,9 @@
    except *followers* when coarsening: an op with a single tensor input (views, transposes,
    unary pointwise ops, copies) joins its producer's unit and takes, for each strategy of the
    unit, its cheapest response (its own cost plus the resharding of its input). Only units are
-   decisions.
+   decisions. A mixed-precision cast that follows its producer
+   (:attr:`fxpar.ir.PrecisionCast.follows_producer`) is a follower even without coarsening,
+   and takes its input as it arrives.
 2. **Repeated layers.** Units under module paths that differ only by a layer index
    (``blocks.0``, ``blocks.1``, ...) are compared structurally; identical layers share one set of
    decisions, so the problem is solved once per distinct layer. Their costs and memory add up on
@@ -187,8 +189,10 @@ class _Builder:
             pinned = self._pinned(node)
             inputs = tensor_inputs(node) if node.op != "placeholder" else []
             sources = [self._source(i)[0] for i in inputs]
+            cast = ir.get(node, ir.PrecisionCast)
+            follows = cast is not None and cast.follows_producer
             if (
-                self.options.coarsen
+                (self.options.coarsen or follows)
                 and pinned is None
                 and len(inputs) == 1
                 and sources[0] in self.unit_of
@@ -197,7 +201,7 @@ class _Builder:
                 unit = self.units[unit_index]
                 arriving = tuple(self.out_spec(inputs[0], c) for c in range(len(unit.allowed)))
                 unit.members.append(node)
-                unit.follow[node] = self._responses(node, inputs[0], arriving)
+                unit.follow[node] = self._responses(node, inputs[0], arriving, exact=follows)
                 self.unit_of[node] = unit_index
                 continue
             allowed = pinned if pinned is not None else list(range(len(candidates(node))))
@@ -211,20 +215,28 @@ class _Builder:
             self._identities[node] = (str(node.target), ir.get(node, ir.Cost), interned)
         return self._identities[node]
 
-    def _responses(self, node: fx.Node, incoming: fx.Node, arriving: tuple[Spec, ...]) -> list[int]:
-        """The follower's cheapest strategy for each spec its input may arrive in."""
+    def _responses(
+        self, node: fx.Node, incoming: fx.Node, arriving: tuple[Spec, ...], *, exact: bool
+    ) -> list[int]:
+        """The follower's cheapest strategy for each spec its input may arrive in; ``exact``:
+        among those that take the input as it arrives, where there are any (a mixed-precision
+        cast, :class:`fxpar.ir.PrecisionCast`)."""
         meta = ir.require(incoming, ir.ValueMeta).tensor
-        key = (self._identity(node), arriving, meta)
+        key = (self._identity(node), arriving, meta, exact)
         if key not in self._follow:
             options = candidates(node)
             times = self._compute_vector(node)
             best: dict[Spec, int] = {}
             for spec in arriving:
-                if spec not in best:
-                    best[spec] = min(
-                        range(len(options)),
-                        key=lambda t: (self._moved(spec, options[t].inputs[0], meta) + times[t], t),
-                    )
+                if spec in best:
+                    continue
+                choices = [t for t in range(len(options)) if options[t].inputs[0] == spec]
+                if not exact or not choices:
+                    choices = list(range(len(options)))
+                best[spec] = min(
+                    choices,
+                    key=lambda t: (self._moved(spec, options[t].inputs[0], meta) + times[t], t),
+                )
             self._follow[key] = [best[spec] for spec in arriving]
         return list(self._follow[key])
 

@@ -97,13 +97,19 @@ def _cheapest(
     """The first candidate of ``node`` with the least (bytes gathered, partial bytes left,
     collectives) for the layouts its inputs arrive in. ``known`` remembers the answer for each
     (candidates, arriving specs, sizes): identical repeated layers are worked out once."""
-    candidates = ir.require(node, Strategies).candidates
+    all_candidates = candidates = ir.require(node, Strategies).candidates
     sources = tensor_inputs(node)
     arriving = tuple(layout[source][0] for source in sources)
+    cast = ir.get(node, ir.PrecisionCast)
+    follows = cast is not None and cast.follows_producer
+    if follows:
+        # A mixed-precision cast takes its input as it arrives (where it can): a parameter is
+        # cast where it is stored, a partial gradient stays partial through it.
+        candidates = tuple(c for c in candidates if c.inputs == arriving) or candidates
     sizes = tuple(ir.evaluate(ir.require(s, ir.ValueMeta).tensor.nbytes) for s in sources)
     outputs = ir.require(node, ir.ValueMeta).outputs
     produced = tuple(None if meta is None else ir.evaluate(meta.nbytes) for meta in outputs)
-    memo = (id(candidates), arriving, sizes, produced)
+    memo = (id(all_candidates), follows, arriving, sizes, produced)
     if memo in known:
         return known[memo]
 
@@ -169,13 +175,41 @@ def fully_sharded(program: Program, cluster: Cluster) -> Program:
     every mesh axis, where it divides evenly (other parameters stay replicated)."""
     program = data_parallel(program, cluster)
     placeholders = program.placeholders()
+    output = next(n for n in program.graph.nodes if n.op == "output")
+    # Outputs: the loss (or the model's outputs), then one gradient per trainable parameter.
+    first_gradient = len(program.signature.outputs)
+    gradients = dict(
+        zip(program.signature.gradients, output.args[0][first_gradient:], strict=False)
+    )
     for name in program.signature.parameters:
         node = placeholders[name]
         meta = ir.require(node, ir.ValueMeta).tensor
         spec = (Shard(0),) * cluster.ndim
         if meta.shape and is_valid(meta.shape, spec, cluster.mesh_shape):
             ir.annotate(node, Sharding(Strategy((spec,), ())))
+            _cast_where_stored(node, gradients.get(name), spec)
     return program
+
+
+def _cast_where_stored(parameter: fx.Node, gradient: fx.Node | None, spec: Spec) -> None:
+    """Give the mixed-precision casts of ``parameter`` and of its ``gradient``
+    (:class:`fxpar.ir.PrecisionCast`) its stored ``spec``: what is gathered is the cast to the
+    compute dtype, and a gradient cast out of the reduction dtype is reduce-scattered into it
+    rather than summed whole and sliced."""
+    casts = [user for user in parameter.users if ir.get(user, ir.PrecisionCast) is not None]
+    if gradient is not None and ir.get(gradient, ir.PrecisionCast) is not None:
+        casts.append(gradient)
+    for cast in casts:
+        role = ir.require(cast, ir.PrecisionCast)
+        if role.role is ir.CastRole.TO_REDUCE:
+            continue  # partial through the cast, reduce-scattered after it
+        same = [
+            c
+            for c in ir.require(cast, Strategies).candidates
+            if c.inputs == (spec,) and c.outputs == (spec,)
+        ]
+        if same:
+            ir.annotate(cast, Sharding(same[0]))
 
 
 def tensor_parallel(
