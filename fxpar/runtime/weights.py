@@ -180,7 +180,8 @@ class _Safetensors(Checkpoint):
             self._open[file] = safe_open(str(file), framework="pt", device="cpu")
         handle = self._open[file].get_slice(key)
         self._check(name, handle.get_shape(), like)
-        return _cast(handle[piece.slices(like.shape)], like).contiguous()
+        # A copy of its own: the slice may be a view of the file's mapping.
+        return handle[piece.slices(like.shape)].to(like.dtype, copy=True).contiguous()
 
 
 class _DistributedCheckpoint(Checkpoint):
