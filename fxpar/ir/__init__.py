@@ -17,6 +17,7 @@ from __future__ import annotations
 from fxpar.ir.meta import (
     LOSS_REGION,
     META_KEY,
+    Checkpointed,
     Cost,
     NumberedLayer,
     Phase,
@@ -38,6 +39,7 @@ from fxpar.ir.meta import (
 __all__ = [
     "LOSS_REGION",
     "META_KEY",
+    "Checkpointed",
     "Cost",
     "NumberedLayer",
     "Phase",
