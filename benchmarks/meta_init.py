@@ -12,12 +12,13 @@ weights come from, on CPU gloo processes.
 The peak is each process's high-water RSS (``VmHWM``, reset through ``/proc/self/clear_refs``
 just before building the model) minus its RSS at that moment, so it counts what building the
 model and compiling it allocated, planning included, and not the interpreter or torch. Each
-process first builds a small model both ways and runs its step, so one-time kernel and thread-pool setup is not
-counted, and glibc's malloc gets a fixed mmap threshold of 1 MiB (``MALLOC_MMAP_THRESHOLD_``):
-by default it raises the threshold as large blocks are freed and keeps later ones on a heap
-that it does not give back, so RSS would grow with every weight made and freed in turn. The
-table gives the largest over the ranks beside the whole model, one rank's pieces and the
-largest single tensor. Training then runs one step, and the losses of all sources must agree.
+process first builds a small model both ways and runs its step, so one-time kernel and
+thread-pool setup is not counted, and glibc's malloc gets a fixed mmap threshold of 1 MiB
+(``MALLOC_MMAP_THRESHOLD_``): by default it raises the threshold as large blocks are freed and
+keeps later ones on a heap it does not give back, so RSS would grow with every weight made and
+freed in turn. The table gives the largest peak over the ranks beside the whole model, one
+rank's pieces and the largest single tensor. Training then runs one step, and the losses of
+all sources must agree.
 
     python benchmarks/meta_init.py [--world 4] [--layers 6] [--width 768]
 """

@@ -14,6 +14,7 @@ from fxpar.passes.choose_strategies import (
     SolveStrategies,
 )
 from fxpar.passes.pipeline import default_pipeline, for_compile
+from fxpar.passes.remat import Rematerialize, Rematerialized
 from fxpar.passes.verify import Verify
 
 __all__ = [
@@ -26,6 +27,8 @@ __all__ = [
     "ManualPlan",
     "Pass",
     "PassManager",
+    "Rematerialize",
+    "Rematerialized",
     "RulesUsed",
     "SolveStrategies",
     "Verify",

@@ -31,6 +31,7 @@ from fxpar.cluster import Cluster
 from fxpar.errors import FxparError
 from fxpar.ir.program import Program
 from fxpar.passes.base import Pass
+from fxpar.passes.remat import recompute_in_backward, saved_bytes_by_layer
 from fxpar.planning.plan_file import apply_plan, read_plan
 from fxpar.planning.problem import (
     Layout,
@@ -90,6 +91,8 @@ class SolveStrategies(Pass):
     def run(self, program: Program) -> Program:
         cluster = program.require_cluster(f"the {self.name!r} pass")
         problem, layout = build_problem(program, cluster, self.options)
+        if self.options.remat == "auto":
+            problem, layout = _fit_by_remat(program, cluster, self.options, problem, layout)
         if self.options.manual_starts:
             problem = replace(problem, starts=_starts(program, cluster, layout))
         solver: IntraOpSolver = self.solver if self.solver is not None else ILPSolver()
@@ -142,6 +145,30 @@ class ApplyPlanFile(Pass):
         )
         program.annotate(ChosenStrategies(problem, solution, layout, options))
         return program
+
+
+def _fit_by_remat(
+    program: Program,
+    cluster: Cluster,
+    options: PlanOptions,
+    problem: IntraOpProblem,
+    layout: Layout,
+) -> tuple[IntraOpProblem, Layout]:
+    """``remat="auto"``: while even the most memory-frugal plan is over the memory limit,
+    recompute one more layer in the backward, the one keeping the most activation bytes first,
+    and build the problem again. A greedy choice outside the solver: it adds the fewest layers
+    with which some plan fits, and never trades recomputation against a slower sharding."""
+    limit = problem.memory_limit
+    if limit is None or problem.least_memory() <= limit:
+        return problem, layout
+    by_bytes = saved_bytes_by_layer(program)
+    order = sorted(by_bytes, key=lambda layer: -by_bytes[layer])
+    for count in range(1, len(order) + 1):
+        recompute_in_backward(program, order[:count])
+        problem, layout = build_problem(program, cluster, options)
+        if problem.least_memory() <= limit:
+            break
+    return problem, layout
 
 
 def _starts(program: Program, cluster: Cluster, layout: Layout) -> tuple[tuple[int, ...], ...]:

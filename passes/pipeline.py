@@ -4,6 +4,8 @@ Program, in order, written out in one place.
 ::
 
     canonicalize          means into sums, so that sharded reductions stay exact
+    rematerialize         the layers options.remat names, and the model's checkpointed calls,
+                          recomputed in the backward
     annotate-cost         FLOPs and bytes of every node
     annotate-strategies   candidate strategies of every node on program.cluster's mesh
     choose-strategies     one strategy per node: the solver on the intra-op problem (coarsened,
@@ -27,6 +29,7 @@ from fxpar.passes.annotate_strategies import AnnotateStrategies
 from fxpar.passes.base import PassManager
 from fxpar.passes.canonicalize import Canonicalize
 from fxpar.passes.choose_strategies import ApplyManualPlan, ManualPlan, SolveStrategies
+from fxpar.passes.remat import Rematerialize
 from fxpar.planning.problem import PlanOptions
 from fxpar.rules import RuleRegistry
 from fxpar.solvers.problem import IntraOpSolver
@@ -57,7 +60,13 @@ def default_pipeline(
         ApplyManualPlan(manual, options) if manual is not None else SolveStrategies(solver, options)
     )
     return PassManager(
-        (Canonicalize(), AnnotateCost(), AnnotateStrategies(rules), choose),
+        (
+            Canonicalize(),
+            Rematerialize(options.remat),
+            AnnotateCost(),
+            AnnotateStrategies(rules),
+            choose,
+        ),
         verify=verify,
     )
 

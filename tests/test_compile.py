@@ -177,7 +177,7 @@ def test_compile_errors() -> None:
     tokens, targets = _batches(1)[0]
     with torch.device("meta"):
         meta_model = GPT(CONFIG)
-    with pytest.raises(FxparError, match="tensors on the meta device .* fxpar.deferred_init"):
+    with pytest.raises(FxparError, match=r"tensors on the meta device .* fxpar\.deferred_init"):
         _compile(meta_model, fxpar.optim.SGD(lr=0.1))
     model = _model()
     with pytest.raises(FxparError, match=r"not a built AdamW .* pass fxpar.optim.SGD"):

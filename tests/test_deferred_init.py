@@ -100,7 +100,7 @@ ZOO: dict[str, Callable[[], nn.Module]] = {
         num_hidden_layers=2,
         num_attention_heads=4,
         intermediate_size=64,
-    ),  # fmt: skip
+    ),
     "t5": _hf(
         "T5ForConditionalGeneration",
         vocab_size=64,
@@ -109,7 +109,7 @@ ZOO: dict[str, Callable[[], nn.Module]] = {
         d_ff=64,
         num_layers=2,
         num_heads=4,
-    ),  # fmt: skip
+    ),
     "vit_trunc_normal": _hf(
         "ViTForImageClassification",
         hidden_size=32,
@@ -118,7 +118,7 @@ ZOO: dict[str, Callable[[], nn.Module]] = {
         intermediate_size=64,
         image_size=16,
         patch_size=8,
-    ),  # fmt: skip
+    ),
     "mixtral_moe": _hf("MixtralForCausalLM", **_LLAMA, num_local_experts=4),
     "clip": _hf(
         "CLIPModel",
@@ -137,7 +137,7 @@ ZOO: dict[str, Callable[[], nn.Module]] = {
             image_size=16,
             patch_size=8,
         ),
-    ),  # fmt: skip
+    ),
 }
 
 
@@ -179,9 +179,9 @@ def test_recording_errors() -> None:
         nn.init.normal_(layer.weight, generator=torch.Generator().manual_seed(0))
         return layer
 
-    with pytest.raises(FxparError, match="its own torch.Generator"):
+    with pytest.raises(FxparError, match=r"its own torch\.Generator"):
         fxpar.deferred_init(own_generator)
-    with pytest.raises(FxparError, match="not an nn.Module"):
+    with pytest.raises(FxparError, match=r"not an nn\.Module"):
         fxpar.deferred_init(lambda: torch.zeros(2))  # type: ignore[arg-type, return-value]
     with pytest.raises(FxparError, match="not made while recording"):
         recording = recording_of(fxpar.deferred_init(GPT, CONFIG))
@@ -304,5 +304,5 @@ def test_missing_sources_fail_before_planning(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="no checkpoint at"):
         compile_(_meta_gpt(), tmp_path / "nowhere.safetensors")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(CheckpointError, match="holds neither model.safetensors"):
+    with pytest.raises(CheckpointError, match=r"holds neither model\.safetensors"):
         compile_(_meta_gpt(), tmp_path / "empty")

@@ -14,11 +14,18 @@ How it works:
 4. Forward module hooks tag each forward node with the module that ran it; hooks on the
    autograd graph tag each backward node with the autograd node it belongs to, which links it to
    the forward op it differentiates. Both become :class:`fxpar.ir.Region` annotations.
+5. ``torch.utils.checkpoint.checkpoint`` (reentrant or not, and so Hugging Face's
+   ``gradient_checkpointing_enable()``) runs its function directly while tracing: its
+   machinery saves nothing in a graph that autograd never runs, and its recomputation in the
+   backward would read the real weights instead of the traced ones. The ops of each call are
+   tagged :class:`fxpar.ir.Checkpointed`, a request that
+   :class:`fxpar.passes.Rematerialize` honours by recomputing them in the backward.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import linecache
 import os
 import sysconfig
@@ -30,6 +37,7 @@ from typing import Any, Literal
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
+import torch.utils.checkpoint as torch_checkpoint
 from torch import nn
 from torch._subclasses.fake_tensor import (
     DataDependentOutputException,
@@ -74,6 +82,7 @@ _STEP_KINDS: tuple[StepKind, ...] = ("train", "loss", "forward")
 _PHASE = "fxpar.phase"
 _MODULE = "fxpar.module"
 _GRAD_OF = "fxpar.grad_of"
+_CHECKPOINT = "fxpar.checkpoint"
 
 # Ops that are the identity in a functional graph; capture drops them.
 _IDENTITY_OPS = (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
@@ -157,6 +166,7 @@ def capture(
     try:
         with (
             _compiling(),
+            _checkpoints_inline(),
             _module_regions(model, traced_step.module_stack),
             fx_traceback.preserve_node_meta(),
             torch.enable_grad() if step == "train" else torch.no_grad(),
@@ -440,6 +450,56 @@ def _compiling() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _checkpoints_inline() -> Iterator[None]:
+    """Run ``torch.utils.checkpoint.checkpoint``'s function directly, each call's ops tagged
+    with its number (module docstring, step 5).
+
+    ``checkpoint`` hands its work to ``CheckpointFunction.apply`` (reentrant) or to
+    ``_checkpoint_without_reentrant_generator`` (non-reentrant), both looked up in its module
+    at call time, so replacing those two catches every caller, including the ones that bound
+    ``checkpoint`` itself at import (Hugging Face's ``functools.partial``).
+    """
+    calls = itertools.count()
+
+    class InlineCheckpoint:
+        @staticmethod
+        def apply(function: Callable[..., Any], preserve_rng_state: bool, *args: Any) -> Any:
+            if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+                # Eager reentrant checkpointing differentiates only through its tensor
+                # arguments: with none requiring grad, nothing inside gets a gradient.
+                with torch.no_grad():
+                    return function(*args)
+            with fx_traceback.annotate({_CHECKPOINT: next(calls)}):
+                return function(*args)
+
+    def inline_non_reentrant(function: Callable[..., Any], preserve_rng_state: bool,
+                             context_fn: Callable[..., Any], *rest: Any,
+                             **kwargs: Any) -> Iterator[None]:  # fmt: skip
+        if context_fn is not torch_checkpoint.noop_context_fn:
+            raise CaptureError(
+                "torch.utils.checkpoint.checkpoint(context_fn=...) (selective activation "
+                "checkpointing) is not supported: fxpar recomputes every op of a checkpointed "
+                "call; drop context_fn, or the checkpoint, and choose remat with "
+                "PlanOptions(remat=...)"
+            )
+        with fx_traceback.annotate({_CHECKPOINT: next(calls)}):
+            yield
+
+    replaced = {
+        "CheckpointFunction": InlineCheckpoint,
+        "_checkpoint_without_reentrant_generator": inline_non_reentrant,
+    }
+    originals = {name: getattr(torch_checkpoint, name) for name in replaced}
+    for name, value in replaced.items():
+        setattr(torch_checkpoint, name, value)
+    try:
+        yield
+    finally:
+        for name, value in originals.items():
+            setattr(torch_checkpoint, name, value)
+
+
+@contextlib.contextmanager
 def _module_regions(model: nn.Module, stack: list[tuple[str, str]]) -> Iterator[None]:
     """Tag forward ops with the innermost module running them, and keep that module stack."""
     names: dict[int, str] = {}
@@ -625,6 +685,8 @@ def _annotate_values_and_regions(graph: fx.Graph, signature: Signature) -> None:
             ir.annotate(node, ir.Region(ir.Phase.BACKWARD, module, grad_of))
         else:
             module = custom.get(_MODULE, "")
+            if custom.get(_CHECKPOINT) is not None and node.op == "call_function":
+                ir.annotate(node, ir.Checkpointed(custom[_CHECKPOINT]))
             if seq_nr is not None:
                 # The first forward node with a sequence number is the op that created it;
                 # later ones merely inherited a stale counter.

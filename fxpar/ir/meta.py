@@ -11,6 +11,8 @@ The built-in annotations:
 - :class:`Region`: forward or backward, and which module's forward the node computes or
   differentiates (set by capture).
 - :class:`Cost`: FLOPs and bytes moved (set by :class:`fxpar.passes.AnnotateCost`).
+- :class:`Checkpointed`: a forward node the model ran inside ``torch.utils.checkpoint`` (set by
+  capture; :class:`fxpar.passes.Rematerialize` recomputes it in the backward).
 
 User passes may attach their own frozen dataclasses the same way.
 """
@@ -189,6 +191,15 @@ class NumberedLayer:
     def pattern(self) -> str:
         """``blocks.*``: every layer of the container."""
         return f"{self.container}.*" if self.container else "*"
+
+
+@dataclass(frozen=True)
+class Checkpointed:
+    """A forward node the model ran inside its ``call``-th ``torch.utils.checkpoint`` call
+    (numbered from 0 in forward order): the model asked for it to be recomputed in the
+    backward rather than kept."""
+
+    call: int
 
 
 def numbered_layer(module: str) -> NumberedLayer | None:

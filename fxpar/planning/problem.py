@@ -67,6 +67,25 @@ _PRICES: dict[str, Callable[[Spec, Spec, ir.TensorMeta, Cluster], float]] = {
 parameter read by a forward view the backward reads too (gathered again there)."""
 
 
+RematPolicy = str | tuple[str, ...]
+"""Which layers recompute their activations in the backward: ``"none"``, ``"all"``, ``"auto"``
+or a tuple of fnmatch patterns of numbered layer names (see :mod:`fxpar.passes.remat`)."""
+
+_REMAT_WORDS = ("none", "all", "auto")
+
+
+def check_remat_policy(policy: object) -> None:
+    """Raise FxparError unless ``policy`` is a :data:`RematPolicy`."""
+    if isinstance(policy, str) and policy in _REMAT_WORDS:
+        return
+    if isinstance(policy, tuple) and policy and all(isinstance(p, str) for p in policy):
+        return
+    raise FxparError(
+        f"remat must be one of {list(_REMAT_WORDS)} or a non-empty tuple of layer name "
+        f"patterns such as ('blocks.*',), got {policy!r}"
+    )
+
+
 @dataclass(frozen=True)
 class PlanOptions:
     """Options of the planner.
@@ -81,6 +100,12 @@ class PlanOptions:
     ``manual_starts`` gives the solver the hand-written plans (replicated, data, tensor and fully
     sharded parallelism) as :attr:`~fxpar.solvers.problem.IntraOpProblem.starts`: the ILP never
     answers with a plan the cost model prices above the cheapest of them that fits.
+
+    ``remat`` chooses the numbered layers whose activations the backward recomputes instead of
+    keeping (:mod:`fxpar.passes.remat`): ``"none"``, ``"all"``, a tuple of layer name patterns,
+    or ``"auto"``: none, unless no plan fits in memory, and then the fewest layers, most
+    activation bytes first, with which one does. Calls of ``torch.utils.checkpoint`` in the
+    model are recomputed under every policy.
     """
 
     optimizer_states: int = 2
@@ -89,6 +114,10 @@ class PlanOptions:
     dedup_layers: bool = True
     memory_limit: float | None = None
     pins: Mapping[str, Spec] = field(default_factory=dict)
+    remat: RematPolicy = "none"
+
+    def __post_init__(self) -> None:
+        check_remat_policy(self.remat)
 
 
 @dataclass
