@@ -38,16 +38,9 @@ from safetensors.torch import save_file
 import fxpar
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.runtime.launch import spawn
+from fxpar.testing.memory import resident_growth
 
 MIB = 2**20
-
-
-def _status(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def _run(rank: int, world: int, config: GPTConfig, source: str, path: str, plan: str) -> dict:
@@ -61,26 +54,24 @@ def _run(rank: int, world: int, config: GPTConfig, source: str, path: str, plan:
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, config.vocab_size, (world * 2, 32), generator=generator)
     targets = torch.randint(0, config.vocab_size, (world * 2, 32), generator=generator)
-    with open("/proc/self/clear_refs", "w") as clear:
-        clear.write("5")
-    before = _status("VmRSS")
-    start = time.perf_counter()
-    torch.manual_seed(0)
-    init = None
-    if source == "eager":
-        model = GPT(config)
-    elif source == "deferred_init":
-        model = fxpar.deferred_init(GPT, config)
-    else:
-        with torch.device("meta"):
+    with resident_growth() as growth:
+        start = time.perf_counter()
+        torch.manual_seed(0)
+        init = None
+        if source == "eager":
             model = GPT(config)
-        init = path
-    parallel = fxpar.compile(
-        model, fxpar.Cluster.from_env(), (tokens,), gpt_loss, example_targets=(targets,),
-        optimizer=fxpar.optim.SGD(lr=0.1), manual=getattr(fxpar.plans, plan), init=init,
-    )  # fmt: skip
-    seconds = time.perf_counter() - start
-    peak = _status("VmHWM") - before
+        elif source == "deferred_init":
+            model = fxpar.deferred_init(GPT, config)
+        else:
+            with torch.device("meta"):
+                model = GPT(config)
+            init = path
+        parallel = fxpar.compile(
+            model, fxpar.Cluster.from_env(), (tokens,), gpt_loss, example_targets=(targets,),
+            optimizer=fxpar.optim.SGD(lr=0.1), manual=getattr(fxpar.plans, plan), init=init,
+        )  # fmt: skip
+        seconds = time.perf_counter() - start
+    peak = growth.peak_bytes
     held = sum(t.numel() * t.element_size() for t in [*parallel.parameters.values()])
     held += sum(t.numel() * t.element_size() for t in parallel.buffers.values())
     loss = float(parallel.step(tokens, targets))

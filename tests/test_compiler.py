@@ -77,6 +77,7 @@ def _plan(**kwargs: object) -> fxpar.Plan:
 def test_the_default_pipeline_names_every_step_in_order() -> None:
     assert default_pipeline().names == (
         "canonicalize",
+        "rematerialize",
         "annotate-cost",
         "annotate-strategies",
         "choose-strategies",

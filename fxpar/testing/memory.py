@@ -7,12 +7,18 @@ The peak of that sum is the memory the step needs at its fullest, inputs include
 caching allocator would have to hold, before fragmentation. It counts exactly the tensors the
 program holds, which neither ``tracemalloc`` (blind to torch's allocator) nor the process's
 resident size (noisy, never shrinking) can do on a CPU.
+
+:func:`resident_growth` measures a whole process instead, for what happens outside one program
+(building a model, compiling it): how far its resident memory rose above the level it had on
+entry, from the kernel's high-water mark (Linux only).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import contextlib
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.fx as fx
@@ -69,3 +75,35 @@ def peak_live_bytes(module: fx.GraphModule, inputs: Sequence[object]) -> MemoryP
     with torch.no_grad():
         measuring.run(*inputs)
     return measuring.peak
+
+
+@dataclass
+class ResidentGrowth:
+    """Set when the ``with resident_growth()`` block ends."""
+
+    peak_bytes: int = 0
+    """The process's highest resident size during the block, above its size on entry."""
+
+
+@contextlib.contextmanager
+def resident_growth() -> Iterator[ResidentGrowth]:
+    """Measure how far this process's resident memory rises above its level on entry.
+
+    Resets the kernel's high-water mark (``VmHWM``) by writing ``5`` to
+    ``/proc/self/clear_refs``, and reads it back on exit. Clean file pages mapped by the block
+    count too. glibc keeps freed blocks under its mmap threshold on a heap it rarely gives back
+    and raises that threshold as large blocks are freed: set ``MALLOC_MMAP_THRESHOLD_`` (bytes)
+    in the environment of a process started afterwards to keep the figure to what was alive.
+    """
+    Path("/proc/self/clear_refs").write_text("5")
+    before = _status_bytes("VmRSS")
+    growth = ResidentGrowth()
+    yield growth
+    growth.peak_bytes = _status_bytes("VmHWM") - before
+
+
+def _status_bytes(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/status")
