@@ -7,7 +7,8 @@ first source that has each tensor:
    of them (``model.safetensors`` or a ``model.safetensors.index.json`` with its shards, as
    Hugging Face's ``save_pretrained`` writes), or a ``torch.distributed.checkpoint`` directory,
    all under the model's own ``state_dict`` names (a tied weight under any of its names). A
-   safetensors file is read slice by slice: a rank reads only its own pieces;
+   safetensors file is read with plain file reads of the rows of a rank's pieces (parsed here,
+   so fxpar needs no safetensors package and maps no file);
 2. the model's recording, for a model built by :func:`fxpar.deferred_init`: the tensor's whole
    value is replayed, this rank's piece kept, the rest freed;
 3. the model's real tensor on rank 0, broadcast (as DistributedDataParallel does).
@@ -19,16 +20,15 @@ tensor on the meta device with none of these sources is an error naming it.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import Shard
 
@@ -159,29 +159,77 @@ class Checkpoint:
 
 
 class _Safetensors(Checkpoint):
+    """Safetensors files, read with plain file reads: for a piece, the rows of its dim-0 range
+    in one read, cut down to the piece in memory. No file is mapped, so what a rank holds is
+    what it allocated."""
+
     def __init__(self, path: Path, aliases: dict[str, tuple[str, ...]]) -> None:
-        files = _safetensors_files(path)
-        keys: dict[str, str] = {}
-        self._file_of: dict[str, Path] = {}
-        for file, stored in files.items():
-            for key in stored:
-                self._file_of[key] = file
+        self._entries: dict[str, _Entry] = {}
+        for file in _safetensors_files(path):
+            self._entries.update(_read_header(file))
+        keys = {}
         for name, names in aliases.items():
-            found = next((key for key in names if key in self._file_of), None)
+            found = next((key for key in names if key in self._entries), None)
             if found is not None:
                 keys[name] = found
         super().__init__(path, keys, aliases)
-        self._open: dict[Path, Any] = {}
 
     def read(self, name: str, piece: Piece, like: torch.Tensor) -> torch.Tensor:
-        key = self._keys[name]
-        file = self._file_of[key]
-        if file not in self._open:
-            self._open[file] = safe_open(str(file), framework="pt", device="cpu")
-        handle = self._open[file].get_slice(key)
-        self._check(name, handle.get_shape(), like)
-        # A copy of its own: the slice may be a view of the file's mapping.
-        return handle[piece.slices(like.shape)].to(like.dtype, copy=True).contiguous()
+        entry = self._entries[self._keys[name]]
+        self._check(name, entry.shape, like)
+        slices = piece.slices(like.shape)
+        rows = slices[0] if slices else slice(0, 1)
+        row_bytes = entry.dtype.itemsize * math.prod(entry.shape[1:])
+        count = rows.stop - rows.start
+        buffer = bytearray(count * row_bytes)
+        with open(entry.file, "rb") as stream:
+            stream.seek(entry.offset + rows.start * row_bytes)
+            if stream.readinto(buffer) != len(buffer):
+                raise CheckpointError(f"{entry.file}: {self._keys[name]!r} is cut short")
+        block = torch.frombuffer(buffer, dtype=entry.dtype) if buffer else torch.empty(0)
+        block = block.reshape(count, *entry.shape[1:]) if entry.shape else block.reshape(())
+        local = block[(slice(None), *slices[1:])] if slices else block
+        return local.to(like.dtype).clone(memory_format=torch.contiguous_format)
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """Where one tensor of a safetensors file lies."""
+
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    """Of its first byte in the file."""
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U8": torch.uint8, "BOOL": torch.bool,
+}  # fmt: skip
+
+
+def _read_header(file: Path) -> dict[str, _Entry]:
+    """The tensors of a safetensors file: an 8-byte little-endian header length, a JSON header
+    of each tensor's dtype, shape and byte range, then the data."""
+    try:
+        with open(file, "rb") as stream:
+            length = int.from_bytes(stream.read(8), "little")
+            header = json.loads(stream.read(length))
+    except (OSError, ValueError) as error:
+        raise CheckpointError(f"{file} is not a safetensors file: {error}") from error
+    entries = {}
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        if info["dtype"] not in _SAFETENSORS_DTYPES:
+            raise CheckpointError(f"{file}: {key!r} has dtype {info['dtype']}, not supported")
+        entries[key] = _Entry(
+            file, _SAFETENSORS_DTYPES[info["dtype"]], tuple(info["shape"]),
+            8 + length + info["data_offsets"][0],
+        )  # fmt: skip
+    return entries
 
 
 class _DistributedCheckpoint(Checkpoint):
@@ -210,26 +258,21 @@ class _DistributedCheckpoint(Checkpoint):
         return piece.of(whole)
 
 
-def _safetensors_files(path: Path) -> dict[Path, list[str]]:
-    """Every safetensors file of a checkpoint and the keys it holds."""
+def _safetensors_files(path: Path) -> list[Path]:
+    """Every safetensors file of a checkpoint."""
     if path.is_dir():
         if (path / _INDEX).exists():
             weight_map = json.loads((path / _INDEX).read_text())["weight_map"]
-            files: dict[Path, list[str]] = {}
-            for key, file in weight_map.items():
-                files.setdefault(path / file, []).append(key)
-            return files
+            return sorted({path / file for file in weight_map.values()})
         if (path / _SINGLE).exists():
-            path = path / _SINGLE
-        else:
-            raise CheckpointError(
-                f"{path} holds neither {_SINGLE}, {_INDEX} nor a torch.distributed.checkpoint "
-                "(.metadata)"
-            )
+            return [path / _SINGLE]
+        raise CheckpointError(
+            f"{path} holds neither {_SINGLE}, {_INDEX} nor a torch.distributed.checkpoint "
+            "(.metadata)"
+        )
     if not path.exists():
         raise CheckpointError(f"no checkpoint at {path}")
-    with safe_open(str(path), framework="pt", device="cpu") as handle:
-        return {path: list(handle.keys())}
+    return [path]
 
 
 def _aliases(model: nn.Module) -> dict[str, tuple[str, ...]]:
