@@ -206,16 +206,10 @@ def compile(
             docs/training.md, "Models bigger than one process".
         mixed_precision: compute in ``param_dtype`` with float32 master weights and optimizer
             state, gradients reduced in ``reduce_dtype`` (:class:`fxpar.MixedPrecision`,
-            docs/training.md). Not for pipelines yet.
+            docs/training.md), pipelines too.
     """
     optimizer = check_optimizer(optimizer if optimizer is not None else AdamW())
     mixed_precision = check_policy(mixed_precision)
-    if mixed_precision is not None and pipeline is not None:
-        raise FxparError(
-            "mixed_precision is not supported with pipeline= yet: a pipeline's stages are "
-            "captured without it. Compile without a pipeline, or train the pipeline in the "
-            "model's own dtype"
-        )
     intra_op = any(value is not None for value in (passes, solver, manual, pins, options, rules))
     passes = pipeline_of(
         passes, solver=solver, manual=manual, options=options, rules=rules, pins=pins
@@ -236,6 +230,7 @@ def compile(
         return _compile_pipeline(
             model, cluster, example_inputs, loss_fn, example_targets, optimizer, pipeline,
             planner=stage_planner, intra_op=intra_op, check_batches=check_batches, init=init,
+            mixed_precision=mixed_precision,
         )  # fmt: skip
     program = capture(
         model, example_inputs, loss_fn, example_targets=example_targets,
@@ -262,6 +257,7 @@ def _compile_pipeline(
     intra_op: bool,
     check_batches: bool,
     init: str | os.PathLike[str] | None,
+    mixed_precision: MixedPrecision | None,
 ) -> PipelineModel:
     """A pipeline whose stages run an intra-op plan on the cluster's mesh without its first
     axis (when that axis is the stages, or a solver, manual plan, pins, options, rules or
@@ -275,7 +271,10 @@ def _compile_pipeline(
     if intra_op or stages_first:
         choice = None
         if pipeline.stages == "auto":
-            program = capture(model, example_inputs, loss_fn, example_targets=example_targets)
+            program = capture(
+                model, example_inputs, loss_fn, example_targets=example_targets,
+                mixed_precision=mixed_precision,
+            )  # fmt: skip
             choice = plan_stages(
                 program, cluster, pipeline, optimizer_states=optimizer.state_copies,
                 stage_planner=planner,
@@ -288,13 +287,16 @@ def _compile_pipeline(
         pipelined = PipelineModel(
             model, pipeline, example_inputs, loss_fn, example_targets=example_targets,
             optimizer=optimizer, stage_cluster=stage_cluster, planner=planner,
-            check_batches=check_batches, init=init,
+            check_batches=check_batches, init=init, mixed_precision=mixed_precision,
         )  # fmt: skip
         pipelined.stage_choice = choice
         return pipelined
     choice = None
     if pipeline.stages == "auto":
-        program = capture(model, example_inputs, loss_fn, example_targets=example_targets)
+        program = capture(
+            model, example_inputs, loss_fn, example_targets=example_targets,
+            mixed_precision=mixed_precision,
+        )  # fmt: skip
         choice = plan_stages(program, cluster, pipeline, optimizer_states=optimizer.state_copies)
         pipeline = choice.pipeline
         logger.info("stages chosen by the stage DP:\n%s", choice.report())
@@ -308,6 +310,7 @@ def _compile_pipeline(
     pipelined = PipelineModel(
         model, pipeline, example_inputs, loss_fn, example_targets=example_targets,
         optimizer=optimizer, check_batches=check_batches, init=init,
+        mixed_precision=mixed_precision,
     )  # fmt: skip
     pipelined.stage_choice = choice
     return pipelined

@@ -27,11 +27,11 @@ PLANNING = 40 * MIB
 STEPS = 2
 
 
-def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(config: GPTConfig = CONFIG) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(1)
     return (
-        torch.randint(0, CONFIG.vocab_size, (8, 16), generator=generator),
-        torch.randint(0, CONFIG.vocab_size, (8, 16), generator=generator),
+        torch.randint(0, config.vocab_size, (8, 16), generator=generator),
+        torch.randint(0, config.vocab_size, (8, 16), generator=generator),
     )
 
 
@@ -82,4 +82,44 @@ def test_meta_model_trains_on_four_ranks_within_its_pieces(
         for peak, held, losses in spawn(_train, 4, source, str(tmp_path)):
             assert held < whole / 3
             assert peak < held + layer + PLANNING < whole, (source, peak / MIB, held / MIB)
+            assert losses == pytest.approx(expected, rel=1e-5)
+
+
+SMALL = GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size=16)
+
+
+def _pipelined(rank: int, world: int, path: str) -> list[list[float]]:
+    tokens, targets = _batch(SMALL)
+    runs = []
+    for init in (None, path):
+        torch.manual_seed(0)
+        model = fxpar.deferred_init(GPT, SMALL)
+        pipelined = fxpar.compile(
+            model, fxpar.Cluster((2,)), (tokens,), gpt_loss, example_targets=(targets,),
+            optimizer=fxpar.optim.SGD(lr=0.1), init=init,
+            pipeline=fxpar.Pipeline(stages=("blocks.1",), microbatches=2),
+        )  # fmt: skip
+        runs.append([float(pipelined.step(tokens, targets)) for _ in range(STEPS)])
+    return runs
+
+
+def test_pipeline_stages_start_from_a_deferred_model_or_a_checkpoint(tmp_path: Path) -> None:
+    """Each stage makes or reads only its own weights; both train like the eager model."""
+    torch.manual_seed(0)
+    eager = GPT(SMALL)
+    save_file(
+        {k: v.detach().clone() for k, v in eager.state_dict().items() if k != "head.weight"},
+        str(tmp_path / "model.safetensors"),
+    )
+    tokens, targets = _batch(SMALL)
+    optimizer = torch.optim.SGD(eager.parameters(), lr=0.1)
+    expected = []
+    for _ in range(STEPS):
+        loss = gpt_loss(eager(tokens), targets)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        expected.append(loss.item())
+    for runs in spawn(_pipelined, 2, str(tmp_path)):
+        for losses in runs:
             assert losses == pytest.approx(expected, rel=1e-5)

@@ -69,6 +69,7 @@ from fxpar import checkpoint, ir
 from fxpar.cluster import Cluster, Coordinate
 from fxpar.errors import BatchError
 from fxpar.ir.capture import LossFn, batch_tensors, capture, with_batch_tensors
+from fxpar.ir.precision import MixedPrecision
 from fxpar.ir.program import Program, named_state, state_dict_aliases
 from fxpar.ir.rng import RandomState
 from fxpar.optim import AdamW, Optimizer, check_optimizer
@@ -136,6 +137,7 @@ class PipelineModel:
         planner: Callable[[Program, Cluster], Plan] | None = None,
         check_batches: bool = True,
         init: str | os.PathLike[str] | None = None,
+        mixed_precision: MixedPrecision | None = None,
     ) -> None:
         """``stage_cluster``: run an intra-op plan inside every stage, on a mesh of this shape
         (see the module docstring); ``planner(program, stage_cluster)`` makes the plan, the
@@ -146,8 +148,8 @@ class PipelineModel:
         default's kind) pins them, any other planner's plans are checked and refused if they
         move one. ``check_batches``: compare a digest of every batch across ranks before
         each step (one small all-gather), so that a rank fed another batch fails loudly
-        instead of training on a mixture. ``init``: a checkpoint to start from, as for
-        :func:`fxpar.compile`; each rank reads only its stage's pieces."""
+        instead of training on a mixture. ``init`` (a checkpoint to start from; each rank reads
+        only its stage's pieces) and ``mixed_precision``: as for :func:`fxpar.compile`."""
         self.pipeline = pipeline
         self.check_batches = check_batches
         self.optimizer_spec = check_optimizer(optimizer if optimizer is not None else AdamW())
@@ -188,7 +190,10 @@ class PipelineModel:
         piece = self._batch_size // pieces
         micro_inputs = with_batch_tensors(example_inputs, [t[:piece] for t in inputs])
         micro_targets = [t[:piece] for t in example_targets]
-        program = capture(model, micro_inputs, loss_fn, example_targets=micro_targets)
+        program = capture(
+            model, micro_inputs, loss_fn, example_targets=micro_targets,
+            mixed_precision=mixed_precision,
+        )  # fmt: skip
         # Means become sums over counts, so the loss's count can be the whole batch's.
         program = Canonicalize().run(program)
         self.plan: Plan | None = None
@@ -239,7 +244,7 @@ class PipelineModel:
         self._steps: dict[Hashable, StageStep] = {("train", self.training, None): trained}
         self._cutter = StageCutter(
             model, loss_fn, micro_inputs, micro_targets, tuple(points), pipeline.remat,
-            planner, layout, trained,
+            planner, layout, trained, mixed_precision,
         )  # fmt: skip
         self.sharded: ShardedStage | None = trained.sharded
         state = named_state(model)

@@ -132,6 +132,8 @@ def pipeline_semantics(program: Program) -> PipelineSemantics:
 def _loss_combination(program: Program) -> PipelineSemantics:
     (output,) = (n for n in program.graph.nodes if n.op == "output")
     root = output.args[0][0]
+    while _is_dtype_cast(root):  # a loss cast to float32 (mixed precision) is the same sum
+        root = root.args[0]
     mean = "the mean of the micro-batch losses"
     paths = _batch_paths(program)
     mixed = PipelineSemantics(mean, False, None, (
@@ -183,6 +185,14 @@ def _loss_combination(program: Program) -> PipelineSemantics:
         f"{divisor.name} = {_describe(divisor)} of the whole batch, computed before the step"
     )
     return PipelineSemantics(description, True, found, ())
+
+
+def _is_dtype_cast(node: fx.Node) -> bool:
+    return (
+        node.target is aten._to_copy.default
+        and isinstance(node.args[0], fx.Node)
+        and set(node.kwargs) <= {"dtype"}
+    )
 
 
 def _constant_divisor(

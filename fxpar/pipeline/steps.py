@@ -52,6 +52,7 @@ from fxpar import ir
 from fxpar.cluster import Cluster, Coordinate
 from fxpar.errors import LoweringError
 from fxpar.ir.capture import LossFn, batch_tensors, capture, model_in_mode, with_batch_tensors
+from fxpar.ir.precision import MixedPrecision
 from fxpar.ir.program import Program
 from fxpar.lowering import value_spec
 from fxpar.passes import PassManager
@@ -204,6 +205,7 @@ class StageCutter:
     layout: StageLayout
     trained: StageStep
     """The training step the pipeline was built for: where the state is, and its layout."""
+    mixed_precision: MixedPrecision | None = None
 
     def training_step(
         self, training: bool, batch: Sequence[torch.Tensor] | None = None
@@ -250,7 +252,10 @@ class StageCutter:
     ) -> Program:
         loss_fn = self.loss_fn if step == "train" else None
         with model_in_mode(self.model, training):
-            program = capture(self.model, inputs, loss_fn, example_targets=targets, step=step)
+            program = capture(
+                self.model, inputs, loss_fn, example_targets=targets, step=step,
+                mixed_precision=self.mixed_precision,
+            )  # fmt: skip
         # As the training step was: means become sums over counts.
         return Canonicalize().run(program)
 
