@@ -23,12 +23,16 @@ from fxpar.testing import assert_equivalent
 CONFIG = GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size=16)
 
 
-def gpt_case(batch: int = 4) -> tuple[GPT, fxpar.Program, list[torch.Tensor]]:
+def gpt_case(
+    batch: int = 4, mixed_precision: fxpar.MixedPrecision | None = None
+) -> tuple[GPT, fxpar.Program, list[torch.Tensor]]:
     torch.manual_seed(0)
     model = GPT(CONFIG)
     tokens = torch.randint(0, CONFIG.vocab_size, (batch, 8))
     targets = torch.randint(0, CONFIG.vocab_size, (batch, 8))
-    program = fxpar.capture(model, (tokens,), gpt_loss, example_targets=(targets,))
+    program = fxpar.capture(
+        model, (tokens,), gpt_loss, example_targets=(targets,), mixed_precision=mixed_precision
+    )
     return model, program, program.flat_inputs(model, tokens, targets)
 
 
@@ -49,8 +53,10 @@ def test_named_plans_train_like_one_device(plan: str, mesh: tuple[int, ...]) -> 
     assert_equivalent(spmd, flat)
 
 
-def lowered(plan: str, mesh: tuple[int, ...], **options: int) -> SPMDProgram:
-    _, program, _ = gpt_case()
+def lowered(
+    plan: str, mesh: tuple[int, ...], mixed: fxpar.MixedPrecision | None = None, **options: int
+) -> SPMDProgram:
+    _, program, _ = gpt_case(mixed_precision=mixed)
     cluster = Cluster(mesh)
     return lower(PLANS[plan](program, cluster), cluster, **options)
 
@@ -155,15 +161,18 @@ def test_fully_sharded_gathers_parameters_and_reduce_scatters_gradients() -> Non
         assert "reduce_scatter(comm" not in code
 
 
+@pytest.mark.parametrize("mixed", [False, True], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("mesh", [(2,), (4,), (2, 2)], ids=str)
 def test_fully_sharded_weights_gathered_in_the_forward_die_with_the_forward(
-    mesh: tuple[int, ...],
+    mesh: tuple[int, ...], mixed: bool
 ) -> None:
     """ZeRO-3: a Linear's backward reads the forward's ``t(weight)``; the lowering gathers the
     weight again in the backward and recomputes the view there, so no gathered copy (nor a
     view of one) outlives the forward, and each layer's backward gathers its weights in one
-    collective."""
-    spmd = lowered("fully_sharded", mesh)
+    collective. Under mixed precision the same holds of the bf16 casts, which are what
+    travels."""
+    policy = fxpar.MixedPrecision(torch.bfloat16, torch.float32) if mixed else None
+    spmd = lowered("fully_sharded", mesh, policy)
     backward_gathers = [
         r for r in spmd.collectives() if r.kind == "all_gather" and r.phase is ir.Phase.BACKWARD
     ]
@@ -174,12 +183,15 @@ def test_fully_sharded_weights_gathered_in_the_forward_die_with_the_forward(
     specs = {node: spmd.input_specs[i] for i, node in enumerate(placeholders.values())}
     gathers = gather_groups(spmd.program.graph, specs, spmd.cluster.mesh_shape)
     again = {
-        member.source.name
+        member.source.name if member.source.op == "placeholder" else member.source.args[0].name
         for group in gathers.groups
         if group.phase is ir.Phase.BACKWARD
         for member in group.members
     }
     assert {"blocks_0_attn_qkv_weight", "blocks_1_mlp_proj_weight", "wte_weight"} <= again
+    travelling = {ir.require(m.source, ir.ValueMeta).tensor.dtype
+                  for group in gathers.groups for m in group.members}  # fmt: skip
+    assert travelling == {torch.bfloat16 if mixed else torch.float32}
     # Each axis's all-gather sends what the gathers before it made (innermost axis first).
     expected = 0
     for group in gathers.groups:

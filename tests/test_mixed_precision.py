@@ -8,6 +8,7 @@ prices bf16 activations at half the bytes; bad policies are refused.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 import pytest
@@ -270,26 +271,34 @@ def _collectives(
     spmd = fxpar.lower(plan.program, cluster)
     nodes = {node.name: node for node in plan.program.graph.nodes}
     return [
-        (record.kind, fxpar.ir.require(nodes[record.tensor], fxpar.ir.ValueMeta).tensor.dtype)
+        (
+            record.kind,
+            fxpar.ir.require(nodes[record.tensor], fxpar.ir.ValueMeta).tensor.dtype,
+            record.phase,
+        )
         for record in spmd.records
     ]
 
 
 @pytest.mark.parametrize("reduce_dtype", [torch.float32, torch.bfloat16])
 def test_fully_sharded_gathers_bf16_and_reduces_in_reduce_dtype(reduce_dtype: torch.dtype) -> None:
-    """On a 2-device fully sharded plan every parameter all-gather moves the bf16 cast, and the
-    gradients are reduce-scattered in reduce_dtype (fp32: cast then reduced; bf16: reduced then
-    cast)."""
+    """On a 2-device fully sharded plan every parameter all-gather moves the bf16 cast, one
+    per layer (and one for the parameters outside the layers) in the forward and again in the
+    backward, as FSDP gathers a flat parameter; the gradients are reduce-scattered in
+    reduce_dtype (fp32: cast then reduced; bf16: reduced then cast)."""
     tokens, targets = _gpt_batches(1)[0]
     policy = fxpar.MixedPrecision(torch.bfloat16, reduce_dtype)
     program = fxpar.capture(
         GPT(CONFIG), (tokens,), gpt_loss, example_targets=(targets,), mixed_precision=policy
     )
     found = _collectives(program, plans.fully_sharded)
-    gathers = [dtype for kind, dtype in found if kind == "all_gather"]
-    scatters = [dtype for kind, dtype in found if kind == "reduce_scatter"]
-    assert len(gathers) >= len(program.signature.parameters)
-    assert set(gathers) == {torch.bfloat16}
+    gathers = [(dtype, phase) for kind, dtype, phase in found if kind == "all_gather"]
+    scatters = [dtype for kind, dtype, _ in found if kind == "reduce_scatter"]
+    groups = CONFIG.n_layer + 1
+    assert Counter(gathers) == {
+        (torch.bfloat16, fxpar.ir.Phase.FORWARD): groups,
+        (torch.bfloat16, fxpar.ir.Phase.BACKWARD): groups,
+    }
     # One record per reduce-scatter, or per bucket of them (named by its first tensor).
     assert set(scatters) == {reduce_dtype}
 

@@ -9,6 +9,10 @@
   (``t(weight)``) reads it recomputed from the backward's own gather instead, so the forward's
   gathered copy is freed after the forward (ZeRO-3's memory).
 
+A gathered "parameter" is a placeholder, or under mixed precision its cast to the compute dtype
+made where the parameter is stored (:func:`gather_sources`): that cast's pieces are what
+travels, in the compute dtype, grouped and re-gathered per phase as the placeholder would be.
+
 All of it depends on the graph's global shapes and chosen specs only, so every rank makes the
 same choices and runs the same collectives; the plan report replays them.
 """
@@ -115,6 +119,34 @@ class Gathers:
     chains: dict[tuple[fx.Node, Spec], ViewChain]
     """Each (forward view, spec) a backward op reads that is recomputed from the backward's
     own gather of its placeholder."""
+    sources: Mapping[fx.Node, Spec]
+    """The values gathered like parameters, and their specs (:func:`gather_sources`)."""
+
+
+def gather_sources(
+    graph: fx.Graph, placeholder_specs: Mapping[fx.Node, Spec]
+) -> dict[fx.Node, Spec]:
+    """The values a program gathers as parameters, with their specs: its placeholders, and
+    each cast of a parameter to the compute dtype (:func:`casts_parameter`) made in the
+    placeholder's own layout."""
+    sources = dict(placeholder_specs)
+    for node in graph.nodes:
+        if not casts_parameter(node):
+            continue
+        spec = placeholder_specs.get(tensor_inputs(node)[0])
+        strategy = ir.require(node, Sharding).strategy
+        if spec is not None and strategy.inputs == (spec,) and strategy.outputs == (spec,):
+            sources[node] = spec
+    return sources
+
+
+def casts_parameter(node: fx.Node) -> bool:
+    """Whether ``node`` is mixed precision's cast of a placeholder to the compute dtype."""
+    cast = ir.get(node, ir.PrecisionCast) if node.op == "call_function" else None
+    if cast is None or cast.role is not ir.CastRole.PARAMETER:
+        return False
+    inputs = tensor_inputs(node)
+    return len(inputs) == 1 and inputs[0].op == "placeholder"
 
 
 def gather_groups(
@@ -127,7 +159,8 @@ def gather_groups(
     forward view of such a placeholder (see :class:`ViewChain`) counts as reading the
     placeholder: the backward gathers it again and recomputes the view, so no gathered copy
     lives from the forward to the backward."""
-    chains = _view_chains(graph, placeholder_specs, mesh)
+    sources = gather_sources(graph, placeholder_specs)
+    chains = _view_chains(graph, sources, mesh)
     GroupKey = tuple[ir.Phase, str, tuple[int, ...], torch.dtype]
     found: dict[GroupKey, list[Gathered]] = {}
     member_of: dict[GatherKey, GroupKey] = {}
@@ -140,9 +173,9 @@ def gather_groups(
             chain = chains.get((source, want)) if region.phase is ir.Phase.BACKWARD else None
             if chain is not None:
                 source, want = chain.source, chain.spec
-            if source.op != "placeholder" or want is None:
+            have = sources.get(source)
+            if have is None or want is None:
                 continue
-            have = placeholder_specs[source]
             key = (source, want, region.phase)
             axes = gather_route(have, want, mesh) if key not in member_of else None
             if axes is None:
@@ -160,20 +193,20 @@ def gather_groups(
         for index, ((phase, layer, axes, dtype), members) in enumerate(found.items())
     }
     group_of = {key: groups[group] for key, group in member_of.items()}
-    return Gathers(list(groups.values()), group_of, chains)
+    return Gathers(list(groups.values()), group_of, chains, sources)
 
 
 def _view_chains(
-    graph: fx.Graph, placeholder_specs: Mapping[fx.Node, Spec], mesh: tuple[int, ...]
+    graph: fx.Graph, sources: Mapping[fx.Node, Spec], mesh: tuple[int, ...]
 ) -> dict[tuple[fx.Node, Spec], ViewChain]:
-    """Each forward view of a placeholder that a backward op reads in the view's own spec,
-    where the placeholder reaches the first view by all-gathers and the views need no
-    conversion between them."""
+    """Each forward view of a gather source that a backward op reads in the view's own spec,
+    where the source reaches the first view by all-gathers and the views need no conversion
+    between them."""
     chains: dict[fx.Node, ViewChain | None] = {}
 
     def chain_of(node: fx.Node) -> ViewChain | None:
         if node not in chains:
-            chains[node] = _extend(node, chain_of, placeholder_specs, mesh)
+            chains[node] = _extend(node, chain_of, sources, mesh)
         return chains[node]
 
     found: dict[tuple[fx.Node, Spec], ViewChain] = {}
@@ -191,10 +224,10 @@ def _view_chains(
 def _extend(
     node: fx.Node,
     chain_of: Callable[[fx.Node], ViewChain | None],
-    placeholder_specs: Mapping[fx.Node, Spec],
+    sources: Mapping[fx.Node, Spec],
     mesh: tuple[int, ...],
 ) -> ViewChain | None:
-    """The chain ending at ``node``, if it is a forward view of a placeholder (or of such a
+    """The chain ending at ``node``, if it is a forward view of a gather source (or of such a
     view) with nothing converted on the way."""
     if node.op != "call_function" or node.target not in _VIEW_OPS:
         return None
@@ -207,8 +240,8 @@ def _extend(
     (source,), (want,) = inputs, sharding.strategy.inputs
     if want is None:
         return None
-    if source.op == "placeholder":
-        if gather_route(placeholder_specs[source], want, mesh) is None:
+    if source in sources:
+        if gather_route(sources[source], want, mesh) is None:
             return None
         return ViewChain(source, want, (node,))
     before = chain_of(source)

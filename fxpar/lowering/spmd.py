@@ -259,7 +259,7 @@ def _gathers(
     graph: fx.Graph, specs: Mapping[fx.Node, Spec], mesh: tuple[int, ...], bucket_bytes: int
 ) -> Gathers:
     """The gather groups of ``graph`` (none when ``bucket_bytes`` turns grouping off)."""
-    return gather_groups(graph, specs, mesh) if bucket_bytes else Gathers([], {}, {})
+    return gather_groups(graph, specs, mesh) if bucket_bytes else Gathers([], {}, {}, dict(specs))
 
 
 def _check_lowerable(graph: fx.Graph, mesh_ndim: int) -> None:
@@ -568,10 +568,11 @@ class _RankLowering:
         local, specs = self.env[source]
         current = specs[0]
         assert current is not None
-        # A parameter laid out differently from its use is converted again in each phase
-        # (ZeRO-3: gathered before the forward and again before the backward), so that the
-        # gathered copy need not live from one to the other. Other values convert once.
-        key = (source, spec, phase if source.op == "placeholder" else None)
+        # A parameter (or its cast to the compute dtype) laid out differently from its use is
+        # converted again in each phase (ZeRO-3: gathered before the forward and again before
+        # the backward), so that the gathered copy need not live from one to the other. Other
+        # values convert once.
+        key = (source, spec, phase if source in self.gathers.sources else None)
         if current == spec:
             return local
         if key in self.converted:
@@ -592,6 +593,9 @@ class _RankLowering:
         started) and take its values."""
         for index in (group.index, group.index + 1):
             if index < len(self.gathers.groups) and index not in self.started:
+                members = self.gathers.groups[index].members
+                if index > group.index and any(m.source not in self.env for m in members):
+                    break  # the next group's casts come later: it starts when first needed
                 self.started[index] = self._start_gather(self.gathers.groups[index], consumer)
         done = self.graph.call_function(
             collectives.wait_bucket, (self.comm, self.started[group.index])

@@ -42,7 +42,7 @@ from fxpar import ir
 from fxpar.cluster import Cluster
 from fxpar.errors import FxparError
 from fxpar.ir.program import Program
-from fxpar.lowering.grouping import reread_in_backward
+from fxpar.lowering.grouping import casts_parameter, reread_in_backward
 from fxpar.planning.cost import (
     compute_seconds,
     local_bytes,
@@ -402,9 +402,8 @@ class _Builder:
                 produced = [self.out_spec(source, s) for s in range(sizes[u])]
                 required = [spec_of_choice(t) for t in range(sizes[v])]
                 price = "output" if key[0] == "output" else ""
-                if source.op == "placeholder" and reread_in_backward(
-                    self.units[consumer_unit].root
-                ):
+                parameter = source.op == "placeholder" or casts_parameter(source)
+                if parameter and reread_in_backward(self.units[consumer_unit].root):
                     price = "regathered"
                 matrix_cache[key] = self._reshard_matrix(produced, required, meta, price)
             matrix = matrix_cache[key]

@@ -47,6 +47,7 @@ from fxpar.lowering import (
     Bucketed,
     CollectiveRecord,
     GatherGroup,
+    casts_parameter,
     cut_buckets,
     gather_groups,
     needs_strategy,
@@ -157,11 +158,12 @@ def walk(program: Program, cluster: Cluster) -> Walk:
         if not priced:
             # As the problem prices it: a parameter a forward view reads for the backward too
             # is gathered twice (fxpar.lowering.ViewChain).
-            regathered = source.op == "placeholder" and reread_in_backward(consumer)
+            parameter = source.op == "placeholder" or casts_parameter(source)
+            regathered = parameter and reread_in_backward(consumer)
             price = cost.regathered_seconds if regathered else cost.reshard_seconds
             found.edge_seconds += price(current, want, meta, cluster)
         # The lowering's reuse rule (fxpar.lowering._RankLowering._convert).
-        key = (source, want, phase if source.op == "placeholder" else None)
+        key = (source, want, phase if source in gathers.sources else None)
         if current == want or key in converted:
             return
         group = gathers.group_of.get(key)  # type: ignore[arg-type]
