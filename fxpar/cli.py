@@ -34,6 +34,7 @@ from fxpar.models.shapes import GPT2_SHAPES, LLAMA_LAYERS, llama
 from fxpar.passes import PassManager, default_pipeline
 from fxpar.pipeline import Pipeline, plan_stages
 from fxpar.planning.plan import plan_program
+from fxpar.planning.problem import PlanOptions
 from fxpar.runtime.calibration import Calibration, measure
 from fxpar.runtime.launch import spawn
 from fxpar.solvers import ExhaustiveSolver, GreedySolver, ILPSolver
@@ -187,18 +188,20 @@ def _demo_rank(rank: int, world_size: int, settings: DemoSettings) -> tuple[list
     return losses, time.perf_counter() - start
 
 
-def _pipeline(name: str, time_limit: float | None = None) -> PassManager:
+def _pipeline(
+    name: str, time_limit: float | None = None, options: PlanOptions | None = None
+) -> PassManager:
     """The default pipeline choosing with a manual plan or a solver given by name;
     ``time_limit`` for the ILP (its default if None)."""
     if name in MANUAL_PLANS:
-        return default_pipeline(manual=MANUAL_PLANS[name])
+        return default_pipeline(manual=MANUAL_PLANS[name], options=options)
     if name == "ilp" and time_limit is not None:
-        return default_pipeline(solver=ILPSolver(time_limit=time_limit))
+        return default_pipeline(solver=ILPSolver(time_limit=time_limit), options=options)
     solvers = {"ilp": ILPSolver, "greedy": GreedySolver, "exhaustive": ExhaustiveSolver}
     if name not in solvers:
         choices = sorted([*solvers, *MANUAL_PLANS])
         raise FxparError(f"unknown solver {name!r}; choose from {choices}")
-    return default_pipeline(solver=solvers[name]())
+    return default_pipeline(solver=solvers[name](), options=options)
 
 
 # -- fxpar plan ------------------------------------------------------------------------------
@@ -269,11 +272,18 @@ def plan_command(args: argparse.Namespace) -> int:
     params = sum(p.numel() for p in target.model.parameters())
     print(f"planning {args.model} ({params / 1e9:.2f}B parameters, on meta) for {cluster}")
     start = time.perf_counter()
-    program = fxpar.capture(
-        target.model, target.example_inputs, target.loss_fn, example_targets=target.example_targets
+    policy = (
+        fxpar.MixedPrecision(torch.bfloat16, reduce_dtype=torch.float32)
+        if args.precision == "bf16"
+        else None
     )
+    program = fxpar.capture(
+        target.model, target.example_inputs, target.loss_fn,
+        example_targets=target.example_targets, mixed_precision=policy,
+    )  # fmt: skip
     captured = time.perf_counter() - start
-    plan = plan_program(program, cluster, passes=_pipeline(args.solver, args.time_limit))
+    options = PlanOptions(remat=args.recompute)
+    plan = plan_program(program, cluster, passes=_pipeline(args.solver, args.time_limit, options))
     print(
         f"captured in {captured:.1f} s, planned in {time.perf_counter() - start - captured:.1f} s\n"
     )
@@ -365,6 +375,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                              help="also choose pipeline stages for M micro-batches")  # fmt: skip
     plan_parser.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b"))
     plan_parser.add_argument("--remat", action="store_true", help="pipeline with remat")
+    plan_parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
+                             help="bf16: MixedPrecision(bf16, reduce_dtype=fp32)")  # fmt: skip
+    plan_parser.add_argument("--recompute", default="none", choices=("none", "all", "auto"),
+                             help="activation checkpointing: PlanOptions(remat=...)")  # fmt: skip
     plan_parser.add_argument("--save", help="write the plan as JSON here")
     plan_parser.add_argument("--plot", help="write a PNG of memory and communication here")
     plan_parser.set_defaults(run=plan_command)

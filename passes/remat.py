@@ -37,20 +37,11 @@ import torch.fx as fx
 
 from fxpar import ir
 from fxpar.errors import FxparError
+from fxpar.ir.meta import Rematerialized
 from fxpar.ir.program import Program
 from fxpar.passes.base import Pass
 from fxpar.planning.cost import saved_outputs
 from fxpar.planning.problem import RematPolicy, check_remat_policy
-
-
-@dataclass(frozen=True)
-class Rematerialized:
-    """Program-level record of what :func:`recompute_in_backward` did: the layers and
-    checkpoint calls it recomputes, and how many ops it copied into the backward."""
-
-    layers: tuple[str, ...] = ()
-    checkpoint_calls: tuple[int, ...] = ()
-    recomputed_ops: int = 0
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,14 @@ def test_plan_command_prints_and_saves_the_report(tmp_path, capsys) -> None:  # 
     out = capsys.readouterr().out
     assert "plan: tensor_parallel" in out
     assert "as a pipeline on the 4 devices (stage DP)" in out and "split points:" in out
+    assert "precision" not in out and "recomputed" not in out
+    assert main([*argv, "--precision", "bf16", "--recompute", "all"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "precision       bfloat16 compute, float32 master weights, gradients summed in "
+        "float32" in out
+    )
+    assert "again in the backward: 2 layers (blocks.0, blocks.1)" in out
 
 
 @pytest.mark.parametrize(

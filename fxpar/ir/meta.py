@@ -202,6 +202,17 @@ class Checkpointed:
     call: int
 
 
+@dataclass(frozen=True)
+class Rematerialized:
+    """Program-level record of what the rematerialize pass (``fxpar.passes.Rematerialize``)
+    did: the layers and checkpoint calls it recomputes in the backward, and how many ops it
+    copied there."""
+
+    layers: tuple[str, ...] = ()
+    checkpoint_calls: tuple[int, ...] = ()
+    recomputed_ops: int = 0
+
+
 def numbered_layer(module: str) -> NumberedLayer | None:
     """The layer of ``module``'s first all-digit component (``blocks.3`` for ``blocks.3.attn``);
     None for a module outside numbered layers."""

@@ -375,6 +375,7 @@ def report_data(plan: Plan) -> dict[str, Any]:
         "graph_nodes": plan.stats.get("graph_nodes", 0),
         "decision_nodes": plan.stats.get("decision_nodes", 0),
         "layers_merged": plan.stats.get("layers_merged", 0),
+        **_precision_and_remat(plan.program),
     }
     # Every split is even, so every rank holds the same bytes; one entry per rank all the same
     # keeps the picture honest about the mesh (pipeline stages will make them differ).
@@ -430,6 +431,46 @@ def _size(nbytes: float) -> str:
         if abs(nbytes) >= scale:
             return f"{nbytes / scale:.1f} {unit}"
     return f"{nbytes:.0f} B"
+
+
+def _precision_and_remat(program: Program) -> dict[str, Any]:
+    """What mixed precision and rematerialization did to the step, for the report's header."""
+    found: dict[str, Any] = {}
+    for node in program.graph.nodes:
+        cast = ir.get(node, ir.PrecisionCast) if node.op == "call_function" else None
+        if cast is not None:
+            dtype = str(ir.require(node, ir.ValueMeta).tensor.dtype).removeprefix("torch.")
+            key = {
+                ir.CastRole.PARAMETER: "compute_dtype",
+                ir.CastRole.TO_REDUCE: "reduce_dtype",
+                ir.CastRole.FROM_REDUCE: "master_dtype",
+            }[cast.role]
+            found.setdefault(key, dtype)
+    remat = program.get(ir.Rematerialized)
+    if remat is not None and remat.recomputed_ops:
+        found["recomputed_layers"] = list(remat.layers)
+        found["checkpoint_calls"] = len(remat.checkpoint_calls)
+        found["recomputed_ops"] = remat.recomputed_ops
+    return found
+
+
+def _precision_and_remat_lines(header: Mapping[str, Any]) -> list[str]:
+    lines = []
+    if "compute_dtype" in header:
+        reduce = header.get("reduce_dtype", header["compute_dtype"])
+        lines.append(
+            f"precision       {header['compute_dtype']} compute, "
+            f"{header.get('master_dtype', reduce)} master weights, gradients summed in {reduce}"
+        )
+    if "recomputed_ops" in header:
+        layers = header["recomputed_layers"]
+        shown = ", ".join(layers[:4]) + (", ..." if len(layers) > 4 else "")
+        lines.append(
+            f"recomputed      {header['recomputed_ops']} forward ops again in the backward: "
+            f"{len(layers)} layers{' (' + shown + ')' if layers else ''}, "
+            f"{header['checkpoint_calls']} torch.utils.checkpoint calls"
+        )
+    return lines
 
 
 def _ms(seconds: float) -> str:
@@ -496,6 +537,7 @@ def render_text(data: Mapping[str, Any], width: int = 100) -> str:
         pad + ", ".join(f"{kind} {_size(memory[kind])}" for kind in MEMORY_KINDS),
         f"graph           {header['graph_nodes']} nodes, {header['decision_nodes']} decisions, "
         f"{header['layers_merged']} merged with repeated layers",
+        *_precision_and_remat_lines(header),
         "",
     ]
     body: list[tuple[str, ...]] = []
