@@ -3,12 +3,15 @@ line and what to do, never with a traceback from inside torch."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
+import torch.fx.traceback as fx_traceback
 from torch import nn
 
 import fxpar
-from fxpar.errors import CaptureError
+from fxpar.errors import CaptureError, FxparError
 
 
 class Gate(nn.Module):
@@ -115,3 +118,31 @@ def test_bad_arguments_are_rejected() -> None:
         fxpar.capture(lambda x: x, (torch.randn(2),))  # type: ignore[arg-type]
     with pytest.raises(CaptureError, match="without a loss_fn"):
         fxpar.capture(nn.Linear(2, 2), (torch.randn(2, 2),), example_targets=(torch.randn(2),))
+
+
+def test_a_failed_capture_leaves_no_annotation_behind() -> None:
+    """A model that raises mid-trace leaves its module hooks' annotation blocks open; capture
+    closes them, so the next capture's nodes get their own modules and phases."""
+
+    class Raises(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.inner(x).sum() if x.shape[0] > 100 else self.fail(x)
+
+        def fail(self, x: torch.Tensor) -> torch.Tensor:
+            raise ValueError("no")
+
+    def fails() -> bool:
+        try:
+            fxpar.capture(Raises(), (torch.randn(2, 4),))
+        except FxparError:
+            return True  # and the traceback, with the hooks' frames, is dropped
+        return False
+
+    assert fails()
+    gc.collect()  # an open block left to the collector would restore its stale state now
+    left = fx_traceback.current_meta.get("custom", {})
+    assert not [key for key in left if key.startswith("fxpar.")], left

@@ -165,6 +165,8 @@ def capture(
         traced_step.kept_in_own_dtype = kept_in_own_dtype(model)
     try:
         with (
+            _custom_meta_restored(),
+            _blocks_closed(traced_step.open_blocks),
             _compiling(),
             _checkpoints_inline(),
             _module_regions(model, traced_step.module_stack),
@@ -254,6 +256,9 @@ class _TrainStep:
     policy: MixedPrecision | None = None
     kept_in_own_dtype: frozenset[str] = frozenset()
     module_stack: list[tuple[str, str]] = field(default_factory=list)
+    open_blocks: list[contextlib.AbstractContextManager[None]] = field(default_factory=list)
+    """The ``fx_traceback.annotate`` blocks autograd hooks opened and have not closed yet (all
+    of them, if the backward raises mid-trace)."""
     buffer_updates: tuple[str, ...] = ()
     output_names: tuple[str, ...] = ("loss",)
     output_tree: OutputTree | None = None
@@ -323,7 +328,7 @@ class _TrainStep:
                 "on the model's parameters"
             )
         trainable = [p for p in params.values() if p.requires_grad]
-        _tag_backward_nodes(loss)
+        _tag_backward_nodes(loss, self.open_blocks)
         with fx_traceback.annotate({_PHASE: ir.Phase.BACKWARD.value, _MODULE: ""}):
             grads = torch.autograd.grad(loss, trainable, allow_unused=True)
             grads = tuple(
@@ -407,9 +412,40 @@ def _from_functional(tensor: torch.Tensor) -> torch.Tensor:
     return torch._from_functional_tensor(tensor.elem)
 
 
-def _tag_backward_nodes(loss: torch.Tensor) -> None:
-    """Hook every autograd node under ``loss`` so the ops it runs name it as their origin."""
-    open_blocks: list[contextlib.AbstractContextManager[None]] = []
+@contextlib.contextmanager
+def _custom_meta_restored() -> Iterator[None]:
+    """Put torch.fx's node annotations back as they were before the capture, once every block
+    hooks opened is closed (:func:`_blocks_closed`): blocks a model raising mid-trace never
+    closed would otherwise be closed out of order and restore their stale module and phase."""
+    had = "custom" in fx_traceback.current_meta
+    saved = dict(fx_traceback.current_meta.get("custom", {}))
+    try:
+        yield
+    finally:
+        if had:
+            fx_traceback.current_meta["custom"] = saved
+        else:
+            fx_traceback.current_meta.pop("custom", None)
+
+
+@contextlib.contextmanager
+def _blocks_closed(open_blocks: list[contextlib.AbstractContextManager[None]]) -> Iterator[None]:
+    """Close, innermost first, the annotation blocks hooks left open: a model that raises
+    mid-trace skips the hooks that close them, and an open block, closed whenever the garbage
+    collector gets to it, would put back its stale module and phase for every op traced after
+    it, by any later capture."""
+    try:
+        yield
+    finally:
+        while open_blocks:
+            open_blocks.pop().__exit__(None, None, None)
+
+
+def _tag_backward_nodes(
+    loss: torch.Tensor, open_blocks: list[contextlib.AbstractContextManager[None]]
+) -> None:
+    """Hook every autograd node under ``loss`` so the ops it runs name it as their origin;
+    the blocks they open are kept on ``open_blocks``."""
 
     def enter(seq_nr: int) -> Callable[..., None]:
         def prehook(grad_outputs: Any) -> None:
@@ -527,6 +563,8 @@ def _module_regions(model: nn.Module, stack: list[tuple[str, str]]) -> Iterator[
     finally:
         for handle in handles:
             handle.remove()
+        with _blocks_closed(open_blocks):
+            pass
 
 
 def _tracing_device(tensors: Sequence[torch.Tensor]) -> torch.device:
