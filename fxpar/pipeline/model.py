@@ -3,7 +3,7 @@
 It reads like the runtime half of DESIGN.md's pipeline::
 
     capture at micro-batch size -> partition into stages -> split into forward/backward
-    programs -> schedule (GPipe or 1F1B) -> this rank's StageWorker -> reduce -> update
+    programs -> schedule (GPipe, 1F1B, interleaved) -> this rank's StageWorker -> reduce -> update
 
 Ranks are laid out stage-major: stage ``s`` runs on ranks ``s*D .. s*D + D-1`` for ``D``
 devices per stage (``Pipeline.data_parallel``), and replica ``d`` of every stage forms one
@@ -151,11 +151,12 @@ class PipelineModel:
         self.pipeline = pipeline
         self.check_batches = check_batches
         self.optimizer_spec = check_optimizer(optimizer if optimizer is not None else AdamW())
-        if stage_cluster is not None and pipeline.data_parallel != 1:
+        if stage_cluster is not None and pipeline.data_parallel * pipeline.virtual_stages > 1:
             raise PipelineError(
-                f"{pipeline} asks for data_parallel={pipeline.data_parallel} replicas and a "
-                f"stage mesh {stage_cluster.mesh_shape}: choose one; a plan on the stage mesh "
-                "can itself be data-parallel"
+                f"{pipeline} asks for data_parallel={pipeline.data_parallel} replicas or "
+                f"virtual_stages={pipeline.virtual_stages} chunks per stage, and a stage mesh "
+                f"{stage_cluster.mesh_shape}: choose one (a plan on the stage mesh can itself "
+                "be data-parallel; stage meshes run one chunk per stage)"
             )
         self.stage_cluster = stage_cluster
         per_stage = stage_cluster.world_size if stage_cluster else pipeline.data_parallel
@@ -197,12 +198,13 @@ class PipelineModel:
             self.plan = planner(program, stage_cluster)
             program = self.plan.program
         stages = pipeline.stages
-        points = even_split_points(program, stages) if isinstance(stages, int) else stages
+        chunks = pipeline.num_chunks
+        points = even_split_points(program, chunks) if isinstance(stages, int) else stages
         self.split: SplitProgram = split_program(
             program, partition(program, points), remat=pipeline.remat
         )
         self.schedule = build_schedule(
-            pipeline.schedule, pipeline.num_stages, pipeline.microbatches
+            pipeline.schedule, pipeline.num_stages, pipeline.microbatches, pipeline.virtual_stages
         )
         simulate(self.schedule)
         self.signature = program.signature
@@ -227,10 +229,11 @@ class PipelineModel:
         communicator: Communicator = OneDeviceCommunicator()
         if self._device_mesh is not None:
             communicator = ProcessGroupCommunicator(self._device_mesh)
+        before, after = pipeline.neighbour(self.stage, -1), pipeline.neighbour(self.stage, 1)
         layout = StageLayout(
             pipeline, self.schedule, self.stage, self.rank, per_stage,
-            previous_rank=self.rank - per_stage if self.stage > 0 else None,
-            next_rank=self.rank + per_stage if self.stage < pipeline.num_stages - 1 else None,
+            previous_rank=None if before is None else before * per_stage + local,
+            next_rank=None if after is None else after * per_stage + local,
             stage_cluster=stage_cluster, coordinate=self.coordinate, communicator=communicator,
             distributed=distributed,
         )  # fmt: skip
@@ -244,9 +247,11 @@ class PipelineModel:
         self.sharded: ShardedStage | None = trained.sharded
         state = named_state(model)
         check_same_model(state, names)
-        held = set(self.split.stage_parameters(self.stage)) | set(
-            self.split.stage_buffers(self.stage)
-        )
+        held = {
+            name
+            for chunk in pipeline.chunks_of(self.stage)
+            for name in self.split.stage_parameters(chunk) + self.split.stage_buffers(chunk)
+        }
         mine = initial_pieces(
             model, names, {name: self._piece(name) for name in names if name in held}, init,
             distributed=self._distributed,
@@ -589,7 +594,7 @@ class PipelineModel:
     def _counts_in_norm(self, name: str) -> bool:
         """Whether this rank counts its piece of ``name``'s gradient in the global norm: one
         rank of those holding the same piece does."""
-        if self.split.holders[name][0] != self.stage or self.replica != 0:
+        if self.pipeline.stage_of(self.split.holders[name][0]) != self.stage or self.replica:
             return False
         if self.sharded is None:
             return True
@@ -723,8 +728,10 @@ class PipelineModel:
                     stage_group = group
         shared: dict[str, Any] = {}
         by_holders: dict[tuple[int, ...], list[str]] = {}
-        for name, holders in self.split.shared_parameters().items():
-            by_holders.setdefault(holders, []).append(name)
+        for name, chunks in self.split.shared_parameters().items():
+            holders = tuple(sorted({self.pipeline.stage_of(chunk) for chunk in chunks}))
+            if len(holders) > 1:  # else chunks of one stage, whose worker adds the gradients
+                by_holders.setdefault(holders, []).append(name)
         for holders, names in by_holders.items():
             for local in range(per_stage):
                 ranks = [stage * per_stage + local for stage in holders]
