@@ -26,6 +26,7 @@ from fxpar.pipeline import (
     PipelineModel,
     bubble_fractions,
     build_schedule,
+    ideal_bubble,
     max_in_flight,
     simulate,
 )
@@ -111,6 +112,8 @@ def test_interleaving_options_are_checked() -> None:
         Pipeline(stages="auto", schedule="interleaved", virtual_stages=2)
     with pytest.raises(PipelineError, match="multiple of 2 stages"):
         build_schedule("interleaved", 2, 3, 2)
+    assert ideal_bubble(2, 4, virtual_stages=2) == pytest.approx(1 / 9)
+    assert ideal_bubble(2, 4) == pytest.approx(1 / 5)
 
 
 def _build() -> tuple[GPT, torch.Tensor, torch.Tensor]:
@@ -125,7 +128,13 @@ def _build() -> tuple[GPT, torch.Tensor, torch.Tensor]:
 def _train(rank: int, world_size: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     model, tokens, targets = _build()
-    pipeline = Pipeline(stages=2, microbatches=4, schedule="interleaved", virtual_stages=2)
+    pipeline = Pipeline(
+        stages=2,
+        microbatches=4,
+        schedule="interleaved",
+        virtual_stages=2,
+        data_parallel=world_size // 2,
+    )
     pipelined = PipelineModel(
         model, pipeline, (tokens,), gpt_loss, example_targets=(targets,), optimizer=SGD(lr=LR)
     )
@@ -142,12 +151,14 @@ def _train(rank: int, world_size: int) -> dict[str, Any]:
 
 
 @pytest.mark.slow
-def test_interleaved_training_on_two_ranks_equals_pytorch() -> None:
-    """Two SGD steps of a 2-stage, 2-chunk interleaved pipeline (4 micro-batches) give eager
-    PyTorch's losses, gradients and weights; the tied embedding's partial gradients from
-    stage 0's chunk 0 and stage 1's chunk 1 are summed. The trace counts one stash per
-    (chunk, micro-batch) in flight and shows some idle time on every rank."""
-    ranks = spawn(_train, 2, timeout_s=240)
+@pytest.mark.parametrize("world_size", [2, 4], ids=["2 stages", "2 stages x 2 replicas"])
+def test_interleaved_training_equals_pytorch(world_size: int) -> None:
+    """Two SGD steps of a 2-stage, 2-chunk interleaved pipeline (4 micro-batches), alone or
+    with 2 data-parallel replicas per stage, give eager PyTorch's losses, gradients and
+    weights; the tied embedding's partial gradients from stage 0's chunk 0 and stage 1's chunk
+    1 are summed. Every rank runs every (chunk, micro-batch)'s forward, stashes, and idles for
+    part of the step."""
+    ranks = spawn(_train, world_size, timeout_s=240)
     model, tokens, targets = _build()
     reference = copy.deepcopy(model)
     optimizer = torch.optim.SGD(reference.parameters(), lr=LR)
@@ -167,9 +178,10 @@ def test_interleaved_training_on_two_ranks_equals_pytorch() -> None:
     expected, _ = eager_step(reference, (tokens,), gpt_loss, (targets,))
     for result in ranks:
         torch.testing.assert_close(result["eval_loss"], expected)
-    assert [result["chunks"] for result in ranks] == [[0, 2], [1, 3]]
+    stages = [rank * 2 // world_size for rank in range(world_size)]
+    assert [result["chunks"] for result in ranks] == [[s, s + 2] for s in stages]
     held = [set(result["parameters"]) for result in ranks]
-    assert "wte.weight" in held[0] & held[1]  # tied: chunk 0 (stage 0), chunk 3 (stage 1)
+    assert "wte.weight" in held[0] & held[-1]  # tied: chunk 0 (stage 0), chunk 3 (stage 1)
     traces = [result["trace"] for result in ranks]
     for trace in traces:
         forwards = [(e.chunk, e.microbatch) for e in trace.events if e.op == "forward"]

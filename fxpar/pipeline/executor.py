@@ -212,6 +212,7 @@ class StageWorker:
         stash_bytes: dict[tuple[int, int], int] = {}
         parameter_storages = {p.untyped_storage().data_ptr() for p in parameters.values()}
         gradients: dict[str, torch.Tensor] = {}
+        summed: set[str] = set()  # gradients that are sums this run made, added to in place
         losses: list[torch.Tensor] = []
         outputs: dict[int, tuple[torch.Tensor, ...]] = {}
         sends: list[Any] = []
@@ -242,7 +243,13 @@ class StageWorker:
                 outgoing[(Op.SEND_GRAD, c, m)] = out.sent
                 for name, gradient in out.gradients.items():
                     total = gradients.get(name)
-                    gradients[name] = gradient if total is None else total + gradient
+                    if total is None:  # may alias what a program still holds: not written
+                        gradients[name] = gradient
+                    elif name in summed:
+                        total.add_(gradient)
+                    else:
+                        gradients[name] = total + gradient
+                        summed.add(name)
             elif op is Op.SEND_ACTIVATION or op is Op.SEND_GRAD:
                 sends += self._channels[c][op].send(outgoing.pop((op, c, m)), m)
             elif op is Op.FREE:
