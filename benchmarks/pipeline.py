@@ -14,13 +14,14 @@ chunks per stage:
   schedule, on the same processes: ``Schedule1F1B``, or ``ScheduleInterleaved1F1B`` over the
   same 2K chunks), and their ratio.
 
-It also writes a Gantt chart of one 1F1B step (K=4, M=8) as a PNG.
+It also writes Gantt charts of one 1F1B and one interleaved step (K=4, M=8) as PNGs.
 
 Steps are forward+backward+gradient reduction without the optimizer update, for both
-runtimes. Every process uses one thread; with more processes than cores (K=4 on a 2-core
+runtimes, whose steps alternate (one of each in turn) so that both see the same load on a
+shared machine. Every process uses one thread; with more processes than cores (K=4 on a 2-core
 machine) stages share cores, which shows as extra idle time and caps the speedup.
 
-    python benchmarks/pipeline.py [--steps 3] [--timeline pipeline_1f1b.png]
+    python benchmarks/pipeline.py [--steps 5] [--timeline pipeline_{schedule}.png]
 """
 
 from __future__ import annotations
@@ -105,16 +106,21 @@ class _TorchStage(nn.Module):
         return x
 
 
-def _timed(step: Any, steps: int) -> float:
-    step()  # warm-up: first-call allocations and lazy initialization
-    times = []
-    for _ in range(steps):
-        if dist.is_initialized():
-            dist.barrier()
-        start = time.perf_counter()
+def _timed(*runs: Any, steps: int) -> list[float]:
+    """The median step time of each of ``runs``, timed in turn (one step of each, then the
+    next round), so that both runtimes see the same machine load, which drifts on a shared
+    machine; after a warm-up step of each (first-call allocations, lazy initialization)."""
+    for step in runs:
         step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    times: list[list[float]] = [[] for _ in runs]
+    for _ in range(steps):
+        for step, taken in zip(runs, times, strict=True):
+            if dist.is_initialized():
+                dist.barrier()
+            start = time.perf_counter()
+            step()
+            taken.append(time.perf_counter() - start)
+    return [statistics.median(taken) for taken in times]
 
 
 def _chunks(schedule: str) -> int:
@@ -144,7 +150,8 @@ def _measure(rank: int, world_size: int, steps: int) -> list[RankRow]:
     rows = []
     for count, schedule in _cases(world_size):
         pipelined, step = _fxpar_model(world_size, count, schedule, remat=False)
-        fxpar_seconds = _timed(step, steps)
+        torch_step = _torch_step(rank, world_size, count, schedule)
+        fxpar_seconds, torch_seconds = _timed(step, torch_step, steps=steps)
         trace = pipelined.trace
         assert trace is not None
         remat, remat_step = _fxpar_model(world_size, count, schedule, remat=True)
@@ -155,7 +162,7 @@ def _measure(rank: int, world_size: int, steps: int) -> list[RankRow]:
                 schedule=schedule,
                 count=count,
                 fxpar_seconds=fxpar_seconds,
-                torch_seconds=_torch_seconds(rank, world_size, count, schedule, steps),
+                torch_seconds=torch_seconds,
                 peak_stash=trace.peak_stash_bytes,
                 peak_stash_remat=remat.trace.peak_stash_bytes,
                 trace=trace,
@@ -172,10 +179,6 @@ def _cases(num_stages: int) -> list[tuple[int, str]]:
         for schedule in SCHEDULES
         if schedule == "1f1b" or count % num_stages == 0
     ]
-
-
-def _torch_seconds(rank: int, world_size: int, count: int, schedule: str, steps: int) -> float:
-    return _timed(_torch_step(rank, world_size, count, schedule), steps)
 
 
 def _torch_step(rank: int, world_size: int, count: int, schedule: str) -> Any:
@@ -226,13 +229,16 @@ def _single_device_seconds(count: int, steps: int) -> float:
         example_targets=(targets,),
         optimizer=SGD(),
     )
-    return _timed(lambda: pipelined.compute_gradients(tokens, targets), steps)
+    (seconds,) = _timed(lambda: pipelined.compute_gradients(tokens, targets), steps=steps)
+    return seconds
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per case (median)")
-    parser.add_argument("--timeline", default="pipeline_1f1b.png", help="PNG path")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per case (median)")
+    parser.add_argument(
+        "--timeline", default="pipeline_{schedule}.png", help="PNG path, {schedule} filled in"
+    )
     args = parser.parse_args()
 
     single = {count: _single_device_seconds(count, args.steps) for count in MICROBATCHES}
@@ -267,11 +273,12 @@ def main() -> None:
                 f"{fxpar_seconds * 1e3:>8.1f} {torch_seconds * 1e3:>8.1f} "
                 f"{fxpar_seconds / torch_seconds:>5.2f}"
             )
-            if (num_stages, count) == TIMELINE_CASE and schedule == "1f1b":
+            if (num_stages, count) == TIMELINE_CASE:
+                name = "1F1B" if schedule == "1f1b" else f"interleaved 1F1B (V={CHUNKS})"
                 plot_timeline(
                     [row.trace for row in rows],
-                    args.timeline,
-                    title=f"fxpar 1F1B, K={num_stages} stages, M={count} micro-batches",
+                    args.timeline.format(schedule=schedule),
+                    title=f"fxpar {name}, K={num_stages} stages, M={count} micro-batches",
                 )
     print(
         "\nbubble: idle share of the step's wall time per device (ideal (K-1)/(M+K-1), "
@@ -281,7 +288,8 @@ def main() -> None:
         "(torch's ScheduleGPipe where M < K, which its Schedule1F1B refuses; "
         "ScheduleInterleaved1F1B for interleaved)"
     )
-    print(f"timeline of a 1F1B step (K={TIMELINE_CASE[0]}, M={TIMELINE_CASE[1]}): {args.timeline}")
+    charts = ", ".join(args.timeline.format(schedule=schedule) for schedule in SCHEDULES)
+    print(f"timelines of a step (K={TIMELINE_CASE[0]}, M={TIMELINE_CASE[1]}): {charts}")
 
 
 if __name__ == "__main__":
