@@ -16,6 +16,7 @@ from conftest import eager_step
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import fxpar
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.optim import SGD
 from fxpar.pipeline import (
@@ -26,6 +27,7 @@ from fxpar.pipeline import (
     PipelineModel,
     bubble_fractions,
     build_schedule,
+    evaluate_split,
     ideal_bubble,
     max_in_flight,
     simulate,
@@ -112,6 +114,12 @@ def test_interleaving_options_are_checked() -> None:
         Pipeline(stages="auto", schedule="interleaved", virtual_stages=2)
     with pytest.raises(PipelineError, match="multiple of 2 stages"):
         build_schedule("interleaved", 2, 3, 2)
+    model, tokens, targets = _build()
+    program = fxpar.capture(model, (tokens[:2],), gpt_loss, example_targets=(targets[:2],))
+    points = ("blocks.1", "blocks.2", "blocks.3")
+    interleaved = Pipeline(points, microbatches=4, schedule="interleaved", virtual_stages=2)
+    with pytest.raises(PipelineError, match="stage DP prices one model chunk per stage"):
+        evaluate_split(program, fxpar.Cluster((2,)), interleaved)
     assert ideal_bubble(2, 4, virtual_stages=2) == pytest.approx(1 / 9)
     assert ideal_bubble(2, 4) == pytest.approx(1 / 5)
 
@@ -145,6 +153,7 @@ def _train(rank: int, world_size: int) -> dict[str, Any]:
         "gradients": dict(pipelined.gradients),
         "parameters": {n: p.detach().clone() for n, p in pipelined.parameters.items()},
         "eval_loss": pipelined.loss(tokens, targets),
+        "logits": pipelined(tokens),
         "trace": pipelined.trace,
         "chunks": [program.unit.stage for program in pipelined._cutter.trained.worker.forward],
     }
@@ -155,9 +164,9 @@ def _train(rank: int, world_size: int) -> dict[str, Any]:
 def test_interleaved_training_equals_pytorch(world_size: int) -> None:
     """Two SGD steps of a 2-stage, 2-chunk interleaved pipeline (4 micro-batches), alone or
     with 2 data-parallel replicas per stage, give eager PyTorch's losses, gradients and
-    weights; the tied embedding's partial gradients from stage 0's chunk 0 and stage 1's chunk
-    1 are summed. Every rank runs every (chunk, micro-batch)'s forward, stashes, and idles for
-    part of the step."""
+    weights, then the trained model's loss and outputs; the tied embedding's partial
+    gradients from stage 0's chunk 0 and stage 1's chunk 1 are summed. Every rank runs every
+    (chunk, micro-batch)'s forward, stashes, and idles for part of the step."""
     ranks = spawn(_train, world_size, timeout_s=240)
     model, tokens, targets = _build()
     reference = copy.deepcopy(model)
@@ -176,8 +185,11 @@ def test_interleaved_training_equals_pytorch(world_size: int) -> None:
         for name, parameter in result["parameters"].items():
             torch.testing.assert_close(parameter, weights[name].detach(), msg=name)
     expected, _ = eager_step(reference, (tokens,), gpt_loss, (targets,))
+    with torch.no_grad():
+        logits = reference(tokens)
     for result in ranks:
         torch.testing.assert_close(result["eval_loss"], expected)
+        torch.testing.assert_close(result["logits"], logits)
     stages = [rank * 2 // world_size for rank in range(world_size)]
     assert [result["chunks"] for result in ranks] == [[s, s + 2] for s in stages]
     held = [set(result["parameters"]) for result in ranks]
