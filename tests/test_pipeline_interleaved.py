@@ -30,6 +30,7 @@ from fxpar.pipeline import (
     evaluate_split,
     ideal_bubble,
     max_in_flight,
+    modelled_bubble,
     simulate,
 )
 from fxpar.pipeline.schedule import forward_only
@@ -74,6 +75,11 @@ def test_interleaved_lists_are_complete_ordered_and_deadlock_free(
                 assert places == sorted(places)
         warmup = (chunks - 1) * stages + 2 * (stages - stage - 1)
         assert max_in_flight(instructions) == min(warmup + 1, count * chunks)
+    # With equal stages and free messages the order idles exactly (K-1)/(V M+K-1).
+    ideal = ideal_bubble(stages, count, chunks)
+    for forward, backward in ((1.0, 2.0), (1.0, 1.0)):
+        bubbles = modelled_bubble(schedules, forward, backward)
+        assert bubbles == pytest.approx([ideal] * stages)
 
 
 def test_the_simulator_follows_messages_around_the_wrap() -> None:
@@ -91,6 +97,17 @@ def test_the_simulator_follows_messages_around_the_wrap() -> None:
     early = (gradient, *(i for i in first if i != gradient))
     with pytest.raises(PipelineError, match="deadlocks"):
         simulate((early, second))
+    with pytest.raises(PipelineError, match="deadlocks"):
+        modelled_bubble((early, second))
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
+def test_the_modelled_bubble_of_one_chunk_schedules_is_the_textbook_one(name: str) -> None:
+    """GPipe and 1F1B idle (K-1)/(M+K-1) of a step with equal stages and free messages (the
+    interleaved lists' (K-1)/(V M+K-1) is checked over many shapes above)."""
+    for stages, count in [(1, 3), (2, 1), (2, 8), (4, 4), (4, 32), (5, 7)]:
+        bubbles = modelled_bubble(build_schedule(name, stages, count))  # type: ignore[arg-type]
+        assert bubbles == pytest.approx([ideal_bubble(stages, count)] * stages)
 
 
 def test_interleaving_options_are_checked() -> None:

@@ -283,3 +283,49 @@ def _describe(virtual: int, num_stages: int, chunks: int) -> str:
 def _check_peer(peer: int, count: int, instruction: Instruction) -> None:
     if not 0 <= peer < count:
         raise PipelineError(f"{instruction} has no peer stage {peer} in a {count}-stage pipe")
+
+
+def modelled_bubble(
+    schedules: Sequence[Sequence[Instruction]], forward: float = 1.0, backward: float = 2.0
+) -> list[float]:
+    """Per stage, the idle share of a step run by ``schedules`` on devices that take
+    ``forward`` and ``backward`` time for a stage's forward and backward of one micro-batch
+    (``1/V`` of that per chunk, with ``V`` chunks per stage) and exchange messages in no time:
+    the bubble the order itself makes. 1F1B's is ``(K-1)/(M+K-1)``, interleaved 1F1B's
+    ``(K-1)/(V M+K-1)`` (:func:`fxpar.pipeline.ideal_bubble`); a measured bubble above it is
+    the machine's (messages, stages of unequal cost, shared cores).
+
+    Raises:
+        PipelineError: the lists deadlock (check them with :func:`simulate` first).
+    """
+    num_stages = len(schedules)
+    chunks = 1 + max((i.chunk for instructions in schedules for i in instructions), default=0)
+    took = {Op.FORWARD: forward / chunks, Op.BACKWARD: backward / chunks}
+    clock, busy, cursor = [0.0] * num_stages, [0.0] * num_stages, [0] * num_stages
+    arrivals: dict[tuple[Op, int, int], float] = {}  # (receive, virtual stage, m) -> time
+    progressed = True
+    while progressed:
+        progressed = False
+        for stage, instructions in enumerate(schedules):
+            while cursor[stage] < len(instructions):
+                instruction = instructions[cursor[stage]]
+                op, m = instruction.op, instruction.microbatch
+                virtual = instruction.chunk * num_stages + stage
+                if op in (Op.RECV_ACTIVATION, Op.RECV_GRAD):
+                    arrival = arrivals.get((op, virtual, m))
+                    if arrival is None:
+                        break
+                    clock[stage] = max(clock[stage], arrival)
+                elif op in took:
+                    clock[stage] += took[op]
+                    busy[stage] += took[op]
+                elif op is Op.SEND_ACTIVATION:
+                    arrivals[(Op.RECV_ACTIVATION, virtual + 1, m)] = clock[stage]
+                elif op is Op.SEND_GRAD:
+                    arrivals[(Op.RECV_GRAD, virtual - 1, m)] = clock[stage]
+                cursor[stage] += 1
+                progressed = True
+    if any(cursor[s] < len(schedules[s]) for s in range(num_stages)):
+        raise PipelineError("the schedule deadlocks: simulate() says where")
+    end = max(clock, default=0.0)
+    return [1.0 - time / end if end else 0.0 for time in busy]
