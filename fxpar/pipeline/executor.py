@@ -21,7 +21,7 @@ of a machine) are recorded, for the bubble fraction and the timeline of :mod:`.t
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +34,7 @@ from fxpar.pipeline.split import StageProgram, Value
 
 _MAX_VALUES = 1024
 _ACTIVATION, _GRADIENT = 0, 1
+_MESSAGES = frozenset((Op.RECV_ACTIVATION, Op.SEND_ACTIVATION, Op.RECV_GRAD, Op.SEND_GRAD))
 
 
 @dataclass(frozen=True)
@@ -200,8 +201,13 @@ class StageWorker:
         parameters: Mapping[str, torch.Tensor],
         buffers: Mapping[str, torch.Tensor],
         microbatches: Sequence[Mapping[str, torch.Tensor]],
+        *,
+        check: Callable[[], None] | None = None,
     ) -> StageResult:
-        """One step over ``microbatches`` (this replica's pieces, by batch-tensor name)."""
+        """One step over ``microbatches`` (this replica's pieces, by batch-tensor name).
+        ``check`` (say, the comparison of every rank's batch, which raises on a mismatch) is
+        called before the first message is sent or received, or at the end of a list with
+        none: a step that fails it has exchanged nothing that a later step could receive."""
         clock = time.perf_counter
         trace = StageTrace(self.rank, self.stage, start=clock())
         buffers = dict(buffers)
@@ -219,6 +225,9 @@ class StageWorker:
         events = trace.events
         for instruction in self.instructions:
             op, m, c = instruction.op, instruction.microbatch, instruction.chunk
+            if check is not None and op in _MESSAGES:
+                check()
+                check = None
             start = clock()
             if op is Op.RECV_ACTIVATION or op is Op.RECV_GRAD:
                 received[(op, c, m)] = self._channels[c][op].recv(m)
@@ -255,6 +264,8 @@ class StageWorker:
             elif op is Op.FREE:
                 del stashes[(c, m)], stash_bytes[(c, m)]
             events.append(Event(op.value, m, start, clock(), c))
+        if check is not None:
+            check()
         for work, _payload in sends:
             work.wait()
         trace.end = clock()

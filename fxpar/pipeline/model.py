@@ -247,11 +247,8 @@ class PipelineModel:
         self.sharded: ShardedStage | None = trained.sharded
         state = named_state(model)
         check_same_model(state, names)
-        held = {
-            name
-            for chunk in pipeline.chunks_of(self.stage)
-            for name in self.split.stage_parameters(chunk) + self.split.stage_buffers(chunk)
-        }
+        split, own = self.split, pipeline.chunks_of(self.stage)
+        held = {n for c in own for n in split.stage_parameters(c) + split.stage_buffers(c)}
         mine = initial_pieces(
             model, names, {name: self._piece(name) for name in names if name in held}, init,
             distributed=self._distributed,
@@ -355,8 +352,8 @@ class PipelineModel:
                 # A copy, so clipping in place leaves :attr:`gradients` as computed.
                 self._add_gradient(name, self.gradients[name] * scale)
             return loss
-        step, tensors = self._training_step(batch, named_batch)
-        result = self._run(step, step.worker, tensors)
+        step, tensors, check = self._training_step(batch, named_batch)
+        result = self._run(step, step.worker, tensors, check)
         self.trace = result.trace
         for name in self.buffers:
             self.buffers[name] = result.buffers[name]
@@ -413,8 +410,8 @@ class PipelineModel:
         """The step without the update, and without touching ``.grad``: fills
         :attr:`gradients` and :attr:`trace`, updates buffers, returns the loss
         (:meth:`backward` is this, adding the gradients to ``.grad``)."""
-        step, tensors = self._training_step(batch, named_batch)
-        result = self._run(step, step.worker, tensors)
+        step, tensors, check = self._training_step(batch, named_batch)
+        result = self._run(step, step.worker, tensors, check)
         self.trace = result.trace
         for name in self.buffers:
             self.buffers[name] = result.buffers[name]
@@ -429,10 +426,10 @@ class PipelineModel:
         gradients), buffer updates are dropped, and random ops (dropout) draw what the next
         step will draw, the random state being left where it was. It equals the loss
         :meth:`step` reports for that batch. A collective: call it on every rank."""
-        step, tensors = self._training_step(batch, named_batch)
+        step, tensors, check = self._training_step(batch, named_batch)
         state = self.random.state
         try:
-            result = self._run(step, step.forward_worker, tensors)
+            result = self._run(step, step.forward_worker, tensors, check)
         finally:
             self.random.state = state
         return self._reduce_loss(step, result)
@@ -498,11 +495,11 @@ class PipelineModel:
 
     def _training_step(
         self, batch: Sequence[torch.Tensor], named: Mapping[str, torch.Tensor]
-    ) -> tuple[StageStep, list[torch.Tensor]]:
-        """The training step in the current mode for this global batch, and the batch's
-        tensors in the step's order, after checking that it binds and (with
-        ``check_batches``) that every rank holds the same one. A batch of other shapes than
-        the example's is captured and cut at the training split points on first sight, over
+    ) -> tuple[StageStep, list[torch.Tensor], Callable[[], None] | None]:
+        """The training step in the current mode for this global batch, its tensors in the
+        step's order once they bind, and (``check_batches``) the comparison with every rank's
+        batch, started here, to finish before the stage's first message. A batch of new
+        shapes is captured and cut at the training split points once the ranks agree, over
         the same state (:mod:`.steps`), and kept for the next batch of those shapes."""
         trained = self._cutter.trained.batch
         given = trained.given(batch, named)
@@ -510,15 +507,21 @@ class PipelineModel:
             trained.take(batch, named, check_ranks=self._check_ranks, rank=self.rank)
             raise AssertionError("take refuses a batch that given refused")  # pragma: no cover
         signature = BatchSignature(trained.names, given)
-        tensors = signature.take(batch, named, check_ranks=self._check_ranks, rank=self.rank)
+        checks: list[Callable[[], None]] = []
+        tensors = signature.take(
+            batch, named, check_ranks=self._check_ranks, rank=self.rank, defer=checks.append
+        )
         shapes = None if given == trained.metas else given
         key = ("train", self.training, shapes)
         step = self._steps.get(key)
+        if step is None or step.sharded is not None:  # collectives in the forward: agree first
+            while checks:
+                checks.pop()()
         if step is None:
             _batch_size(tensors, self.pipeline.microbatches * self.pipeline.data_parallel)
             step = self._cutter.training_step(self.training, tensors if shapes else None)
             self._steps[key] = step
-        return step, tensors
+        return step, tensors, checks[0] if checks else None
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale the accumulated gradients (the held parameters' ``.grad``) so that their
@@ -562,11 +565,17 @@ class PipelineModel:
         self.optimizer.zero_grad(set_to_none=True)
 
     def _run(
-        self, step: StageStep, worker: StageWorker, tensors: Sequence[torch.Tensor]
+        self, step: StageStep, worker: StageWorker, tensors: Sequence[torch.Tensor], check: Any
     ) -> StageResult:
-        """Cut this replica's micro-batches of the (checked) global batch and run ``worker``
-        (one of ``step``'s)."""
-        return worker.run(self.parameters, self.buffers, self._microbatches(step, tensors))
+        """Run ``worker`` (one of ``step``'s) on this replica's micro-batches, calling
+        ``check`` before its first message; a refused batch leaves the random state as it was."""
+        state = self.random.state
+        try:
+            microbatches = self._microbatches(step, tensors)
+            return worker.run(self.parameters, self.buffers, microbatches, check=check)
+        except BatchError:
+            self.random.state = state
+            raise
 
     @property
     def _check_ranks(self) -> bool:
