@@ -22,7 +22,7 @@ runtimes, whose steps alternate (one of each kind in turn) so that both see the 
 shared machine. Every process uses one thread; with more processes than cores (K=4 on a 2-core
 machine) stages share cores, which shows as extra idle time and caps the speedup.
 
-    python benchmarks/pipeline.py [--steps 5] [--timeline pipeline_{schedule}.png]
+    python benchmarks/pipeline.py [--steps 6] [--timeline pipeline_{schedule}.png]
 """
 
 from __future__ import annotations
@@ -110,18 +110,21 @@ class _TorchStage(nn.Module):
 
 def _timed(*runs: Any, steps: int) -> list[float]:
     """The median step time of each of ``runs``, timed in turn (one step of each, then the
-    next round), so that both runtimes see the same machine load, which drifts on a shared
-    machine; after a warm-up step of each (first-call allocations, lazy initialization)."""
+    next round), so that all see the same machine load, which drifts on a shared machine; each
+    round starts one further along, so none always runs first or after the same other (a step
+    right after another runtime's is slower). After a warm-up step of each (first-call
+    allocations, lazy initialization)."""
     for step in runs:
         step()
     times: list[list[float]] = [[] for _ in runs]
-    for _ in range(steps):
-        for step, taken in zip(runs, times, strict=True):
+    for round_ in range(steps):
+        for index in range(len(runs)):
+            index = (index + round_) % len(runs)
             if dist.is_initialized():
                 dist.barrier()
             start = time.perf_counter()
-            step()
-            taken.append(time.perf_counter() - start)
+            runs[index]()
+            times[index].append(time.perf_counter() - start)
     return [statistics.median(taken) for taken in times]
 
 
@@ -255,7 +258,7 @@ def _single_device_seconds(count: int, steps: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per case (median)")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per case (median)")
     parser.add_argument(
         "--timeline", default="pipeline_{schedule}.png", help="PNG path, {schedule} filled in"
     )
