@@ -8,9 +8,9 @@ busy computing; receives block. Together with :func:`fxpar.pipeline.schedule.sim
 of the lists, that rules out deadlock.
 
 Every message carries one tensor per :class:`~fxpar.pipeline.split.Value` of the channel, in
-the channel's order, with a tag made of the micro-batch, the chunk, the direction and the
-index, so messages cannot be confused even if the transport reorders them. The receiver
-allocates from the shapes recorded at capture time: nothing but the data travels. With the
+the channel's order, with a tag made of the micro-batch, the direction, the sending virtual
+stage and the index, so messages cannot be confused even if the transport reorders them. The
+receiver allocates from the shapes recorded at capture time: nothing but the data travels. With the
 interleaved schedule a worker runs several model chunks, each with its own programs and
 channels; the last stage's chunk ``c`` sends to stage 0's chunk ``c + 1``.
 
@@ -145,13 +145,13 @@ class _Channel:
 class StageWorker:
     """Runs the instruction list of one stage replica.
 
-    ``forward[c]``/``backward[c]`` are the programs of its chunk ``c`` (one chunk but with the
-    interleaved schedule), virtual stage ``c * num_stages + stage``. ``previous_rank`` and
-    ``next_rank`` are the ranks of the same replica index in the stages before and after
-    (None at the ends; with several chunks they wrap around, the last stage's next being
-    stage 0). A list without backwards
-    (``schedule.forward_only``) runs the forwards alone: it returns the losses (or a forward
-    program's outputs) and no gradients, and keeps no stash.
+    ``forward[c]``/``backward[c]`` are the programs of its chunk ``c``, virtual stage
+    ``c * num_stages + stage`` (a single chunk, except with the interleaved schedule).
+    ``previous_rank`` and ``next_rank`` are the ranks of the same replica index in the stages
+    before and after (None at the ends; with several chunks they wrap around, the last
+    stage's next being stage 0). A list without backwards (``schedule.forward_only``) runs the
+    forwards alone: it returns the losses (or a forward program's outputs) and no gradients,
+    and keeps no stash.
     """
 
     def __init__(
@@ -182,8 +182,8 @@ class StageWorker:
         virtual = [program.unit.stage for program in forward]
         if virtual != list(range(self.stage, count, num_stages)):
             raise PipelineError(
-                f"a stage of {num_stages} runs chunks {virtual} but must run every "
-                f"{num_stages}th virtual stage from its own"
+                f"stage {self.stage} of {num_stages} was given chunks {virtual}; it runs "
+                f"chunks {self.stage}, {self.stage} + {num_stages}, ... of the split"
             )
         # Tags name the sending virtual stage, which both ends of a message know.
         self._channels = [

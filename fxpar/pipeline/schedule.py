@@ -77,11 +77,12 @@ def build_schedule(
             f"and {num_microbatches} micro-batches"
         )
     if name == "interleaved":
-        if virtual_stages < 1 or num_microbatches % num_stages:
+        if virtual_stages < 1:
+            raise PipelineError(f"a stage needs at least one chunk, got {virtual_stages}")
+        if num_microbatches % num_stages:
             raise PipelineError(
                 f"the interleaved schedule runs micro-batches in groups of one per stage: "
-                f"{num_microbatches} micro-batches are not a multiple of {num_stages} stages "
-                f"(or {virtual_stages} chunks per stage is not positive)"
+                f"{num_microbatches} micro-batches are not a multiple of {num_stages} stages"
             )
         return tuple(
             _interleaved_list(stage, num_stages, virtual_stages, num_microbatches)
