@@ -2,23 +2,27 @@
 ``torch.distributed.pipelining``.
 
 For K in {2, 4} stages (one process per stage) and M in {1, 4, 8, 32} micro-batches of a fixed
-global batch, one run prints:
+global batch, one run prints, for 1F1B and (where K divides M) interleaved 1F1B with V=2 model
+chunks per stage:
 
-- the measured idle (bubble) fraction of every device during a 1F1B step, beside the ideal
-  ``(K-1)/(M+K-1)``;
+- the measured idle (bubble) fraction of every device during a step, beside the ideal
+  ``(K-1)/(M+K-1)`` (interleaved: ``(K-1)/(V M+K-1)``);
 - throughput normalized to K=1 (one process running the same M micro-batches one after the
   other), i.e. the pipeline's speedup;
 - the peak bytes of saved activations on the busiest stage, without and with remat;
 - fxpar's step time and ``torch.distributed.pipelining``'s (same model, stages, micro-batches,
-  schedule, on the same processes), and their ratio.
+  schedule, on the same processes: ``Schedule1F1B``, or ``ScheduleInterleaved1F1B`` over the
+  same 2K chunks), and their ratio, both without checking the batch (torch does not); and
+  fxpar's step time with its default check that every rank holds the same batch.
 
-It also writes a Gantt chart of one 1F1B step (K=4, M=8) as a PNG.
+It also writes Gantt charts of one 1F1B and one interleaved step (K=4, M=8) as PNGs.
 
 Steps are forward+backward+gradient reduction without the optimizer update, for both
-runtimes. Every process uses one thread; with more processes than cores (K=4 on a 2-core
+runtimes, whose steps alternate (one of each kind in turn) so that both see the same load on a
+shared machine. Every process uses one thread; with more processes than cores (K=4 on a 2-core
 machine) stages share cores, which shows as extra idle time and caps the speedup.
 
-    python benchmarks/pipeline.py [--steps 3] [--timeline pipeline_1f1b.png]
+    python benchmarks/pipeline.py [--steps 6] [--timeline pipeline_{schedule}.png]
 """
 
 from __future__ import annotations
@@ -47,13 +51,18 @@ BATCH, LENGTH = 32, 32
 MICROBATCHES = (1, 4, 8, 32)
 STAGES = (2, 4)
 TIMELINE_CASE = (4, 8)
+CHUNKS = 2  # model chunks per stage in the interleaved rows
+SCHEDULES = ("1f1b", "interleaved")
 
 
 @dataclass
 class RankRow:
-    """One rank's measurements for one (K, M)."""
+    """One rank's measurements for one (K, M, schedule)."""
 
+    schedule: str
+    count: int
     fxpar_seconds: float
+    checked_seconds: float
     torch_seconds: float
     peak_stash: int
     peak_stash_remat: int
@@ -99,22 +108,41 @@ class _TorchStage(nn.Module):
         return x
 
 
-def _timed(step: Any, steps: int) -> float:
-    step()  # warm-up: first-call allocations and lazy initialization
-    times = []
-    for _ in range(steps):
-        if dist.is_initialized():
-            dist.barrier()
-        start = time.perf_counter()
+def _timed(*runs: Any, steps: int) -> list[float]:
+    """The median step time of each of ``runs``, timed in turn (one step of each, then the
+    next round), so that all see the same machine load, which drifts on a shared machine; each
+    round starts one further along, so none always runs first or after the same other (a step
+    right after another runtime's is slower). After a warm-up step of each (first-call
+    allocations, lazy initialization)."""
+    for step in runs:
         step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    times: list[list[float]] = [[] for _ in runs]
+    for round_ in range(steps):
+        for index in range(len(runs)):
+            index = (index + round_) % len(runs)
+            if dist.is_initialized():
+                dist.barrier()
+            start = time.perf_counter()
+            runs[index]()
+            times[index].append(time.perf_counter() - start)
+    return [statistics.median(taken) for taken in times]
 
 
-def _fxpar_model(num_stages: int, count: int, remat: bool) -> tuple[PipelineModel, Any]:
+def _chunks(schedule: str) -> int:
+    return CHUNKS if schedule == "interleaved" else 1
+
+
+def _fxpar_model(
+    num_stages: int, count: int, schedule: str, remat: bool
+) -> tuple[PipelineModel, Any]:
     model, tokens, targets = _build()
+    chunks = _chunks(schedule)
     pipeline = Pipeline(
-        stages=_split_points(num_stages), microbatches=count, schedule="1f1b", remat=remat
+        stages=_split_points(num_stages * chunks),
+        microbatches=count,
+        schedule=schedule,  # type: ignore[arg-type]
+        remat=remat,
+        virtual_stages=chunks,
     )
     pipelined = PipelineModel(
         model, pipeline, (tokens,), gpt_loss, example_targets=(targets,), optimizer=SGD()
@@ -125,18 +153,26 @@ def _fxpar_model(num_stages: int, count: int, remat: bool) -> tuple[PipelineMode
 def _measure(rank: int, world_size: int, steps: int) -> list[RankRow]:
     torch.set_num_threads(1)
     rows = []
-    for count in MICROBATCHES:
-        pipelined, step = _fxpar_model(world_size, count, remat=False)
-        fxpar_seconds = _timed(step, steps)
+    for count, schedule in _cases(world_size):
+        pipelined, step = _fxpar_model(world_size, count, schedule, remat=False)
+        torch_step = _torch_step(rank, world_size, count, schedule)
+        # torch checks nothing of the batch: fxpar's ranks-hold-the-same-batch check (one
+        # all-gather per step) is timed apart.
+        fxpar_seconds, checked_seconds, torch_seconds = _timed(
+            _unchecked(pipelined, step), step, torch_step, steps=steps
+        )
         trace = pipelined.trace
         assert trace is not None
-        remat, remat_step = _fxpar_model(world_size, count, remat=True)
+        remat, remat_step = _fxpar_model(world_size, count, schedule, remat=True)
         remat_step()
         assert remat.trace is not None
         rows.append(
             RankRow(
+                schedule=schedule,
+                count=count,
                 fxpar_seconds=fxpar_seconds,
-                torch_seconds=_torch_seconds(rank, world_size, count, steps),
+                checked_seconds=checked_seconds,
+                torch_seconds=torch_seconds,
                 peak_stash=trace.peak_stash_bytes,
                 peak_stash_remat=remat.trace.peak_stash_bytes,
                 trace=trace,
@@ -145,26 +181,64 @@ def _measure(rank: int, world_size: int, steps: int) -> list[RankRow]:
     return rows
 
 
-def _torch_seconds(rank: int, world_size: int, count: int, steps: int) -> float:
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+def _unchecked(pipelined: PipelineModel, step: Any) -> Any:
+    """``step`` without the check that every rank holds the same batch."""
+
+    def run() -> None:
+        pipelined.check_batches = False
+        try:
+            step()
+        finally:
+            pipelined.check_batches = True
+
+    return run
+
+
+def _cases(num_stages: int) -> list[tuple[int, str]]:
+    """(M, schedule) in the order they run and print: interleaving needs K to divide M."""
+    return [
+        (count, schedule)
+        for count in MICROBATCHES
+        for schedule in SCHEDULES
+        if schedule == "1f1b" or count % num_stages == 0
+    ]
+
+
+def _torch_step(rank: int, world_size: int, count: int, schedule: str) -> Any:
+    """One step of ``torch.distributed.pipelining`` on this rank's stages, as a function."""
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
 
     model, tokens, targets = _build()
-    module = _TorchStage(model, rank, world_size)
-    stage = PipelineStage(module, rank, world_size, torch.device("cpu"))
-    # torch's 1F1B refuses M < K; with a single micro-batch both schedules are the same order.
-    kind = Schedule1F1B if count >= world_size else ScheduleGPipe
-    schedule = kind(stage, count, loss_fn=gpt_loss)
+    pieces = world_size * _chunks(schedule)
+    modules = [_TorchStage(model, chunk, pieces) for chunk in range(rank, pieces, world_size)]
+    stages = [
+        PipelineStage(module, chunk, pieces, torch.device("cpu"))
+        for chunk, module in zip(range(rank, pieces, world_size), modules, strict=True)
+    ]
+    runner: Any
+    if schedule == "interleaved":
+        runner = ScheduleInterleaved1F1B(stages, count, loss_fn=gpt_loss)
+    else:
+        # torch's 1F1B refuses M < K; with a single micro-batch both are the same order.
+        kind = Schedule1F1B if count >= world_size else ScheduleGPipe
+        runner = kind(stages[0], count, loss_fn=gpt_loss)
 
     def step() -> None:
-        module.zero_grad(set_to_none=True)
+        for module in modules:
+            module.zero_grad(set_to_none=True)
         if rank == 0:
-            schedule.step(tokens)
+            runner.step(tokens)
         elif rank == world_size - 1:
-            schedule.step(target=targets, losses=[])
+            runner.step(target=targets, losses=[])
         else:
-            schedule.step()
+            runner.step()
 
-    return _timed(step, steps)
+    return step
 
 
 def _single_device_seconds(count: int, steps: int) -> float:
@@ -178,56 +252,70 @@ def _single_device_seconds(count: int, steps: int) -> float:
         example_targets=(targets,),
         optimizer=SGD(),
     )
-    return _timed(lambda: pipelined.compute_gradients(tokens, targets), steps)
+    (seconds,) = _timed(lambda: pipelined.compute_gradients(tokens, targets), steps=steps)
+    return seconds
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per case (median)")
-    parser.add_argument("--timeline", default="pipeline_1f1b.png", help="PNG path")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per case (median)")
+    parser.add_argument(
+        "--timeline", default="pipeline_{schedule}.png", help="PNG path, {schedule} filled in"
+    )
     args = parser.parse_args()
 
     single = {count: _single_device_seconds(count, args.steps) for count in MICROBATCHES}
     print(
         f"GPT {CONFIG.n_layer} layers, width {CONFIG.n_embd}, batch {BATCH}x{LENGTH} tokens, "
-        f"1F1B, CPU gloo, 1 thread per process, {args.steps} timed steps (median)"
+        f"1F1B and interleaved 1F1B (V={CHUNKS}), CPU gloo, 1 thread per process, "
+        f"{args.steps} timed steps (median)"
     )
     header = (
-        f"{'K':>2} {'M':>3} | {'bubble per device (measured)':<30} {'mean':>5} {'ideal':>5} | "
+        f"{'K':>2} {'M':>3} {'schedule':<11} | {'bubble per device (measured)':<30} "
+        f"{'mean':>5} {'ideal':>5} | "
         f"{'speedup':>7} | {'stash KiB':>9} {'remat KiB':>9} | {'fxpar ms':>8} "
-        f"{'torch ms':>8} {'ratio':>5}"
+        f"{'torch ms':>8} {'ratio':>5} | {'checked':>8}"
     )
     print(header)
     print("-" * len(header))
     for num_stages in STAGES:
         per_rank = spawn(_measure, num_stages, args.steps)
-        for index, count in enumerate(MICROBATCHES):
+        for index, (count, schedule) in enumerate(_cases(num_stages)):
             rows = [ranks[index] for ranks in per_rank]
             bubbles = bubble_fractions([row.trace for row in rows])
             fxpar_seconds = max(row.fxpar_seconds for row in rows)
             torch_seconds = max(row.torch_seconds for row in rows)
+            checked_seconds = max(row.checked_seconds for row in rows)
+            ideal = ideal_bubble(num_stages, count, _chunks(schedule))
             print(
-                f"{num_stages:>2} {count:>3} | {' '.join(f'{b:.2f}' for b in bubbles):<30} "
-                f"{statistics.mean(bubbles):>5.2f} {ideal_bubble(num_stages, count):>5.2f} | "
+                f"{num_stages:>2} {count:>3} {schedule:<11} | "
+                f"{' '.join(f'{b:.2f}' for b in bubbles):<30} "
+                f"{statistics.mean(bubbles):>5.2f} {ideal:>5.2f} | "
                 f"{single[count] / fxpar_seconds:>6.2f}x | "
                 f"{max(r.peak_stash for r in rows) / 1024:>9.0f} "
                 f"{max(r.peak_stash_remat for r in rows) / 1024:>9.0f} | "
                 f"{fxpar_seconds * 1e3:>8.1f} {torch_seconds * 1e3:>8.1f} "
-                f"{fxpar_seconds / torch_seconds:>5.2f}"
+                f"{fxpar_seconds / torch_seconds:>5.2f} | {checked_seconds * 1e3:>8.1f}"
             )
             if (num_stages, count) == TIMELINE_CASE:
+                name = "1F1B" if schedule == "1f1b" else f"interleaved 1F1B (V={CHUNKS})"
                 plot_timeline(
                     [row.trace for row in rows],
-                    args.timeline,
-                    title=f"fxpar 1F1B, K={num_stages} stages, M={count} micro-batches",
+                    args.timeline.format(schedule=schedule),
+                    title=f"fxpar {name}, K={num_stages} stages, M={count} micro-batches",
                 )
     print(
-        "\nbubble: idle share of the step's wall time per device (ideal (K-1)/(M+K-1)); "
+        "\nbubble: idle share of the step's wall time per device (ideal (K-1)/(M+K-1), "
+        f"interleaved (K-1)/({CHUNKS}M+K-1)); "
         "speedup: K=1 step time at the same M / this step time; stash: peak saved-activation "
-        "bytes on the busiest stage; ratio: fxpar / torch.distributed.pipelining step time "
-        "(torch's ScheduleGPipe where M < K, which its Schedule1F1B refuses)"
+        "bytes on the busiest stage; ratio: fxpar / torch.distributed.pipelining step time, "
+        "both checking nothing of the batch (checked: fxpar's step time with its default "
+        "check that every rank holds the same batch, one all-gather per step) "
+        "(torch's ScheduleGPipe where M < K, which its Schedule1F1B refuses; "
+        "ScheduleInterleaved1F1B for interleaved)"
     )
-    print(f"timeline of a 1F1B step (K={TIMELINE_CASE[0]}, M={TIMELINE_CASE[1]}): {args.timeline}")
+    charts = ", ".join(args.timeline.format(schedule=schedule) for schedule in SCHEDULES)
+    print(f"timelines of a step (K={TIMELINE_CASE[0]}, M={TIMELINE_CASE[1]}): {charts}")
 
 
 if __name__ == "__main__":

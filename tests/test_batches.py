@@ -177,10 +177,12 @@ def _two_ranks(rank: int, world_size: int) -> dict[str, Any]:
     results["pipeline"] = pipelined.step(inputs, targets)
 
     other = (inputs + rank, targets)  # rank 1 is fed another batch
-    try:
+    results["loss before"] = pipelined.loss(inputs, targets)
+    try:  # compared during stage 0's first forward, before any message
         pipelined.step(*other)
     except BatchError as error:
         results["different"] = str(error)
+    results["loss after"] = pipelined.loss(inputs, targets)  # no stale message received
     try:  # compared while the step runs, up to its first collective, where both ranks raise
         parallel.step(*other)
     except BatchError as error:
@@ -208,6 +210,7 @@ def test_batches_are_checked_alike_on_every_rank() -> None:
         for name in ("different", "parallel different"):
             assert f"rank {rank} got a different batch than ranks [{1 - rank}]" in results[name]
         assert torch.isfinite(results["unchecked"])  # trained on a mixture, as asked
+        assert torch.equal(results["loss before"], results["loss after"])
     # Both would plan rank 1's new shape, but the ranks first compare batches, and both say
     # they differ (no rank goes on to plan alone and wait for the other).
     for rank in (0, 1):

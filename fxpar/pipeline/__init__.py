@@ -23,7 +23,14 @@ from fxpar.pipeline.executor import Event, StageTrace, StageWorker
 from fxpar.pipeline.model import PipelineModel
 from fxpar.pipeline.options import Pipeline, PipelineError
 from fxpar.pipeline.partition import Half, Partition, Unit, even_split_points, partition
-from fxpar.pipeline.schedule import Instruction, Op, build_schedule, max_in_flight, simulate
+from fxpar.pipeline.schedule import (
+    Instruction,
+    Op,
+    build_schedule,
+    max_in_flight,
+    modelled_bubble,
+    simulate,
+)
 from fxpar.pipeline.semantics import PipelineSemantics, pipeline_semantics
 from fxpar.pipeline.split import SplitProgram, StageProgram, split_program
 from fxpar.pipeline.steps import PassPlanner
@@ -53,6 +60,7 @@ __all__ = [
     "even_split_points",
     "ideal_bubble",
     "max_in_flight",
+    "modelled_bubble",
     "partition",
     "pipeline_semantics",
     "plan_stages",

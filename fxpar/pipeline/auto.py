@@ -342,6 +342,12 @@ def _cost_model(
     stage_planner: StagePlanner | None,
     extra_points: Sequence[str],
 ) -> StageCostModel:
+    if pipeline.schedule == "interleaved":
+        raise PipelineError(
+            "the stage DP prices one model chunk per stage (GPipe or 1F1B), not the "
+            "interleaved schedule: choose its split points yourself (K * virtual_stages - 1 "
+            "module names), or plan stages for schedule='1f1b'"
+        )
     atoms = Atoms.build(program, extra_points)
     if stage_planner is None:
         return StageCostModel(atoms, cluster, pipeline, optimizer_states)
@@ -370,6 +376,9 @@ def _problem(
     model: StageCostModel, starts: Sequence[int], devices: int, world: int
 ) -> StageProblem:
     stops = (*starts[1:], model.atoms.count)
+    schedule = model.pipeline.schedule
+    if schedule == "interleaved":
+        raise AssertionError("_cost_model refuses the interleaved schedule")
 
     def table(first: int, last: int, submesh: tuple[int, ...]) -> StageCost:
         return model.cost(starts[first], stops[last - 1], submesh[0])
@@ -381,7 +390,7 @@ def _problem(
         num_microbatches=model.pipeline.microbatches,
         costs=table,
         memory_limit=model.cluster.memory,
-        schedule=model.pipeline.schedule,
+        schedule=schedule,
     )
 
 

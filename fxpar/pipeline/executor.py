@@ -8,9 +8,11 @@ busy computing; receives block. Together with :func:`fxpar.pipeline.schedule.sim
 of the lists, that rules out deadlock.
 
 Every message carries one tensor per :class:`~fxpar.pipeline.split.Value` of the channel, in
-the channel's order, with a tag made of the micro-batch, the direction and the index, so
-messages cannot be confused even if the transport reorders them. The receiver allocates from
-the shapes recorded at capture time: nothing but the data travels.
+the channel's order, with a tag made of the micro-batch, the direction, the sending virtual
+stage and the index, so messages cannot be confused even if the transport reorders them. The
+receiver allocates from the shapes recorded at capture time: nothing but the data travels. With the
+interleaved schedule a worker runs several model chunks, each with its own programs and
+channels; the last stage's chunk ``c`` sends to stage 0's chunk ``c + 1``.
 
 Each instruction's start and end (``time.perf_counter``, which is one clock for all processes
 of a machine) are recorded, for the bubble fraction and the timeline of :mod:`.timeline`.
@@ -19,7 +21,7 @@ of a machine) are recorded, for the bubble fraction and the timeline of :mod:`.t
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,16 +34,18 @@ from fxpar.pipeline.split import StageProgram, Value
 
 _MAX_VALUES = 1024
 _ACTIVATION, _GRADIENT = 0, 1
+_MESSAGES = frozenset((Op.RECV_ACTIVATION, Op.SEND_ACTIVATION, Op.RECV_GRAD, Op.SEND_GRAD))
 
 
 @dataclass(frozen=True)
 class Event:
-    """One instruction as it ran: what, on which micro-batch, and when (seconds)."""
+    """One instruction as it ran: what, on which micro-batch (and chunk), and when (seconds)."""
 
     op: str
     microbatch: int
     start: float
     end: float
+    chunk: int = 0
 
 
 @dataclass
@@ -83,7 +87,15 @@ class StageResult:
 class _Channel:
     """The tensors one unit sends to, or receives from, a neighbouring rank."""
 
-    def __init__(self, values: Sequence[Value], peer: int | None, direction: int) -> None:
+    def __init__(
+        self,
+        values: Sequence[Value],
+        peer: int | None,
+        direction: int,
+        sender: int = 0,
+        senders: int = 1,
+    ) -> None:
+        """``sender``: the virtual stage that sends on this channel, of ``senders``."""
         if len(values) > _MAX_VALUES:
             raise PipelineError(
                 f"{len(values)} tensors cross one stage boundary; at most {_MAX_VALUES} are "
@@ -92,9 +104,11 @@ class _Channel:
         self.values = tuple(values)
         self.peer = peer
         self.direction = direction
+        self.sender, self.senders = sender, senders
 
     def _tag(self, microbatch: int, index: int) -> int:
-        return (microbatch * 2 + self.direction) * _MAX_VALUES + index
+        message = (microbatch * 2 + self.direction) * self.senders + self.sender
+        return message * _MAX_VALUES + index
 
     def send(self, tensors: Sequence[torch.Tensor], microbatch: int) -> list[Any]:
         if not self.values:
@@ -131,94 +145,134 @@ class _Channel:
 class StageWorker:
     """Runs the instruction list of one stage replica.
 
-    ``previous_rank``/``next_rank`` are the ranks of the same replica index in the stages
-    before and after (None at the ends). A list without backwards (``schedule.forward_only``)
-    runs the forwards alone: it returns the losses (or a forward program's outputs) and no
-    gradients, and keeps no stash.
+    ``forward[c]``/``backward[c]`` are the programs of its chunk ``c``, virtual stage
+    ``c * num_stages + stage`` (a single chunk, except with the interleaved schedule).
+    ``previous_rank`` and ``next_rank`` are the ranks of the same replica index in the stages
+    before and after (None at the ends; with several chunks they wrap around, the last
+    stage's next being stage 0). A list without backwards (``schedule.forward_only``) runs the
+    forwards alone: it returns the losses (or a forward program's outputs) and no gradients,
+    and keeps no stash.
     """
 
     def __init__(
         self,
-        forward: StageProgram,
-        backward: StageProgram,
+        forward: Sequence[StageProgram],
+        backward: Sequence[StageProgram],
         instructions: Sequence[Instruction],
         *,
         rank: int,
         previous_rank: int | None,
         next_rank: int | None,
+        num_stages: int,
     ) -> None:
-        self.forward = forward
-        self.backward = backward
+        if len(forward) != len(backward) or not forward:
+            raise PipelineError(
+                f"a stage needs as many backward as forward chunks, got {len(forward)} and "
+                f"{len(backward)}"
+            )
+        self.forward = tuple(forward)
+        self.backward = tuple(backward)
         self.instructions = tuple(instructions)
-        self._backwards = frozenset(i.microbatch for i in self.instructions if i.op is Op.BACKWARD)
+        self._backwards = frozenset(
+            (i.chunk, i.microbatch) for i in self.instructions if i.op is Op.BACKWARD
+        )
         self.rank = rank
-        self.stage = forward.unit.stage
-        self._activations_in = _Channel(forward.received, previous_rank, _ACTIVATION)
-        self._activations_out = _Channel(forward.sent, next_rank, _ACTIVATION)
-        self._gradients_in = _Channel(backward.received, next_rank, _GRADIENT)
-        self._gradients_out = _Channel(backward.sent, previous_rank, _GRADIENT)
+        self.stage = forward[0].unit.stage
+        count = num_stages * len(forward)
+        virtual = [program.unit.stage for program in forward]
+        if virtual != list(range(self.stage, count, num_stages)):
+            raise PipelineError(
+                f"stage {self.stage} of {num_stages} was given chunks {virtual}; it runs "
+                f"chunks {self.stage}, {self.stage} + {num_stages}, ... of the split"
+            )
+        # Tags name the sending virtual stage, which both ends of a message know.
+        self._channels = [
+            {
+                Op.RECV_ACTIVATION: _Channel(f.received, previous_rank, _ACTIVATION, v - 1, count),
+                Op.SEND_ACTIVATION: _Channel(f.sent, next_rank, _ACTIVATION, v, count),
+                Op.RECV_GRAD: _Channel(b.received, next_rank, _GRADIENT, v + 1, count),
+                Op.SEND_GRAD: _Channel(b.sent, previous_rank, _GRADIENT, v, count),
+            }
+            for v, f, b in zip(virtual, forward, backward, strict=True)
+        ]
 
     def run(
         self,
         parameters: Mapping[str, torch.Tensor],
         buffers: Mapping[str, torch.Tensor],
         microbatches: Sequence[Mapping[str, torch.Tensor]],
+        *,
+        check: Callable[[], None] | None = None,
     ) -> StageResult:
-        """One step over ``microbatches`` (this replica's pieces, by batch-tensor name)."""
+        """One step over ``microbatches`` (this replica's pieces, by batch-tensor name).
+        ``check`` (say, the comparison of every rank's batch, which raises on a mismatch) is
+        called before the first message is sent or received, or at the end of a list with
+        none: a step that fails it has exchanged nothing that a later step could receive."""
         clock = time.perf_counter
         trace = StageTrace(self.rank, self.stage, start=clock())
         buffers = dict(buffers)
-        received: dict[tuple[Op, int], tuple[torch.Tensor, ...]] = {}
-        outgoing: dict[tuple[Op, int], tuple[torch.Tensor, ...]] = {}
-        stashes: dict[int, tuple[torch.Tensor, ...]] = {}
-        stash_bytes: dict[int, int] = {}
+        # Keyed by chunk and micro-batch (and the op that fills or drains them).
+        received: dict[tuple[Op, int, int], tuple[torch.Tensor, ...]] = {}
+        outgoing: dict[tuple[Op, int, int], tuple[torch.Tensor, ...]] = {}
+        stashes: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        stash_bytes: dict[tuple[int, int], int] = {}
         parameter_storages = {p.untyped_storage().data_ptr() for p in parameters.values()}
         gradients: dict[str, torch.Tensor] = {}
+        summed: set[str] = set()  # gradients that are sums this run made, added to in place
         losses: list[torch.Tensor] = []
         outputs: dict[int, tuple[torch.Tensor, ...]] = {}
         sends: list[Any] = []
+        events = trace.events
         for instruction in self.instructions:
-            op, m = instruction.op, instruction.microbatch
+            op, m, c = instruction.op, instruction.microbatch, instruction.chunk
+            if check is not None and op in _MESSAGES:
+                check()
+                check = None
             start = clock()
-            if op is Op.RECV_ACTIVATION:
-                received[(op, m)] = self._activations_in.recv(m)
-            elif op is Op.RECV_GRAD:
-                received[(op, m)] = self._gradients_in.recv(m)
+            if op is Op.RECV_ACTIVATION or op is Op.RECV_GRAD:
+                received[(op, c, m)] = self._channels[c][op].recv(m)
             elif op is Op.FORWARD:
-                inputs = received.pop((Op.RECV_ACTIVATION, m), ())
-                out = self.forward.run(parameters, buffers, microbatches[m], inputs)
-                outgoing[(Op.SEND_ACTIVATION, m)] = out.sent
-                if m in self._backwards:  # else a forward-only list: nothing reads the stash
-                    stashes[m] = out.stashed
-                    stash_bytes[m] = _storage_bytes(out.stashed, parameter_storages)
+                program = self.forward[c]
+                inputs = received.pop((Op.RECV_ACTIVATION, c, m), ())
+                out = program.run(parameters, buffers, microbatches[m], inputs)
+                outgoing[(Op.SEND_ACTIVATION, c, m)] = out.sent
+                if (c, m) in self._backwards:  # else a forward-only list: no stash is read
+                    stashes[(c, m)] = out.stashed
+                    stash_bytes[(c, m)] = _storage_bytes(out.stashed, parameter_storages)
                     peak = max(trace.peak_stash_bytes, sum(stash_bytes.values()))
                     trace.peak_stash_bytes = peak
                 buffers.update(out.buffer_updates)
                 if out.loss is not None:
                     losses.append(out.loss)
-                if self.forward.outputs:
+                if program.outputs:
                     outputs[m] = out.outputs
             elif op is Op.BACKWARD:
-                inputs = received.pop((Op.RECV_GRAD, m), ())
-                out = self.backward.run(parameters, {}, microbatches[m], inputs, stashes[m])
-                outgoing[(Op.SEND_GRAD, m)] = out.sent
+                inputs = received.pop((Op.RECV_GRAD, c, m), ())
+                out = self.backward[c].run(parameters, {}, microbatches[m], inputs, stashes[(c, m)])
+                outgoing[(Op.SEND_GRAD, c, m)] = out.sent
                 for name, gradient in out.gradients.items():
                     total = gradients.get(name)
-                    gradients[name] = gradient if total is None else total + gradient
-            elif op is Op.SEND_ACTIVATION:
-                sends += self._activations_out.send(outgoing.pop((op, m)), m)
-            elif op is Op.SEND_GRAD:
-                sends += self._gradients_out.send(outgoing.pop((op, m)), m)
+                    if total is None:  # may alias what a program still holds: not written
+                        gradients[name] = gradient
+                    elif name in summed:
+                        total.add_(gradient)
+                    else:
+                        gradients[name] = total + gradient
+                        summed.add(name)
+            elif op is Op.SEND_ACTIVATION or op is Op.SEND_GRAD:
+                sends += self._channels[c][op].send(outgoing.pop((op, c, m)), m)
             elif op is Op.FREE:
-                del stashes[m], stash_bytes[m]
-            trace.events.append(Event(op.value, m, start, clock()))
+                del stashes[(c, m)], stash_bytes[(c, m)]
+            events.append(Event(op.value, m, start, clock(), c))
+        if check is not None:
+            check()
         for work, _payload in sends:
             work.wait()
         trace.end = clock()
         if stashes or received:
             raise PipelineError(
-                f"stage {self.stage}'s schedule left micro-batches {sorted(stashes)} stashed or "
-                f"{sorted(received)} received but unused"
+                f"stage {self.stage}'s schedule left (chunk, micro-batch) {sorted(stashes)} "
+                f"stashed or {sorted(received)} received but unused"
             )
         return StageResult(
             loss_sum=torch.stack(losses).sum() if losses else None,

@@ -3,7 +3,7 @@
 It reads like the runtime half of DESIGN.md's pipeline::
 
     capture at micro-batch size -> partition into stages -> split into forward/backward
-    programs -> schedule (GPipe or 1F1B) -> this rank's StageWorker -> reduce -> update
+    programs -> schedule (GPipe, 1F1B, interleaved) -> this rank's StageWorker -> reduce -> update
 
 Ranks are laid out stage-major: stage ``s`` runs on ranks ``s*D .. s*D + D-1`` for ``D``
 devices per stage (``Pipeline.data_parallel``), and replica ``d`` of every stage forms one
@@ -153,11 +153,12 @@ class PipelineModel:
         self.pipeline = pipeline
         self.check_batches = check_batches
         self.optimizer_spec = check_optimizer(optimizer if optimizer is not None else AdamW())
-        if stage_cluster is not None and pipeline.data_parallel != 1:
+        if stage_cluster is not None and pipeline.data_parallel * pipeline.virtual_stages > 1:
             raise PipelineError(
-                f"{pipeline} asks for data_parallel={pipeline.data_parallel} replicas and a "
-                f"stage mesh {stage_cluster.mesh_shape}: choose one; a plan on the stage mesh "
-                "can itself be data-parallel"
+                f"{pipeline} asks for data_parallel={pipeline.data_parallel} replicas or "
+                f"virtual_stages={pipeline.virtual_stages} chunks per stage, and a stage mesh "
+                f"{stage_cluster.mesh_shape}: choose one (a plan on the stage mesh can itself "
+                "be data-parallel; stage meshes run one chunk per stage)"
             )
         self.stage_cluster = stage_cluster
         per_stage = stage_cluster.world_size if stage_cluster else pipeline.data_parallel
@@ -202,12 +203,13 @@ class PipelineModel:
             self.plan = planner(program, stage_cluster)
             program = self.plan.program
         stages = pipeline.stages
-        points = even_split_points(program, stages) if isinstance(stages, int) else stages
+        chunks = pipeline.num_chunks
+        points = even_split_points(program, chunks) if isinstance(stages, int) else stages
         self.split: SplitProgram = split_program(
             program, partition(program, points), remat=pipeline.remat
         )
         self.schedule = build_schedule(
-            pipeline.schedule, pipeline.num_stages, pipeline.microbatches
+            pipeline.schedule, pipeline.num_stages, pipeline.microbatches, pipeline.virtual_stages
         )
         simulate(self.schedule)
         self.signature = program.signature
@@ -232,10 +234,11 @@ class PipelineModel:
         communicator: Communicator = OneDeviceCommunicator()
         if self._device_mesh is not None:
             communicator = ProcessGroupCommunicator(self._device_mesh)
+        before, after = pipeline.neighbour(self.stage, -1), pipeline.neighbour(self.stage, 1)
         layout = StageLayout(
             pipeline, self.schedule, self.stage, self.rank, per_stage,
-            previous_rank=self.rank - per_stage if self.stage > 0 else None,
-            next_rank=self.rank + per_stage if self.stage < pipeline.num_stages - 1 else None,
+            previous_rank=None if before is None else before * per_stage + local,
+            next_rank=None if after is None else after * per_stage + local,
             stage_cluster=stage_cluster, coordinate=self.coordinate, communicator=communicator,
             distributed=distributed,
         )  # fmt: skip
@@ -249,9 +252,8 @@ class PipelineModel:
         self.sharded: ShardedStage | None = trained.sharded
         state = named_state(model)
         check_same_model(state, names)
-        held = set(self.split.stage_parameters(self.stage)) | set(
-            self.split.stage_buffers(self.stage)
-        )
+        split, own = self.split, pipeline.chunks_of(self.stage)
+        held = {n for c in own for n in split.stage_parameters(c) + split.stage_buffers(c)}
         mine = initial_pieces(
             model, names, {name: self._piece(name) for name in names if name in held}, init,
             distributed=self._distributed,
@@ -355,8 +357,8 @@ class PipelineModel:
                 # A copy, so clipping in place leaves :attr:`gradients` as computed.
                 self._add_gradient(name, self.gradients[name] * scale)
             return loss
-        step, tensors = self._training_step(batch, named_batch)
-        result = self._run(step, step.worker, tensors)
+        step, tensors, check = self._training_step(batch, named_batch)
+        result = self._run(step, step.worker, tensors, check)
         self.trace = result.trace
         for name in self.buffers:
             self.buffers[name] = result.buffers[name]
@@ -413,8 +415,8 @@ class PipelineModel:
         """The step without the update, and without touching ``.grad``: fills
         :attr:`gradients` and :attr:`trace`, updates buffers, returns the loss
         (:meth:`backward` is this, adding the gradients to ``.grad``)."""
-        step, tensors = self._training_step(batch, named_batch)
-        result = self._run(step, step.worker, tensors)
+        step, tensors, check = self._training_step(batch, named_batch)
+        result = self._run(step, step.worker, tensors, check)
         self.trace = result.trace
         for name in self.buffers:
             self.buffers[name] = result.buffers[name]
@@ -429,10 +431,10 @@ class PipelineModel:
         gradients), buffer updates are dropped, and random ops (dropout) draw what the next
         step will draw, the random state being left where it was. It equals the loss
         :meth:`step` reports for that batch. A collective: call it on every rank."""
-        step, tensors = self._training_step(batch, named_batch)
+        step, tensors, check = self._training_step(batch, named_batch)
         state = self.random.state
         try:
-            result = self._run(step, step.forward_worker, tensors)
+            result = self._run(step, step.forward_worker, tensors, check)
         finally:
             self.random.state = state
         return self._reduce_loss(step, result)
@@ -498,11 +500,11 @@ class PipelineModel:
 
     def _training_step(
         self, batch: Sequence[torch.Tensor], named: Mapping[str, torch.Tensor]
-    ) -> tuple[StageStep, list[torch.Tensor]]:
-        """The training step in the current mode for this global batch, and the batch's
-        tensors in the step's order, after checking that it binds and (with
-        ``check_batches``) that every rank holds the same one. A batch of other shapes than
-        the example's is captured and cut at the training split points on first sight, over
+    ) -> tuple[StageStep, list[torch.Tensor], Callable[[], None] | None]:
+        """The training step in the current mode for this global batch, its tensors in the
+        step's order once they bind, and (``check_batches``) the comparison with every rank's
+        batch, started here, to finish before the stage's first message. A batch of new
+        shapes is captured and cut at the training split points once the ranks agree, over
         the same state (:mod:`.steps`), and kept for the next batch of those shapes."""
         trained = self._cutter.trained.batch
         given = trained.given(batch, named)
@@ -510,15 +512,21 @@ class PipelineModel:
             trained.take(batch, named, check_ranks=self._check_ranks, rank=self.rank)
             raise AssertionError("take refuses a batch that given refused")  # pragma: no cover
         signature = BatchSignature(trained.names, given)
-        tensors = signature.take(batch, named, check_ranks=self._check_ranks, rank=self.rank)
+        checks: list[Callable[[], None]] = []
+        tensors = signature.take(
+            batch, named, check_ranks=self._check_ranks, rank=self.rank, defer=checks.append
+        )
         shapes = None if given == trained.metas else given
         key = ("train", self.training, shapes)
         step = self._steps.get(key)
+        if step is None or step.sharded is not None:  # collectives in the forward: agree first
+            while checks:
+                checks.pop()()
         if step is None:
             _batch_size(tensors, self.pipeline.microbatches * self.pipeline.data_parallel)
             step = self._cutter.training_step(self.training, tensors if shapes else None)
             self._steps[key] = step
-        return step, tensors
+        return step, tensors, checks[0] if checks else None
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale the accumulated gradients (the held parameters' ``.grad``) so that their
@@ -562,11 +570,17 @@ class PipelineModel:
         self.optimizer.zero_grad(set_to_none=True)
 
     def _run(
-        self, step: StageStep, worker: StageWorker, tensors: Sequence[torch.Tensor]
+        self, step: StageStep, worker: StageWorker, tensors: Sequence[torch.Tensor], check: Any
     ) -> StageResult:
-        """Cut this replica's micro-batches of the (checked) global batch and run ``worker``
-        (one of ``step``'s)."""
-        return worker.run(self.parameters, self.buffers, self._microbatches(step, tensors))
+        """Run ``worker`` (one of ``step``'s) on this replica's micro-batches, calling
+        ``check`` before its first message; a refused batch leaves the random state as it was."""
+        state = self.random.state
+        try:
+            microbatches = self._microbatches(step, tensors)
+            return worker.run(self.parameters, self.buffers, microbatches, check=check)
+        except BatchError:
+            self.random.state = state
+            raise
 
     @property
     def _check_ranks(self) -> bool:
@@ -594,7 +608,7 @@ class PipelineModel:
     def _counts_in_norm(self, name: str) -> bool:
         """Whether this rank counts its piece of ``name``'s gradient in the global norm: one
         rank of those holding the same piece does."""
-        if self.split.holders[name][0] != self.stage or self.replica != 0:
+        if self.pipeline.stage_of(self.split.holders[name][0]) != self.stage or self.replica:
             return False
         if self.sharded is None:
             return True
@@ -728,8 +742,10 @@ class PipelineModel:
                     stage_group = group
         shared: dict[str, Any] = {}
         by_holders: dict[tuple[int, ...], list[str]] = {}
-        for name, holders in self.split.shared_parameters().items():
-            by_holders.setdefault(holders, []).append(name)
+        for name, chunks in self.split.shared_parameters().items():
+            holders = tuple(sorted({self.pipeline.stage_of(chunk) for chunk in chunks}))
+            if len(holders) > 1:  # else chunks of one stage, whose worker adds the gradients
+                by_holders.setdefault(holders, []).append(name)
         for holders, names in by_holders.items():
             for local in range(per_stage):
                 ranks = [stage * per_stage + local for stage in holders]

@@ -8,8 +8,8 @@ from typing import Literal
 
 from fxpar.errors import FxparError
 
-ScheduleName = Literal["gpipe", "1f1b"]
-SCHEDULES: tuple[ScheduleName, ...] = ("gpipe", "1f1b")
+ScheduleName = Literal["gpipe", "1f1b", "interleaved"]
+SCHEDULES: tuple[ScheduleName, ...] = ("gpipe", "1f1b", "interleaved")
 
 
 class PipelineError(FxparError):
@@ -32,11 +32,17 @@ class Pipeline:
             micro-batches. The bubble is ``(K-1)/(M+K-1)`` of the step: choose ``M >= 4 K``.
         schedule: ``"gpipe"`` (all forwards, then all backwards: ``M`` micro-batches of
             activations in flight) or ``"1f1b"`` (one forward, one backward: at most ``K - s``
-            in flight on stage ``s``). Both compute the same step.
+            in flight on stage ``s``), or ``"interleaved"`` (1F1B over ``virtual_stages``
+            model chunks per stage: a smaller bubble for more messages). All compute the
+            same step.
         remat: keep only the activations that cross stage boundaries and recompute the rest of
             a stage's forward inside its backward (about a third more compute, far less memory).
         data_parallel: devices per stage; each holds a copy of the stage and takes an equal
             piece of every micro-batch, and their gradients are all-reduced once per step.
+        virtual_stages: ``V``, model chunks per stage, for the interleaved schedule only: the
+            model is cut into ``K * V`` chunks and stage ``s`` runs chunks ``s, s + K, ...,
+            s + (V-1) K`` (split points: ``K * V - 1`` module names). The bubble shrinks to
+            about ``(K-1)/(V M + K-1)``; ``M`` must be a multiple of ``K``.
     """
 
     stages: int | tuple[str, ...] | Literal["auto"] = 2
@@ -44,6 +50,7 @@ class Pipeline:
     schedule: ScheduleName = "1f1b"
     remat: bool = False
     data_parallel: int = 1
+    virtual_stages: int = 1
 
     def __post_init__(self) -> None:
         if self.stages == "auto":
@@ -63,6 +70,40 @@ class Pipeline:
             raise PipelineError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.data_parallel < 1:
             raise PipelineError(f"data_parallel must be >= 1, got {self.data_parallel}")
+        self._check_interleaving()
+
+    def _check_interleaving(self) -> None:
+        chunks = self.virtual_stages
+        if self.schedule != "interleaved":
+            if chunks != 1:
+                raise PipelineError(
+                    f"virtual_stages={chunks} needs schedule='interleaved' (got "
+                    f"{self.schedule!r}, which runs one model chunk per stage)"
+                )
+            return
+        if not isinstance(chunks, int) or chunks < 2:
+            raise PipelineError(
+                f"the interleaved schedule needs virtual_stages >= 2 model chunks per stage, "
+                f"got {chunks!r} (with one chunk per stage, use schedule='1f1b')"
+            )
+        if self.stages == "auto":
+            raise PipelineError(
+                "stages='auto' cannot plan the interleaved schedule (the stage DP prices one "
+                "chunk per stage): give stages=K or K * virtual_stages - 1 split points"
+            )
+        if isinstance(self.stages, tuple) and (len(self.stages) + 1) % chunks:
+            raise PipelineError(
+                f"{len(self.stages)} split points make {len(self.stages) + 1} chunks, which "
+                f"do not divide into {chunks} per stage: give K * {chunks} - 1 split points"
+            )
+        if self.num_stages < 2:
+            raise PipelineError("the interleaved schedule needs at least 2 stages")
+        if self.microbatches % self.num_stages:
+            raise PipelineError(
+                f"the interleaved schedule runs micro-batches in groups of one per stage: "
+                f"microbatches={self.microbatches} must be a multiple of the "
+                f"{self.num_stages} stages"
+            )
 
     @property
     def num_stages(self) -> int:
@@ -71,7 +112,30 @@ class Pipeline:
                 "stages='auto' has no number of stages until it is planned: fxpar.compile "
                 "does that, or call fxpar.pipeline.plan_stages"
             )
-        return self.stages if isinstance(self.stages, int) else len(self.stages) + 1
+        if isinstance(self.stages, int):
+            return self.stages
+        return (len(self.stages) + 1) // self.virtual_stages
+
+    @property
+    def num_chunks(self) -> int:
+        """Pieces the model is cut into: ``num_stages * virtual_stages``."""
+        return self.num_stages * self.virtual_stages
+
+    def chunks_of(self, stage: int) -> tuple[int, ...]:
+        """The pieces of the split (its stages) that stage ``stage`` runs, in chunk order:
+        ``stage, stage + K, ..., stage + (V-1) K``."""
+        return tuple(range(stage, self.num_chunks, self.num_stages))
+
+    def neighbour(self, stage: int, step: int) -> int | None:
+        """The stage ``step`` (1 or -1) after ``stage`` that activations (1) or gradients (-1)
+        go to; None past the ends, around which the interleaved schedule's messages wrap."""
+        if self.virtual_stages > 1:
+            return (stage + step) % self.num_stages
+        return stage + step if 0 <= stage + step < self.num_stages else None
+
+    def stage_of(self, chunk: int) -> int:
+        """The stage that runs piece ``chunk`` of the split."""
+        return chunk % self.num_stages
 
     @property
     def world_size(self) -> int:

@@ -12,6 +12,16 @@ micro-batches at once. 1F1B (PipeDream-flush) lets stage ``s`` run ``K - s - 1``
 forwards, then alternates one forward and one backward, and ends with the remaining backwards:
 at most ``min(K - s, M)`` stashes are alive, for the same bubble ``(K-1)/(M+K-1)`` when forward
 and backward times are equal across stages.
+
+Interleaved 1F1B (Megatron-LM's) cuts the model into ``K V`` chunks and gives stage ``s`` the
+``V`` chunks ``s, s + K, ..., s + (V-1) K``: an instruction names its chunk (the local index
+``c``; its place in the model, the *virtual stage*, is ``c K + s``), and a message from the
+last stage's chunk ``c`` goes to stage 0's chunk ``c + 1``. Each stage runs forwards in groups
+of ``K`` micro-batches, cycling through its chunks (micro-batches ``0..K-1`` on chunk 0, the
+same on chunk 1, ..., then ``K..2K-1`` on chunk 0), and backwards in the same groups from its
+last chunk down, with ``(V-1) K + 2 (K-s-1)`` warm-up forwards, then one forward and one
+backward in turn. A chunk is ``1/V`` of a stage's work, so the fill and drain shrink ``V``
+times: the bubble is about ``(K-1)/(V M + K-1)``, for ``V`` times more messages.
 """
 
 from __future__ import annotations
@@ -38,21 +48,26 @@ class Op(enum.Enum):
 class Instruction:
     op: Op
     microbatch: int
+    chunk: int = 0
+    """Which of the stage's model chunks it is for (0 but in the interleaved schedule)."""
 
     def __str__(self) -> str:
-        return f"{self.op.value}({self.microbatch})"
+        chunk = f", chunk {self.chunk}" if self.chunk else ""
+        return f"{self.op.value}({self.microbatch}{chunk})"
 
 
 StageSchedule = tuple[Instruction, ...]
 
 
 def build_schedule(
-    name: ScheduleName, num_stages: int, num_microbatches: int
+    name: ScheduleName, num_stages: int, num_microbatches: int, virtual_stages: int = 1
 ) -> tuple[StageSchedule, ...]:
-    """The instruction list of every stage, by stage.
+    """The instruction list of every stage, by stage (``virtual_stages``: chunks per stage,
+    for ``"interleaved"``).
 
     Raises:
-        PipelineError: an unknown schedule name or a non-positive count.
+        PipelineError: an unknown schedule name, a non-positive count, or an interleaved
+            schedule whose micro-batches are not a multiple of its stages.
     """
     if name not in SCHEDULES:
         raise PipelineError(f"unknown schedule {name!r}; choose one of {SCHEDULES}")
@@ -61,25 +76,48 @@ def build_schedule(
             f"a pipeline needs at least one stage and one micro-batch, got {num_stages} stages "
             f"and {num_microbatches} micro-batches"
         )
+    if name == "interleaved":
+        if virtual_stages < 1:
+            raise PipelineError(f"a stage needs at least one chunk, got {virtual_stages}")
+        if num_microbatches % num_stages:
+            raise PipelineError(
+                f"the interleaved schedule runs micro-batches in groups of one per stage: "
+                f"{num_microbatches} micro-batches are not a multiple of {num_stages} stages"
+            )
+        return tuple(
+            _interleaved_list(stage, num_stages, virtual_stages, num_microbatches)
+            for stage in range(num_stages)
+        )
+    if virtual_stages != 1:
+        raise PipelineError(f"the {name} schedule runs one chunk per stage, not {virtual_stages}")
     return tuple(
         _stage_list(name, stage, num_stages, num_microbatches) for stage in range(num_stages)
     )
 
 
-def _stage_list(name: ScheduleName, stage: int, num_stages: int, count: int) -> StageSchedule:
-    first, last = stage == 0, stage == num_stages - 1
+def _forward(m: int, chunk: int, virtual: int, chunks: int) -> list[Instruction]:
+    """Receive, run and send on one forward of virtual stage ``virtual`` of ``chunks``."""
+    steps = [Instruction(Op.RECV_ACTIVATION, m, chunk)] if virtual > 0 else []
+    steps.append(Instruction(Op.FORWARD, m, chunk))
+    if virtual < chunks - 1:
+        steps.append(Instruction(Op.SEND_ACTIVATION, m, chunk))
+    return steps
 
+
+def _backward(m: int, chunk: int, virtual: int, chunks: int) -> list[Instruction]:
+    steps = [Instruction(Op.RECV_GRAD, m, chunk)] if virtual < chunks - 1 else []
+    steps.append(Instruction(Op.BACKWARD, m, chunk))
+    if virtual > 0:
+        steps.append(Instruction(Op.SEND_GRAD, m, chunk))
+    return [*steps, Instruction(Op.FREE, m, chunk)]
+
+
+def _stage_list(name: ScheduleName, stage: int, num_stages: int, count: int) -> StageSchedule:
     def forward(m: int) -> list[Instruction]:
-        steps = [] if first else [Instruction(Op.RECV_ACTIVATION, m)]
-        steps.append(Instruction(Op.FORWARD, m))
-        return steps if last else [*steps, Instruction(Op.SEND_ACTIVATION, m)]
+        return _forward(m, 0, stage, num_stages)
 
     def backward(m: int) -> list[Instruction]:
-        steps = [] if last else [Instruction(Op.RECV_GRAD, m)]
-        steps.append(Instruction(Op.BACKWARD, m))
-        if not first:
-            steps.append(Instruction(Op.SEND_GRAD, m))
-        return [*steps, Instruction(Op.FREE, m)]
+        return _backward(m, 0, stage, num_stages)
 
     instructions: list[Instruction] = []
     if name == "gpipe":
@@ -99,6 +137,38 @@ def _stage_list(name: ScheduleName, stage: int, num_stages: int, count: int) -> 
     return tuple(instructions)
 
 
+def _interleaved_list(stage: int, num_stages: int, chunks: int, count: int) -> StageSchedule:
+    """Stage ``stage``'s interleaved 1F1B list (see the module docstring)."""
+    total = count * chunks  # forwards (and backwards) this stage runs
+
+    def unit(k: int, backward: bool) -> tuple[int, int, int]:
+        """The ``k``-th forward (or backward) of this stage: micro-batch, chunk, virtual."""
+        group, offset = divmod(k, num_stages)
+        chunk = group % chunks
+        chunk = chunks - 1 - chunk if backward else chunk
+        m = group // chunks * num_stages + offset
+        return m, chunk, chunk * num_stages + stage
+
+    virtual_count = num_stages * chunks
+
+    def forward(k: int) -> list[Instruction]:
+        return _forward(*unit(k, False), virtual_count)
+
+    def backward(k: int) -> list[Instruction]:
+        return _backward(*unit(k, True), virtual_count)
+
+    warmup = min((chunks - 1) * num_stages + 2 * (num_stages - stage - 1), total)
+    instructions: list[Instruction] = []
+    for k in range(warmup):
+        instructions += forward(k)
+    for k in range(total - warmup):
+        instructions += forward(warmup + k)
+        instructions += backward(k)
+    for k in range(total - warmup, total):
+        instructions += backward(k)
+    return tuple(instructions)
+
+
 def forward_only(instructions: Sequence[Instruction]) -> StageSchedule:
     """The forward half of a stage's list, in its order: receive, forward and send activations
     of every micro-batch, without the backward, the gradients' messages or the frees. Taken
@@ -108,7 +178,8 @@ def forward_only(instructions: Sequence[Instruction]) -> StageSchedule:
 
 
 def max_in_flight(instructions: Sequence[Instruction]) -> int:
-    """The most micro-batches whose forward has run and whose stash is not yet freed."""
+    """The most micro-batches whose forward has run and whose stash is not yet freed (with
+    interleaving, each chunk's stash of a micro-batch counts once: about ``1/V`` of a stage's)."""
     alive = peak = 0
     for instruction in instructions:
         if instruction.op is Op.FORWARD:
@@ -122,6 +193,10 @@ def max_in_flight(instructions: Sequence[Instruction]) -> int:
 def simulate(schedules: Sequence[Sequence[Instruction]]) -> list[list[tuple[int, Instruction]]]:
     """Run every stage's list against the others with non-blocking sends and blocking receives.
 
+    With ``V`` chunks per stage (the largest chunk named, plus one), messages go between
+    virtual stages ``c K + s`` and its neighbours, so the last stage's chunk ``c`` sends to
+    stage 0's chunk ``c + 1`` and back.
+
     Returns the order in which instructions completed, as rounds of ``(stage, instruction)``
     (a round is what all stages could do without waiting on each other).
 
@@ -131,16 +206,17 @@ def simulate(schedules: Sequence[Sequence[Instruction]]) -> list[list[tuple[int,
             deadlock (the message names what each blocked stage waits for).
     """
     num_stages = len(schedules)
+    chunks = 1 + max((i.chunk for instructions in schedules for i in instructions), default=0)
     queues: dict[tuple[int, int], deque[int]] = {}
     cursor = [0] * num_stages
-    forwarded: list[set[int]] = [set() for _ in range(num_stages)]
+    forwarded: list[set[tuple[int, int]]] = [set() for _ in range(num_stages)]
     rounds: list[list[tuple[int, Instruction]]] = []
     while any(cursor[s] < len(schedules[s]) for s in range(num_stages)):
         done: list[tuple[int, Instruction]] = []
         for stage in range(num_stages):
             while cursor[stage] < len(schedules[stage]):
                 instruction = schedules[stage][cursor[stage]]
-                if not _try(stage, instruction, num_stages, queues, forwarded[stage]):
+                if not _try(stage, instruction, num_stages, chunks, queues, forwarded[stage]):
                     break
                 done.append((stage, instruction))
                 cursor[stage] += 1
@@ -162,41 +238,95 @@ def _try(
     stage: int,
     instruction: Instruction,
     num_stages: int,
+    chunks: int,
     queues: dict[tuple[int, int], deque[int]],
-    forwarded: set[int],
+    forwarded: set[tuple[int, int]],
 ) -> bool:
     """Perform ``instruction`` if it need not wait; False if it must."""
     op, m = instruction.op, instruction.microbatch
-    # Queue keys: (source stage, destination stage); activations flow up, gradients down.
+    key = (instruction.chunk, m)
+    virtual, count = instruction.chunk * num_stages + stage, num_stages * chunks
+    # Queue keys: (source, destination) virtual stages; activations flow up, gradients down.
     if op is Op.SEND_ACTIVATION:
-        _check_peer(stage + 1, num_stages, instruction)
-        queues.setdefault((stage, stage + 1), deque()).append(m)
+        _check_peer(virtual + 1, count, instruction)
+        queues.setdefault((virtual, virtual + 1), deque()).append(m)
     elif op is Op.SEND_GRAD:
-        _check_peer(stage - 1, num_stages, instruction)
-        queues.setdefault((stage, stage - 1), deque()).append(m)
+        _check_peer(virtual - 1, count, instruction)
+        queues.setdefault((virtual, virtual - 1), deque()).append(m)
     elif op in (Op.RECV_ACTIVATION, Op.RECV_GRAD):
-        source = stage - 1 if op is Op.RECV_ACTIVATION else stage + 1
-        _check_peer(source, num_stages, instruction)
-        queue = queues.get((source, stage))
+        source = virtual - 1 if op is Op.RECV_ACTIVATION else virtual + 1
+        _check_peer(source, count, instruction)
+        queue = queues.get((source, virtual))
         if not queue:
             return False
         arrived = queue.popleft()
         if arrived != m:
             raise PipelineError(
-                f"stage {stage} expects micro-batch {m} in {instruction} but stage {source} "
-                f"sent micro-batch {arrived} first"
+                f"stage {stage} expects micro-batch {m} in {instruction} but "
+                f"{_describe(source, num_stages, chunks)} sent micro-batch {arrived} first"
             )
     elif op is Op.FORWARD:
-        forwarded.add(m)
-    elif op is Op.BACKWARD and m not in forwarded:
-        raise PipelineError(f"stage {stage} runs {instruction} before forward({m})")
+        forwarded.add(key)
+    elif op is Op.BACKWARD and key not in forwarded:
+        raise PipelineError(f"stage {stage} runs {instruction} before its forward")
     elif op is Op.FREE:
-        if m not in forwarded:
-            raise PipelineError(f"stage {stage} frees micro-batch {m} it never computed")
-        forwarded.discard(m)
+        if key not in forwarded:
+            raise PipelineError(f"stage {stage} frees {instruction} it never computed")
+        forwarded.discard(key)
     return True
 
 
-def _check_peer(peer: int, num_stages: int, instruction: Instruction) -> None:
-    if not 0 <= peer < num_stages:
-        raise PipelineError(f"{instruction} has no peer stage {peer} in a {num_stages}-stage pipe")
+def _describe(virtual: int, num_stages: int, chunks: int) -> str:
+    chunk, stage = divmod(virtual, num_stages)
+    return f"stage {stage}" + (f" (chunk {chunk})" if chunks > 1 else "")
+
+
+def _check_peer(peer: int, count: int, instruction: Instruction) -> None:
+    if not 0 <= peer < count:
+        raise PipelineError(f"{instruction} has no peer stage {peer} in a {count}-stage pipe")
+
+
+def modelled_bubble(
+    schedules: Sequence[Sequence[Instruction]], forward: float = 1.0, backward: float = 2.0
+) -> list[float]:
+    """Per stage, the idle share of a step run by ``schedules`` on devices that take
+    ``forward`` and ``backward`` time for a stage's forward and backward of one micro-batch
+    (``1/V`` of that per chunk, with ``V`` chunks per stage) and exchange messages in no time:
+    the bubble the order itself makes. 1F1B's is ``(K-1)/(M+K-1)``, interleaved 1F1B's
+    ``(K-1)/(V M+K-1)`` (:func:`fxpar.pipeline.ideal_bubble`); a measured bubble above it is
+    the machine's (messages, stages of unequal cost, shared cores).
+
+    Raises:
+        PipelineError: the lists deadlock (check them with :func:`simulate` first).
+    """
+    num_stages = len(schedules)
+    chunks = 1 + max((i.chunk for instructions in schedules for i in instructions), default=0)
+    took = {Op.FORWARD: forward / chunks, Op.BACKWARD: backward / chunks}
+    clock, busy, cursor = [0.0] * num_stages, [0.0] * num_stages, [0] * num_stages
+    arrivals: dict[tuple[Op, int, int], float] = {}  # (receive, virtual stage, m) -> time
+    progressed = True
+    while progressed:
+        progressed = False
+        for stage, instructions in enumerate(schedules):
+            while cursor[stage] < len(instructions):
+                instruction = instructions[cursor[stage]]
+                op, m = instruction.op, instruction.microbatch
+                virtual = instruction.chunk * num_stages + stage
+                if op in (Op.RECV_ACTIVATION, Op.RECV_GRAD):
+                    arrival = arrivals.get((op, virtual, m))
+                    if arrival is None:
+                        break
+                    clock[stage] = max(clock[stage], arrival)
+                elif op in took:
+                    clock[stage] += took[op]
+                    busy[stage] += took[op]
+                elif op is Op.SEND_ACTIVATION:
+                    arrivals[(Op.RECV_ACTIVATION, virtual + 1, m)] = clock[stage]
+                elif op is Op.SEND_GRAD:
+                    arrivals[(Op.RECV_GRAD, virtual - 1, m)] = clock[stage]
+                cursor[stage] += 1
+                progressed = True
+    if any(cursor[s] < len(schedules[s]) for s in range(num_stages)):
+        raise PipelineError("the schedule deadlocks: simulate() says where")
+    end = max(clock, default=0.0)
+    return [1.0 - time / end if end else 0.0 for time in busy]

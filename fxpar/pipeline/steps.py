@@ -124,6 +124,8 @@ class StageLayout:
     """Devices per stage: data-parallel replicas, or the stage mesh's size."""
     previous_rank: int | None
     next_rank: int | None
+    """The same replica's ranks in the stages before and after (wrapping around, from the
+    last stage to the first, with the interleaved schedule's several chunks per stage)."""
     stage_cluster: Cluster | None
     coordinate: Coordinate
     communicator: Communicator
@@ -134,13 +136,15 @@ class StageLayout:
     ) -> StageStep:
         """This rank's share of ``split``: its stage lowered to this device (with a stage
         mesh), and the workers running the schedule's list and its forward half."""
-        forward, backward = split.forward[self.stage], split.backward[self.stage]
+        chunks = self.pipeline.chunks_of(self.stage)
+        forward = [split.forward[chunk] for chunk in chunks]
+        backward = [split.backward[chunk] for chunk in chunks]
         sharded = None
-        if self.stage_cluster is not None:
+        if self.stage_cluster is not None:  # one chunk per stage (PipelineModel checks)
             sharded = shard_stage(
                 split, self.stage, self.stage_cluster, self.coordinate, self.communicator
             )
-            forward, backward = sharded.forward, sharded.backward
+            forward, backward = [sharded.forward], [sharded.backward]
         worker = self._worker(forward, backward, self.schedule[self.stage])
         # The forwards alone, which cannot deadlock either.
         forward_lists = [forward_only(instructions) for instructions in self.schedule]
@@ -149,11 +153,15 @@ class StageLayout:
         return StageStep(kind, training, split, sharded, worker, forward_worker, batch)
 
     def _worker(
-        self, forward: StageProgram, backward: StageProgram, instructions: StageSchedule
+        self,
+        forward: Sequence[StageProgram],
+        backward: Sequence[StageProgram],
+        instructions: StageSchedule,
     ) -> StageWorker:
         return StageWorker(
             forward, backward, instructions,
             rank=self.rank, previous_rank=self.previous_rank, next_rank=self.next_rank,
+            num_stages=self.pipeline.num_stages,
         )  # fmt: skip
 
     def gather_outputs(

@@ -25,20 +25,26 @@ def step_window(traces: Sequence[StageTrace]) -> tuple[float, float]:
 def bubble_fractions(traces: Sequence[StageTrace]) -> list[float]:
     """Per rank, the part of the whole step's wall time it spent not running a forward or a
     backward (waiting for a neighbour, or sending): the measured pipeline bubble. The ideal
-    for ``K`` stages of equal cost and ``M`` micro-batches is ``(K-1)/(M+K-1)``."""
+    for ``K`` stages of equal cost and ``M`` micro-batches is ``(K-1)/(M+K-1)``, with ``V``
+    interleaved chunks per stage ``(K-1)/(V M+K-1)`` (:func:`ideal_bubble`)."""
     start, end = step_window(traces)
     return [trace.idle_fraction(start, end) for trace in traces]
 
 
-def ideal_bubble(num_stages: int, num_microbatches: int) -> float:
-    return (num_stages - 1) / (num_microbatches + num_stages - 1)
+def ideal_bubble(num_stages: int, num_microbatches: int, virtual_stages: int = 1) -> float:
+    """The idle share of a step of ``K`` stages of equal cost over ``M`` micro-batches:
+    ``(K-1)/(M+K-1)``. With ``V`` chunks per stage (interleaved 1F1B) each chunk is ``1/V``
+    of a stage, and the fill and drain take ``K-1`` chunk slots of ``V M + K - 1``."""
+    slots = virtual_stages * num_microbatches
+    return (num_stages - 1) / (slots + num_stages - 1)
 
 
 def plot_timeline(
     traces: Sequence[StageTrace], path: str | os.PathLike[str], *, title: str = ""
 ) -> None:
     """Write a Gantt chart of one step: a row per rank, a bar per forward (blue) and backward
-    (orange) labelled with its micro-batch; gaps are the bubble. Needs matplotlib
+    (orange) labelled with its micro-batch (and ``/c`` its chunk, for chunks after a stage's
+    first, interleaved); gaps are the bubble. Needs matplotlib
     (``pip install fxpar[plot]``)."""
     try:
         import matplotlib
@@ -62,7 +68,7 @@ def plot_timeline(
                 axes.text(
                     left + width / 2,
                     row,
-                    str(event.microbatch),
+                    f"{event.microbatch}/{event.chunk}" if event.chunk else str(event.microbatch),
                     ha="center",
                     va="center",
                     fontsize=7,
