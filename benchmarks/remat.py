@@ -1,7 +1,8 @@
-"""Activation checkpointing on CPU: peak memory per rank and step time, with and without remat.
+"""Activation checkpointing and mixed precision on CPU: peak memory per rank and step time.
 
 For a GPT (4 layers, width 128, batch 8 x 128 tokens, dropout 0.1) under each plan on a mesh of
-``--world`` devices, and ``remat`` "none" and "all":
+``--world`` devices, in float32 and with ``fxpar.MixedPrecision(bf16, reduce_dtype=fp32)``,
+and ``remat`` "none" and "all":
 
 - **peak memory per rank, measured**: every rank's lowered program runs on real tensors in
   simulated ranks (:mod:`fxpar.testing.simulate`), each node by node under
@@ -43,6 +44,10 @@ PLANS: dict[str, ManualPlan] = {
     "fully_sharded": plans.fully_sharded,
 }
 REMAT = ("none", "all")
+PRECISIONS: dict[str, fxpar.MixedPrecision | None] = {
+    "fp32": None,
+    "bf16": fxpar.MixedPrecision(torch.bfloat16, reduce_dtype=torch.float32),
+}
 
 
 def _batch() -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,12 +58,15 @@ def _batch() -> tuple[torch.Tensor, torch.Tensor]:
     )
 
 
-def _memory(world: int, manual: ManualPlan, remat: str) -> tuple[int, int, float]:
+def _memory(world: int, manual: ManualPlan, precision: str, remat: str) -> tuple[int, int, float]:
     """Largest rank's measured peak, its part above the inputs, and the plan's estimate."""
     torch.manual_seed(0)
     model = GPT(CONFIG)
     tokens, targets = _batch()
-    program = fxpar.capture(model, (tokens,), gpt_loss, example_targets=(targets,))
+    program = fxpar.capture(
+        model, (tokens,), gpt_loss, example_targets=(targets,),
+        mixed_precision=PRECISIONS[precision],
+    )  # fmt: skip
     plan = plan_program(
         program, fxpar.Cluster.preset("cpu", (world,)), manual=manual,
         options=PlanOptions(remat=remat),
@@ -72,27 +80,35 @@ def _memory(world: int, manual: ManualPlan, remat: str) -> tuple[int, int, float
     return worst.peak_bytes, worst.activation_bytes, chosen.problem.memory(chosen.solution.choice)
 
 
-def _step_times(rank: int, world: int, steps: int) -> dict[tuple[str, str], float]:
+def _step_times(rank: int, world: int, steps: int) -> dict[tuple[str, str, str], float]:
     torch.set_num_threads(1)
     tokens, targets = _batch()
     times = {}
-    for name, manual in PLANS.items():
-        for remat in REMAT:
-            torch.manual_seed(0)
-            parallel = fxpar.compile(
-                GPT(CONFIG), fxpar.Cluster.preset("cpu", (world,)), (tokens,), gpt_loss,
-                example_targets=(targets,), optimizer=fxpar.optim.SGD(lr=1e-3), manual=manual,
-                options=PlanOptions(remat=remat),
-            )  # fmt: skip
-            parallel.step(tokens, targets)  # warm-up
-            seconds = []
-            for _ in range(steps):
-                dist.barrier()
-                start = time.perf_counter()
-                parallel.step(tokens, targets)
-                seconds.append(time.perf_counter() - start)
-            times[name, remat] = statistics.median(seconds)
+    for name, manual, precision, remat in _cases():
+        torch.manual_seed(0)
+        parallel = fxpar.compile(
+            GPT(CONFIG), fxpar.Cluster.preset("cpu", (world,)), (tokens,), gpt_loss,
+            example_targets=(targets,), optimizer=fxpar.optim.SGD(lr=1e-3), manual=manual,
+            options=PlanOptions(remat=remat), mixed_precision=PRECISIONS[precision],
+        )  # fmt: skip
+        parallel.step(tokens, targets)  # warm-up
+        seconds = []
+        for _ in range(steps):
+            dist.barrier()
+            start = time.perf_counter()
+            parallel.step(tokens, targets)
+            seconds.append(time.perf_counter() - start)
+        times[name, precision, remat] = statistics.median(seconds)
     return times
+
+
+def _cases() -> list[tuple[str, ManualPlan, str, str]]:
+    return [
+        (name, manual, precision, remat)
+        for name, manual in PLANS.items()
+        for precision in PRECISIONS
+        for remat in REMAT
+    ]
 
 
 def main() -> None:
@@ -107,17 +123,17 @@ def main() -> None:
         f"{args.world} ranks; memory in MiB per rank (largest rank)"
     )
     header = (
-        f"{'plan':<16}{'remat':<7}{'peak':>9}{'above inputs':>14}{'estimate':>10}{'step ms':>9}"
+        f"{'plan':<16}{'dtype':<6}{'remat':<7}{'peak':>9}{'above inputs':>14}{'estimate':>10}"
+        f"{'step ms':>9}"
     )
     print(header)
     print("-" * len(header))
-    for name, manual in PLANS.items():
-        for remat in REMAT:
-            peak, above, estimate = _memory(args.world, manual, remat)
-            print(
-                f"{name:<16}{remat:<7}{peak / mib:>9.1f}{above / mib:>14.1f}"
-                f"{estimate / mib:>10.1f}{times[name, remat] * 1e3:>9.1f}"
-            )
+    for name, manual, precision, remat in _cases():
+        peak, above, estimate = _memory(args.world, manual, precision, remat)
+        print(
+            f"{name:<16}{precision:<6}{remat:<7}{peak / mib:>9.1f}{above / mib:>14.1f}"
+            f"{estimate / mib:>10.1f}{times[name, precision, remat] * 1e3:>9.1f}"
+        )
 
 
 if __name__ == "__main__":
