@@ -117,7 +117,7 @@ def recompute_in_backward(program: Program, layers: Collection[str]) -> Program:
     calls = {key for key in regions if isinstance(key, int)}
     program.annotate(
         Rematerialized(
-            layers=tuple(sorted({*done.layers, *layers})),
+            layers=tuple(sorted({*done.layers, *layers}, key=_layer_order)),
             checkpoint_calls=tuple(sorted({*done.checkpoint_calls, *calls})),
             recomputed_ops=done.recomputed_ops + copied,
         )
@@ -144,6 +144,14 @@ def _regions(
         if key is not None:
             regions.setdefault(key, []).append(node)
     return regions
+
+
+def _layer_order(name: str) -> tuple[str, int, str]:
+    """``blocks.2`` before ``blocks.10``: by container, then by the layer's number."""
+    layer = ir.numbered_layer(name)
+    if layer is None:
+        return (name, -1, name)
+    return (layer.container, int(layer.index), name)
 
 
 def _is_backward(node: fx.Node) -> bool:
