@@ -20,6 +20,8 @@ from fxpar.testing.memory import resident_growth
 pytestmark = pytest.mark.slow
 
 CONFIG = GPTConfig(n_layer=8, n_embd=512, n_head=8, vocab_size=256, block_size=16, bias=False)
+SMALL = GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size=16)
+"""For the pipeline test, whose point is which stage makes which weights, not memory."""
 MIB = 2**20
 PLANNING = 40 * MIB
 """What capturing, planning and lowering a step of this model allocate, weights aside (about
@@ -33,6 +35,20 @@ def _batch(config: GPTConfig = CONFIG) -> tuple[torch.Tensor, torch.Tensor]:
         torch.randint(0, config.vocab_size, (8, 16), generator=generator),
         torch.randint(0, config.vocab_size, (8, 16), generator=generator),
     )
+
+
+def _eager_losses(model: GPT, config: GPTConfig) -> list[float]:
+    """The reference: ``STEPS`` SGD steps of ``model`` on one device."""
+    tokens, targets = _batch(config)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(STEPS):
+        loss = gpt_loss(model(tokens), targets)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
 
 
 def _train(rank: int, world: int, source: str, path: str) -> tuple[int, int, list[float]]:
@@ -67,25 +83,14 @@ def test_meta_model_trains_on_four_ranks_within_its_pieces(
     whole = sum(t.numel() * t.element_size() for t in state.values())
     layer = sum(p.numel() * p.element_size() for p in eager.blocks[0].parameters())
     save_file(state, str(tmp_path / "model.safetensors"))  # what save_pretrained writes
-    tokens, targets = _batch()
-    optimizer = torch.optim.SGD(eager.parameters(), lr=0.1)
-    expected = []
-    for _ in range(STEPS):
-        loss = gpt_loss(eager(tokens), targets)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        expected.append(loss.item())
-    del eager, optimizer, state
+    expected = _eager_losses(eager, CONFIG)
+    del eager, state
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(MIB))  # see resident_growth
     for source in ("deferred_init", "safetensors"):
         for peak, held, losses in spawn(_train, 4, source, str(tmp_path)):
             assert held < whole / 3
             assert peak < held + layer + PLANNING < whole, (source, peak / MIB, held / MIB)
             assert losses == pytest.approx(expected, rel=1e-5)
-
-
-SMALL = GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size=16)
 
 
 def _pipelined(rank: int, world: int, path: str) -> list[list[float]]:
@@ -111,15 +116,7 @@ def test_pipeline_stages_start_from_a_deferred_model_or_a_checkpoint(tmp_path: P
         {k: v.detach().clone() for k, v in eager.state_dict().items() if k != "head.weight"},
         str(tmp_path / "model.safetensors"),
     )
-    tokens, targets = _batch(SMALL)
-    optimizer = torch.optim.SGD(eager.parameters(), lr=0.1)
-    expected = []
-    for _ in range(STEPS):
-        loss = gpt_loss(eager(tokens), targets)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        expected.append(loss.item())
+    expected = _eager_losses(eager, SMALL)
     for runs in spawn(_pipelined, 2, str(tmp_path)):
         for losses in runs:
             assert losses == pytest.approx(expected, rel=1e-5)

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from fxpar.pipeline.options import SCHEDULES, PipelineError, ScheduleName
@@ -119,22 +119,14 @@ def _stage_list(name: ScheduleName, stage: int, num_stages: int, count: int) -> 
     def backward(m: int) -> list[Instruction]:
         return _backward(m, 0, stage, num_stages)
 
-    instructions: list[Instruction] = []
     if name == "gpipe":
+        instructions: list[Instruction] = []
         for m in range(count):
             instructions += forward(m)
         for m in range(count):
             instructions += backward(m)
         return tuple(instructions)
-    warmup = min(num_stages - stage - 1, count)
-    for m in range(warmup):
-        instructions += forward(m)
-    for m in range(count - warmup):
-        instructions += forward(warmup + m)
-        instructions += backward(m)
-    for m in range(count - warmup, count):
-        instructions += backward(m)
-    return tuple(instructions)
+    return _one_forward_one_backward(forward, backward, count, num_stages - stage - 1)
 
 
 def _interleaved_list(stage: int, num_stages: int, chunks: int, count: int) -> StageSchedule:
@@ -157,7 +149,19 @@ def _interleaved_list(stage: int, num_stages: int, chunks: int, count: int) -> S
     def backward(k: int) -> list[Instruction]:
         return _backward(*unit(k, True), virtual_count)
 
-    warmup = min((chunks - 1) * num_stages + 2 * (num_stages - stage - 1), total)
+    warmup = (chunks - 1) * num_stages + 2 * (num_stages - stage - 1)
+    return _one_forward_one_backward(forward, backward, total, warmup)
+
+
+def _one_forward_one_backward(
+    forward: Callable[[int], list[Instruction]],
+    backward: Callable[[int], list[Instruction]],
+    total: int,
+    warmup: int,
+) -> StageSchedule:
+    """``warmup`` forwards (at most ``total``), then one forward and one backward in turn, then
+    the remaining backwards: the ``k``-th forward and backward of ``total`` each."""
+    warmup = min(warmup, total)
     instructions: list[Instruction] = []
     for k in range(warmup):
         instructions += forward(k)

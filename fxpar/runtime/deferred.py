@@ -95,20 +95,10 @@ class _Storage:
     events: list[_Event] = field(default_factory=list)
 
 
-@dataclass(frozen=True)
-class _Slot:
-    """Where a state tensor of the model lives in the recording."""
-
-    storage: int
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
-
-
 class Recording:
     """How every tensor of a model built by :func:`deferred_init` was made."""
 
-    def __init__(self, storages: list[_Storage], slots: dict[str, _Slot]) -> None:
+    def __init__(self, storages: list[_Storage], slots: dict[str, _Ref]) -> None:
         self._storages = storages
         self._slots = slots
 
@@ -123,11 +113,11 @@ class Recording:
             raise FxparError(f"{name!r} was not made while recording the model")
         return self.value(self._slots[name])
 
-    def value(self, slot: _Slot) -> torch.Tensor:
-        final = len(self._storages[slot.storage].events)
+    def value(self, ref: _Ref) -> torch.Tensor:
+        """The tensor ``ref`` names, as it was when it was read."""
         with torch.random.fork_rng(devices=[]), torch.no_grad():
-            flat = self._flat(slot.storage, final, {})
-        return flat.as_strided(slot.size, slot.stride, slot.offset)
+            flat = self._flat(ref.storage, ref.version, {})
+        return flat.as_strided(ref.size, ref.stride, ref.offset)
 
     def _flat(
         self, index: int, version: int, done: dict[tuple[int, int], torch.Tensor]
@@ -247,7 +237,7 @@ class _Recorder(TorchDispatchMode):
                 f"on {device} ({func})"
             )
         _check_generator(func, kwargs)
-        rng = self._draw(func, args, kwargs) if _is_random(func) else None
+        rng = self._draw(func, args, kwargs, []) if _is_random(func) else None
         with self.fake:
             out = func(*args, **kwargs)
         if any(argument.name == "dtype" for argument in func._schema.arguments):
@@ -258,8 +248,9 @@ class _Recorder(TorchDispatchMode):
 
     def _on_recorded(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         _check_generator(func, kwargs)
-        written = self._written(func, args, kwargs)
-        rng = self._draw(func, args, kwargs) if _is_random(func) else None
+        written = _written_arguments(func, args, kwargs)
+        keys = self._written(func, written)
+        rng = self._draw(func, args, kwargs, written) if _is_random(func) else None
         recorded_args, recorded_kwargs = tree_map(self._as_recorded, (args, kwargs))
         try:
             out = func(*args, **kwargs)
@@ -271,26 +262,22 @@ class _Recorder(TorchDispatchMode):
             raise FxparError(
                 f"deferred_init cannot record {func} while building the model: {error}"
             ) from error
-        for key in written:
+        for key in keys:
             self.storages[key].events.append(_Event(func, recorded_args, recorded_kwargs, rng))
         self._created(func, recorded_args, recorded_kwargs, out, rng)
         return out
 
-    def _written(self, func: Any, args: Any, kwargs: dict[str, Any]) -> list[int]:
-        """The recorded storages ``func`` writes into (at most one)."""
+    def _written(self, func: Any, written: list[torch.Tensor]) -> list[int]:
+        """The recorded storages of the tensors ``func`` writes into (at most one)."""
         keys = set()
-        for position, argument in enumerate(func._schema.arguments):
-            if argument.alias_info is None or not argument.alias_info.is_write:
-                continue
-            value = args[position] if position < len(args) else kwargs.get(argument.name)
-            if isinstance(value, torch.Tensor):
-                key = self._key(value)
-                if key is None:
-                    raise FxparError(
-                        f"deferred_init: {func} writes a value computed from the model's "
-                        "tensors into a tensor made before deferred_init"
-                    )
-                keys.add(key)
+        for value in written:
+            key = self._key(value)
+            if key is None:
+                raise FxparError(
+                    f"deferred_init: {func} writes a value computed from the model's "
+                    "tensors into a tensor made before deferred_init"
+                )
+            keys.add(key)
         if len(keys) > 1:
             raise FxparError(f"deferred_init: {func} writes into more than one tensor at once")
         return sorted(keys)
@@ -308,24 +295,15 @@ class _Recorder(TorchDispatchMode):
             self._index[storage._cdata] = key
             self._alive.append(leaf)
             self.storages.append(_Storage(storage.nbytes() // leaf.element_size(), leaf.dtype))
-            view = _Ref(
-                key, 0, tuple(leaf.size()), tuple(leaf.stride()), int(leaf.storage_offset())
-            )
+            view = self._ref(leaf)
             self.storages[key].events.append(_Event(func, args, kwargs, rng, position, view))
 
     def _as_recorded(self, value: Any) -> Any:
         """An op's argument as the recording keeps it."""
         if not isinstance(value, torch.Tensor):
             return value
-        key = self._key(value)
-        if key is not None:
-            return _Ref(
-                key,
-                len(self.storages[key].events),
-                tuple(value.size()),
-                tuple(value.stride()),
-                int(value.storage_offset()),
-            )
+        if self._key(value) is not None:
+            return self._ref(value)
         if value.is_meta or isinstance(value, FakeTensor):
             raise FxparError(
                 "deferred_init: the constructor mixed its tensors with a meta or fake tensor it "
@@ -333,9 +311,12 @@ class _Recorder(TorchDispatchMode):
             )
         return value.detach().clone()
 
-    def _draw(self, func: Any, args: Any, kwargs: dict[str, Any]) -> torch.Tensor:
+    def _draw(
+        self, func: Any, args: Any, kwargs: dict[str, Any], written: list[torch.Tensor]
+    ) -> torch.Tensor:
         """Advance the default generator as ``func`` would, drawing into throw-away tensors of
-        the same shapes and strides; returns the generator's state before the draw."""
+        the same shapes and strides as those it writes (``written``); returns the generator's
+        state before the draw."""
         state = torch.get_rng_state()
 
         def stand_in(value: Any) -> Any:
@@ -343,7 +324,6 @@ class _Recorder(TorchDispatchMode):
                 return torch.empty_strided(value.size(), value.stride(), dtype=value.dtype)
             return self._real(value)
 
-        written = [value for position, value in enumerate(args) if _writes(func, position)]
         func(*tree_map(stand_in, args), **tree_map(stand_in, kwargs))
         return state
 
@@ -351,13 +331,13 @@ class _Recorder(TorchDispatchMode):
         """A recorded tensor's value at this point of the construction."""
         if not isinstance(value, torch.Tensor) or self._key(value) is None:
             return value
-        return Recording(self.storages, {}).value(self._slot(value))
+        return Recording(self.storages, {}).value(self._ref(value))
 
     def finish(self, model: nn.Module) -> Recording:
         """The recording of ``model``'s state; its recorded parameters and buffers become meta
         tensors (tied ones stay tied) and its recorded tensor attributes real ones."""
         slots = {
-            name: self._slot(tensor)
+            name: self._ref(tensor)
             for name, tensor in named_state(model).items()
             if self._key(tensor) is not None
         }
@@ -371,16 +351,21 @@ class _Recorder(TorchDispatchMode):
                         table[name] = on_meta.setdefault(id(tensor), _meta_like(tensor))
             for name, value in vars(module).items():
                 if isinstance(value, torch.Tensor) and self._key(value) is not None:
-                    setattr(module, name, recording.value(self._slot(value)))
+                    setattr(module, name, recording.value(self._ref(value)))
         self._alive.clear()
         self._index.clear()
         return recording
 
-    def _slot(self, tensor: torch.Tensor) -> _Slot:
+    def _ref(self, tensor: torch.Tensor) -> _Ref:
+        """A recorded ``tensor`` as it is now: its storage, the events so far, its view."""
         key = self._key(tensor)
         assert key is not None
-        return _Slot(
-            key, tuple(tensor.size()), tuple(tensor.stride()), int(tensor.storage_offset())
+        return _Ref(
+            key,
+            len(self.storages[key].events),
+            tuple(tensor.size()),
+            tuple(tensor.stride()),
+            int(tensor.storage_offset()),
         )
 
 
@@ -403,10 +388,17 @@ def _is_random(func: Any) -> bool:
     return torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
 
 
-def _writes(func: Any, position: int) -> bool:
-    arguments = func._schema.arguments
-    alias = arguments[position].alias_info if position < len(arguments) else None
-    return alias is not None and alias.is_write
+def _written_arguments(func: Any, args: Any, kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    """The tensors ``func`` writes into, as its schema says (``self`` of an in-place op,
+    ``out=``)."""
+    written = []
+    for position, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        value = args[position] if position < len(args) else kwargs.get(argument.name)
+        if isinstance(value, torch.Tensor):
+            written.append(value)
+    return written
 
 
 __all__ = ["Recording", "deferred_init", "recording_of"]

@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +35,7 @@ from torch.distributed.tensor import Shard
 from fxpar.cluster import Coordinate
 from fxpar.errors import CheckpointError, FxparError
 from fxpar.ir.program import named_state
-from fxpar.runtime.deferred import Recording, recording_of
+from fxpar.runtime.deferred import recording_of
 from fxpar.sharding import Spec
 
 _INDEX = "model.safetensors.index.json"
@@ -127,11 +127,16 @@ def check_sources(
 class Checkpoint:
     """A checkpoint of a model's weights under its ``state_dict`` names."""
 
-    def __init__(self, path: Path, keys: Mapping[str, str], aliases: dict[str, tuple[str, ...]]):
+    def __init__(
+        self, path: Path, stored: Collection[str], aliases: Mapping[str, tuple[str, ...]]
+    ) -> None:
         self.path = path
-        self._keys = keys
+        self._keys = {
+            name: found
+            for name, names in aliases.items()
+            if (found := next((key for key in names if key in stored), None)) is not None
+        }
         """Each readable state name's key in the files (a tied weight under any alias)."""
-        self._aliases = aliases
 
     @staticmethod
     def open(path: str | os.PathLike[str], model: nn.Module) -> Checkpoint:
@@ -146,9 +151,6 @@ class Checkpoint:
 
     def read(self, name: str, piece: Piece, like: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
-
-    def keys(self) -> Iterator[str]:
-        return iter(self._keys)
 
     def _check(self, name: str, shape: Sequence[int], like: torch.Tensor) -> None:
         if tuple(shape) != tuple(like.shape):
@@ -167,12 +169,7 @@ class _Safetensors(Checkpoint):
         self._entries: dict[str, _Entry] = {}
         for file in _safetensors_files(path):
             self._entries.update(_read_header(file))
-        keys = {}
-        for name, names in aliases.items():
-            found = next((key for key in names if key in self._entries), None)
-            if found is not None:
-                keys[name] = found
-        super().__init__(path, keys, aliases)
+        super().__init__(path, self._entries, aliases)
 
     def read(self, name: str, piece: Piece, like: torch.Tensor) -> torch.Tensor:
         entry = self._entries[self._keys[name]]
@@ -243,12 +240,7 @@ class _DistributedCheckpoint(Checkpoint):
             for key, entry in metadata.state_dict_metadata.items()
             if hasattr(entry, "size")
         }
-        keys = {}
-        for name, names in aliases.items():
-            found = next((key for key in names if key in self._shapes), None)
-            if found is not None:
-                keys[name] = found
-        super().__init__(path, keys, aliases)
+        super().__init__(path, self._shapes, aliases)
 
     def read(self, name: str, piece: Piece, like: torch.Tensor) -> torch.Tensor:
         key = self._keys[name]
@@ -305,4 +297,4 @@ def _missing_message(
     )
 
 
-__all__ = ["Checkpoint", "Piece", "Recording", "check_sources", "initial_pieces"]
+__all__ = ["Checkpoint", "Piece", "check_sources", "initial_pieces"]
