@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -43,6 +44,13 @@ class Pipeline:
             model is cut into ``K * V`` chunks and stage ``s`` runs chunks ``s, s + K, ...,
             s + (V-1) K`` (split points: ``K * V - 1`` module names). The bubble shrinks to
             about ``(K-1)/(V M + K-1)``; ``M`` must be a multiple of ``K``.
+        stage_meshes: a mesh shape per stage, e.g. ``((1,), (2,))``: stage ``s`` runs on a
+            mesh of its own shape, with an intra-op plan made for that mesh, and values
+            crossing a stage boundary are resharded between the two stages' layouts (see
+            docs/pipelines.md, "Stages on meshes of different shapes"). Stage ``s`` takes the
+            ranks after those of stages ``0 .. s-1``. None: every stage has the same devices
+            (``data_parallel``, or the stage mesh a cluster of mesh ``(K, *stage_mesh)``
+            gives).
     """
 
     stages: int | tuple[str, ...] | Literal["auto"] = 2
@@ -51,6 +59,7 @@ class Pipeline:
     remat: bool = False
     data_parallel: int = 1
     virtual_stages: int = 1
+    stage_meshes: tuple[tuple[int, ...], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.stages == "auto":
@@ -71,6 +80,42 @@ class Pipeline:
         if self.data_parallel < 1:
             raise PipelineError(f"data_parallel must be >= 1, got {self.data_parallel}")
         self._check_interleaving()
+        self._check_stage_meshes()
+
+    def _check_stage_meshes(self) -> None:
+        meshes = self.stage_meshes
+        if meshes is None:
+            return
+        try:
+            meshes = tuple(tuple(mesh) for mesh in meshes)
+        except TypeError:
+            meshes = ()
+        if not meshes or any(
+            not mesh or any(not isinstance(n, int) or isinstance(n, bool) or n < 1 for n in mesh)
+            for mesh in meshes
+        ):
+            raise PipelineError(
+                f"stage_meshes must be one mesh shape per stage, each a non-empty tuple of "
+                f"positive ints such as ((1,), (2,)), got {self.stage_meshes!r}"
+            )
+        object.__setattr__(self, "stage_meshes", meshes)
+        if self.stages == "auto":
+            raise PipelineError(
+                "stages='auto' chooses the stage meshes itself: leave stage_meshes out, or give "
+                "the stages"
+            )
+        if self.data_parallel != 1 or self.virtual_stages != 1:
+            raise PipelineError(
+                f"stage_meshes runs one model chunk per stage on its own mesh: data_parallel="
+                f"{self.data_parallel} and virtual_stages={self.virtual_stages} must be 1 (a "
+                "stage's plan can itself be data-parallel over its mesh)"
+            )
+        stages = self.stages if isinstance(self.stages, int) else len(self.stages) + 1
+        if stages != len(meshes):
+            raise PipelineError(
+                f"{len(meshes)} stage meshes {meshes} for {stages} stages: give one mesh per "
+                "stage"
+            )
 
     def _check_interleaving(self) -> None:
         chunks = self.virtual_stages
@@ -139,5 +184,8 @@ class Pipeline:
 
     @property
     def world_size(self) -> int:
-        """Processes the pipeline runs on: ``num_stages * data_parallel``."""
+        """Processes the pipeline runs on: ``num_stages * data_parallel``, or with
+        ``stage_meshes`` the devices of all of them."""
+        if self.stage_meshes is not None:
+            return sum(math.prod(mesh) for mesh in self.stage_meshes)
         return self.num_stages * self.data_parallel
