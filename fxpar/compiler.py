@@ -42,6 +42,7 @@ from fxpar.optim import AdamW, Optimizer, check_optimizer
 from fxpar.passes import ManualPlan, PassManager, for_compile
 from fxpar.pipeline import Pipeline, PipelineModel, plan_stages
 from fxpar.pipeline.auto import StagePlanner
+from fxpar.pipeline.meshes import stage_meshes
 from fxpar.pipeline.sharded import stage_devices
 from fxpar.pipeline.steps import PassPlanner
 from fxpar.planning.plan import Plan, keeping_state, pipeline_of, plan_program
@@ -261,7 +262,15 @@ def _compile_pipeline(
 ) -> PipelineModel:
     """A pipeline whose stages run an intra-op plan on the cluster's mesh without its first
     axis (when that axis is the stages, or a solver, manual plan, pins, options, rules or
-    passes ask for a plan), or data-parallel replicas."""
+    passes ask for a plan), or on meshes of their own (``Pipeline(stage_meshes=...)``), or
+    data-parallel replicas."""
+    if pipeline.stage_meshes is not None:
+        meshes = stage_meshes(pipeline, cluster)
+        return PipelineModel(
+            model, pipeline, example_inputs, loss_fn, example_targets=example_targets,
+            optimizer=optimizer, stage_cluster=meshes.clusters, planner=planner,
+            check_batches=check_batches, init=init, mixed_precision=mixed_precision,
+        )  # fmt: skip
     stages_first = (
         pipeline.stages != "auto"
         and pipeline.data_parallel == 1
@@ -280,7 +289,10 @@ def _compile_pipeline(
                 stage_planner=planner,
             )  # fmt: skip
             logger.info("stages chosen by the stage DP:\n%s", choice.report())
-            pipeline, stage_cluster = choice.pipeline, choice.stage_cluster
+            pipeline = choice.pipeline
+            stage_cluster: Cluster | tuple[Cluster, ...] | None = choice.stage_cluster
+            if pipeline.stage_meshes is not None:  # stages on submeshes of different shapes
+                stage_cluster = stage_meshes(pipeline, cluster).clusters
             assert stage_cluster is not None
         else:
             stage_cluster = stage_devices(cluster, pipeline.num_stages)

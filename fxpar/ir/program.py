@@ -14,6 +14,7 @@ same inputs gives the same outputs, and the caller decides what to do with the n
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -156,6 +157,20 @@ class Program:
         self.signature = signature
         self.cluster: Cluster | None = None
         self._annotations: dict[type, object] = {}
+
+    def copy(self) -> Program:
+        """A Program of the same graph whose graph and annotations (the node-level ones in
+        ``node.meta``, and the program-level ones) change independently of this one's, as
+        planning one program for several meshes needs. torch.fx copies a graph's node
+        metadata shallowly, so the annotation dicts are copied here too."""
+        graph_module = copy.deepcopy(self.graph_module)
+        for node in graph_module.graph.nodes:
+            if ir.META_KEY in node.meta:
+                node.meta[ir.META_KEY] = dict(node.meta[ir.META_KEY])
+        twin = Program(graph_module, self.signature)
+        twin.cluster = self.cluster
+        twin._annotations = dict(self._annotations)
+        return twin
 
     def annotate(self, value: object) -> None:
         """Attach a program-level fact, replacing any earlier one of the same type."""

@@ -10,7 +10,9 @@ of the lists, that rules out deadlock.
 Every message carries one tensor per :class:`~fxpar.pipeline.split.Value` of the channel, in
 the channel's order, with a tag made of the micro-batch, the direction, the sending virtual
 stage and the index, so messages cannot be confused even if the transport reorders them. The
-receiver allocates from the shapes recorded at capture time: nothing but the data travels. With the
+receiver allocates from the shapes recorded at capture time: nothing but the data travels.
+Between stages on meshes of different shapes (:mod:`.reshard`) a value travels as the boxes each
+receiving device needs, one message per sending device, with the value's tag. With the
 interleaved schedule a worker runs several model chunks, each with its own programs and
 channels; the last stage's chunk ``c`` sends to stage 0's chunk ``c + 1``.
 
@@ -29,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from fxpar.pipeline.options import PipelineError
+from fxpar.pipeline.reshard import Crossing, Transfer
 from fxpar.pipeline.schedule import Instruction, Op
 from fxpar.pipeline.split import StageProgram, Value
 
@@ -85,7 +88,8 @@ class StageResult:
 
 
 class _Channel:
-    """The tensors one unit sends to, or receives from, a neighbouring rank."""
+    """The tensors one unit sends to, or receives from, a neighbouring rank (or, between
+    stages on different meshes, several ranks: ``routes``)."""
 
     def __init__(
         self,
@@ -94,8 +98,11 @@ class _Channel:
         direction: int,
         sender: int = 0,
         senders: int = 1,
+        routes: Sequence[tuple[Transfer, ...]] | None = None,
     ) -> None:
-        """``sender``: the virtual stage that sends on this channel, of ``senders``."""
+        """``sender``: the virtual stage that sends on this channel, of ``senders``.
+        ``routes``: this rank's messages for each value, when the neighbouring stage runs
+        another mesh (:mod:`.reshard`); else every value goes whole to or from ``peer``."""
         if len(values) > _MAX_VALUES:
             raise PipelineError(
                 f"{len(values)} tensors cross one stage boundary; at most {_MAX_VALUES} are "
@@ -105,6 +112,7 @@ class _Channel:
         self.peer = peer
         self.direction = direction
         self.sender, self.senders = sender, senders
+        self.routes = None if routes is None else tuple(routes)
 
     def _tag(self, microbatch: int, index: int) -> int:
         message = (microbatch * 2 + self.direction) * self.senders + self.sender
@@ -113,32 +121,49 @@ class _Channel:
     def send(self, tensors: Sequence[torch.Tensor], microbatch: int) -> list[Any]:
         if not self.values:
             return []
-        if self.peer is None:
-            raise PipelineError("a stage with no neighbour was asked to send")
         works = []
         for index, tensor in enumerate(tensors):
-            payload = tensor.detach().contiguous()
-            works.append(
-                (dist.isend(payload, self.peer, tag=self._tag(microbatch, index)), payload)
-            )
+            tag = self._tag(microbatch, index)
+            for peer, payload in self._pieces(index, tensor.detach()):
+                works.append((dist.isend(payload, peer, tag=tag), payload))
         return works
+
+    def _pieces(self, index: int, tensor: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        if self.routes is None:
+            if self.peer is None:
+                raise PipelineError("a stage with no neighbour was asked to send")
+            return [(self.peer, tensor.contiguous())]
+        return [(t.target, tensor[t.source_box].contiguous()) for t in self.routes[index]]
 
     def recv(self, microbatch: int) -> tuple[torch.Tensor, ...]:
         if not self.values:
             return ()
-        if self.peer is None:
+        if self.peer is None and self.routes is None:
             raise PipelineError("a stage with no neighbour was asked to receive")
         buffers = [
             torch.empty([int(s) for s in value.meta.shape], dtype=value.meta.dtype)
             for value in self.values
         ]
-        works = [
-            dist.irecv(buffer, self.peer, tag=self._tag(microbatch, index))
-            for index, buffer in enumerate(buffers)
-        ]
+        works = []
+        copies = []  # (piece received, where it goes)
+        for index, buffer in enumerate(buffers):
+            tag = self._tag(microbatch, index)
+            if self.routes is None:
+                works.append(dist.irecv(buffer, self.peer, tag=tag))
+                continue
+            for transfer in self.routes[index]:
+                target = buffer[transfer.target_box]
+                if target.shape == buffer.shape:
+                    works.append(dist.irecv(buffer, transfer.source, tag=tag))
+                else:
+                    piece = torch.empty(target.shape, dtype=buffer.dtype)
+                    works.append(dist.irecv(piece, transfer.source, tag=tag))
+                    copies.append((piece, target))
         for work in works:
             if work is not None:  # None only for ranks outside the group, never here
                 work.wait()
+        for piece, target in copies:
+            target.copy_(piece)
         return tuple(buffers)
 
 
@@ -164,6 +189,7 @@ class StageWorker:
         previous_rank: int | None,
         next_rank: int | None,
         num_stages: int,
+        crossings: Mapping[str, Sequence[Crossing]] | None = None,
     ) -> None:
         if len(forward) != len(backward) or not forward:
             raise PipelineError(
@@ -185,13 +211,22 @@ class StageWorker:
                 f"stage {self.stage} of {num_stages} was given chunks {virtual}; it runs "
                 f"chunks {self.stage}, {self.stage} + {num_stages}, ... of the split"
             )
+        routes = _routes(crossings, rank, len(forward))
         # Tags name the sending virtual stage, which both ends of a message know.
         self._channels = [
             {
-                Op.RECV_ACTIVATION: _Channel(f.received, previous_rank, _ACTIVATION, v - 1, count),
-                Op.SEND_ACTIVATION: _Channel(f.sent, next_rank, _ACTIVATION, v, count),
-                Op.RECV_GRAD: _Channel(b.received, next_rank, _GRADIENT, v + 1, count),
-                Op.SEND_GRAD: _Channel(b.sent, previous_rank, _GRADIENT, v, count),
+                Op.RECV_ACTIVATION: _Channel(
+                    f.received, previous_rank, _ACTIVATION, v - 1, count, routes[Op.RECV_ACTIVATION]
+                ),
+                Op.SEND_ACTIVATION: _Channel(
+                    f.sent, next_rank, _ACTIVATION, v, count, routes[Op.SEND_ACTIVATION]
+                ),
+                Op.RECV_GRAD: _Channel(
+                    b.received, next_rank, _GRADIENT, v + 1, count, routes[Op.RECV_GRAD]
+                ),
+                Op.SEND_GRAD: _Channel(
+                    b.sent, previous_rank, _GRADIENT, v, count, routes[Op.SEND_GRAD]
+                ),
             }
             for v, f, b in zip(virtual, forward, backward, strict=True)
         ]
@@ -281,6 +316,22 @@ class StageWorker:
             trace=trace,
             outputs=outputs,
         )
+
+
+def _routes(
+    crossings: Mapping[str, Sequence[Crossing]] | None, rank: int, chunks: int
+) -> dict[Op, list[tuple[Transfer, ...]] | None]:
+    """This rank's messages on each channel, when the stage's neighbours run other meshes."""
+    if not crossings:
+        return dict.fromkeys(_MESSAGES)
+    if chunks != 1:
+        raise PipelineError("stages on meshes of different shapes run one model chunk each")
+    return {
+        Op.RECV_ACTIVATION: [c.receives_at(rank) for c in crossings["forward_received"]],
+        Op.SEND_ACTIVATION: [c.sends_from(rank) for c in crossings["forward_sent"]],
+        Op.RECV_GRAD: [c.receives_at(rank) for c in crossings["backward_received"]],
+        Op.SEND_GRAD: [c.sends_from(rank) for c in crossings["backward_sent"]],
+    }
 
 
 def _storage_bytes(tensors: Sequence[torch.Tensor], skip: set[int]) -> int:

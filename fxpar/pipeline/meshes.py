@@ -12,14 +12,17 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from fxpar.cluster import Cluster, Coordinate
+from fxpar.ir.program import Program
 from fxpar.pipeline.options import Pipeline, PipelineError
 from fxpar.pipeline.stage_costs import link
 
 Shape = tuple[int, ...]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,13 @@ class StageMeshes:
     @property
     def world_size(self) -> int:
         return sum(cluster.world_size for cluster in self.clusters)
+
+    def by_shape(self) -> dict[Shape, Cluster]:
+        """The first stage's cluster of each mesh shape, in stage order: one plan each."""
+        found: dict[Shape, Cluster] = {}
+        for cluster in self.clusters:
+            found.setdefault(cluster.mesh_shape, cluster)
+        return found
 
     def offset(self, stage: int) -> int:
         """The first rank of ``stage``."""
@@ -73,6 +83,62 @@ class StageMeshes:
         for size, position in zip(self.shapes[stage], coordinate, strict=True):
             index = index * size + position
         return self.offset(stage) + index
+
+
+def meshes_of(
+    pipeline: Pipeline, stage_cluster: Cluster | Sequence[Cluster] | None
+) -> StageMeshes | None:
+    """The stage meshes of a :class:`~fxpar.pipeline.PipelineModel` given ``stage_cluster``:
+    None (data-parallel replicas per stage, or with ``pipeline.stage_meshes`` default clusters
+    of those shapes), one Cluster (every stage on that mesh) or one Cluster per stage (their
+    shapes those of ``pipeline.stage_meshes``).
+
+    Raises:
+        PipelineError: the clusters do not match the pipeline, or a stage mesh is asked for
+            with replicas or several chunks per stage.
+    """
+    shapes = pipeline.stage_meshes
+    if isinstance(stage_cluster, Cluster):
+        if shapes is not None:
+            raise PipelineError(
+                f"{pipeline} names a mesh per stage: give one Cluster per stage as "
+                "stage_cluster (fxpar.pipeline.meshes.stage_meshes(pipeline, cluster) makes "
+                "them from the whole pipeline's cluster), or none"
+            )
+        if pipeline.data_parallel * pipeline.virtual_stages > 1:
+            raise PipelineError(
+                f"{pipeline} asks for data_parallel={pipeline.data_parallel} replicas or "
+                f"virtual_stages={pipeline.virtual_stages} chunks per stage, and a stage mesh "
+                f"{stage_cluster.mesh_shape}: choose one (a plan on the stage mesh can itself "
+                "be data-parallel; stage meshes run one chunk per stage)"
+            )
+        return uniform_meshes(stage_cluster, pipeline.num_stages)
+    if stage_cluster is None:
+        if shapes is None:
+            return None
+        whole = Cluster((pipeline.world_size,))
+        return StageMeshes(tuple(submesh_cluster(whole, shape, len(shapes)) for shape in shapes))
+    clusters = tuple(stage_cluster)
+    given = tuple(cluster.mesh_shape for cluster in clusters)
+    if shapes is None or given != shapes:
+        raise PipelineError(
+            f"stage_cluster gives stage meshes {given}, but {pipeline} names "
+            + ("none: name them in Pipeline(stage_meshes=...)" if shapes is None else f"{shapes}")
+        )
+    return StageMeshes(clusters)
+
+
+def plan_each(
+    program: Program, meshes: StageMeshes, plan: Callable[[Program, Cluster], T]
+) -> dict[Shape, T]:
+    """``plan(program, cluster)`` for each stage mesh shape (a copy of ``program`` each, where
+    there are several: planning annotates the graph in place)."""
+    by_shape = meshes.by_shape()
+    several = len(by_shape) > 1
+    return {
+        shape: plan(program.copy() if several else program, cluster)
+        for shape, cluster in by_shape.items()
+    }
 
 
 def uniform_meshes(cluster: Cluster, num_stages: int) -> StageMeshes:
@@ -131,6 +197,8 @@ __all__ = [
     "StageMeshes",
     "coordinates",
     "distinct",
+    "meshes_of",
+    "plan_each",
     "stage_meshes",
     "submesh_cluster",
     "uniform_meshes",

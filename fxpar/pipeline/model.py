@@ -63,7 +63,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Replicate
 
 from fxpar import checkpoint, ir
 from fxpar.cluster import Cluster, Coordinate
@@ -72,17 +72,32 @@ from fxpar.ir.capture import LossFn, batch_tensors, capture, with_batch_tensors
 from fxpar.ir.precision import MixedPrecision
 from fxpar.ir.program import Program, named_state, state_dict_aliases
 from fxpar.ir.rng import RandomState
+from fxpar.lowering import value_spec
 from fxpar.optim import AdamW, Optimizer, check_optimizer
 from fxpar.passes import default_pipeline, for_compile
 from fxpar.passes.canonicalize import Canonicalize
 from fxpar.pipeline.executor import StageResult, StageTrace, StageWorker
+from fxpar.pipeline.groups import (
+    TiedSum,
+    first_holder,
+    replica_group,
+    stage_device_mesh,
+    tied_sums,
+)
+from fxpar.pipeline.meshes import StageMeshes, meshes_of, plan_each
 from fxpar.pipeline.options import Pipeline, PipelineError
 from fxpar.pipeline.partition import even_split_points, partition
 from fxpar.pipeline.schedule import build_schedule, simulate
 from fxpar.pipeline.semantics import PipelineSemantics
 from fxpar.pipeline.sharded import ShardedStage, local_batch
 from fxpar.pipeline.split import SplitProgram, split_program
-from fxpar.pipeline.steps import PassPlanner, StageCutter, StageLayout, StageStep
+from fxpar.pipeline.steps import (
+    PassPlanner,
+    StageCutter,
+    StageLayout,
+    StageStep,
+    check_same_cut,
+)
 from fxpar.planning.plan import Plan
 from fxpar.runtime.batches import BatchSignature
 from fxpar.runtime.collectives import (
@@ -94,7 +109,7 @@ from fxpar.runtime.fingerprint import check_same_model
 from fxpar.runtime.loop import clip_grad_norm_, one_step
 from fxpar.runtime.steps import call_inputs, forward_key
 from fxpar.runtime.weights import Piece, initial_pieces
-from fxpar.sharding import assemble
+from fxpar.sharding import Spec, assemble
 
 if TYPE_CHECKING:
     from fxpar.pipeline.auto import StageChoice
@@ -133,7 +148,7 @@ class PipelineModel:
         *,
         example_targets: Sequence[torch.Tensor] = (),
         optimizer: Optimizer | None = None,
-        stage_cluster: Cluster | None = None,
+        stage_cluster: Cluster | Sequence[Cluster] | None = None,
         planner: Callable[[Program, Cluster], Plan] | None = None,
         check_batches: bool = True,
         init: str | os.PathLike[str] | None = None,
@@ -143,32 +158,34 @@ class PipelineModel:
         (see the module docstring); ``planner(program, stage_cluster)`` makes the plan, the
         same on every rank (by default the ILP, solved on rank 0 and broadcast; e.g.
         ``functools.partial(fxpar.planning.plan.plan_program, manual=fxpar.plans.tensor_parallel)``
-        for Megatron). It plans the programs of eval mode and of the forward too, which must
-        keep every parameter and buffer in its layout: a :class:`~.steps.PassPlanner` (the
-        default's kind) pins them, any other planner's plans are checked and refused if they
-        move one. ``check_batches``: compare a digest of every batch across ranks before
-        each step (one small all-gather), so that a rank fed another batch fails loudly
-        instead of training on a mixture. ``init`` (a checkpoint to start from; each rank reads
+        for Megatron). With ``Pipeline(stage_meshes=...)``, ``stage_cluster`` is one Cluster per
+        stage (or None: default links), each mesh shape is planned once, and values crossing
+        between stages on different meshes are resharded (:mod:`.reshard`). It plans the
+        programs of eval mode and of the forward too, which must keep every parameter and
+        buffer in its layout: a :class:`~.steps.PassPlanner` (the default's kind) pins them,
+        any other planner's plans are checked and refused if they move one.
+        ``check_batches``: compare a digest of every batch across ranks before each step (one
+        small all-gather), so that a rank fed another batch fails loudly instead of training
+        on a mixture. ``init`` (a checkpoint to start from; each rank reads
         only its stage's pieces) and ``mixed_precision``: as for :func:`fxpar.compile`."""
         self.pipeline = pipeline
         self.check_batches = check_batches
         self.optimizer_spec = check_optimizer(optimizer if optimizer is not None else AdamW())
-        if stage_cluster is not None and pipeline.data_parallel * pipeline.virtual_stages > 1:
-            raise PipelineError(
-                f"{pipeline} asks for data_parallel={pipeline.data_parallel} replicas or "
-                f"virtual_stages={pipeline.virtual_stages} chunks per stage, and a stage mesh "
-                f"{stage_cluster.mesh_shape}: choose one (a plan on the stage mesh can itself "
-                "be data-parallel; stage meshes run one chunk per stage)"
-            )
-        self.stage_cluster = stage_cluster
-        per_stage = stage_cluster.world_size if stage_cluster else pipeline.data_parallel
-        world_size = pipeline.num_stages * per_stage
+        meshes = meshes_of(pipeline, stage_cluster)
+        self._meshes = meshes
+        per_stage = meshes.clusters[0].world_size if meshes else pipeline.data_parallel
+        world_size = meshes.world_size if meshes else pipeline.num_stages * per_stage
         distributed = dist.is_available() and dist.is_initialized()
         world = dist.get_world_size() if distributed else 1
         if world != world_size:
             raise PipelineError(
-                f"{pipeline} needs {world_size} processes ({pipeline.num_stages} stages "
-                f"x {per_stage} devices per stage) but "
+                f"{pipeline} needs {world_size} processes ("
+                + (
+                    f"stage meshes {meshes.shapes}"
+                    if meshes and not meshes.uniform
+                    else f"{pipeline.num_stages} stages x {per_stage} devices per stage"
+                )
+                + ") but "
                 + (
                     f"the process group has {world}"
                     if distributed
@@ -179,10 +196,11 @@ class PipelineModel:
         self.rank = dist.get_rank() if distributed else 0
         self._distributed = distributed
         self._per_stage = per_stage
-        self.stage, local = divmod(self.rank, per_stage)
+        self.stage, local = meshes.locate(self.rank) if meshes else divmod(self.rank, per_stage)
+        self.stage_cluster = meshes.clusters[self.stage] if meshes else None
         self._local_index = local
-        self.replica = 0 if stage_cluster else local
-        self.coordinate: Coordinate = stage_cluster.coordinate(local) if stage_cluster else ()
+        self.replica = 0 if meshes else local
+        self.coordinate: Coordinate = meshes.coordinate(self.rank) if meshes else ()
         replicas = pipeline.data_parallel
 
         pieces = pipeline.microbatches * replicas
@@ -197,17 +215,26 @@ class PipelineModel:
         )  # fmt: skip
         # Means become sums over counts, so the loss's count can be the whole batch's.
         program = Canonicalize().run(program)
-        self.plan: Plan | None = None
         planner = planner or PassPlanner(for_compile(default_pipeline()))
-        if stage_cluster is not None:
-            self.plan = planner(program, stage_cluster)
-            program = self.plan.program
-        stages = pipeline.stages
-        chunks = pipeline.num_chunks
-        points = even_split_points(program, chunks) if isinstance(stages, int) else stages
-        self.split: SplitProgram = split_program(
-            program, partition(program, points), remat=pipeline.remat
-        )
+        points = pipeline.stages
+        if isinstance(points, int):
+            points = even_split_points(program, pipeline.num_chunks)
+        self.plans: dict[tuple[int, ...], Plan] = {}
+        """The intra-op plan of each stage mesh shape (with stage meshes)."""
+        splits: dict[tuple[int, ...], Program] = {(): program}
+        if meshes is not None:
+            self.plans = plan_each(program, meshes, planner)
+            splits = {shape: plan.program for shape, plan in self.plans.items()}
+        cut = {
+            shape: split_program(each, partition(each, points), remat=pipeline.remat)
+            for shape, each in splits.items()
+        }
+        check_same_cut(cut)
+        self._splits: dict[tuple[int, ...], SplitProgram] = cut
+        own = self.stage_cluster.mesh_shape if self.stage_cluster else ()
+        self.plan: Plan | None = self.plans.get(own)
+        self.split: SplitProgram = cut[own]
+        program = self.split.program
         self.schedule = build_schedule(
             pipeline.schedule, pipeline.num_stages, pipeline.microbatches, pipeline.virtual_stages
         )
@@ -229,21 +256,27 @@ class PipelineModel:
         self._aliases = state_dict_aliases(model, names)
         self._shapes = {n: ir.require(placeholders[n], ir.ValueMeta).tensor.shape for n in names}
 
-        self._stage_group, self._shared_groups = self._make_groups()
-        self._device_mesh = self._stage_device_mesh()
+        self._stage_group = replica_group(pipeline, self.stage) if distributed else None
+        self._tied: dict[str, TiedSum] = {}
+        if distributed:
+            self._tied = tied_sums(
+                self.split, pipeline, self.rank, per_stage=per_stage, meshes=meshes,
+                spec_of=self._stage_spec, shapes=self._shapes,
+            )  # fmt: skip
+        self._device_mesh = stage_device_mesh(pipeline, meshes, self.stage) if distributed else None
         communicator: Communicator = OneDeviceCommunicator()
         if self._device_mesh is not None:
             communicator = ProcessGroupCommunicator(self._device_mesh)
         before, after = pipeline.neighbour(self.stage, -1), pipeline.neighbour(self.stage, 1)
         layout = StageLayout(
             pipeline, self.schedule, self.stage, self.rank, per_stage,
-            previous_rank=None if before is None else before * per_stage + local,
-            next_rank=None if after is None else after * per_stage + local,
-            stage_cluster=stage_cluster, coordinate=self.coordinate, communicator=communicator,
+            previous_rank=None if before is None else _peer(meshes, before, per_stage, local),
+            next_rank=None if after is None else _peer(meshes, after, per_stage, local),
+            meshes=meshes, coordinate=self.coordinate, communicator=communicator,
             distributed=distributed,
         )  # fmt: skip
         self.training = model.training
-        trained = layout.assemble(self.split, "train", self.training, self._batch_signature)
+        trained = layout.assemble(cut, "train", self.training, self._batch_signature)
         self._steps: dict[Hashable, StageStep] = {("train", self.training, None): trained}
         self._cutter = StageCutter(
             model, loss_fn, micro_inputs, micro_targets, tuple(points), pipeline.remat,
@@ -285,18 +318,21 @@ class PipelineModel:
         statistics) and, inside a stage mesh, reassembled from every device's piece. A
         collective: call it on every rank."""
         mine = {**self.parameters, **self.buffers} if self.replica == 0 else {}
-        part = (self.coordinate, {n: t.detach().clone() for n, t in mine.items()})
+        part = (self.stage, self.coordinate, {n: t.detach().clone() for n, t in mine.items()})
         everyone: list[Any] = [part]
         if self._distributed and dist.get_world_size() > 1:
             everyone = [None] * dist.get_world_size()
             dist.all_gather_object(everyone, part)
-        pieces: dict[str, dict[Coordinate, torch.Tensor]] = {}
-        for coordinate, tensors in everyone:
+        # Each tensor from the first stage holding it (stages may lay it out differently).
+        pieces: dict[str, tuple[int, dict[Coordinate, torch.Tensor]]] = {}
+        for stage, coordinate, tensors in sorted(everyone, key=lambda p: p[0]):
             for name, tensor in tensors.items():
-                pieces.setdefault(name, {})[coordinate] = tensor
+                home, found = pieces.setdefault(name, (stage, {}))
+                if home == stage:
+                    found[coordinate] = tensor
         state = {}
         for name in self.signature.parameters + self.signature.buffers:
-            whole = self._whole(name, pieces[name])
+            whole = self._whole(name, *pieces[name])
             for alias in self._aliases.get(name, (name,)):
                 state[alias] = whole
         return state
@@ -601,8 +637,8 @@ class PipelineModel:
         if self._stage_group is not None:
             for name in self._trainable:
                 dist.all_reduce(sums[name], group=self._stage_group)
-        for name, group in self._shared_groups.items():
-            dist.all_reduce(sums[name], group=group)
+        for name, tied in self._tied.items():
+            sums[name] = tied(sums[name])
         return {name: value / count for name, value in sums.items()} if count != 1 else sums
 
     def _counts_in_norm(self, name: str) -> bool:
@@ -612,11 +648,7 @@ class PipelineModel:
             return False
         if self.sharded is None:
             return True
-        placements = self.sharded.specs[name]
-        return all(
-            isinstance(placement, Shard) or index == 0
-            for placement, index in zip(placements, self.coordinate, strict=True)
-        )
+        return first_holder(self.sharded.specs[name], self.coordinate)
 
     def _divisor(self, step: StageStep) -> int:
         pieces = self.pipeline.microbatches * self.pipeline.data_parallel
@@ -726,54 +758,11 @@ class PipelineModel:
             pieces = [local_batch(sharded, microbatch) for microbatch in pieces]
         return pieces
 
-    def _make_groups(self) -> tuple[Any, dict[str, Any]]:
-        """Process groups: this stage's replicas, and each tied weight's holders (one group per
-        device index within a stage). ``new_group`` is collective over the world, so every
-        rank creates every group in the same order and keeps its own."""
-        if not self._distributed:
-            return None, {}
-        per_stage = self._per_stage
-        stage_group = None
-        if self.pipeline.data_parallel > 1:
-            for stage in range(self.pipeline.num_stages):
-                ranks = list(range(stage * per_stage, (stage + 1) * per_stage))
-                group = dist.new_group(ranks)
-                if stage == self.stage:
-                    stage_group = group
-        shared: dict[str, Any] = {}
-        by_holders: dict[tuple[int, ...], list[str]] = {}
-        for name, chunks in self.split.shared_parameters().items():
-            holders = tuple(sorted({self.pipeline.stage_of(chunk) for chunk in chunks}))
-            if len(holders) > 1:  # else chunks of one stage, whose worker adds the gradients
-                by_holders.setdefault(holders, []).append(name)
-        for holders, names in by_holders.items():
-            for local in range(per_stage):
-                ranks = [stage * per_stage + local for stage in holders]
-                group = dist.new_group(ranks)
-                if self.stage in holders and local == self._local_index:
-                    shared.update(dict.fromkeys(names, group))
-        return stage_group, shared
-
-    def _stage_device_mesh(self) -> Any:
-        """This stage's DeviceMesh (its stage mesh, or its replicas): the stage's slice of a
-        world mesh of shape ``(stages, *devices per stage)``; None without a process group.
-        Its groups carry the stage plan's collectives, and checkpoints place pieces on it."""
-        if not self._distributed:
-            return None
-        from torch.distributed.device_mesh import init_device_mesh
-
-        cluster = self.stage_cluster
-        shape = cluster.mesh_shape if cluster else (self.pipeline.data_parallel,)
-        names = cluster.axis_names if cluster else ("replicas",)
-        stage_axis = "stage"
-        while stage_axis in names:
-            stage_axis += "_"
-        world_mesh = init_device_mesh(
-            cluster.device_type if cluster else "cpu",
-            (self.pipeline.num_stages, *shape),
-            mesh_dim_names=(stage_axis, *names),
-        )
-        return world_mesh[names]
+    def _stage_spec(self, stage: int, name: str) -> Spec:
+        """The layout stage ``stage``'s plan gives parameter or buffer ``name``."""
+        assert self._meshes is not None
+        split = self._splits[self._meshes.shapes[stage]]
+        return value_spec(split.program.placeholders()[name])
 
     def _piece(self, name: str) -> Piece:
         """Which piece of a whole parameter or buffer this device holds."""
@@ -782,10 +771,11 @@ class PipelineModel:
         sharded = self.sharded
         return Piece(sharded.specs[name], sharded.cluster.mesh_shape, sharded.coordinate)
 
-    def _whole(self, name: str, pieces: dict[Coordinate, torch.Tensor]) -> torch.Tensor:
-        if self.sharded is None:
+    def _whole(self, name: str, stage: int, pieces: dict[Coordinate, torch.Tensor]) -> torch.Tensor:
+        if self._meshes is None:
             return next(iter(pieces.values()))
-        return assemble(pieces, self.sharded.specs[name], self.sharded.cluster.mesh_shape)
+        spec = self._stage_spec(stage, name)
+        return assemble(pieces, spec, self._meshes.shapes[stage])
 
     def __repr__(self) -> str:
         notes = len(self.semantics.notes)
@@ -795,6 +785,16 @@ class PipelineModel:
             f"{self.pipeline.num_stages}, replica {self.replica}; {len(self.parameters)} "
             f"parameters; {self.pipeline}; {semantics})"
         )
+
+
+def _peer(meshes: StageMeshes | None, stage: int, per_stage: int, local: int) -> int:
+    """The rank of the device at this rank's place in ``stage`` (its first, where ``stage``'s
+    mesh is another shape: messages then follow routes, see :mod:`.reshard`)."""
+    if meshes is None:
+        return stage * per_stage + local
+    if meshes.uniform:
+        return meshes.offset(stage) + local
+    return meshes.offset(stage)
 
 
 def _whole_batch(meta: ir.TensorMeta, batch_size: int) -> ir.TensorMeta:

@@ -113,8 +113,7 @@ class Pipeline:
         stages = self.stages if isinstance(self.stages, int) else len(self.stages) + 1
         if stages != len(meshes):
             raise PipelineError(
-                f"{len(meshes)} stage meshes {meshes} for {stages} stages: give one mesh per "
-                "stage"
+                f"{len(meshes)} stage meshes {meshes} for {stages} stages: give one mesh per stage"
             )
 
     def _check_interleaving(self) -> None:

@@ -16,6 +16,9 @@ What fixes the layout of each value at a unit's boundary:
   where it is computed, on both sides of the boundary. Device ``c`` of stage ``s`` exchanges
   with device ``c`` of stages ``s ± 1``, which holds the same piece, so nothing is converted on
   the way (a ``Partial`` value travels as its addends);
+- unless the neighbouring stage runs another mesh (``Pipeline(stage_meshes=...)``), whose plan
+  may lay the value out otherwise: then each side uses a *wire layout* derived from its own
+  plan, and :mod:`.reshard` lists the messages between the two meshes (``crossings``);
 - the loss and a forward program's outputs: replicated; a buffer update: its buffer's spec;
 - a gradient: the spec the backward computed it in (often ``Partial`` over a data-parallel
   axis). The runtime sums it over micro-batches in that layout, and :class:`GradientSync`
@@ -26,7 +29,7 @@ What fixes the layout of each value at a unit's boundary:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +40,7 @@ from fxpar.cluster import Cluster, Coordinate
 from fxpar.errors import LoweringError
 from fxpar.lowering import CollectiveRecord, conversion_program, lower_graph, value_spec
 from fxpar.pipeline.options import PipelineError
+from fxpar.pipeline.reshard import Crossing, StageSide, crossing
 from fxpar.pipeline.split import SplitProgram, StageProgram, Value
 from fxpar.runtime.collectives import Communicator
 from fxpar.sharding import Spec, local_shape, replicated, shard_tensor
@@ -80,6 +84,10 @@ class ShardedStage:
     forward_collectives: tuple[CollectiveRecord, ...] = ()
     backward_collectives: tuple[CollectiveRecord, ...] = ()
     """What the lowered units run, per micro-batch."""
+    crossings: Mapping[str, tuple[Crossing, ...]] = dataclasses.field(default_factory=dict)
+    """With neighbours on other meshes: how each value of ``"forward_received"``,
+    ``"forward_sent"``, ``"backward_received"`` and ``"backward_sent"`` crosses its boundary
+    (in the channel's order); empty when every device exchanges with the same coordinate."""
 
     def local(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         """This device's piece of the whole parameter, buffer or batch tensor ``name``."""
@@ -92,10 +100,13 @@ def shard_stage(
     cluster: Cluster,
     coordinate: Coordinate,
     communicator: Communicator,
+    sides: Mapping[int, StageSide] | None = None,
 ) -> ShardedStage:
     """Lower stage ``stage`` of ``split`` (whose Program carries a plan for the stage mesh
     ``cluster``) for the device at ``coordinate``; its units run collectives on
-    ``communicator``."""
+    ``communicator``. ``sides``: this stage and its neighbours, by stage, when they run on
+    other meshes (see :mod:`.reshard`); without it every neighbour has this stage's mesh and
+    plan."""
     program = split.program
     placeholders = program.placeholders()
     try:
@@ -108,8 +119,16 @@ def shard_stage(
     if denominator is not None:  # the whole batch's, the same on every device
         specs[denominator.name] = replicated(len(cluster.mesh_shape))
     lower = _UnitLowering(split, cluster, coordinate, communicator, specs)
-    forward, forward_collectives = lower.unit(split.forward[stage])
-    backward, backward_collectives = lower.unit(split.backward[stage])
+    crossings: dict[str, tuple[Crossing, ...]] = {}
+    if sides is not None:
+        crossings = _crossings(split, stage, sides)
+        lower.wires = {
+            (key, value.name): getattr(item, "receive_spec" if "received" in key else "send_spec")
+            for key, unit, channel in _channels(split, stage)
+            for value, item in zip(channel(unit), crossings[key], strict=True)
+        }
+    forward, forward_collectives = lower.unit(split.forward[stage], "forward")
+    backward, backward_collectives = lower.unit(split.backward[stage], "backward")
     return ShardedStage(
         stage=stage,
         cluster=cluster,
@@ -120,7 +139,43 @@ def shard_stage(
         specs=specs,
         forward_collectives=forward_collectives,
         backward_collectives=backward_collectives,
+        crossings=crossings,
     )
+
+
+def _channels(
+    split: SplitProgram, stage: int
+) -> list[tuple[str, StageProgram, Callable[[StageProgram], tuple[Value, ...]]]]:
+    forward, backward = split.forward[stage], split.backward[stage]
+    return [
+        ("forward_received", forward, lambda unit: unit.received),
+        ("forward_sent", forward, lambda unit: unit.sent),
+        ("backward_received", backward, lambda unit: unit.received),
+        ("backward_sent", backward, lambda unit: unit.sent),
+    ]
+
+
+def _crossings(
+    split: SplitProgram, stage: int, sides: Mapping[int, StageSide]
+) -> dict[str, tuple[Crossing, ...]]:
+    """How every value stage ``stage`` exchanges crosses its boundary (module docstring)."""
+    ends = {  # (sender, receiver) of each channel
+        "forward_received": (stage - 1, stage),
+        "forward_sent": (stage, stage + 1),
+        "backward_received": (stage + 1, stage),
+        "backward_sent": (stage, stage - 1),
+    }
+    found: dict[str, tuple[Crossing, ...]] = {}
+    for key, unit, channel in _channels(split, stage):
+        values = channel(unit)
+        if not values:
+            found[key] = ()
+            continue
+        sender, receiver = (sides[end] for end in ends[key])
+        found[key] = tuple(
+            crossing(v.meta.shape, v.meta.dtype.itemsize, v.name, sender, receiver) for v in values
+        )
+    return found
 
 
 class _UnitLowering:
@@ -139,25 +194,33 @@ class _UnitLowering:
         self.specs = specs
         self.nodes = {node.name: node for node in split.program.graph.nodes}
         self.gradient_specs: dict[str, Spec] = {}
+        self.wires: dict[tuple[str, str], Spec] = {}
+        """The wire layout of each value exchanged with a neighbour on another mesh, by
+        channel and name."""
 
-    def unit(self, unit: StageProgram) -> tuple[StageProgram, tuple[CollectiveRecord, ...]]:
+    def unit(
+        self, unit: StageProgram, half: str
+    ) -> tuple[StageProgram, tuple[CollectiveRecord, ...]]:
         graph = unit.graph_module.graph
         inputs = [n for n in graph.nodes if n.op == "placeholder"]
         named = (*unit.parameters, *unit.buffers, *unit.batch)
-        crossing = (*unit.received, *unit.restored)
+        arriving = (*unit.received, *unit.restored)
+        received, sent = f"{half}_received", f"{half}_sent"
         input_specs = [self.specs[name] for name in named]
-        input_specs += [self._value_spec(value) for value in crossing]
+        input_specs += [self._value_spec(value, received) for value in unit.received]
+        input_specs += [self._value_spec(value) for value in unit.restored]
         assert len(inputs) == len(input_specs)
 
         (output,) = (n for n in graph.nodes if n.op == "output")
         results = list(output.args[0])
-        output_specs = [self._value_spec(value) for value in (*unit.sent, *unit.stashed)]
+        output_specs = [self._value_spec(value, sent) for value in unit.sent]
+        output_specs += [self._value_spec(value) for value in unit.stashed]
         if unit.loss:
             output_specs.append(replicated(len(self.mesh)))
         # The model's outputs leave whole on every device of the stage (gathered if need be).
         output_specs += [replicated(len(self.mesh)) for _ in unit.outputs]
         output_specs += [self.specs[name] for name in unit.buffer_updates]
-        origins = dict(zip(inputs[len(named) :], (v.name for v in crossing), strict=True))
+        origins = dict(zip(inputs[len(named) :], (v.name for v in arriving), strict=True))
         for name, result in zip(unit.gradients, results[len(output_specs) :], strict=True):
             assert isinstance(result, fx.Node)
             origin = origins.get(result)
@@ -176,9 +239,9 @@ class _UnitLowering:
         local = dataclasses.replace(
             unit,
             graph_module=lowered.graph_module,
-            received=tuple(self._local(v) for v in unit.received),
+            received=tuple(self._local(v, received) for v in unit.received),
             restored=tuple(self._local(v) for v in unit.restored),
-            sent=tuple(self._local(v) for v in unit.sent),
+            sent=tuple(self._local(v, sent) for v in unit.sent),
             stashed=tuple(self._local(v) for v in unit.stashed),
             communicator=self.communicator,
         )
@@ -207,11 +270,12 @@ class _UnitLowering:
             names, lowered.graph_module, lowered.records, self.communicator, grows=grows
         )
 
-    def _value_spec(self, value: Value) -> Spec:
-        return value_spec(self.nodes[value.name])
+    def _value_spec(self, value: Value, channel: str = "") -> Spec:
+        wire = self.wires.get((channel, value.name))
+        return wire if wire is not None else value_spec(self.nodes[value.name])
 
-    def _local(self, value: Value) -> Value:
-        spec = self._value_spec(value)
+    def _local(self, value: Value, channel: str = "") -> Value:
+        spec = self._value_spec(value, channel)
         shape = local_shape([int(s) for s in value.meta.shape], spec, self.mesh)
         return Value(value.name, dataclasses.replace(value.meta, shape=shape))
 

@@ -39,6 +39,8 @@ whose shape there is not its piece's with dim 0 times the number of pieces is re
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -58,8 +60,10 @@ from fxpar.lowering import value_spec
 from fxpar.passes import PassManager
 from fxpar.passes.canonicalize import Canonicalize
 from fxpar.pipeline.executor import StageWorker
+from fxpar.pipeline.meshes import Shape, StageMeshes, plan_each
 from fxpar.pipeline.options import Pipeline, PipelineError
 from fxpar.pipeline.partition import partition
+from fxpar.pipeline.reshard import Crossing, StageSide
 from fxpar.pipeline.schedule import StageSchedule, forward_only, simulate
 from fxpar.pipeline.sharded import ShardedStage, shard_stage
 from fxpar.pipeline.split import SplitProgram, StageProgram, split_program
@@ -110,6 +114,8 @@ class StageStep:
     """Runs its forward half only (:func:`.schedule.forward_only`)."""
     batch: BatchSignature
     """The whole batch it takes."""
+    splits: Mapping[Shape, SplitProgram] = dataclasses.field(default_factory=dict)
+    """The program cut under the plan of each stage mesh shape (with stage meshes)."""
 
 
 @dataclass(frozen=True)
@@ -121,47 +127,75 @@ class StageLayout:
     stage: int
     rank: int
     per_stage: int
-    """Devices per stage: data-parallel replicas, or the stage mesh's size."""
+    """Devices per stage: data-parallel replicas, or the first stage mesh's size."""
     previous_rank: int | None
     next_rank: int | None
     """The same replica's ranks in the stages before and after (wrapping around, from the
     last stage to the first, with the interleaved schedule's several chunks per stage)."""
-    stage_cluster: Cluster | None
+    meshes: StageMeshes | None
+    """Every stage's mesh (with an intra-op plan inside the stages)."""
     coordinate: Coordinate
     communicator: Communicator
     distributed: bool
 
+    @property
+    def stage_cluster(self) -> Cluster | None:
+        """This stage's mesh."""
+        return None if self.meshes is None else self.meshes.clusters[self.stage]
+
     def assemble(
-        self, split: SplitProgram, kind: PipelineKind, training: bool, batch: BatchSignature
+        self,
+        splits: Mapping[Shape, SplitProgram],
+        kind: PipelineKind,
+        training: bool,
+        batch: BatchSignature,
     ) -> StageStep:
-        """This rank's share of ``split``: its stage lowered to this device (with a stage
-        mesh), and the workers running the schedule's list and its forward half."""
+        """This rank's share of a program cut into stages: its stage lowered to this device
+        (with stage meshes, under the plan of this stage's mesh shape in ``splits``; else
+        ``splits[()]``), and the workers running the schedule's list and its forward half."""
+        cluster = self.stage_cluster
+        split = splits[cluster.mesh_shape if cluster else ()]
         chunks = self.pipeline.chunks_of(self.stage)
         forward = [split.forward[chunk] for chunk in chunks]
         backward = [split.backward[chunk] for chunk in chunks]
         sharded = None
-        if self.stage_cluster is not None:  # one chunk per stage (PipelineModel checks)
+        if cluster is not None:  # one chunk per stage (PipelineModel checks)
             sharded = shard_stage(
-                split, self.stage, self.stage_cluster, self.coordinate, self.communicator
-            )
+                split, self.stage, cluster, self.coordinate, self.communicator,
+                self._sides(splits),
+            )  # fmt: skip
             forward, backward = [sharded.forward], [sharded.backward]
-        worker = self._worker(forward, backward, self.schedule[self.stage])
+        crossings = sharded.crossings if sharded is not None else None
+        worker = self._worker(forward, backward, self.schedule[self.stage], crossings)
         # The forwards alone, which cannot deadlock either.
         forward_lists = [forward_only(instructions) for instructions in self.schedule]
         simulate(forward_lists)
-        forward_worker = self._worker(forward, backward, forward_lists[self.stage])
-        return StageStep(kind, training, split, sharded, worker, forward_worker, batch)
+        forward_worker = self._worker(forward, backward, forward_lists[self.stage], crossings)
+        return StageStep(kind, training, split, sharded, worker, forward_worker, batch, splits)
+
+    def _sides(self, splits: Mapping[Shape, SplitProgram]) -> dict[int, StageSide] | None:
+        """This stage and its neighbours, where some stage runs another mesh."""
+        meshes = self.meshes
+        if meshes is None or meshes.uniform:
+            return None
+        sides = {}
+        for stage in (self.stage - 1, self.stage, self.stage + 1):
+            if 0 <= stage < meshes.num_stages:
+                shape = meshes.shapes[stage]
+                sides[stage] = StageSide(shape, meshes.ranks(stage), _specs(splits[shape]))
+        return sides
 
     def _worker(
         self,
         forward: Sequence[StageProgram],
         backward: Sequence[StageProgram],
         instructions: StageSchedule,
+        crossings: Mapping[str, Sequence[Crossing]] | None,
     ) -> StageWorker:
         return StageWorker(
             forward, backward, instructions,
             rank=self.rank, previous_rank=self.previous_rank, next_rank=self.next_rank,
-            num_stages=self.pipeline.num_stages,
+            num_stages=self.pipeline.num_stages, crossings=crossings,
         )  # fmt: skip
 
     def gather_outputs(
@@ -173,6 +207,8 @@ class StageLayout:
         mesh's first device, where every device holds it whole. A collective."""
         microbatches, replicas = self.pipeline.microbatches, self.pipeline.data_parallel
         last = (self.pipeline.num_stages - 1) * self.per_stage
+        if self.meshes is not None:
+            last = self.meshes.offset(self.pipeline.num_stages - 1)
         world = dist.get_world_size() if self.distributed else 1
         results = []
         for index, value in enumerate(step.split.forward[-1].outputs):
@@ -271,27 +307,34 @@ class StageCutter:
         self, program: Program, kind: PipelineKind, training: bool, batch: BatchSignature
     ) -> StageStep:
         what = _describe(kind, training)
-        if self.layout.stage_cluster is not None:
-            program = self._plan(program, kind, what)
-        try:
-            cut = partition(program, self.split_points)
-        except PipelineError as error:
-            raise PipelineError(
-                f"{what} cannot be cut at the training split points {self.split_points}: {error}"
-            ) from error
-        split = split_program(program, cut, remat=self.remat)
-        check_state(split, self.trained.split, what)
+        programs: dict[Shape, Program] = {(): program}
+        if self.layout.meshes is not None:  # one plan per stage mesh shape
+            plan = functools.partial(self._plan, kind=kind, what=what)
+            programs = plan_each(program, self.layout.meshes, plan)
+        splits: dict[Shape, SplitProgram] = {}
+        for shape, planned in programs.items():
+            try:
+                cut = partition(planned, self.split_points)
+            except PipelineError as error:
+                raise PipelineError(
+                    f"{what} cannot be cut at the training split points {self.split_points}: "
+                    f"{error}"
+                ) from error
+            splits[shape] = split_program(planned, cut, remat=self.remat)
+            check_state(splits[shape], self.trained.split, what)
+        check_same_cut(splits)
         logger.debug("built %s, cut at %s", what, self.split_points)
-        return self.layout.assemble(split, kind, training, batch)
+        return self.layout.assemble(splits, kind, training, batch)
 
-    def _plan(self, program: Program, kind: PipelineKind, what: str) -> Program:
-        """``program`` planned for the stage mesh with the state kept in its layout."""
-        cluster = self.layout.stage_cluster
-        assert cluster is not None and self.trained.sharded is not None
+    def _plan(
+        self, program: Program, cluster: Cluster, *, kind: PipelineKind, what: str
+    ) -> Program:
+        """``program`` planned for the stage mesh ``cluster`` with the state kept in the
+        layout the training plan for that mesh gave it."""
+        trained = self.trained.splits[cluster.mesh_shape].program.placeholders()
         signature = program.signature
         kept = {
-            name: self.trained.sharded.specs[name]
-            for name in signature.parameters + signature.buffers
+            name: value_spec(trained[name]) for name in signature.parameters + signature.buffers
         }
         planner = self.planner
         if isinstance(planner, PassPlanner):
@@ -316,6 +359,28 @@ class StageCutter:
                 "planner that cannot be pinned"
             )
         return planned
+
+
+def check_same_cut(splits: Mapping[Shape, SplitProgram]) -> None:
+    """Refuse cuts of one program, planned for different stage meshes, whose stages exchange
+    different values: each side of a boundary must agree on what crosses it.
+
+    Raises:
+        PipelineError: two plans changed the graph differently.
+    """
+
+    def channels(split: SplitProgram) -> list[tuple[str, ...]]:
+        units = (*split.forward, *split.backward)
+        return [tuple(v.name for v in (*u.received, *u.sent)) for u in units]
+
+    first, *others = splits.items()
+    for shape, split in others:
+        if channels(split) != channels(first[1]):
+            raise PipelineError(
+                f"the plans for stage meshes {first[0]} and {shape} cut the step into stages "
+                "that exchange different values (a planning pass rewrote the graph "
+                "differently for the two meshes); the stages cannot be joined"
+            )
 
 
 def check_state(split: SplitProgram, trained: SplitProgram, what: str) -> None:
@@ -355,6 +420,12 @@ def check_state(split: SplitProgram, trained: SplitProgram, what: str) -> None:
             )
 
 
+def _specs(split: SplitProgram) -> Callable[[str], Spec]:
+    """The layout ``split``'s plan gives each value, by node name."""
+    nodes = {node.name: node for node in split.program.graph.nodes}
+    return lambda name: value_spec(nodes[name])
+
+
 def _describe(kind: PipelineKind, training: bool) -> str:
     mode = "train" if training else "eval"
     return f"the {'training step' if kind == 'train' else 'forward'} in {mode} mode"
@@ -388,5 +459,6 @@ __all__ = [
     "StageCutter",
     "StageLayout",
     "StageStep",
+    "check_same_cut",
     "check_state",
 ]
