@@ -3,6 +3,9 @@
 - the messages of :func:`fxpar.pipeline.reshard.transfers` give every receiving device exactly
   its piece, for random meshes, shapes and layouts on both sides (hypothesis), and each piece of
   a value crosses once per receiving replica group, not once per device;
+- the property: random models cut at random points into 2-3 stages on random meshes, each
+  mesh shape under its own random plan, compute the single-device step (every device in a
+  thread, :func:`fxpar.testing.pipeline.simulate_stage_meshes`);
 - :func:`~fxpar.pipeline.reshard.crossing` keeps a value as computed between identical sides,
   reduces ``Partial`` values before they leave, and spreads a large value over the replicas
   of the receiving stage (Alpa's local all-gather);
@@ -17,24 +20,30 @@ from __future__ import annotations
 
 import math
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import fxpar
 from fxpar import plans
 from fxpar.cluster import Cluster
 from fxpar.errors import FxparError
+from fxpar.ir.program import named_state
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.optim import SGD, AdamW
-from fxpar.pipeline import Pipeline, PipelineError, PipelineModel
+from fxpar.pipeline import Pipeline, PipelineError, PipelineModel, partition, split_program
 from fxpar.pipeline.meshes import coordinates, meshes_of, stage_meshes, submesh_cluster
 from fxpar.pipeline.reshard import StageSide, crossing, transfers
 from fxpar.runtime.launch import spawn
 from fxpar.sharding import all_specs, shard_tensor
+from fxpar.testing import ModelCase
+from fxpar.testing import strategies as fst
+from fxpar.testing.pipeline import simulate_stage_meshes
 
 MESHES = [(1,), (2,), (3,), (4,), (2, 2), (1, 2), (2, 1)]
 
@@ -79,6 +88,76 @@ def test_transfers_give_every_device_exactly_its_piece(layouts: Any) -> None:
     # One message per sender and receiver at most.
     pairs = [(m.source, m.target) for m in messages]
     assert len(pairs) == len(set(pairs))
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    case=fst.models(),
+    meshes=st.lists(st.sampled_from([(1,), (2,), (1, 2), (2, 2), (3,)]), min_size=2, max_size=3),
+    seed=fst.plan_seeds(),
+    microbatches=st.sampled_from((1, 2)),
+    remat=st.booleans(),
+    gather=st.booleans(),
+    data=st.data(),
+)
+def test_random_plans_on_different_stage_meshes_train_like_one_device(
+    case: ModelCase,
+    meshes: list[tuple[int, ...]],
+    seed: int,
+    microbatches: int,
+    remat: bool,
+    gather: bool,
+    data: st.DataObject,
+) -> None:
+    """The property: random models cut at random points into stages on random meshes, each
+    mesh shape under its own random plan (Partial values, shards of any dim), with or without
+    the local all-gather, compute the single-device step (every device of every stage in
+    threads, values moved between them by the runtime's messages)."""
+    candidates = _pieces(case.model)
+    points = data.draw(
+        st.lists(
+            st.sampled_from(candidates), min_size=len(meshes) - 1, max_size=len(meshes) - 1,
+            unique=True,
+        ).map(lambda chosen: tuple(sorted(chosen, key=candidates.index))),
+        label="split points",
+    )  # fmt: skip
+    batch = [*case.inputs, *case.targets]
+    chunks = [list(pieces) for pieces in zip(*(t.chunk(microbatches) for t in batch), strict=True)]
+    size = len(case.inputs)
+    program = fxpar.capture(
+        case.model, chunks[0][:size], case.loss_fn, example_targets=chunks[0][size:]
+    )
+    splits = {}
+    for index, shape in enumerate(dict.fromkeys(meshes)):
+        planned = plans.random_plan(program.copy(), Cluster(shape), seed + index)
+        splits[shape] = split_program(planned, partition(planned, points), remat=remat)
+    state = named_state(case.model)
+    torch.manual_seed(seed)  # both draw the random inputs (dropout) from this state
+    expected = splits[meshes[0]].run_microbatches(state, chunks)
+    torch.manual_seed(seed)
+    with mock.patch("fxpar.pipeline.reshard.LOCAL_ALLGATHER_BYTES", 0 if gather else 1 << 40):
+        result = simulate_stage_meshes(
+            [splits[shape] for shape in meshes], [Cluster(shape) for shape in meshes], state,
+            chunks,
+        )  # fmt: skip
+    torch.testing.assert_close(result.loss, expected.loss, rtol=1e-4, atol=1e-6)
+    assert result.gradients.keys() == expected.gradients.keys()
+    for name, gradient in expected.gradients.items():
+        torch.testing.assert_close(result.gradients[name], gradient, rtol=1e-4, atol=1e-6, msg=name)
+    for name, value in expected.buffers.items():
+        torch.testing.assert_close(result.buffers[name], value, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _pieces(model: nn.Module) -> list[str]:
+    """Module names in forward order where a stage may begin: top-level children, and the
+    children of top-level Sequentials."""
+    names = []
+    for name, child in model.named_children():
+        if isinstance(child, nn.Sequential):
+            names += [f"{name}.{index}" for index in range(len(child))]
+        else:
+            names.append(name)
+    return names[1:]
 
 
 def _side(mesh: tuple[int, ...], first_rank: int, spec: Any) -> StageSide:

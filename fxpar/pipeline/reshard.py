@@ -89,9 +89,13 @@ def crossing(
     sender: StageSide,
     receiver: StageSide,
     *,
-    gather_bytes: int = LOCAL_ALLGATHER_BYTES,
+    gather_bytes: int | None = None,
 ) -> Crossing:
-    """How the value ``name`` of ``shape`` crosses from ``sender`` to ``receiver``."""
+    """How the value ``name`` of ``shape`` crosses from ``sender`` to ``receiver``
+    (``gather_bytes``: the local all-gather's threshold, :data:`LOCAL_ALLGATHER_BYTES` when
+    None)."""
+    if gather_bytes is None:
+        gather_bytes = LOCAL_ALLGATHER_BYTES
     shape = tuple(int(size) for size in shape)
     sent, wanted = sender.spec_of(name), receiver.spec_of(name)
     if sender.mesh == receiver.mesh and sent == wanted:  # device c to device c, as computed

@@ -1,6 +1,11 @@
 """Run a pipeline whose stages run an intra-op plan, every device of every stage, in one
 process: the reference that the multi-process runtime and the property tests compare with
-single-device training."""
+single-device training.
+
+Stages may run meshes of different shapes, each under its own plan
+(:func:`simulate_stage_meshes`): values then cross each boundary as the runtime sends them, by
+the messages of :mod:`fxpar.pipeline.reshard`, here copied between the devices' tensors.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +14,16 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 import torch
+import torch.fx as fx
 
 from fxpar.cluster import Cluster, Coordinate
 from fxpar.ir.program import StepResult
+from fxpar.lowering import value_spec
+from fxpar.pipeline.meshes import StageMeshes
+from fxpar.pipeline.reshard import Crossing, StageSide
 from fxpar.pipeline.sharded import ShardedStage, local_batch, shard_stage
-from fxpar.pipeline.split import SplitProgram, StageOutputs
-from fxpar.sharding import assemble
+from fxpar.pipeline.split import SplitProgram, StageOutputs, Value
+from fxpar.sharding import Spec, assemble
 from fxpar.testing.simulate import SimulatedMesh
 
 R = TypeVar("R")
@@ -33,7 +42,24 @@ def simulate_pipeline(
     stage mesh in threads. Returns the whole loss, gradients (summed or averaged over
     micro-batches as ``split.semantics`` says, in their parameters' layout, reassembled) and
     buffer updates, like :meth:`SplitProgram.run_microbatches`."""
-    pipeline = _SimulatedPipeline(split, cluster, state, timeout)
+    stages = split.num_stages
+    return simulate_stage_meshes(
+        [split] * stages, [cluster] * stages, state, microbatches, timeout=timeout
+    )
+
+
+def simulate_stage_meshes(
+    splits: Sequence[SplitProgram],
+    clusters: Sequence[Cluster],
+    state: Mapping[str, torch.Tensor],
+    microbatches: Sequence[Sequence[torch.Tensor]],
+    *,
+    timeout: float = 60.0,
+) -> StepResult:
+    """:func:`simulate_pipeline` with stage ``s`` on the mesh ``clusters[s]``, running the
+    stage of ``splits[s]`` (the step cut at the same points under a plan for that mesh)."""
+    pipeline = _SimulatedPipeline(splits, clusters, state, timeout)
+    split = splits[0]
     names = split.program.signature.inputs
     pieces = [dict(zip(names, piece, strict=True)) for piece in microbatches]
     for batch in split.unit_inputs(pieces):
@@ -47,21 +73,30 @@ Messages = dict[Coordinate, tuple[torch.Tensor, ...]]
 class _SimulatedPipeline:
     def __init__(
         self,
-        split: SplitProgram,
-        cluster: Cluster,
+        splits: Sequence[SplitProgram],
+        clusters: Sequence[Cluster],
         state: Mapping[str, torch.Tensor],
         timeout: float,
     ) -> None:
-        self.split = split
-        self.mesh = cluster.mesh_shape
-        self.meshes = [SimulatedMesh(self.mesh, timeout=timeout) for _ in range(split.num_stages)]
+        self.splits = list(splits)
+        self.split = splits[0]
+        self.meshes = StageMeshes(tuple(clusters))
+        self.devices = [SimulatedMesh(shape, timeout=timeout) for shape in self.meshes.shapes]
+        same = self.meshes.uniform and all(s is self.split for s in splits)
         self.stages = [
-            mesh.run(functools.partial(shard_stage, split, s, cluster))
-            for s, mesh in enumerate(self.meshes)
+            mesh.run(
+                functools.partial(
+                    shard_stage,
+                    self.splits[s],
+                    s,
+                    clusters[s],
+                    sides=None if same else self._sides(s),
+                )
+            )
+            for s, mesh in enumerate(self.devices)
         ]
-        self.devices = list(self.stages[0])
         self.parameters = [
-            {c: {n: sharded.local(n, state[n]) for n in split.stage_parameters(s)}
+            {c: {n: sharded.local(n, state[n]) for n in self.splits[s].stage_parameters(s)}
              for c, sharded in by_device.items()}
             for s, by_device in enumerate(self.stages)
         ]  # fmt: skip
@@ -71,30 +106,70 @@ class _SimulatedPipeline:
             for by_device in self.stages
         ]  # fmt: skip
         self.sums: list[dict[Coordinate, dict[str, torch.Tensor]]] = [
-            {c: {} for c in self.devices} for _ in self.stages
+            {c: {} for c in by_device} for by_device in self.stages
         ]
         self.losses: list[torch.Tensor] = []
 
+    def _sides(self, stage: int) -> dict[int, StageSide]:
+        sides = {}
+        for s in (stage - 1, stage, stage + 1):
+            if 0 <= s < self.meshes.num_stages:
+                nodes = {node.name: node for node in self.splits[s].program.graph.nodes}
+                sides[s] = StageSide(
+                    self.meshes.shapes[s],
+                    self.meshes.ranks(s),
+                    functools.partial(_spec_of, nodes),
+                )
+        return sides
+
     def on_stage(self, stage: int, body: Callable[[ShardedStage], R]) -> dict[Coordinate, R]:
         """``body`` on every device of ``stage``, given that device's share of the stage."""
-        return self.meshes[stage].run(lambda c, _comm: body(self.stages[stage][c]))
+        return self.devices[stage].run(lambda c, _comm: body(self.stages[stage][c]))
+
+    def _deliver(self, sent: Messages, receiver: int, key: str) -> Messages:
+        """What every device of stage ``receiver`` receives on channel ``key`` of the values
+        the neighbouring stage's devices ``sent``."""
+        stage = self.stages[receiver]
+        if not sent or not any(sharded.crossings for sharded in stage.values()):
+            return {c: sent.get(c, ()) for c in stage}
+        unit = "forward" if key.startswith("forward") else "backward"
+        delivered: Messages = {}
+        for c, sharded in stage.items():
+            rank = self.meshes.rank(receiver, c)
+            values: tuple[Value, ...] = getattr(sharded, unit).received
+            crossings: tuple[Crossing, ...] = sharded.crossings[key]
+            tensors = []
+            for index, (value, found) in enumerate(zip(values, crossings, strict=True)):
+                buffer = torch.full(
+                    [int(n) for n in value.meta.shape], float("nan"), dtype=value.meta.dtype
+                ) if value.meta.dtype.is_floating_point else torch.zeros(
+                    [int(n) for n in value.meta.shape], dtype=value.meta.dtype
+                )  # fmt: skip
+                for transfer in found.receives_at(rank):
+                    source = self.meshes.coordinate(transfer.source)
+                    buffer[transfer.target_box] = sent[source][index][transfer.source_box]
+                tensors.append(buffer)
+            delivered[c] = tuple(tensors)
+        return delivered
 
     def microbatch(self, batch: dict[str, torch.Tensor]) -> None:
-        messages: Messages = dict.fromkeys(self.devices, ())
+        messages: Messages = {}
         stash = []
         for s in range(self.split.num_stages):
-            outputs = self.on_stage(s, functools.partial(self._forward, s, batch, messages))
+            received = self._deliver(messages, s, "forward_received")
+            outputs = self.on_stage(s, functools.partial(self._forward, s, batch, received))
             messages = {c: out.sent for c, out in outputs.items()}
             stash.append({c: out.stashed for c, out in outputs.items()})
             for c, out in outputs.items():
                 self.buffers[s][c].update(out.buffer_updates)
-            loss = outputs[self.devices[0]].loss  # replicated over the stage mesh
+            loss = next(iter(outputs.values())).loss  # replicated over the stage mesh
             if loss is not None:
                 self.losses.append(loss)
-        messages = dict.fromkeys(self.devices, ())
+        messages = {}
         for s in reversed(range(self.split.num_stages)):
+            received = self._deliver(messages, s, "backward_received")
             outputs = self.on_stage(
-                s, functools.partial(self._backward, s, batch, messages, stash[s])
+                s, functools.partial(self._backward, s, batch, received, stash[s])
             )
             messages = {c: out.sent for c, out in outputs.items()}
             for c, out in outputs.items():
@@ -124,31 +199,33 @@ class _SimulatedPipeline:
         )
 
     def result(self, count: int) -> StepResult:
-        """Gradients into their parameters' layouts (each stage's sync), the partial
-        gradients of tied weights summed, everything reassembled, the loss and gradients
+        """Gradients into their parameters' layouts (each stage's sync) and reassembled, the
+        partial gradients of tied weights summed over their stages, the loss and gradients
         divided by ``count``."""
-        gradients: dict[str, dict[Coordinate, torch.Tensor]] = {}
+        gradients: dict[str, torch.Tensor] = {}
         for s, sums in enumerate(self.sums):
             synced = self.on_stage(s, functools.partial(_sync, sums))
-            for c, named in synced.items():
-                for name, local in named.items():
-                    held = gradients.setdefault(name, {})
-                    held[c] = held[c] + local if c in held else local
-        specs = self.stages[0][self.devices[0]].specs
+            specs = next(iter(self.stages[s].values())).specs
+            for name in next(iter(synced.values())):
+                pieces = {c: named[name] for c, named in synced.items()}
+                whole = assemble(pieces, specs[name], self.meshes.shapes[s])
+                gradients[name] = gradients[name] + whole if name in gradients else whole
         updated = {}
         for s, buffers in enumerate(self.buffers):
-            for name in self.split.forward[s].buffer_updates:
+            specs = next(iter(self.stages[s].values())).specs
+            for name in self.splits[s].forward[s].buffer_updates:
                 pieces = {c: b[name] for c, b in buffers.items()}
-                updated[name] = assemble(pieces, specs[name], self.mesh)
+                updated[name] = assemble(pieces, specs[name], self.meshes.shapes[s])
         signature = self.split.program.signature
         return StepResult(
             loss=torch.stack(self.losses).sum() / count,
-            gradients={
-                name: assemble(gradients[name], specs[name], self.mesh) / count
-                for name in signature.gradients
-            },
+            gradients={name: gradients[name] / count for name in signature.gradients},
             buffers={name: updated[name] for name in signature.buffer_updates},
         )
+
+
+def _spec_of(nodes: Mapping[str, fx.Node], name: str) -> Spec:
+    return value_spec(nodes[name])
 
 
 def _sync(
