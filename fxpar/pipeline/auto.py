@@ -21,14 +21,32 @@ the roofline of :mod:`fxpar.planning.cost`, gradient all-reduce, sends between s
 memory of weights, optimizer state and the activations the backward keeps, with the schedule's
 micro-batches in flight; or, with ``stage_planner``, those of the intra-op plan each stage runs.
 
-**Search.** The runtime gives every stage the same ``d`` devices, so for every ``d`` dividing the
-world size ``D`` (and ``M d`` dividing the batch) with ``K = D / d`` stages no more than the layers,
-:func:`~fxpar.solvers.stages.solve_stages` solves a problem on mesh ``(D,)`` whose only submesh is
-``(d,)``, minimizing ``sum_k t_k + (M - 1) max_k t_k`` under ``cluster.memory`` per device with the
-schedule's micro-batches in flight; the best ``d`` wins. This is Alpa's "intra-op plan cost for each
-(layer range, submesh)", restricted to the one intra-op plan the pipeline runtime runs inside a
-stage: data parallelism. With ``stage_planner``, the search is the same over stage meshes ``(d,)``
-(one intra-op plan per ``d``, see :mod:`fxpar.pipeline.stage_costs`).
+**Search.** The runtime gives every data-parallel stage the same ``d`` replicas, so without
+``stage_planner``, for every ``d`` dividing the world size ``D`` (and ``M d`` dividing the batch)
+with ``K = D / d`` stages no more than the layers, :func:`~fxpar.solvers.stages.solve_stages`
+solves a problem on mesh ``(D,)`` whose only submesh is ``(d,)``, minimizing
+``sum_k t_k + (M - 1) max_k t_k`` under ``cluster.memory`` per device with the schedule's
+micro-batches in flight; the best ``d`` wins. This is Alpa's "intra-op plan cost for each
+(layer range, submesh)", restricted to the one intra-op plan replicas run: data parallelism.
+
+**Submeshes** (``stage_planner``). Each stage runs an intra-op plan on a mesh of its own, and the
+stage DP chooses the meshes too, among several shapes at once (Alpa's inter-op pass): on a 2-D
+cluster ``(R, C)`` Alpa's ``(1, w)``, ``w`` a power of two dividing ``C``, and whole rows
+``(r, C)``; else ``(b,)`` for ``b`` dividing ``D`` or a power of two up to ``D``
+(:func:`~fxpar.pipeline.stage_costs.submesh_shapes` says why). A shape's axes of size 1 are
+dropped from the stage mesh a stage runs on (``(1, 4)`` runs on ``(4,)``). Every distinct
+shape is planned once, for the whole step
+(:class:`~fxpar.pipeline.stage_costs.PlannedStageCostModel`); a shape whose plan fails is left
+out, and the choice says why. The DP then solves one problem over all the shapes that planned,
+with ``K`` free (:func:`stage_problem` builds it), and, for the report and to prefer a uniform
+pipeline on a tie, the problem of each shape alone with ``D / devices`` stages
+(:func:`search_submeshes`). When the best plan's stages have different meshes, the choice's
+``pipeline`` names them (``Pipeline(stage_meshes=...)``, stage ``s`` on the ranks after stage
+``s - 1``'s); when they are alike, the choice keeps the one stage mesh in ``stage_cluster``.
+
+The costs assume a stage's ranks sit inside the links its shape names; the runtime lays stages
+out stage-major on consecutive ranks, which on a 2-D cluster can put a piece across two rows
+(``(1, 1)`` then ``(1, 2)`` on rows of 2): the report names such stages.
 """
 
 from __future__ import annotations
@@ -36,11 +54,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-from collections.abc import Iterable, Sequence
+import math
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from fxpar.cluster import Cluster
+from fxpar.errors import FxparError
 from fxpar.ir.program import Program
 from fxpar.pipeline.atoms import Atoms
 from fxpar.pipeline.options import Pipeline, PipelineError
@@ -49,16 +69,24 @@ from fxpar.pipeline.stage_costs import (
     PlannedStageCostModel,
     StageCostModel,
     StagePlanner,
-    stage_cluster,
+    crossing_stages,
+    divisors,
+    stage_mesh,
+    submesh_shapes,
+    submesh_stage_cluster,
+    uniform_stage_mesh,
 )
 from fxpar.planning.manual import require_concrete_shapes
 from fxpar.solvers.errors import format_bytes
 from fxpar.solvers.layers import cluster_layers
 from fxpar.solvers.stages import (
+    InvalidStageProblemError,
+    NoStagePlanError,
     StageCost,
     StageMemoryError,
     StagePlan,
     StageProblem,
+    Submesh,
     evaluate_stages,
     solve_stages,
 )
@@ -68,15 +96,32 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_LAYERS = 16
 """Atoms beyond this many are clustered into layers: the stage DP is cubic in the layers."""
 
+Shape = tuple[int, ...]
+
 
 @dataclass(frozen=True)
 class DegreeOutcome:
-    """What one data-parallel degree gave: its best step time, or why it was not possible."""
+    """What one devices-per-stage count gave with every stage alike: its best step time, or
+    why it was not possible."""
 
     data_parallel: int
+    """Devices per stage (replicas, or the size of the stage mesh with ``stage_planner``)."""
     num_stages: int
     step_time: float | None
     reason: str = ""
+    stage_mesh: Shape | None = None
+    """The mesh every stage runs its plan on (``stage_planner``; in :class:`SubmeshSearch`,
+    the problem's submesh shape), else None."""
+
+
+@dataclass(frozen=True)
+class SubmeshOutcome:
+    """A stage mesh the stage DP could give a stage (``stage_planner``): planned, or why not."""
+
+    shape: Shape
+    """The mesh, as ``Pipeline.stage_meshes`` names it."""
+    reason: str = ""
+    """Why no stage runs on it (what planning the step on it raised); empty when it planned."""
 
 
 @dataclass(frozen=True)
@@ -85,16 +130,24 @@ class StageChoice:
 
     Attributes:
         pipeline: what to run: split points by module name, ``data_parallel`` devices per
-            stage, and the micro-batches, schedule and remat asked for.
+            stage or ``stage_meshes`` (one mesh per stage), and the micro-batches, schedule
+            and remat asked for.
         plan: the stage DP's plan over layer indices (``plan.stages[k].start`` ...).
         layers: the modules of every layer the DP saw, in forward order.
         stage_modules: the modules of every stage.
         step_time: estimated seconds per training step, ``sum t + (M - 1) max t``.
         memory: estimated bytes per device on every stage, with its micro-batches in flight.
         memory_limit: the bytes per device allowed (``cluster.memory``).
-        degrees: every devices-per-stage count ``plan_stages`` considered, in increasing
-            order, with its best step time or why it could not run (empty for
-            ``evaluate_split``).
+        degrees: every devices-per-stage count ``plan_stages`` considered with every stage
+            alike, in increasing order, with its best step time or why it could not run
+            (empty for ``evaluate_split``).
+        stage_cluster: the stage mesh every stage runs its intra-op plan on (``stage_planner``
+            with every stage alike); None for data-parallel replicas or stages on different
+            meshes (``pipeline.stage_meshes``).
+        submeshes: the stage meshes the DP chose among (``stage_planner``), each planned or
+            why not.
+        mixed_step_time: the best step time over every mix of ``submeshes`` (None when that
+            search found no plan, ``mixed_reason`` says why; or without ``stage_planner``).
     """
 
     pipeline: Pipeline
@@ -106,8 +159,12 @@ class StageChoice:
     memory_limit: float
     degrees: tuple[DegreeOutcome, ...] = ()
     stage_cluster: Cluster | None = None
-    """The stage mesh each stage runs its intra-op plan on (``stage_planner``); None when the
-    stages run data-parallel replicas."""
+    submeshes: tuple[SubmeshOutcome, ...] = ()
+    mixed_step_time: float | None = None
+    mixed_reason: str = ""
+    crossing: tuple[int, ...] = ()
+    """Stages whose consecutive ranks cross a boundary of the links their mesh was priced
+    with (module docstring)."""
 
     @property
     def split_points(self) -> tuple[str, ...]:
@@ -116,10 +173,30 @@ class StageChoice:
         return stages
 
     @property
+    def stage_devices(self) -> tuple[int, ...]:
+        """The devices of every stage."""
+        return tuple(stage.devices for stage in self.plan.stages)
+
+    @property
     def devices_per_stage(self) -> int:
+        """The devices of every stage, when they are alike (see :attr:`stage_devices`)."""
+        if self.pipeline.stage_meshes is not None:
+            raise PipelineError(
+                f"the stages run on meshes {self.pipeline.stage_meshes} of different sizes: "
+                "read stage_devices or stage_mesh_shapes"
+            )
         if self.stage_cluster is not None:
             return self.stage_cluster.world_size
         return self.pipeline.data_parallel
+
+    @property
+    def stage_mesh_shapes(self) -> tuple[Shape, ...] | None:
+        """The mesh every stage runs its intra-op plan on; None for data-parallel replicas."""
+        if self.pipeline.stage_meshes is not None:
+            return self.pipeline.stage_meshes
+        if self.stage_cluster is not None:
+            return (self.stage_cluster.mesh_shape,) * len(self.plan.stages)
+        return None
 
     @property
     def cut_points(self) -> tuple[str, ...]:
@@ -127,35 +204,54 @@ class StageChoice:
         return tuple(modules[0] for modules in self.layers[1:])
 
     def report(self) -> str:
-        """A text table: one row per stage, then the data-parallel degrees tried."""
+        """A text table: one row per stage, then the stage meshes and degrees tried."""
         pipeline = self.pipeline
-        d = self.devices_per_stage
+        meshes = self.stage_mesh_shapes
+        if pipeline.stage_meshes is None:
+            layout = f"{pipeline.num_stages} stage(s) x {self.devices_per_stage} device(s)"
+        else:
+            layout = (
+                f"{pipeline.num_stages} stages on meshes "
+                f"{', '.join(map(str, pipeline.stage_meshes))} ({sum(self.stage_devices)} "
+                "devices)"
+            )
         lines = [
-            f"pipeline: {pipeline.num_stages} stage(s) x {d} device(s), {pipeline.microbatches} "
-            f"micro-batches, {pipeline.schedule}, remat {'on' if pipeline.remat else 'off'}: "
-            f"{_format_seconds(self.step_time)} per step (estimated), memory limit "
-            f"{format_bytes(self.memory_limit)} per device",
+            f"pipeline: {layout}, {pipeline.microbatches} micro-batches, {pipeline.schedule}, "
+            f"remat {'on' if pipeline.remat else 'off'}: {_format_seconds(self.step_time)} per "
+            f"step (estimated), memory limit {format_bytes(self.memory_limit)} per device",
             f"split points: {', '.join(self.split_points) or '(none)'}",
         ]
         if self.stage_cluster is not None:
             lines.append(f"inside each stage: an intra-op plan on {self.stage_cluster}")
-        header = ("stage", "modules", "devices", "time/micro-batch", "memory/device", "in flight")
-        rows = [
-            (
-                str(index),
-                _module_span(modules),
-                f"{d} (ranks {index * d}-{index * d + d - 1})" if d > 1 else f"1 (rank {index})",
-                _format_seconds(stage.time),
-                format_bytes(stage.memory),
-                str(stage.in_flight),
-            )
-            for index, (stage, modules) in enumerate(
-                zip(self.plan.stages, self.stage_modules, strict=True)
-            )
-        ]
+        elif meshes is not None:
+            lines.append("inside each stage: an intra-op plan on its own mesh (column 'mesh')")
+        header = ["stage", "modules", "devices", "time/micro-batch", "memory/device", "in flight"]
+        if meshes is not None:
+            header.insert(3, "mesh")
+        rows: list[list[str]] = []
+        offset = 0
+        for index, (stage, modules) in enumerate(
+            zip(self.plan.stages, self.stage_modules, strict=True)
+        ):
+            count = stage.devices
+            ranks = f"ranks {offset}-{offset + count - 1}" if count > 1 else f"rank {offset}"
+            row = [str(index), _module_span(modules), f"{count} ({ranks})"]
+            if meshes is not None:
+                row.append(str(meshes[index]))
+            row += [_format_seconds(stage.time), format_bytes(stage.memory), str(stage.in_flight)]
+            rows.append(row)
+            offset += count
         widths = [max(len(row[c]) for row in (header, *rows)) for c in range(len(header))]
         for row in (header, *rows):
             lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)))
+        if self.submeshes:
+            lines.append(
+                "stage meshes considered: "
+                + "; ".join(
+                    f"{outcome.shape}" + (f": {outcome.reason}" if outcome.reason else "")
+                    for outcome in self.submeshes
+                )
+            )
         if self.degrees:
             tried = []
             for outcome in self.degrees:
@@ -165,13 +261,27 @@ class StageChoice:
                     else outcome.reason
                 )
                 stages = f"{outcome.num_stages} stage{'s' if outcome.num_stages > 1 else ''}"
-                tried.append(f"d={outcome.data_parallel} ({stages}): {result}")
+                mesh = f" on {outcome.stage_mesh}" if outcome.stage_mesh is not None else ""
+                tried.append(f"d={outcome.data_parallel} ({stages}{mesh}): {result}")
             lines.append("devices per stage tried: " + "; ".join(tried))
+        if self.submeshes:
+            mixed = (
+                _format_seconds(self.mixed_step_time)
+                if self.mixed_step_time is not None
+                else self.mixed_reason
+            )
+            lines.append(f"stages on any mix of meshes: {mixed}")
+        if self.crossing:
+            lines.append(
+                f"warning: stage(s) {', '.join(map(str, self.crossing))} cross a row of the "
+                "cluster on their consecutive ranks, so their links are slower than priced"
+            )
         return "\n".join(line.rstrip() for line in lines)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for JSON."""
         pipeline = self.pipeline
+        meshes = self.stage_mesh_shapes
         return {
             "pipeline": {
                 "stages": list(self.split_points),
@@ -180,6 +290,11 @@ class StageChoice:
                 "remat": pipeline.remat,
                 "data_parallel": pipeline.data_parallel,
                 "stage_mesh": (list(self.stage_cluster.mesh_shape) if self.stage_cluster else None),
+                "stage_meshes": (
+                    [list(mesh) for mesh in pipeline.stage_meshes]
+                    if pipeline.stage_meshes is not None
+                    else None
+                ),
             },
             "step_time": self.step_time,
             "memory_limit": self.memory_limit,
@@ -189,14 +304,36 @@ class StageChoice:
                     "modules": list(modules),
                     "layers": [stage.start, stage.stop],
                     "devices": stage.devices,
+                    "mesh": list(meshes[index]) if meshes is not None else None,
                     "time": stage.time,
                     "memory": stage.memory,
                     "in_flight": stage.in_flight,
                 }
-                for stage, modules in zip(self.plan.stages, self.stage_modules, strict=True)
+                for index, (stage, modules) in enumerate(
+                    zip(self.plan.stages, self.stage_modules, strict=True)
+                )
             ],
             "degrees": [dataclasses.asdict(outcome) for outcome in self.degrees],
+            "submeshes": [
+                {"shape": list(outcome.shape), "reason": outcome.reason}
+                for outcome in self.submeshes
+            ],
+            "mixed": {"step_time": self.mixed_step_time, "reason": self.mixed_reason},
+            "crossing": list(self.crossing),
         }
+
+
+@dataclass(frozen=True)
+class SubmeshSearch:
+    """What :func:`search_submeshes` found: the best plan (None when there is none), the best
+    plan of each shape alone, and the best over every mix of shapes."""
+
+    plan: StagePlan | None
+    uniform: tuple[DegreeOutcome, ...]
+    mixed: StagePlan | None
+    mixed_reason: str
+    memory_errors: tuple[StageMemoryError, ...]
+    """What each search that found plans, none fitting memory, raised."""
 
 
 def plan_stages(
@@ -208,76 +345,98 @@ def plan_stages(
     layers: int | None = None,
     stage_planner: StagePlanner | None = None,
 ) -> StageChoice:
-    """The split points and devices per stage of least estimated step time (module docstring).
+    """The split points and the devices of every stage of least estimated step time (module
+    docstring).
 
     ``program`` is the training step captured on the global batch; ``pipeline`` gives the
     micro-batches, schedule and remat (its ``stages`` and ``data_parallel`` are what this
     chooses). ``optimizer_states`` counts tensors the optimizer keeps per parameter (2 for
     AdamW, 0 for SGD without momentum); ``layers`` caps the layers the DP sees (default
-    :data:`DEFAULT_MAX_LAYERS`). ``stage_planner``: stages run an intra-op plan on their
-    devices, made by ``stage_planner`` (module docstring), instead of data-parallel replicas.
+    :data:`DEFAULT_MAX_LAYERS`). ``stage_planner``: stages run an intra-op plan on a mesh of
+    their own, made by ``stage_planner``, instead of data-parallel replicas, and the stage DP
+    chooses each stage's mesh among several shapes (module docstring, "Submeshes").
 
     Raises:
         StageMemoryError: no split fits ``cluster.memory``; ``least_memory`` is what the most
             frugal one needs per device.
-        PipelineError: no devices-per-stage count divides both the world and the batch with at
-            most as many stages as cut points.
+        PipelineError: no devices-per-stage count (or mix of stage meshes) divides both the
+            world and the batch with at most as many stages as cut points, or no stage mesh
+            could be planned.
     """
-    max_layers = DEFAULT_MAX_LAYERS if layers is None else layers
-    if max_layers < 1:
-        raise PipelineError(f"layers must be a positive number of layers, got {layers}")
-    require_concrete_shapes(program, "choosing pipeline stages")
-    model = _cost_model(program, cluster, pipeline, optimizer_states, stage_planner, ())
-    atoms = model.atoms
-    starts = _cluster_atoms(model, min(max_layers, atoms.count))
-    layer_names = tuple(
-        tuple(m for atom in range(a, b) for m in atoms.modules[atom])
-        for a, b in itertools.pairwise((*starts, atoms.count))
+    model, starts, layer_names = _layers(
+        program, cluster, pipeline, optimizer_states, layers, stage_planner
     )
-    world = cluster.world_size
+    if isinstance(model, PlannedStageCostModel):
+        return _plan_submeshes(model, starts, layer_names)
+    return _plan_replicas(model, starts, layer_names)
+
+
+def stage_problem(
+    program: Program,
+    cluster: Cluster,
+    pipeline: Pipeline,
+    *,
+    stage_planner: StagePlanner,
+    optimizer_states: int = 2,
+    layers: int | None = None,
+) -> StageProblem:
+    """The stage problem over every stage mesh shape that :func:`plan_stages` solves with
+    ``stage_planner`` (module docstring), as plain data: to inspect its cost table or solve it
+    another way. Its submesh shapes are the DP's (``(1, 4)`` on a 2-D cluster), not yet
+    squeezed into stage meshes."""
+    model, starts, _ = _layers(program, cluster, pipeline, optimizer_states, layers, stage_planner)
+    assert isinstance(model, PlannedStageCostModel)
+    problem, _ = _submesh_problem(model, starts)
+    return problem
+
+
+def search_submeshes(problem: StageProblem) -> SubmeshSearch:
+    """The best plan of ``problem`` over all its submesh shapes and stage counts, preferring
+    stages all on one shape on a tie: the best plan of every shape alone (``D / devices``
+    stages, for shapes whose devices divide the mesh's ``D``) and the best over every mix
+    (:func:`~fxpar.solvers.stages.solve_stages` with ``stages="auto"``)."""
+    world = problem.num_devices
     outcomes: list[DegreeOutcome] = []
-    best: tuple[StagePlan, int] | None = None
     memory_errors: list[StageMemoryError] = []
-    for d in _divisors(world):
-        stages = world // d
-        # A plan splits the batch itself; replicas each take an equal piece of it.
-        replicas = d if stage_planner is None else 1
-        reason = _degree_obstacle(atoms, pipeline, replicas, stages, len(starts))
-        if reason:
-            outcomes.append(DegreeOutcome(d, stages, None, reason))
+    best: StagePlan | None = None
+    for shape in sorted(problem.submesh_shapes, key=math.prod):
+        devices = math.prod(shape)
+        if world % devices:
             continue
-        problem = _problem(model, starts, d, world)
+        stages = world // devices
+        if stages > problem.num_layers:
+            reason = (
+                f"{stages} stages need {stages - 1} cut points, the model has "
+                f"{problem.num_layers - 1}"
+            )
+            outcomes.append(DegreeOutcome(devices, stages, None, reason, shape))
+            continue
+        alone = dataclasses.replace(problem, submesh_shapes=(shape,))
         try:
-            plan = solve_stages(problem, stages)
+            plan = solve_stages(alone, stages)
         except StageMemoryError as error:
             memory_errors.append(error)
-            outcomes.append(
-                DegreeOutcome(d, stages, None, f"needs {format_bytes(error.least_memory)}")
-            )
+            reason = f"needs {format_bytes(error.least_memory)}"
+            outcomes.append(DegreeOutcome(devices, stages, None, reason, shape))
             continue
-        outcomes.append(DegreeOutcome(d, stages, plan.objective))
-        logger.debug("%d devices per stage: step %.3g s", d, plan.objective)
-        if best is None or plan.objective < best[0].objective:
-            best = (plan, d)
-    if best is None:
-        if memory_errors:
-            least = min(error.least_memory for error in memory_errors)
-            raise StageMemoryError(
-                f"no pipeline of this step fits in {format_bytes(cluster.memory)} per device on "
-                f"{world} devices: the most frugal needs {format_bytes(least)} per device "
-                f"({least:.0f} bytes). Use more devices, remat=True, the 1f1b schedule, or an "
-                f"optimizer with less state; tried: "
-                + "; ".join(f"d={o.data_parallel}: {o.reason}" for o in outcomes),
-                least_memory=least,
-                memory_limit=cluster.memory,
-            )
-        raise PipelineError(
-            f"no pipeline runs this step on {world} devices: "
-            + "; ".join(f"d={o.data_parallel}: {o.reason}" for o in outcomes)
-        )
-    plan, d = best
-    choice = _choice(atoms, starts, layer_names, plan, d, pipeline, cluster, tuple(outcomes))
-    return _with_stage_mesh(choice, cluster, d) if stage_planner else choice
+        except NoStagePlanError as error:
+            outcomes.append(DegreeOutcome(devices, stages, None, str(error), shape))
+            continue
+        outcomes.append(DegreeOutcome(devices, stages, plan.objective, "", shape))
+        if best is None or plan.objective < best.objective:
+            best = plan
+    mixed: StagePlan | None = None
+    mixed_reason = ""
+    try:
+        mixed = solve_stages(problem, "auto")
+    except StageMemoryError as error:
+        memory_errors.append(error)
+        mixed_reason = f"needs {format_bytes(error.least_memory)}"
+    except NoStagePlanError as error:
+        mixed_reason = str(error)
+    if mixed is not None and (best is None or mixed.objective < best.objective):
+        best = mixed
+    return SubmeshSearch(best, tuple(outcomes), mixed, mixed_reason, tuple(memory_errors))
 
 
 def evaluate_split(
@@ -290,8 +449,9 @@ def evaluate_split(
 ) -> StageChoice:
     """Score ``pipeline``'s split points (module names) and ``data_parallel`` with the costs of
     :func:`plan_stages`. ``pipeline.world_size`` must equal the cluster's. With
-    ``stage_planner``, each of the ``K`` stages runs an intra-op plan on ``world / K`` devices
-    instead (``data_parallel`` must be 1).
+    ``stage_planner``, each of the ``K`` stages runs an intra-op plan: on its mesh of
+    ``pipeline.stage_meshes``, or on ``world / K`` devices (``data_parallel`` must be 1; on a
+    2-D cluster, the stage mesh :func:`plan_stages` would give that many devices).
 
     Raises:
         PipelineError: the split points are not module names in forward order, or the pipeline
@@ -304,13 +464,27 @@ def evaluate_split(
             "use plan_stages to choose them"
         )
     world, stages = cluster.world_size, pipeline.num_stages
-    if stage_planner is not None:
+    meshes: tuple[Shape, ...] | None = None
+    if pipeline.stage_meshes is not None:
+        if stage_planner is None:
+            raise PipelineError(
+                f"stage_meshes {pipeline.stage_meshes} run an intra-op plan on each stage's "
+                "mesh: pass the stage_planner that makes it"
+            )
+        if pipeline.world_size != world:
+            raise PipelineError(
+                f"the stage meshes {pipeline.stage_meshes} hold {pipeline.world_size} devices, "
+                f"but the cluster has {world}"
+            )
+        meshes = pipeline.stage_meshes
+    elif stage_planner is not None:
         if pipeline.data_parallel != 1 or world % stages:
             raise PipelineError(
                 f"{stages} stages with an intra-op plan inside each need data_parallel=1 and a "
                 f"world that divides into them, got data_parallel={pipeline.data_parallel} and "
                 f"{world} devices"
             )
+        meshes = (uniform_stage_mesh(cluster, world // stages),) * stages
     elif pipeline.world_size != world:
         raise PipelineError(
             f"{pipeline.num_stages} stages x {pipeline.data_parallel} devices per stage use "
@@ -321,17 +495,149 @@ def evaluate_split(
         program, cluster, pipeline, optimizer_states, stage_planner, pipeline.stages
     )
     atoms = model.atoms
-    d = world // stages
     reason = _batch_obstacle(atoms, pipeline, pipeline.data_parallel)
     if reason:
         raise PipelineError(f"{pipeline.data_parallel} devices per stage: {reason}")
     starts = tuple(range(atoms.count))
     boundaries = [atoms.index_of(point) for point in pipeline.stages]
-    problem = _problem(model, starts, d, world)
-    plan = evaluate_stages(problem, boundaries, [(d,)] * stages)
     layer_names = tuple(atoms.modules)
-    choice = _choice(atoms, starts, layer_names, plan, d, pipeline, cluster, ())
-    return _with_stage_mesh(choice, cluster, d) if stage_planner else choice
+    if meshes is None:
+        d = pipeline.data_parallel
+        problem = _problem(model, starts, (world,), ((d,),), lambda a, b, shape: shape)
+        plan = evaluate_stages(problem, boundaries, [(d,)] * stages)
+        return _choice(atoms, starts, layer_names, plan, pipeline, cluster, d)
+    # Price each stage on its own mesh; the DP's shapes only count its devices.
+    ranges = itertools.pairwise((0, *boundaries, atoms.count))
+    mesh_of = dict(zip(ranges, meshes, strict=True))
+    shapes = tuple(dict.fromkeys((math.prod(mesh),) for mesh in meshes))
+    problem = _problem(model, starts, (world,), shapes, lambda a, b, shape: mesh_of[(a, b)])
+    plan = evaluate_stages(problem, boundaries, [(math.prod(mesh),) for mesh in meshes])
+    return _with_stage_meshes(
+        _choice(atoms, starts, layer_names, plan, pipeline, cluster), cluster, meshes
+    )
+
+
+def _layers(
+    program: Program,
+    cluster: Cluster,
+    pipeline: Pipeline,
+    optimizer_states: int,
+    layers: int | None,
+    stage_planner: StagePlanner | None,
+) -> tuple[StageCostModel, tuple[int, ...], tuple[tuple[str, ...], ...]]:
+    """The cost model, the first atom of every layer the DP sees and the layers' modules."""
+    max_layers = DEFAULT_MAX_LAYERS if layers is None else layers
+    if max_layers < 1:
+        raise PipelineError(f"layers must be a positive number of layers, got {layers}")
+    require_concrete_shapes(program, "choosing pipeline stages")
+    model = _cost_model(program, cluster, pipeline, optimizer_states, stage_planner, ())
+    atoms = model.atoms
+    starts = _cluster_atoms(model, min(max_layers, atoms.count))
+    layer_names = tuple(
+        tuple(m for atom in range(a, b) for m in atoms.modules[atom])
+        for a, b in itertools.pairwise((*starts, atoms.count))
+    )
+    return model, starts, layer_names
+
+
+def _plan_replicas(
+    model: StageCostModel, starts: tuple[int, ...], layer_names: tuple[tuple[str, ...], ...]
+) -> StageChoice:
+    """Every stage on ``d`` data-parallel replicas, the best ``d`` (module docstring)."""
+    atoms, pipeline, cluster = model.atoms, model.pipeline, model.cluster
+    world = cluster.world_size
+    outcomes: list[DegreeOutcome] = []
+    best: StagePlan | None = None
+    memory_errors: list[StageMemoryError] = []
+    for d in divisors(world):
+        stages = world // d
+        reason = _degree_obstacle(atoms, pipeline, d, stages, len(starts))
+        if reason:
+            outcomes.append(DegreeOutcome(d, stages, None, reason))
+            continue
+        problem = _problem(model, starts, (world,), ((d,),), lambda a, b, shape: shape)
+        try:
+            plan = solve_stages(problem, stages)
+        except StageMemoryError as error:
+            memory_errors.append(error)
+            outcomes.append(
+                DegreeOutcome(d, stages, None, f"needs {format_bytes(error.least_memory)}")
+            )
+            continue
+        outcomes.append(DegreeOutcome(d, stages, plan.objective))
+        logger.debug("%d devices per stage: step %.3g s", d, plan.objective)
+        if best is None or plan.objective < best.objective:
+            best = plan
+    if best is None:
+        raise _no_pipeline_error(cluster, outcomes, memory_errors)
+    choice = _choice(atoms, starts, layer_names, best, pipeline, cluster, best.stages[0].devices)
+    return dataclasses.replace(choice, degrees=tuple(outcomes))
+
+
+def _plan_submeshes(
+    model: PlannedStageCostModel,
+    starts: tuple[int, ...],
+    layer_names: tuple[tuple[str, ...], ...],
+) -> StageChoice:
+    """Every stage on a mesh of its own, the best mix of meshes (module docstring)."""
+    atoms, pipeline, cluster = model.atoms, model.pipeline, model.cluster
+    reason = _batch_obstacle(atoms, pipeline, 1)
+    if reason:
+        raise PipelineError(f"no pipeline runs this step on {cluster.world_size} devices: {reason}")
+    problem, tried = _submesh_problem(model, starts)
+    search = search_submeshes(problem)
+    if search.plan is None:
+        mixed = DegreeOutcome(0, 0, None, f"any mix of meshes: {search.mixed_reason}")
+        raise _no_pipeline_error(cluster, [*search.uniform, mixed], list(search.memory_errors))
+    plan = search.plan
+    meshes = tuple(stage_mesh(shape) for shape in plan.submeshes)
+    choice = _choice(atoms, starts, layer_names, plan, pipeline, cluster)
+    choice = _with_stage_meshes(choice, cluster, meshes)
+    degrees = tuple(
+        dataclasses.replace(outcome, stage_mesh=stage_mesh(outcome.stage_mesh))
+        for outcome in search.uniform
+        if outcome.stage_mesh is not None
+    )
+    return dataclasses.replace(
+        choice,
+        degrees=degrees,
+        submeshes=tried,
+        mixed_step_time=search.mixed.objective if search.mixed is not None else None,
+        mixed_reason=search.mixed_reason,
+    )
+
+
+def _submesh_problem(
+    model: PlannedStageCostModel, starts: Sequence[int]
+) -> tuple[StageProblem, tuple[SubmeshOutcome, ...]]:
+    """The problem over every submesh shape whose stage mesh could be planned, and what
+    planning each gave."""
+    mesh_shape, shapes = submesh_shapes(model.cluster)
+    tried: list[SubmeshOutcome] = []
+    usable: list[Submesh] = []
+    for shape in shapes:
+        try:
+            model.planned(stage_mesh(shape))
+        except FxparError as error:
+            # A planner may refuse a mesh (a batch that does not split over its devices): the
+            # other shapes may still tile the cluster, and the choice reports this one's reason.
+            logger.info("stage mesh %s left out: %s", stage_mesh(shape), error)
+            tried.append(SubmeshOutcome(stage_mesh(shape), f"{type(error).__name__}: {error}"))
+            continue
+        tried.append(SubmeshOutcome(stage_mesh(shape)))
+        usable.append(shape)
+    try:
+        problem = _problem(
+            model, starts, mesh_shape, tuple(usable), lambda a, b, shape: stage_mesh(shape)
+        )
+    except InvalidStageProblemError as error:
+        failures = "; ".join(f"{o.shape}: {o.reason}" for o in tried if o.reason)
+        raise PipelineError(
+            f"the stage meshes that could be planned do not tile the {model.cluster.world_size} "
+            f"devices of {model.cluster.mesh_shape} ({error}); planning the others failed: "
+            f"{failures}"
+        ) from error
+    return problem, tuple(tried)
 
 
 def _cost_model(
@@ -354,11 +660,22 @@ def _cost_model(
     return PlannedStageCostModel(atoms, cluster, pipeline, optimizer_states, stage_planner)
 
 
-def _with_stage_mesh(choice: StageChoice, cluster: Cluster, devices: int) -> StageChoice:
+def _with_stage_meshes(
+    choice: StageChoice, cluster: Cluster, meshes: tuple[Shape, ...]
+) -> StageChoice:
+    """``choice`` with every stage running an intra-op plan on its mesh of ``meshes``: one
+    ``stage_cluster`` when they are alike, else ``pipeline.stage_meshes``."""
+    pipeline = dataclasses.replace(choice.pipeline, data_parallel=1)
+    if len(set(meshes)) == 1:
+        mesh = submesh_stage_cluster(cluster, meshes[0])
+        return dataclasses.replace(
+            choice, pipeline=dataclasses.replace(pipeline, stage_meshes=None), stage_cluster=mesh
+        )
     return dataclasses.replace(
         choice,
-        pipeline=dataclasses.replace(choice.pipeline, data_parallel=1),
-        stage_cluster=stage_cluster(cluster, devices),
+        pipeline=dataclasses.replace(pipeline, stage_meshes=meshes),
+        stage_cluster=None,
+        crossing=crossing_stages(cluster, meshes),
     )
 
 
@@ -373,20 +690,28 @@ def _cluster_atoms(model: StageCostModel, num_layers: int) -> tuple[int, ...]:
 
 
 def _problem(
-    model: StageCostModel, starts: Sequence[int], devices: int, world: int
+    model: StageCostModel,
+    starts: Sequence[int],
+    mesh_shape: Shape,
+    shapes: tuple[Submesh, ...],
+    mesh_of: Callable[[int, int, Submesh], Shape],
 ) -> StageProblem:
+    """The stage problem over the layers beginning at ``starts``: layers ``[i, j)`` on the
+    DP's ``shape`` cost what atoms ``[starts[i], starts[j])`` cost on stage mesh
+    ``mesh_of(starts[i], starts[j], shape)``."""
     stops = (*starts[1:], model.atoms.count)
     schedule = model.pipeline.schedule
     if schedule == "interleaved":
         raise AssertionError("_cost_model refuses the interleaved schedule")
 
-    def table(first: int, last: int, submesh: tuple[int, ...]) -> StageCost:
-        return model.cost(starts[first], stops[last - 1], submesh[0])
+    def table(first: int, last: int, submesh: Submesh) -> StageCost:
+        start, stop = starts[first], stops[last - 1]
+        return model.cost(start, stop, mesh_of(start, stop, submesh))
 
     return StageProblem(
         num_layers=len(starts),
-        mesh_shape=(world,),
-        submesh_shapes=((devices,),),
+        mesh_shape=mesh_shape,
+        submesh_shapes=shapes,
         num_microbatches=model.pipeline.microbatches,
         costs=table,
         memory_limit=model.cluster.memory,
@@ -394,8 +719,24 @@ def _problem(
     )
 
 
-def _divisors(count: int) -> list[int]:
-    return [d for d in range(1, count + 1) if count % d == 0]
+def _no_pipeline_error(
+    cluster: Cluster, outcomes: Sequence[DegreeOutcome], memory_errors: Sequence[StageMemoryError]
+) -> FxparError:
+    tried = "; ".join(
+        f"d={o.data_parallel}: {o.reason}" if o.data_parallel else o.reason for o in outcomes
+    )
+    world = cluster.world_size
+    if memory_errors:
+        least = min(error.least_memory for error in memory_errors)
+        return StageMemoryError(
+            f"no pipeline of this step fits in {format_bytes(cluster.memory)} per device on "
+            f"{world} devices: the most frugal needs {format_bytes(least)} per device "
+            f"({least:.0f} bytes). Use more devices, remat=True, the 1f1b schedule, or an "
+            f"optimizer with less state; tried: {tried}",
+            least_memory=least,
+            memory_limit=cluster.memory,
+        )
+    return PipelineError(f"no pipeline runs this step on {world} devices: {tried}")
 
 
 def _batch_obstacle(atoms: Atoms, pipeline: Pipeline, devices: int) -> str:
@@ -421,13 +762,13 @@ def _choice(
     starts: Sequence[int],
     layer_names: tuple[tuple[str, ...], ...],
     plan: StagePlan,
-    devices: int,
     pipeline: Pipeline,
     cluster: Cluster,
-    degrees: tuple[DegreeOutcome, ...],
+    data_parallel: int = 1,
 ) -> StageChoice:
+    """The choice of ``plan``: ``pipeline`` with its split points and ``data_parallel``."""
     split_points = tuple(atoms.names[starts[boundary]] for boundary in plan.boundaries)
-    chosen = dataclasses.replace(pipeline, stages=split_points, data_parallel=devices)
+    chosen = dataclasses.replace(pipeline, stages=split_points, data_parallel=data_parallel)
     stage_modules = tuple(
         tuple(_flatten(layer_names[stage.start : stage.stop])) for stage in plan.stages
     )
@@ -439,7 +780,6 @@ def _choice(
         step_time=plan.objective,
         memory=tuple(stage.memory for stage in plan.stages),
         memory_limit=cluster.memory,
-        degrees=degrees,
     )
 
 
@@ -466,6 +806,10 @@ __all__ = [
     "DegreeOutcome",
     "StageChoice",
     "StagePlanner",
+    "SubmeshOutcome",
+    "SubmeshSearch",
     "evaluate_split",
     "plan_stages",
+    "search_submeshes",
+    "stage_problem",
 ]

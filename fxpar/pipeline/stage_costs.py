@@ -1,4 +1,4 @@
-"""Stage costs: the time and memory of a range of atoms on ``d`` devices, for the stage DP.
+"""Stage costs: the time and memory of a range of atoms on a stage's devices, for the stage DP.
 
 Every node's seconds and every value's bytes come from the cost and memory model
 (:mod:`fxpar.planning.cost`): :func:`~fxpar.planning.cost.node_seconds` is the roofline the
@@ -31,17 +31,20 @@ the values crossing the boundary before atom ``c`` forwards and backwards. ``all
 mesh axis that holds ``d`` consecutive ranks (a stage's replicas are consecutive ranks); sends use
 the slowest axis, which some pair of neighbouring stages may cross. The gradient reduction is
 charged ``1/M`` of it per micro-batch, so it enters the step time once per step for the slowest
-stage. Costs are cached per (atom range, d).
+stage. Costs are cached per (atom range, stage mesh shape); data-parallel replicas only read the
+shape's number of devices ``d``.
 
 **Intra-op plans inside stages** (``stage_planner``, which :func:`fxpar.compile` passes when a
-solver, pins, options or rules are given with ``stages="auto"``). Then a stage of ``d`` devices
-runs an intra-op plan on a stage mesh ``(d,)`` (with the links of the innermost mesh axis that
-holds ``d`` consecutive ranks), and the costs come from that plan. For every ``d``, the step is
-planned once on the stage mesh (``stage_planner(program, stage_cluster)``, the ILP by default),
-and the plan is read the way the plan report reads it (:func:`fxpar.planning.report.walk`): per
-node, its roofline seconds under its strategy and the collectives it runs, with the bytes each
-device holds of every value. Layers ``[i, j)`` then cost, per micro-batch (``1/M`` of the
-planned step's work, assumed linear in the batch as above):
+solver, pins, options or rules are given with ``stages="auto"``). Then a stage runs an intra-op
+plan on its own stage mesh, and the costs come from that plan. A stage mesh is a shape: ``(d,)``,
+``d`` consecutive ranks with the links of the innermost mesh axis that holds them, or on a 2-D
+cluster ``(r, C)``, ``r`` whole rows of ``C`` devices, each axis with the links of the cluster
+axis it runs along (:func:`submesh_stage_cluster`). For every distinct shape, the whole step is
+planned once on that mesh (``stage_planner(program, stage_mesh)``, the ILP by default), and the
+plan is read the way the plan report reads it (:func:`fxpar.planning.report.walk`): per node,
+its roofline seconds under its strategy and the collectives it runs, with the bytes each device
+holds of every value. Layers ``[i, j)`` then cost, per micro-batch (``1/M`` of the planned
+step's work, assumed linear in the batch as above):
 
     time   = (T_fwd + T_bwd + [remat] T_fwd + C) / M + C_grad / M + sends of local bytes
     static = (2 + optimizer_states) G_local + S_local   (+ [remat] A_saved_local / M)
@@ -49,15 +52,17 @@ planned step's work, assumed linear in the batch as above):
 where ``C`` are the seconds of the collectives the range's ops run and ``C_grad`` those that
 bring its gradients into their parameters' layouts (once a step). The plan is made for the whole
 step, so each range is costed under the strategies that plan chose for it, not re-planned per
-range; with repeated layers that is the same plan. Each stage mesh is planned with
-``cluster.memory`` times the number of stages it implies, since a device holds about one
-stage's share of the weights the plan covers. Stages share one stage-mesh shape, as the runtime
-requires, and the search is over ``d`` as above.
+range; with repeated layers that is the same plan. A stage mesh of ``d`` of the cluster's ``D``
+devices is planned with ``cluster.memory * D / d`` per device: the plan covers every layer's
+weights, and a stage of ``d`` devices holds about ``d / D`` of them. Sends are priced with the
+local bytes of the sending stage's plan, as if both neighbours laid the value out alike; the
+resharding between stages on different meshes is not priced.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -81,6 +86,8 @@ from fxpar.solvers.stages import StageCost
 if TYPE_CHECKING:
     from fxpar.planning.plan import Plan
 
+Shape = tuple[int, ...]
+
 StagePlanner = Callable[[Program, Cluster], "Plan"]
 """Plans a captured step on a stage mesh, e.g. ``fxpar.planning.plan.plan_program``."""
 
@@ -103,7 +110,8 @@ class RangeFacts:
 
 
 class StageCostModel:
-    """Stage costs of atom ranges, cached per range and per (range, devices)."""
+    """Stage costs of atom ranges, cached per range and per (range, stage mesh shape); the
+    stages are ``prod(shape)`` data-parallel replicas."""
 
     def __init__(
         self, atoms: Atoms, cluster: Cluster, pipeline: Pipeline, optimizer_states: int
@@ -116,7 +124,7 @@ class StageCostModel:
         self.optimizer_states = optimizer_states
         self.phases = {node: region(node).phase for node in atoms.atom_of}
         self._ranges: dict[tuple[int, int], RangeFacts] = {}
-        self._costs: dict[tuple[int, int, int], StageCost] = {}
+        self._costs: dict[tuple[int, int, Shape], StageCost] = {}
 
     def facts(self, start: int, stop: int) -> RangeFacts:
         key = (start, stop)
@@ -161,13 +169,15 @@ class StageCostModel:
             batch_bytes=sum(nbytes(n) for n in read if n in atoms.batch),
         )
 
-    def cost(self, start: int, stop: int, devices: int) -> StageCost:
-        key = (start, stop, devices)
+    def cost(self, start: int, stop: int, shape: Shape) -> StageCost:
+        """The cost of atoms ``[start, stop)`` on a stage mesh of ``shape``."""
+        key = (start, stop, tuple(shape))
         if key not in self._costs:
-            self._costs[key] = self._stage_cost(start, stop, devices)
+            self._costs[key] = self._stage_cost(start, stop, key[2])
         return self._costs[key]
 
-    def _stage_cost(self, start: int, stop: int, devices: int) -> StageCost:
+    def _stage_cost(self, start: int, stop: int, shape: Shape) -> StageCost:
+        devices = math.prod(shape)
         facts = self.facts(start, stop)
         bandwidth, latency = link(self.cluster, devices)
         reduce = collective_seconds(
@@ -218,8 +228,8 @@ class StageCostModel:
 
 
 class PlannedStageCostModel(StageCostModel):
-    """Stage costs under the intra-op plan a stage mesh of ``d`` devices runs (module
-    docstring), one plan per ``d``."""
+    """Stage costs under the intra-op plan a stage mesh runs (module docstring): one plan of
+    the whole step per distinct stage mesh shape, made the first time that shape is priced."""
 
     def __init__(
         self,
@@ -231,15 +241,18 @@ class PlannedStageCostModel(StageCostModel):
     ) -> None:
         super().__init__(atoms, cluster, pipeline, optimizer_states)
         self.planner = planner
-        self._plans: dict[int, PlannedStep] = {}
+        self._plans: dict[Shape, PlannedStep] = {}
 
-    def planned(self, devices: int) -> PlannedStep:
-        if devices not in self._plans:
-            self._plans[devices] = self._plan(devices)
-        return self._plans[devices]
+    def planned(self, shape: Shape) -> PlannedStep:
+        """The step as planned on the stage mesh of ``shape`` (planned once per shape); raises
+        what the planner raises."""
+        shape = tuple(shape)
+        if shape not in self._plans:
+            self._plans[shape] = self._plan(shape)
+        return self._plans[shape]
 
-    def _plan(self, devices: int) -> PlannedStep:
-        mesh = stage_cluster(self.cluster, devices)
+    def _plan(self, shape: Shape) -> PlannedStep:
+        mesh = submesh_stage_cluster(self.cluster, shape)
         program = self.atoms.program
         plan = self.planner(program, mesh)
         found = walk(plan.program, mesh)
@@ -264,8 +277,8 @@ class PlannedStageCostModel(StageCostModel):
         )
         return PlannedStep(compute, comm, sync, local, forward, backward)
 
-    def _stage_cost(self, start: int, stop: int, devices: int) -> StageCost:
-        step = self.planned(devices)
+    def _stage_cost(self, start: int, stop: int, shape: Shape) -> StageCost:
+        step = self.planned(shape)
         facts = self._facts(
             start, stop, lambda n: step.compute.get(n.name, 0.0), lambda n: step.local.get(n, 0)
         )
@@ -295,8 +308,9 @@ class PlannedStep:
 
 def stage_cluster(cluster: Cluster, devices: int) -> Cluster:
     """The stage mesh ``(devices,)`` of a pipeline on ``cluster``: the links of the innermost
-    axis holding ``devices`` consecutive ranks, and the memory of one device times the number of
-    stages (the plan covers every stage's weights; a device holds about one stage's share)."""
+    axis holding ``devices`` consecutive ranks, and the memory of one device times
+    ``world / devices`` (the plan covers every stage's weights; a device holds about its
+    stage's share, which is the number of stages when the stages are alike)."""
     bandwidth, latency = link(cluster, devices)
     return dataclasses.replace(
         cluster,
@@ -304,16 +318,107 @@ def stage_cluster(cluster: Cluster, devices: int) -> Cluster:
         axis_names=("devices",),
         bandwidth=(bandwidth,),
         latency=(latency,),
-        memory=cluster.memory * (cluster.world_size // devices),
+        memory=cluster.memory * _stage_share(cluster, devices),
     )
+
+
+def submesh_stage_cluster(cluster: Cluster, shape: Sequence[int]) -> Cluster:
+    """The stage mesh of ``shape`` that a stage is priced on: :func:`stage_cluster` for a 1-D
+    shape; otherwise each axis takes the links of the innermost axis of ``cluster`` holding
+    that many consecutive ranks (as :func:`fxpar.pipeline.meshes.submesh_cluster` gives them),
+    with the memory of :func:`stage_cluster`."""
+    shape = tuple(shape)
+    if len(shape) == 1:
+        return stage_cluster(cluster, shape[0])
+    links = [link(cluster, math.prod(shape[axis:])) for axis in range(len(shape))]
+    return dataclasses.replace(
+        cluster,
+        mesh_shape=shape,
+        axis_names=tuple(f"stage_axis{axis}" for axis in range(len(shape))),
+        bandwidth=tuple(bandwidth for bandwidth, _ in links),
+        latency=tuple(latency for _, latency in links),
+        memory=cluster.memory * _stage_share(cluster, math.prod(shape)),
+    )
+
+
+def _stage_share(cluster: Cluster, devices: int) -> float:
+    """``world / devices``: the number of stages when every stage has ``devices`` devices
+    (exact in integers then, so the uniform case prices as it always did)."""
+    world = cluster.world_size
+    return world // devices if world % devices == 0 else world / devices
 
 
 def link(cluster: Cluster, devices: int) -> tuple[float, float]:
     """Bandwidth and latency among ``devices`` consecutive ranks: the innermost mesh axis whose
     block of trailing axes they fit in evenly (ranks are row-major)."""
+    axis, _ = _link_axis(cluster, devices)
+    if axis is None:
+        return min(cluster.bandwidth), max(cluster.latency)
+    return cluster.bandwidth[axis], cluster.latency[axis]
+
+
+def _link_axis(cluster: Cluster, devices: int) -> tuple[int | None, int]:
+    """The axis :func:`link` takes for ``devices`` consecutive ranks (None: no block of
+    trailing axes holds them evenly) and the ranks of that axis's block."""
     block = 1
     for axis in reversed(range(cluster.ndim)):
         block *= cluster.mesh_shape[axis]
         if block % devices == 0:
-            return cluster.bandwidth[axis], cluster.latency[axis]
-    return min(cluster.bandwidth), max(cluster.latency)
+            return axis, block
+    return None, block
+
+
+def submesh_shapes(cluster: Cluster) -> tuple[Shape, tuple[Shape, ...]]:
+    """The mesh the stage DP tiles and the submesh shapes a stage may take on it:
+
+    - on a 1-D cluster ``(D,)`` (and on clusters of more than two axes, taken as ``D`` ranks
+      in a row): ``(b,)`` for every ``b`` that divides ``D`` or is a power of two up to ``D``.
+      Any ``b <= D`` would tile a line, but each shape costs a plan of the whole step, and
+      sizes of neither kind rarely split a tensor evenly; divisors keep every uniform
+      pipeline, powers of two add Alpa's pieces (``(1,) + (2,)`` on 3 devices);
+    - on a 2-D cluster ``(R, C)``: Alpa's ``(1, w)`` for ``w`` a power of two dividing ``C``,
+      and whole rows ``(r, C)`` for ``r <= R``: every mix of them with ``R C`` devices tiles
+      the cluster (:func:`~fxpar.solvers.stages.check_submesh_shapes`).
+    """
+    if cluster.ndim == 2:
+        rows, columns = cluster.mesh_shape
+        pieces = [(1, w) for w in _powers_of_two(columns) if columns % w == 0 and w < columns]
+        return cluster.mesh_shape, (*pieces, *((r, columns) for r in range(1, rows + 1)))
+    world = cluster.world_size
+    sizes = sorted(set(divisors(world)) | set(_powers_of_two(world)))
+    return (world,), tuple((size,) for size in sizes)
+
+
+def stage_mesh(submesh: Shape) -> Shape:
+    """The mesh a stage on the DP's ``submesh`` runs its plan on: its axes of size 1 dropped
+    (``(1, 4)`` -> ``(4,)``), keeping one."""
+    return tuple(n for n in submesh if n > 1) or (1,)
+
+
+def uniform_stage_mesh(cluster: Cluster, devices: int) -> Shape:
+    """The stage mesh of ``devices`` devices that :func:`submesh_shapes` offers, else
+    ``(devices,)``."""
+    _, shapes = submesh_shapes(cluster)
+    return next((stage_mesh(shape) for shape in shapes if math.prod(shape) == devices), (devices,))
+
+
+def crossing_stages(cluster: Cluster, meshes: Sequence[Shape]) -> tuple[int, ...]:
+    """The stages whose consecutive ranks (stage-major, as the runtime lays them out) leave
+    the block of ranks whose links :func:`link` priced them with."""
+    crossing = []
+    offset = 0
+    for index, mesh in enumerate(meshes):
+        devices = math.prod(mesh)
+        _, block = _link_axis(cluster, devices)
+        if offset // block != (offset + devices - 1) // block:
+            crossing.append(index)
+        offset += devices
+    return tuple(crossing)
+
+
+def divisors(count: int) -> list[int]:
+    return [d for d in range(1, count + 1) if count % d == 0]
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [1 << k for k in range(limit.bit_length())]
