@@ -265,11 +265,11 @@ CASES = [  # (stage meshes, plan, pipeline options, config, steps)
 ]
 
 
-def _build(config: GPTConfig) -> tuple[GPT, torch.Tensor, torch.Tensor]:
+def _build(config: GPTConfig, batch: int = 8) -> tuple[GPT, torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
     model = GPT(config)
     generator = torch.Generator().manual_seed(1)
-    size = (8, config.block_size)
+    size = (batch, config.block_size)
     tokens = torch.randint(0, config.vocab_size, size, generator=generator)
     targets = torch.randint(0, config.vocab_size, size, generator=generator)
     return model, tokens, targets
@@ -302,7 +302,25 @@ def _run_cases(rank: int, world_size: int, directory: str) -> list[Any]:
         evaluated = (pipelined.loss(tokens, targets), pipelined(tokens))
         results.append((losses, state, wires, evaluated, pipelined.coordinate))
     results.append(_checkpoint_round_trip(directory))
+    results.append(_auto_stages())
     return results
+
+
+AUTO = GPTConfig(n_layer=2, n_embd=64, n_head=4, vocab_size=64, block_size=16)
+
+
+def _auto_stages() -> tuple[Any, ...]:
+    """stages="auto" under data parallelism on 3 devices of slow links: the stage DP picks a
+    stage of 1 device and one of 2 (the batch does not split over 3), and fxpar.compile runs
+    that choice."""
+    model, tokens, targets = _build(AUTO, batch=16)
+    pipelined = fxpar.compile(
+        model, Cluster((3,), bandwidth=(1e8,)), (tokens,), gpt_loss,
+        example_targets=(targets,), optimizer=SGD(lr=LR),
+        pipeline=Pipeline(stages="auto", microbatches=4), manual=plans.data_parallel,
+    )  # fmt: skip
+    losses = [pipelined.step(tokens, targets) for _ in range(2)]
+    return pipelined.pipeline.stage_meshes, losses, pipelined.full_state_dict()
 
 
 def _checkpoint_round_trip(directory: str) -> tuple[Any, ...]:
@@ -324,8 +342,8 @@ def per_rank(tmp_path_factory: pytest.TempPathFactory) -> list[list[Any]]:
     return spawn(_run_cases, 3, str(tmp_path_factory.mktemp("submesh_checkpoint")))
 
 
-def _eager(config: GPTConfig, steps: int) -> tuple[list[torch.Tensor], GPT, Any]:
-    model, tokens, targets = _build(config)
+def _eager(config: GPTConfig, steps: int, batch: int = 8) -> tuple[list[torch.Tensor], GPT, Any]:
+    model, tokens, targets = _build(config, batch)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     losses = []
     for _ in range(steps):
@@ -380,6 +398,16 @@ def test_values_really_change_layout_between_the_meshes(per_rank: list[list[Any]
 @pytest.mark.slow
 def test_a_checkpoint_moves_between_stage_mesh_layouts(per_rank: list[list[Any]]) -> None:
     for rank, results in enumerate(per_rank):
-        (loss, state), (resumed_loss, resumed_state) = results[-1]
+        (loss, state), (resumed_loss, resumed_state) = results[len(CASES)]
         torch.testing.assert_close(resumed_loss, loss, msg=f"rank {rank}")
         torch.testing.assert_close(resumed_state, state, msg=f"rank {rank}")
+
+
+@pytest.mark.slow
+def test_auto_stages_run_on_the_submeshes_they_choose(per_rank: list[list[Any]]) -> None:
+    losses, model, _ = _eager(AUTO, 2, batch=16)
+    for rank, results in enumerate(per_rank):
+        meshes, got_losses, state = results[len(CASES) + 1]
+        assert meshes == ((1,), (2,))
+        torch.testing.assert_close(torch.stack(got_losses), torch.stack(losses), msg=f"{rank}")
+        torch.testing.assert_close(state, model.state_dict(), msg=f"rank {rank}")
