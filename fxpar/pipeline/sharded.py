@@ -42,6 +42,7 @@ from fxpar.lowering import CollectiveRecord, conversion_program, lower_graph, va
 from fxpar.pipeline.options import PipelineError
 from fxpar.pipeline.reshard import Crossing, StageSide, crossing
 from fxpar.pipeline.split import SplitProgram, StageProgram, Value
+from fxpar.runtime import fastcall
 from fxpar.runtime.collectives import Communicator
 from fxpar.sharding import Spec, local_shape, replicated, shard_tensor
 
@@ -63,7 +64,9 @@ class GradientSync:
 
     def run(self, sums: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         with torch.no_grad():
-            converted = self.graph_module(self.communicator, *(sums[n] for n in self.gradients))
+            converted = fastcall.run(
+                self.graph_module, self.communicator, *(sums[n] for n in self.gradients)
+            )
         return dict(zip(self.gradients, converted, strict=True))
 
 

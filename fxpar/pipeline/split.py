@@ -56,6 +56,7 @@ from fxpar.lowering import value_spec
 from fxpar.pipeline.options import PipelineError
 from fxpar.pipeline.partition import Half, Partition, Unit
 from fxpar.pipeline.semantics import LossDenominator, PipelineSemantics, pipeline_semantics
+from fxpar.runtime import fastcall
 from fxpar.runtime.collectives import Communicator
 from fxpar.sharding import Sharding, Spec, Strategy
 
@@ -135,7 +136,7 @@ class StageProgram:
         if self.communicator is not None:
             inputs.insert(0, self.communicator)
         with torch.no_grad():
-            flat = list(self.graph_module(*inputs, *received, *restored))
+            flat = list(fastcall.run(self.graph_module, *inputs, *received, *restored))
         sent = tuple(flat[: len(self.sent)])
         del flat[: len(self.sent)]
         stashed = tuple(flat[: len(self.stashed)])

@@ -45,6 +45,7 @@ from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 
 from fxpar.errors import FxparError
 from fxpar.lowering import SPMDProgram
+from fxpar.runtime import fastcall
 from fxpar.runtime.collectives import ProcessGroupCommunicator
 
 logger = logging.getLogger(__name__)
@@ -132,7 +133,7 @@ def run_rank(
     local_inputs = spmd.local_inputs(flat_global_inputs, program.coordinate)
     communicator = ProcessGroupCommunicator(device_mesh)
     with torch.no_grad():
-        return tuple(program.graph_module(communicator, *local_inputs))
+        return tuple(fastcall.run(program.graph_module, communicator, *local_inputs))
 
 
 def _run_process(

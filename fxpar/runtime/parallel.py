@@ -39,6 +39,7 @@ from fxpar.ir.rng import RandomState
 from fxpar.lowering import conversion_program
 from fxpar.optim import Optimizer
 from fxpar.planning.plan import Plan
+from fxpar.runtime import fastcall
 from fxpar.runtime.batches import BatchSignature, check_same_batch, gather_rows, global_rows
 from fxpar.runtime.collectives import OneDeviceCommunicator, ProcessGroupCommunicator
 from fxpar.runtime.fingerprint import check_same_model
@@ -266,8 +267,8 @@ class ParallelModel:
             )
             self._conversions[keys] = program.graph_module
         with torch.no_grad():
-            converted = self._conversions[keys](
-                self._communicator, *(self._unsynced[key] for key in keys)
+            converted = fastcall.run(
+                self._conversions[keys], self._communicator, *(self._unsynced[key] for key in keys)
             )
         self._unsynced.clear()
         for (name, _), gradient in zip(keys, converted, strict=True):
@@ -396,7 +397,8 @@ class ParallelModel:
         ]
         with torch.no_grad():
             try:
-                outputs = tuple(step.program(self.rank)(self._communicator, *inputs))
+                program = step.program(self.rank)
+                outputs = tuple(fastcall.run(program, self._communicator, *inputs))
             except BaseException:
                 self._communicator.settle()  # a deferred batch check says why, if it fails
                 raise
