@@ -4,6 +4,8 @@ leaving the original as passes and ``.code`` read it."""
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 import fxpar
@@ -54,3 +56,40 @@ def test_lowered_rank_programs_run_the_same_through_the_copy() -> None:
         return all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
 
     assert all(run_ranks(spmd, inputs, both).values())
+
+
+_seen: list[bool] = []
+_watched: list[weakref.ref[torch.Tensor]] = []
+
+
+@torch.fx.wrap
+def _probe(x: torch.Tensor) -> torch.Tensor:
+    """Records whether the watched tensor is still alive when the program gets here."""
+    _seen.append(_watched[0]() is not None)
+    return x
+
+
+def _reads_its_first_input_early(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    c = a + 1
+    return _probe(c) * b
+
+
+def test_a_boxed_call_frees_each_input_after_its_last_use() -> None:
+    """Called with a list, the program empties it, so an input nobody else holds is gone by
+    the time the program runs past its last use; called with arguments, the caller holds it
+    to the end."""
+    graph_module = torch.fx.symbolic_trace(_reads_its_first_input_early)
+    for boxed in (True, False):
+        _seen.clear()
+        first = torch.ones(3)
+        _watched[:] = [weakref.ref(first)]
+        args = [first, torch.full((3,), 2.0)]
+        del first
+        if boxed:
+            result = fastcall.run_boxed(graph_module, args)
+            assert args == []
+        else:
+            result = fastcall.run(graph_module, *args)
+            del args
+        assert torch.equal(result, torch.full((3,), 4.0))
+        assert _seen == [not boxed]

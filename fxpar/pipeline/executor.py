@@ -249,8 +249,9 @@ class StageWorker:
         # Keyed by chunk and micro-batch (and the op that fills or drains them).
         received: dict[tuple[Op, int, int], tuple[torch.Tensor, ...]] = {}
         outgoing: dict[tuple[Op, int, int], tuple[torch.Tensor, ...]] = {}
-        stashes: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        stashes: dict[tuple[int, int], list[torch.Tensor]] = {}
         stash_bytes: dict[tuple[int, int], int] = {}
+        chunk_stash_bytes: dict[int, int] = {}
         parameter_storages = {p.untyped_storage().data_ptr() for p in parameters.values()}
         gradients: dict[str, torch.Tensor] = {}
         summed: set[str] = set()  # gradients that are sums this run made, added to in place
@@ -268,12 +269,16 @@ class StageWorker:
                 received[(op, c, m)] = self._channels[c][op].recv(m)
             elif op is Op.FORWARD:
                 program = self.forward[c]
-                inputs = received.pop((Op.RECV_ACTIVATION, c, m), ())
+                # Lists, which the program empties: each tensor goes once it is read.
+                inputs = list(received.pop((Op.RECV_ACTIVATION, c, m), ()))
                 out = program.run(parameters, buffers, microbatches[m], inputs)
                 outgoing[(Op.SEND_ACTIVATION, c, m)] = out.sent
                 if (c, m) in self._backwards:  # else a forward-only list: no stash is read
-                    stashes[(c, m)] = out.stashed
-                    stash_bytes[(c, m)] = _storage_bytes(out.stashed, parameter_storages)
+                    stashes[(c, m)] = list(out.stashed)
+                    # Every micro-batch of a chunk stashes the same shapes: count once.
+                    if c not in chunk_stash_bytes:
+                        chunk_stash_bytes[c] = _storage_bytes(out.stashed, parameter_storages)
+                    stash_bytes[(c, m)] = chunk_stash_bytes[c]
                     peak = max(trace.peak_stash_bytes, sum(stash_bytes.values()))
                     trace.peak_stash_bytes = peak
                 buffers.update(out.buffer_updates)
@@ -282,7 +287,8 @@ class StageWorker:
                 if program.outputs:
                     outputs[m] = out.outputs
             elif op is Op.BACKWARD:
-                inputs = received.pop((Op.RECV_GRAD, c, m), ())
+                inputs = list(received.pop((Op.RECV_GRAD, c, m), ()))
+                out = None  # the last forward's outputs may hold this stash too
                 out = self.backward[c].run(parameters, {}, microbatches[m], inputs, stashes[(c, m)])
                 outgoing[(Op.SEND_GRAD, c, m)] = out.sent
                 for name, gradient in out.gradients.items():

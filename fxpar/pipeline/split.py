@@ -124,7 +124,9 @@ class StageProgram:
         received: Sequence[torch.Tensor] = (),
         restored: Sequence[torch.Tensor] = (),
     ) -> StageOutputs:
-        """Run on real tensors; parameters, buffers and batch tensors are looked up by name."""
+        """Run on real tensors; parameters, buffers and batch tensors are looked up by name.
+        ``received`` and ``restored`` given as lists are emptied: the tensors in them are
+        freed as soon as the program is done with them, unless the caller keeps others."""
         if len(received) != len(self.received) or len(restored) != len(self.restored):
             raise PipelineError(
                 f"{self.unit} expects {len(self.received)} received and {len(self.restored)} "
@@ -135,8 +137,13 @@ class StageProgram:
         inputs += [batch[n] for n in self.batch]
         if self.communicator is not None:
             inputs.insert(0, self.communicator)
+        inputs += received
+        inputs += restored
+        for consumed in (received, restored):
+            if isinstance(consumed, list):
+                consumed.clear()
         with torch.no_grad():
-            flat = list(fastcall.run(self.graph_module, *inputs, *received, *restored))
+            flat = list(fastcall.run_boxed(self.graph_module, inputs))
         sent = tuple(flat[: len(self.sent)])
         del flat[: len(self.sent)]
         stashed = tuple(flat[: len(self.stashed)])

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.fx.graph import _BoxedCodeGen
 
 
 class _EntryPoint(functools.partial[Any]):
@@ -34,6 +35,7 @@ class _EntryPoint(functools.partial[Any]):
 
 
 _copies: weakref.WeakKeyDictionary[fx.GraphModule, fx.GraphModule] = weakref.WeakKeyDictionary()
+_boxed: weakref.WeakKeyDictionary[fx.GraphModule, fx.GraphModule] = weakref.WeakKeyDictionary()
 
 
 @functools.cache
@@ -43,16 +45,22 @@ def _entry_point(op: torch._ops.OpOverload) -> _EntryPoint:
     return entry
 
 
-def executable(graph_module: fx.GraphModule) -> fx.GraphModule:
-    """The copy of ``graph_module`` to run (module docstring), made once per module."""
-    found = _copies.get(graph_module)
+def executable(graph_module: fx.GraphModule, *, boxed: bool = False) -> fx.GraphModule:
+    """The copy of ``graph_module`` to run (module docstring), made once per module and
+    calling convention. ``boxed``: the copy takes one list of the inputs, which it empties
+    before computing, so that each input is freed after its last use unless the caller keeps
+    it (see :func:`run_boxed`)."""
+    copies = _boxed if boxed else _copies
+    found = copies.get(graph_module)
     if found is None:
         graph = copy.deepcopy(graph_module.graph)
         for node in graph.nodes:
             if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
                 node.target = _entry_point(node.target)
+        if boxed:
+            graph.set_codegen(_BoxedCodeGen())
         found = fx.GraphModule(graph_module, graph, class_name=type(graph_module).__name__)
-        _copies[graph_module] = found
+        copies[graph_module] = found
     return found
 
 
@@ -61,4 +69,11 @@ def run(graph_module: fx.GraphModule, *args: Any) -> Any:
     return executable(graph_module)(*args)
 
 
-__all__ = ["executable", "run"]
+def run_boxed(graph_module: fx.GraphModule, args: list[Any]) -> Any:
+    """``graph_module(*args)``, emptying ``args``: an input nobody else holds is freed as soon
+    as the program has read it for the last time (a stash in the backward, say), instead of
+    when the program returns."""
+    return executable(graph_module, boxed=True)(args)
+
+
+__all__ = ["executable", "run", "run_boxed"]
