@@ -42,7 +42,7 @@ from fxpar.optim import AdamW, Optimizer, check_optimizer
 from fxpar.passes import ManualPlan, PassManager, for_compile
 from fxpar.pipeline import Pipeline, PipelineModel, plan_stages
 from fxpar.pipeline.auto import StagePlanner
-from fxpar.pipeline.meshes import stage_meshes
+from fxpar.pipeline.meshes import StageMeshes, stage_meshes
 from fxpar.pipeline.sharded import stage_devices
 from fxpar.pipeline.steps import PassPlanner
 from fxpar.planning.plan import Plan, keeping_state, pipeline_of, plan_program
@@ -268,7 +268,7 @@ def _compile_pipeline(
         meshes = stage_meshes(pipeline, cluster)
         return PipelineModel(
             model, pipeline, example_inputs, loss_fn, example_targets=example_targets,
-            optimizer=optimizer, stage_cluster=meshes.clusters, planner=planner,
+            optimizer=optimizer, stage_cluster=meshes, planner=planner,
             check_batches=check_batches, init=init, mixed_precision=mixed_precision,
         )  # fmt: skip
     stages_first = (
@@ -290,9 +290,9 @@ def _compile_pipeline(
             )  # fmt: skip
             logger.info("stages chosen by the stage DP:\n%s", choice.report())
             pipeline = choice.pipeline
-            stage_cluster: Cluster | tuple[Cluster, ...] | None = choice.stage_cluster
+            stage_cluster: Cluster | StageMeshes | None = choice.stage_cluster
             if pipeline.stage_meshes is not None:  # stages on submeshes of different shapes
-                stage_cluster = stage_meshes(pipeline, cluster).clusters
+                stage_cluster = stage_meshes(pipeline, cluster)
             assert stage_cluster is not None
         else:
             stage_cluster = stage_devices(cluster, pipeline.num_stages)

@@ -32,6 +32,7 @@ from fxpar.pipeline.auto import (
     search_submeshes,
     stage_problem,
 )
+from fxpar.pipeline.meshes import stage_meshes
 from fxpar.pipeline.stage_costs import StagePlanner, stage_mesh, submesh_shapes
 from fxpar.planning.plan import plan_program
 from fxpar.solvers.stages import (
@@ -295,20 +296,29 @@ def test_report_and_to_dict_show_each_stage_mesh() -> None:
     assert data["mixed"]["step_time"] == choice.step_time
 
 
-def test_stages_crossing_a_row_are_named() -> None:
-    """On a 2x2 cluster, meshes (1,), (2,), (1,) put the middle stage on ranks 1 and 2, two
-    rows: the choice names it and the report warns; (2,), (1,), (1,) crosses nothing."""
+def test_stages_are_placed_so_that_none_crosses_a_row() -> None:
+    """On a 2x2 cluster, meshes (1,), (2,), (1,) would put the middle stage on ranks 1 and 2,
+    two rows, if stages took consecutive ranks. The runtime places it on a row of its own
+    (Alpa's tiling, fxpar.pipeline.meshes.stage_meshes), so the choice names no stage crossing
+    a row and the report has no warning. Meshes that do not tile the cluster as Alpa's (3
+    devices on rows of 2) keep consecutive ranks: the (2,) stage after them, on ranks 3 and 4,
+    crosses a row and is named."""
     program = _program(2)
     cluster = Cluster((2, 2), bandwidth=(1e9, 1e8))
     split = ("blocks.0", "ln_f")
 
-    def scored(meshes: tuple[tuple[int, ...], ...]) -> StageChoice:
-        pipeline = Pipeline(stages=split, microbatches=4, stage_meshes=meshes)
-        return evaluate_split(program, cluster, pipeline, stage_planner=TENSOR_PARALLEL)
+    def scored(meshes: tuple[tuple[int, ...], ...], where: Cluster = cluster) -> StageChoice:
+        pipeline = Pipeline(stages=split[: len(meshes) - 1], microbatches=4, stage_meshes=meshes)
+        return evaluate_split(program, where, pipeline, stage_planner=TENSOR_PARALLEL)
 
-    crossing = scored(((1,), (2,), (1,)))
-    assert crossing.crossing == (1,) and "warning: stage(s) 1 cross a row" in crossing.report()
+    placed = scored(((1,), (2,), (1,)))
+    assert placed.crossing == () and "warning" not in placed.report()
+    ranks = stage_meshes(placed.pipeline, cluster)
+    assert [ranks.ranks(s) for s in range(3)] == [(2,), (0, 1), (3,)]
     assert scored(((2,), (1,), (1,))).crossing == ()
+    rows_of_two = Cluster((3, 2), bandwidth=(1e9, 1e8))
+    crossing = scored(((3,), (2,), (1,)), rows_of_two)
+    assert crossing.crossing == (1,) and "warning: stage(s) 1 cross a row" in crossing.report()
 
 
 def test_stage_meshes_need_a_planner_and_the_whole_cluster() -> None:

@@ -209,6 +209,19 @@ def test_stage_meshes_lay_ranks_out_stage_major() -> None:
     assert meshes.clusters[1].memory == 3 * Cluster.preset("h100", (7,)).memory
 
 
+def test_stages_tile_a_two_dimensional_cluster_as_alpa_does() -> None:
+    """On rows of 4: the stage of a whole row first, then pieces of a row widest first, left
+    to right; a stage never straddles two rows."""
+    pipeline = Pipeline(stages=4, stage_meshes=((1,), (4,), (2,), (1,)))
+    meshes = stage_meshes(pipeline, Cluster((2, 4)))
+    assert [meshes.ranks(s) for s in range(4)] == [(6,), (0, 1, 2, 3), (4, 5), (7,)]
+    assert meshes.locate(5) == (2, 1) and not meshes.stage_major
+    # A 1-D cluster, or meshes that are not rows or pieces of a row, keep stage-major ranks.
+    assert stage_meshes(pipeline, Cluster((8,))).stage_major
+    odd = Pipeline(stages=2, stage_meshes=((3,), (3,)))
+    assert stage_meshes(odd, Cluster((3, 2))).stage_major
+
+
 def test_a_submesh_takes_the_links_of_the_ranks_it_spans() -> None:
     cluster = Cluster.preset("h100", (2, 8))  # 8 GPUs per node: NVLink inside, IB across
     inside = submesh_cluster(cluster, (2, 4), 2)
@@ -409,5 +422,30 @@ def test_auto_stages_run_on_the_submeshes_they_choose(per_rank: list[list[Any]])
     for rank, results in enumerate(per_rank):
         meshes, got_losses, state = results[len(CASES) + 1]
         assert meshes == ((1,), (2,))
+        torch.testing.assert_close(torch.stack(got_losses), torch.stack(losses), msg=f"{rank}")
+        torch.testing.assert_close(state, model.state_dict(), msg=f"rank {rank}")
+
+
+def _tiled(rank: int, world_size: int) -> tuple[Any, ...]:
+    """Meshes (1,), (2,), (1,) on a 2x2 cluster: the middle stage takes a row of its own."""
+    model, tokens, targets = _build(CONFIG)
+    pipelined = fxpar.compile(
+        model, Cluster((2, 2)), (tokens,), gpt_loss, example_targets=(targets,),
+        optimizer=SGD(lr=LR), manual=plans.tensor_parallel,
+        pipeline=Pipeline(stages=("blocks.1", "ln_f"), microbatches=2,
+                          stage_meshes=((1,), (2,), (1,))),
+    )  # fmt: skip
+    losses = [pipelined.step(tokens, targets) for _ in range(2)]
+    return pipelined.stage, losses, pipelined.full_state_dict()
+
+
+@pytest.mark.slow
+def test_stages_tiled_on_a_two_dimensional_cluster_train_like_one_device() -> None:
+    """Placed as Alpa tiles the cluster, the stage of two devices runs on ranks 0 and 1 (one
+    row), the others on ranks 2 and 3; the pipeline trains like one device."""
+    results = spawn(_tiled, 4)
+    assert [stage for stage, _, _ in results] == [1, 1, 0, 2]
+    losses, model, _ = _eager(CONFIG, 2)
+    for rank, (_, got_losses, state) in enumerate(results):
         torch.testing.assert_close(torch.stack(got_losses), torch.stack(losses), msg=f"{rank}")
         torch.testing.assert_close(state, model.state_dict(), msg=f"rank {rank}")

@@ -63,13 +63,13 @@ from fxpar.cluster import Cluster
 from fxpar.errors import FxparError
 from fxpar.ir.program import Program
 from fxpar.pipeline.atoms import Atoms
+from fxpar.pipeline.meshes import straddling
 from fxpar.pipeline.options import Pipeline, PipelineError
 from fxpar.pipeline.partition import partition
 from fxpar.pipeline.stage_costs import (
     PlannedStageCostModel,
     StageCostModel,
     StagePlanner,
-    crossing_stages,
     divisors,
     stage_mesh,
     submesh_shapes,
@@ -675,7 +675,7 @@ def _with_stage_meshes(
         choice,
         pipeline=dataclasses.replace(pipeline, stage_meshes=meshes),
         stage_cluster=None,
-        crossing=crossing_stages(cluster, meshes),
+        crossing=straddling(cluster, meshes),
     )
 
 

@@ -119,13 +119,13 @@ def first_holder(spec: Spec, coordinate: Sequence[int]) -> bool:
 
 
 def _rank(stage: int, local: int, per_stage: int, meshes: StageMeshes | None) -> int:
-    return stage * per_stage + local if meshes is None else meshes.offset(stage) + local
+    return stage * per_stage + local if meshes is None else meshes.ranks(stage)[local]
 
 
 def stage_device_mesh(pipeline: Pipeline, meshes: StageMeshes | None, stage: int) -> Any:
     """This stage's DeviceMesh (its stage mesh, or its replicas), whose groups carry the stage
     plan's collectives, and on which checkpoints place pieces."""
-    if meshes is not None and not meshes.uniform:
+    if meshes is not None and (not meshes.uniform or not meshes.stage_major):
         made = [
             DeviceMesh(
                 cluster.device_type,

@@ -1,10 +1,16 @@
 """Where the stages of a pipeline run: a mesh per stage, and the ranks of each.
 
-Stages are laid out stage-major: stage ``s`` takes the ``devices(s)`` ranks after those of
-stages ``0 .. s-1``, and rank ``offset(s) + i`` is device ``i`` (row-major) of stage ``s``'s
-mesh. With every stage on the same mesh this is the layout ``s * T + t`` of a cluster of mesh
-``(K, *stage_mesh)``; with ``Pipeline(stage_meshes=...)`` the stages' meshes may differ in
+By default stages are laid out stage-major: stage ``s`` takes the ``devices(s)`` ranks after
+those of stages ``0 .. s-1``, and the ``i``-th of them is device ``i`` (row-major) of stage
+``s``'s mesh. With every stage on the same mesh this is the layout ``s * T + t`` of a cluster of
+mesh ``(K, *stage_mesh)``; with ``Pipeline(stage_meshes=...)`` the stages' meshes may differ in
 shape and size (Alpa's submeshes), and each runs an intra-op plan made for its own mesh.
+
+On a 2-D cluster ``(R, C)`` (rows of ``C`` devices on fast links, slower links between rows)
+:func:`stage_meshes` places stages the way Alpa tiles the cluster instead, so that no stage
+straddles two rows: stages of whole rows first, then stages of ``1/k`` of a row, widest first,
+left to right (:func:`fxpar.solvers.stages.place_submeshes`). A stage's ranks are then not
+necessarily after the previous stage's; :meth:`StageMeshes.ranks` says which they are.
 """
 
 from __future__ import annotations
@@ -17,9 +23,11 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from fxpar.cluster import Cluster, Coordinate
+from fxpar.errors import FxparError
 from fxpar.ir.program import Program
 from fxpar.pipeline.options import Pipeline, PipelineError
-from fxpar.pipeline.stage_costs import link
+from fxpar.pipeline.stage_costs import crossing_stages, link
+from fxpar.solvers.stages import place_submeshes
 
 Shape = tuple[int, ...]
 T = TypeVar("T")
@@ -31,6 +39,27 @@ class StageMeshes:
     and the ranks it takes."""
 
     clusters: tuple[Cluster, ...]
+    placement: tuple[tuple[int, ...], ...] | None = None
+    """The ranks of each stage's devices, row-major in its mesh; None: stage-major, each
+    stage's ranks after the previous stage's."""
+
+    def __post_init__(self) -> None:
+        placement = self.placement
+        if placement is None:
+            sizes = [cluster.world_size for cluster in self.clusters]
+            starts = [sum(sizes[:stage]) for stage in range(len(sizes))]
+            placement = tuple(
+                tuple(range(start, start + size)) for start, size in zip(starts, sizes, strict=True)
+            )
+        everyone = sorted(rank for ranks in placement for rank in ranks)
+        if everyone != list(range(len(everyone))) or [len(r) for r in placement] != [
+            cluster.world_size for cluster in self.clusters
+        ]:
+            raise PipelineError(
+                f"stage placement {placement} does not give the stages of meshes "
+                f"{self.shapes} each rank once"
+            )
+        object.__setattr__(self, "placement", placement)
 
     @property
     def num_stages(self) -> int:
@@ -49,6 +78,12 @@ class StageMeshes:
     def world_size(self) -> int:
         return sum(cluster.world_size for cluster in self.clusters)
 
+    @property
+    def stage_major(self) -> bool:
+        """Whether each stage's ranks follow the previous stage's."""
+        flat = [rank for stage in range(self.num_stages) for rank in self.ranks(stage)]
+        return flat == list(range(len(flat)))
+
     def by_shape(self) -> dict[Shape, Cluster]:
         """The first stage's cluster of each mesh shape, in stage order: one plan each."""
         found: dict[Shape, Cluster] = {}
@@ -56,21 +91,16 @@ class StageMeshes:
             found.setdefault(cluster.mesh_shape, cluster)
         return found
 
-    def offset(self, stage: int) -> int:
-        """The first rank of ``stage``."""
-        return sum(cluster.world_size for cluster in self.clusters[:stage])
-
     def ranks(self, stage: int) -> tuple[int, ...]:
         """The ranks of ``stage``'s devices, row-major in its mesh."""
-        start = self.offset(stage)
-        return tuple(range(start, start + self.clusters[stage].world_size))
+        assert self.placement is not None
+        return self.placement[stage]
 
     def locate(self, rank: int) -> tuple[int, int]:
         """The stage of ``rank`` and its index among that stage's devices."""
         for stage in range(self.num_stages):
-            start, size = self.offset(stage), self.clusters[stage].world_size
-            if start <= rank < start + size:
-                return stage, rank - start
+            if rank in self.ranks(stage):
+                return stage, self.ranks(stage).index(rank)
         raise PipelineError(f"rank {rank} is outside the {self.world_size} devices of the stages")
 
     def coordinate(self, rank: int) -> Coordinate:
@@ -82,16 +112,17 @@ class StageMeshes:
         index = 0
         for size, position in zip(self.shapes[stage], coordinate, strict=True):
             index = index * size + position
-        return self.offset(stage) + index
+        return self.ranks(stage)[index]
 
 
 def meshes_of(
-    pipeline: Pipeline, stage_cluster: Cluster | Sequence[Cluster] | None
+    pipeline: Pipeline, stage_cluster: Cluster | Sequence[Cluster] | StageMeshes | None
 ) -> StageMeshes | None:
     """The stage meshes of a :class:`~fxpar.pipeline.PipelineModel` given ``stage_cluster``:
     None (data-parallel replicas per stage, or with ``pipeline.stage_meshes`` default clusters
-    of those shapes), one Cluster (every stage on that mesh) or one Cluster per stage (their
-    shapes those of ``pipeline.stage_meshes``).
+    of those shapes), one Cluster (every stage on that mesh), one Cluster per stage (their
+    shapes those of ``pipeline.stage_meshes``), or :class:`StageMeshes` (which also place the
+    stages on ranks: :func:`stage_meshes`).
 
     Raises:
         PipelineError: the clusters do not match the pipeline, or a stage mesh is asked for
@@ -118,14 +149,15 @@ def meshes_of(
             return None
         whole = Cluster((pipeline.world_size,))
         return StageMeshes(tuple(submesh_cluster(whole, shape, len(shapes)) for shape in shapes))
-    clusters = tuple(stage_cluster)
+    meshes = stage_cluster if isinstance(stage_cluster, StageMeshes) else None
+    clusters = meshes.clusters if meshes is not None else tuple(stage_cluster)  # type: ignore[arg-type]
     given = tuple(cluster.mesh_shape for cluster in clusters)
     if shapes is None or given != shapes:
         raise PipelineError(
             f"stage_cluster gives stage meshes {given}, but {pipeline} names "
             + ("none: name them in Pipeline(stage_meshes=...)" if shapes is None else f"{shapes}")
         )
-    return StageMeshes(clusters)
+    return meshes if meshes is not None else StageMeshes(clusters)
 
 
 def plan_each(
@@ -166,7 +198,8 @@ def submesh_cluster(cluster: Cluster, shape: Sequence[int], num_stages: int) -> 
 
 def stage_meshes(pipeline: Pipeline, cluster: Cluster) -> StageMeshes:
     """The stages of ``pipeline`` (which names its ``stage_meshes``) on ``cluster``, whose
-    devices they must use exactly.
+    devices they must use exactly; on a 2-D cluster placed as Alpa tiles it, where the meshes
+    are whole rows or pieces of a row (module docstring).
 
     Raises:
         PipelineError: the pipeline names no stage meshes, or they hold another number of
@@ -180,7 +213,42 @@ def stage_meshes(pipeline: Pipeline, cluster: Cluster) -> StageMeshes:
             f"the stage meshes {shapes} hold {pipeline.world_size} devices, but the cluster "
             f"{cluster.mesh_shape} has {cluster.world_size}: they must use it exactly"
         )
-    return StageMeshes(tuple(submesh_cluster(cluster, shape, len(shapes)) for shape in shapes))
+    clusters = tuple(submesh_cluster(cluster, shape, len(shapes)) for shape in shapes)
+    return StageMeshes(clusters, _tiling(cluster.mesh_shape, shapes))
+
+
+def _tiling(mesh: Shape, shapes: Sequence[Shape]) -> tuple[tuple[int, ...], ...] | None:
+    """Each stage's ranks where stages of ``shapes`` tile the 2-D ``mesh`` as Alpa's
+    submeshes (whole rows, pieces of a row); None where the mesh is not 2-D or they do not."""
+    if len(mesh) != 2:
+        return None
+    columns = mesh[1]
+    blocks = []
+    for shape in shapes:
+        devices = math.prod(shape)
+        if devices % columns == 0:
+            blocks.append((devices // columns, columns))
+        elif columns % devices == 0:
+            blocks.append((1, devices))
+        else:
+            return None
+    try:
+        origins = place_submeshes(mesh, blocks)
+    except FxparError:
+        return None
+    return tuple(
+        tuple((row + i) * columns + column + j for i in range(height) for j in range(width))
+        for (row, column), (height, width) in zip(origins, blocks, strict=True)
+    )
+
+
+def straddling(cluster: Cluster, shapes: Sequence[Shape]) -> tuple[int, ...]:
+    """The stages of meshes ``shapes`` whose devices, where :func:`stage_meshes` places them on
+    ``cluster``, leave the block of ranks whose links priced them: none where Alpa's tiling
+    places them, else those whose consecutive ranks cross a block."""
+    if _tiling(cluster.mesh_shape, shapes) is not None:
+        return ()
+    return crossing_stages(cluster, shapes)
 
 
 def distinct(shapes: Sequence[Shape]) -> tuple[Shape, ...]:
@@ -200,6 +268,7 @@ __all__ = [
     "meshes_of",
     "plan_each",
     "stage_meshes",
+    "straddling",
     "submesh_cluster",
     "uniform_meshes",
 ]

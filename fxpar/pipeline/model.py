@@ -148,7 +148,7 @@ class PipelineModel:
         *,
         example_targets: Sequence[torch.Tensor] = (),
         optimizer: Optimizer | None = None,
-        stage_cluster: Cluster | Sequence[Cluster] | None = None,
+        stage_cluster: Cluster | Sequence[Cluster] | StageMeshes | None = None,
         planner: Callable[[Program, Cluster], Plan] | None = None,
         check_batches: bool = True,
         init: str | os.PathLike[str] | None = None,
@@ -793,8 +793,8 @@ def _peer(meshes: StageMeshes | None, stage: int, per_stage: int, local: int) ->
     if meshes is None:
         return stage * per_stage + local
     if meshes.uniform:
-        return meshes.offset(stage) + local
-    return meshes.offset(stage)
+        return meshes.ranks(stage)[local]
+    return meshes.ranks(stage)[0]
 
 
 def _whole_batch(meta: ir.TensorMeta, batch_size: int) -> ir.TensorMeta:

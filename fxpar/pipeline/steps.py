@@ -208,7 +208,7 @@ class StageLayout:
         microbatches, replicas = self.pipeline.microbatches, self.pipeline.data_parallel
         last = (self.pipeline.num_stages - 1) * self.per_stage
         if self.meshes is not None:
-            last = self.meshes.offset(self.pipeline.num_stages - 1)
+            last = self.meshes.ranks(self.pipeline.num_stages - 1)[0]
         world = dist.get_world_size() if self.distributed else 1
         results = []
         for index, value in enumerate(step.split.forward[-1].outputs):
