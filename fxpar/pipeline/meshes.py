@@ -15,7 +15,6 @@ necessarily after the previous stage's; :meth:`StageMeshes.ranks` says which the
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 from collections.abc import Callable, Sequence
@@ -26,7 +25,7 @@ from fxpar.cluster import Cluster, Coordinate
 from fxpar.errors import FxparError
 from fxpar.ir.program import Program
 from fxpar.pipeline.options import Pipeline, PipelineError
-from fxpar.pipeline.stage_costs import crossing_stages, link
+from fxpar.pipeline.stage_costs import crossing_stages, submesh_stage_cluster
 from fxpar.solvers.stages import place_submeshes
 
 Shape = tuple[int, ...]
@@ -148,7 +147,7 @@ def meshes_of(
         if shapes is None:
             return None
         whole = Cluster((pipeline.world_size,))
-        return StageMeshes(tuple(submesh_cluster(whole, shape, len(shapes)) for shape in shapes))
+        return StageMeshes(tuple(submesh_cluster(whole, shape) for shape in shapes))
     meshes = stage_cluster if isinstance(stage_cluster, StageMeshes) else None
     clusters = meshes.clusters if meshes is not None else tuple(stage_cluster)  # type: ignore[arg-type]
     given = tuple(cluster.mesh_shape for cluster in clusters)
@@ -178,22 +177,14 @@ def uniform_meshes(cluster: Cluster, num_stages: int) -> StageMeshes:
     return StageMeshes((cluster,) * num_stages)
 
 
-def submesh_cluster(cluster: Cluster, shape: Sequence[int], num_stages: int) -> Cluster:
-    """A stage mesh of ``shape`` inside a pipeline on ``cluster``: each of its axes takes the
-    links of the innermost axis of ``cluster`` that holds that many consecutive ranks (ranks
-    are row-major, and a stage's ranks are consecutive), and the memory of one device times
-    the number of stages (the plan made on it covers every stage's layers; a device holds
-    about one stage's share)."""
-    shape = tuple(shape)
-    links = [link(cluster, math.prod(shape[axis:])) for axis in range(len(shape))]
-    return dataclasses.replace(
-        cluster,
-        mesh_shape=shape,
-        axis_names=tuple(f"stage_axis{axis}" for axis in range(len(shape))),
-        bandwidth=tuple(bandwidth for bandwidth, _ in links),
-        latency=tuple(latency for _, latency in links),
-        memory=cluster.memory * num_stages,
-    )
+def submesh_cluster(cluster: Cluster, shape: Sequence[int]) -> Cluster:
+    """A stage mesh of ``shape`` inside a pipeline on ``cluster``: the very Cluster the stage
+    DP prices a stage of that mesh on (:func:`~fxpar.pipeline.stage_costs.submesh_stage_cluster`),
+    so the plan a stage runs is the plan its cost came from. Each axis takes the links of the
+    innermost axis of ``cluster`` holding that many ranks, and the memory of one device times
+    ``world / devices`` (the plan covers every stage's layers; a stage of more devices holds
+    about a proportionally larger share)."""
+    return submesh_stage_cluster(cluster, tuple(shape))
 
 
 def stage_meshes(pipeline: Pipeline, cluster: Cluster) -> StageMeshes:
@@ -213,7 +204,7 @@ def stage_meshes(pipeline: Pipeline, cluster: Cluster) -> StageMeshes:
             f"the stage meshes {shapes} hold {pipeline.world_size} devices, but the cluster "
             f"{cluster.mesh_shape} has {cluster.world_size}: they must use it exactly"
         )
-    clusters = tuple(submesh_cluster(cluster, shape, len(shapes)) for shape in shapes)
+    clusters = tuple(submesh_cluster(cluster, shape) for shape in shapes)
     return StageMeshes(clusters, _tiling(cluster.mesh_shape, shapes))
 
 
