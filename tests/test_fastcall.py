@@ -37,7 +37,7 @@ def test_the_copy_calls_entry_points_and_computes_the_same_bits() -> None:
     assert original.code == before  # the original is left as it was
     with torch.no_grad():
         expected = original(*inputs)
-        got = fastcall.run(original, *inputs)
+        got = fast(*inputs)
     assert len(got) == len(expected)
     for a, b in zip(got, expected, strict=True):
         assert torch.equal(a, b)
@@ -52,6 +52,7 @@ def test_lowered_rank_programs_run_the_same_through_the_copy() -> None:
 
     def both(module: torch.fx.GraphModule, comm: object, local: list[torch.Tensor]) -> bool:
         first = module(comm, *local)
+        fastcall.run(module, comm, *local)  # the first call runs the original
         second = fastcall.run(module, comm, *local)
         return all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
 
@@ -79,6 +80,8 @@ def test_a_boxed_call_frees_each_input_after_its_last_use() -> None:
     the time the program runs past its last use; called with arguments, the caller holds it
     to the end."""
     graph_module = torch.fx.symbolic_trace(_reads_its_first_input_early)
+    _watched[:] = [weakref.ref(graph_module)]
+    fastcall.run_boxed(graph_module, [torch.ones(3), torch.ones(3)])  # copies from call 2 on
     for boxed in (True, False):
         _seen.clear()
         first = torch.ones(3)
