@@ -5,6 +5,7 @@ leaving the original as passes and ``.code`` read it."""
 from __future__ import annotations
 
 import weakref
+from unittest import mock
 
 import torch
 
@@ -52,8 +53,7 @@ def test_lowered_rank_programs_run_the_same_through_the_copy() -> None:
 
     def both(module: torch.fx.GraphModule, comm: object, local: list[torch.Tensor]) -> bool:
         first = module(comm, *local)
-        fastcall.run(module, comm, *local)  # the first call runs the original
-        second = fastcall.run(module, comm, *local)
+        second = fastcall.executable(module)(comm, *local)
         return all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
 
     assert all(run_ranks(spmd, inputs, both).values())
@@ -75,13 +75,22 @@ def _reads_its_first_input_early(a: torch.Tensor, b: torch.Tensor) -> torch.Tens
     return _probe(c) * b
 
 
+def test_the_copy_is_made_after_a_few_calls() -> None:
+    program, inputs = _program()
+    module = program.graph_module
+    with mock.patch("fxpar.runtime.fastcall.COPY_AFTER_CALLS", 2), torch.no_grad():
+        for _ in range(2):
+            fastcall.run(module, *inputs)
+            assert module not in fastcall._copies
+        fastcall.run(module, *inputs)
+        assert module in fastcall._copies
+
+
 def test_a_boxed_call_frees_each_input_after_its_last_use() -> None:
     """Called with a list, the program empties it, so an input nobody else holds is gone by
     the time the program runs past its last use; called with arguments, the caller holds it
     to the end."""
     graph_module = torch.fx.symbolic_trace(_reads_its_first_input_early)
-    _watched[:] = [weakref.ref(graph_module)]
-    fastcall.run_boxed(graph_module, [torch.ones(3), torch.ones(3)])  # copies from call 2 on
     for boxed in (True, False):
         _seen.clear()
         first = torch.ones(3)
@@ -89,7 +98,8 @@ def test_a_boxed_call_frees_each_input_after_its_last_use() -> None:
         args = [first, torch.full((3,), 2.0)]
         del first
         if boxed:
-            result = fastcall.run_boxed(graph_module, args)
+            with mock.patch("fxpar.runtime.fastcall.COPY_AFTER_CALLS", 0):
+                result = fastcall.run_boxed(graph_module, args)
             assert args == []
         else:
             result = fastcall.run(graph_module, *args)

@@ -135,7 +135,12 @@ def test_random_plans_on_different_stage_meshes_train_like_one_device(
     torch.manual_seed(seed)  # both draw the random inputs (dropout) from this state
     expected = splits[meshes[0]].run_microbatches(state, chunks)
     torch.manual_seed(seed)
-    with mock.patch("fxpar.pipeline.reshard.LOCAL_ALLGATHER_BYTES", 0 if gather else 1 << 40):
+    # The runtime's program copies (fxpar/runtime/fastcall.py) from the first call, boxed.
+    gather_bytes = 0 if gather else 1 << 40
+    with (
+        mock.patch("fxpar.pipeline.reshard.LOCAL_ALLGATHER_BYTES", gather_bytes),
+        mock.patch("fxpar.runtime.fastcall.COPY_AFTER_CALLS", 0),
+    ):
         result = simulate_stage_meshes(
             [splits[shape] for shape in meshes], [Cluster(shape) for shape in meshes], state,
             chunks,

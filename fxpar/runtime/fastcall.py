@@ -10,10 +10,9 @@ step (8% of a GPT block's backward at one row per micro-batch).
 every ATen overload replaced by its entry point, bound to a global named after the overload
 (``aten_mm_default(a, b)``), so that the call goes straight to the dispatcher. It computes
 exactly what the original does (``OpOverload.__call__`` is nothing but that call), and the
-original stays what passes, tests and ``.code`` read. The copy is made on a program's second
-call (making it costs about one run of a small program, which a program run once does not pay
-back). Single-device references (:meth:`fxpar.ir.program.Program.run`) keep running the
-original.
+original stays what passes, tests and ``.code`` read. The copy is made once a program has run
+:data:`COPY_AFTER_CALLS` times (it pays back only over many calls). Single-device references
+(:meth:`fxpar.ir.program.Program.run`) keep running the original.
 """
 
 from __future__ import annotations
@@ -66,20 +65,27 @@ def executable(graph_module: fx.GraphModule, *, boxed: bool = False) -> fx.Graph
     return found
 
 
+COPY_AFTER_CALLS = 16
+"""Calls of a program that run the original before the copy is made. Making the copy costs
+about 35 µs per node (a deep copy and a recompile), and it saves about 1.4 µs per ATen call,
+so it pays back after some 25 calls: a program run a few times (tests, one-off calls, the first
+steps) does not pay for it, one run for a whole training does."""
+
+
 def run(graph_module: fx.GraphModule, *args: Any) -> Any:
-    """``graph_module(*args)``, through its :func:`executable` copy from the second call on
-    (making the copy costs about as much as one run of a small program: a program run once,
-    as tests and one-off calls do, is not worth it)."""
-    if _first_call(graph_module):
+    """``graph_module(*args)``, through its :func:`executable` copy once it has run
+    :data:`COPY_AFTER_CALLS` times."""
+    if _early_call(graph_module):
         return graph_module(*args)
     return executable(graph_module)(*args)
 
 
 def run_boxed(graph_module: fx.GraphModule, args: list[Any]) -> Any:
-    """``graph_module(*args)``, emptying ``args``: from the second call on, an input nobody
-    else holds is freed as soon as the program has read it for the last time (a stash in the
-    backward, say), instead of when the program returns."""
-    if _first_call(graph_module):
+    """``graph_module(*args)``, emptying ``args``; once the program has run
+    :data:`COPY_AFTER_CALLS` times, through its boxed copy, so that an input nobody else holds
+    is freed as soon as the program has read it for the last time (a stash in the backward,
+    say) instead of when the program returns."""
+    if _early_call(graph_module):
         inputs = list(args)
         args.clear()
         return graph_module(*inputs)
@@ -89,10 +95,12 @@ def run_boxed(graph_module: fx.GraphModule, args: list[Any]) -> Any:
 _calls: weakref.WeakKeyDictionary[fx.GraphModule, int] = weakref.WeakKeyDictionary()
 
 
-def _first_call(graph_module: fx.GraphModule) -> bool:
+def _early_call(graph_module: fx.GraphModule) -> bool:
     count = _calls.get(graph_module, 0)
+    if count >= COPY_AFTER_CALLS:
+        return False
     _calls[graph_module] = count + 1
-    return count == 0
+    return True
 
 
-__all__ = ["executable", "run", "run_boxed"]
+__all__ = ["COPY_AFTER_CALLS", "executable", "run", "run_boxed"]
