@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import fxpar
@@ -165,3 +166,43 @@ def assert_same_results(found: Mapping[str, Any], expected: Mapping[str, Any]) -
             torch.testing.assert_close(found[key], value, rtol=1e-4, atol=1e-5, msg=key)
         else:
             assert found[key] == value, key
+
+
+def draw_split_points(data: Any, model: nn.Module, least: int, most: int) -> tuple[str, ...]:
+    """Between ``least`` and ``most`` distinct module names of ``model`` where a pipeline stage
+    may begin (top-level children after the first, and the children of top-level
+    Sequentials), drawn with hypothesis's ``data`` and put in forward order."""
+    candidates = []
+    for name, child in model.named_children():
+        if isinstance(child, nn.Sequential):
+            candidates += [f"{name}.{index}" for index in range(len(child))]
+        else:
+            candidates.append(name)
+    candidates = candidates[1:]
+    chosen = data.draw(
+        st.lists(st.sampled_from(candidates), min_size=least, max_size=most, unique=True),
+        label="split points",
+    )
+    return tuple(sorted(chosen, key=candidates.index))
+
+
+def microbatch_program(case: Any, microbatches: int) -> tuple[list[list[torch.Tensor]], Any]:
+    """A zoo case's batch (inputs, then targets) cut into ``microbatches`` pieces, and its
+    step captured at one piece's size."""
+    batch = [*case.inputs, *case.targets]
+    chunks = [list(pieces) for pieces in zip(*(t.chunk(microbatches) for t in batch), strict=True)]
+    size = len(case.inputs)
+    program = fxpar.capture(
+        case.model, chunks[0][:size], case.loss_fn, example_targets=chunks[0][size:]
+    )
+    return chunks, program
+
+
+def assert_same_step(result: Any, expected: Any) -> None:
+    """Two StepResults agree: loss, every gradient and every buffer update, to float32 noise."""
+    torch.testing.assert_close(result.loss, expected.loss, rtol=1e-4, atol=1e-6)
+    assert result.gradients.keys() == expected.gradients.keys()
+    for name, gradient in expected.gradients.items():
+        torch.testing.assert_close(result.gradients[name], gradient, rtol=1e-4, atol=1e-6, msg=name)
+    for name, value in expected.buffers.items():
+        torch.testing.assert_close(result.buffers[name], value, rtol=1e-4, atol=1e-6, msg=name)

@@ -19,10 +19,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import eager_step, train_beside_sgd
+from conftest import (
+    assert_same_step,
+    draw_split_points,
+    eager_step,
+    microbatch_program,
+    train_beside_sgd,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch import nn
 
 import fxpar
 from fxpar import ir, plans
@@ -42,18 +47,6 @@ CONFIG = GPTConfig(n_layer=2, n_embd=16, n_head=2, vocab_size=32, block_size=8)
 STAGE_MESHES = ((1,), (2,), (1, 2), (2, 2))
 
 
-def _pieces(model: nn.Module) -> list[str]:
-    """Module names in forward order where a stage may begin: top-level children, and the
-    children of top-level Sequentials."""
-    names = []
-    for name, child in model.named_children():
-        if isinstance(child, nn.Sequential):
-            names += [f"{name}.{index}" for index in range(len(child))]
-        else:
-            names.append(name)
-    return names[1:]
-
-
 @settings(max_examples=40, deadline=None)
 @given(
     case=fst.models(),
@@ -71,19 +64,8 @@ def test_random_plans_inside_stages_train_like_one_device(
     remat: bool,
     data: st.DataObject,
 ) -> None:
-    candidates = _pieces(case.model)
-    points = data.draw(
-        st.lists(st.sampled_from(candidates), min_size=1, max_size=3, unique=True).map(
-            lambda chosen: tuple(sorted(chosen, key=candidates.index))
-        ),
-        label="split points",
-    )
-    batch = [*case.inputs, *case.targets]
-    chunks = [list(pieces) for pieces in zip(*(t.chunk(microbatches) for t in batch), strict=True)]
-    size = len(case.inputs)
-    program = fxpar.capture(
-        case.model, chunks[0][:size], case.loss_fn, example_targets=chunks[0][size:]
-    )
+    points = draw_split_points(data, case.model, 1, 3)
+    chunks, program = microbatch_program(case, microbatches)
     planned = plans.random_plan(program, cluster, seed)
     split = split_program(planned, partition(planned, points), remat=remat)
     state = named_state(case.model)
@@ -91,13 +73,7 @@ def test_random_plans_inside_stages_train_like_one_device(
     expected = split.run_microbatches(state, chunks)
     torch.manual_seed(seed)
     result = simulate_pipeline(split, cluster, state, chunks)
-
-    torch.testing.assert_close(result.loss, expected.loss, rtol=1e-4, atol=1e-6)
-    assert result.gradients.keys() == expected.gradients.keys()
-    for name, gradient in expected.gradients.items():
-        torch.testing.assert_close(result.gradients[name], gradient, rtol=1e-4, atol=1e-6, msg=name)
-    for name, value in expected.buffers.items():
-        torch.testing.assert_close(result.buffers[name], value, rtol=1e-4, atol=1e-6, msg=name)
+    assert_same_step(result, expected)
 
 
 @functools.cache

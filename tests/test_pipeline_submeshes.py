@@ -24,9 +24,9 @@ from unittest import mock
 
 import pytest
 import torch
+from conftest import assert_same_step, draw_split_points, microbatch_program
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import fxpar
@@ -113,20 +113,8 @@ def test_random_plans_on_different_stage_meshes_train_like_one_device(
     mesh shape under its own random plan (Partial values, shards of any dim), with or without
     the local all-gather, compute the single-device step (every device of every stage in
     threads, values moved between them by the runtime's messages)."""
-    candidates = _pieces(case.model)
-    points = data.draw(
-        st.lists(
-            st.sampled_from(candidates), min_size=len(meshes) - 1, max_size=len(meshes) - 1,
-            unique=True,
-        ).map(lambda chosen: tuple(sorted(chosen, key=candidates.index))),
-        label="split points",
-    )  # fmt: skip
-    batch = [*case.inputs, *case.targets]
-    chunks = [list(pieces) for pieces in zip(*(t.chunk(microbatches) for t in batch), strict=True)]
-    size = len(case.inputs)
-    program = fxpar.capture(
-        case.model, chunks[0][:size], case.loss_fn, example_targets=chunks[0][size:]
-    )
+    points = draw_split_points(data, case.model, len(meshes) - 1, len(meshes) - 1)
+    chunks, program = microbatch_program(case, microbatches)
     splits = {}
     for index, shape in enumerate(dict.fromkeys(meshes)):
         planned = plans.random_plan(program.copy(), Cluster(shape), seed + index)
@@ -145,24 +133,7 @@ def test_random_plans_on_different_stage_meshes_train_like_one_device(
             [splits[shape] for shape in meshes], [Cluster(shape) for shape in meshes], state,
             chunks,
         )  # fmt: skip
-    torch.testing.assert_close(result.loss, expected.loss, rtol=1e-4, atol=1e-6)
-    assert result.gradients.keys() == expected.gradients.keys()
-    for name, gradient in expected.gradients.items():
-        torch.testing.assert_close(result.gradients[name], gradient, rtol=1e-4, atol=1e-6, msg=name)
-    for name, value in expected.buffers.items():
-        torch.testing.assert_close(result.buffers[name], value, rtol=1e-4, atol=1e-6, msg=name)
-
-
-def _pieces(model: nn.Module) -> list[str]:
-    """Module names in forward order where a stage may begin: top-level children, and the
-    children of top-level Sequentials."""
-    names = []
-    for name, child in model.named_children():
-        if isinstance(child, nn.Sequential):
-            names += [f"{name}.{index}" for index in range(len(child))]
-        else:
-            names.append(name)
-    return names[1:]
+    assert_same_step(result, expected)
 
 
 def _side(mesh: tuple[int, ...], first_rank: int, spec: Any) -> StageSide:
