@@ -242,11 +242,6 @@ def straddling(cluster: Cluster, shapes: Sequence[Shape]) -> tuple[int, ...]:
     return crossing_stages(cluster, shapes)
 
 
-def distinct(shapes: Sequence[Shape]) -> tuple[Shape, ...]:
-    """``shapes`` without repeats, in first-seen order."""
-    return tuple(dict.fromkeys(shapes))
-
-
 def coordinates(shape: Shape) -> list[Coordinate]:
     """Every coordinate of a mesh of ``shape``, row-major."""
     return [tuple(c) for c in itertools.product(*(range(n) for n in shape))]
@@ -255,7 +250,6 @@ def coordinates(shape: Shape) -> list[Coordinate]:
 __all__ = [
     "StageMeshes",
     "coordinates",
-    "distinct",
     "meshes_of",
     "plan_each",
     "stage_meshes",

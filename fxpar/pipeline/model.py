@@ -72,7 +72,6 @@ from fxpar.ir.capture import LossFn, batch_tensors, capture, with_batch_tensors
 from fxpar.ir.precision import MixedPrecision
 from fxpar.ir.program import Program, named_state, state_dict_aliases
 from fxpar.ir.rng import RandomState
-from fxpar.lowering import value_spec
 from fxpar.optim import AdamW, Optimizer, check_optimizer
 from fxpar.passes import default_pipeline, for_compile
 from fxpar.passes.canonicalize import Canonicalize
@@ -89,7 +88,7 @@ from fxpar.pipeline.options import Pipeline, PipelineError
 from fxpar.pipeline.partition import even_split_points, partition
 from fxpar.pipeline.schedule import build_schedule, simulate
 from fxpar.pipeline.semantics import PipelineSemantics
-from fxpar.pipeline.sharded import ShardedStage, local_batch
+from fxpar.pipeline.sharded import ShardedStage, local_batch, planned_specs
 from fxpar.pipeline.split import SplitProgram, split_program
 from fxpar.pipeline.steps import (
     PassPlanner,
@@ -230,7 +229,7 @@ class PipelineModel:
             for shape, each in splits.items()
         }
         check_same_cut(cut)
-        self._splits: dict[tuple[int, ...], SplitProgram] = cut
+        self._state_specs = {shape: planned_specs(cut[shape], shape) for shape in self.plans}
         own = self.stage_cluster.mesh_shape if self.stage_cluster else ()
         self.plan: Plan | None = self.plans.get(own)
         self.split: SplitProgram = cut[own]
@@ -761,8 +760,7 @@ class PipelineModel:
     def _stage_spec(self, stage: int, name: str) -> Spec:
         """The layout stage ``stage``'s plan gives parameter or buffer ``name``."""
         assert self._meshes is not None
-        split = self._splits[self._meshes.shapes[stage]]
-        return value_spec(split.program.placeholders()[name])
+        return self._state_specs[self._meshes.shapes[stage]][name]
 
     def _piece(self, name: str) -> Piece:
         """Which piece of a whole parameter or buffer this device holds."""

@@ -29,6 +29,7 @@ What fixes the layout of each value at a unit's boundary:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -39,6 +40,7 @@ from fxpar import ir
 from fxpar.cluster import Cluster, Coordinate
 from fxpar.errors import LoweringError
 from fxpar.lowering import CollectiveRecord, conversion_program, lower_graph, value_spec
+from fxpar.pipeline.meshes import StageMeshes
 from fxpar.pipeline.options import PipelineError
 from fxpar.pipeline.reshard import Crossing, StageSide, crossing
 from fxpar.pipeline.split import SplitProgram, StageProgram, Value
@@ -110,14 +112,7 @@ def shard_stage(
     ``communicator``. ``sides``: this stage and its neighbours, by stage, when they run on
     other meshes (see :mod:`.reshard`); without it every neighbour has this stage's mesh and
     plan."""
-    program = split.program
-    placeholders = program.placeholders()
-    try:
-        specs = {name: value_spec(node) for name, node in placeholders.items()}
-    except LoweringError as error:
-        raise PipelineError(
-            f"the step has no plan for the stage mesh {cluster.mesh_shape}: {error}"
-        ) from error
+    specs = planned_specs(split, cluster.mesh_shape)
     denominator = split.semantics.denominator
     if denominator is not None:  # the whole batch's, the same on every device
         specs[denominator.name] = replicated(len(cluster.mesh_shape))
@@ -125,11 +120,10 @@ def shard_stage(
     crossings: dict[str, tuple[Crossing, ...]] = {}
     if sides is not None:
         crossings = _crossings(split, stage, sides)
-        lower.wires = {
-            (key, value.name): getattr(item, "receive_spec" if "received" in key else "send_spec")
-            for key, unit, channel in _channels(split, stage)
-            for value, item in zip(channel(unit), crossings[key], strict=True)
-        }
+        for key, unit, channel in _channels(split, stage):
+            for value, item in zip(channel(unit), crossings[key], strict=True):
+                wire = item.receive_spec if key.endswith("_received") else item.send_spec
+                lower.wires[(key, value.name)] = wire
     forward, forward_collectives = lower.unit(split.forward[stage], "forward")
     backward, backward_collectives = lower.unit(split.backward[stage], "backward")
     return ShardedStage(
@@ -144,6 +138,37 @@ def shard_stage(
         backward_collectives=backward_collectives,
         crossings=crossings,
     )
+
+
+def planned_specs(split: SplitProgram, mesh: tuple[int, ...]) -> dict[str, Spec]:
+    """The spec ``split``'s plan (made for a stage mesh of shape ``mesh``) gives each
+    parameter, buffer and batch tensor, by name.
+
+    Raises:
+        PipelineError: the step carries no plan.
+    """
+    try:
+        return {name: value_spec(node) for name, node in split.program.placeholders().items()}
+    except LoweringError as error:
+        raise PipelineError(f"the step has no plan for the stage mesh {mesh}: {error}") from error
+
+
+def neighbour_sides(
+    meshes: StageMeshes, stage: int, split_of: Callable[[int], SplitProgram]
+) -> dict[int, StageSide]:
+    """Stage ``stage`` and its neighbours as :mod:`.reshard` sees them: each one's mesh, its
+    ranks, and the layout its own plan (in ``split_of(s)``) gives every value."""
+    sides = {}
+    for each in (stage - 1, stage, stage + 1):
+        if 0 <= each < meshes.num_stages:
+            nodes = {node.name: node for node in split_of(each).program.graph.nodes}
+            spec_of = functools.partial(_spec_of, nodes)
+            sides[each] = StageSide(meshes.shapes[each], meshes.ranks(each), spec_of)
+    return sides
+
+
+def _spec_of(nodes: Mapping[str, fx.Node], name: str) -> Spec:
+    return value_spec(nodes[name])
 
 
 def _channels(

@@ -65,7 +65,7 @@ from fxpar.pipeline.options import Pipeline, PipelineError
 from fxpar.pipeline.partition import partition
 from fxpar.pipeline.reshard import Crossing, StageSide
 from fxpar.pipeline.schedule import StageSchedule, forward_only, simulate
-from fxpar.pipeline.sharded import ShardedStage, shard_stage
+from fxpar.pipeline.sharded import ShardedStage, neighbour_sides, shard_stage
 from fxpar.pipeline.split import SplitProgram, StageProgram, split_program
 from fxpar.planning.plan import Plan, keeping_state, plan_program
 from fxpar.runtime.batches import BatchSignature
@@ -178,12 +178,7 @@ class StageLayout:
         meshes = self.meshes
         if meshes is None or meshes.uniform:
             return None
-        sides = {}
-        for stage in (self.stage - 1, self.stage, self.stage + 1):
-            if 0 <= stage < meshes.num_stages:
-                shape = meshes.shapes[stage]
-                sides[stage] = StageSide(shape, meshes.ranks(stage), _specs(splits[shape]))
-        return sides
+        return neighbour_sides(meshes, self.stage, lambda stage: splits[meshes.shapes[stage]])
 
     def _worker(
         self,
@@ -418,12 +413,6 @@ def check_state(split: SplitProgram, trained: SplitProgram, what: str) -> None:
                 "(Pipeline(stages=(...))) at modules that run in the same order in train and "
                 "eval mode"
             )
-
-
-def _specs(split: SplitProgram) -> Callable[[str], Spec]:
-    """The layout ``split``'s plan gives each value, by node name."""
-    nodes = {node.name: node for node in split.program.graph.nodes}
-    return lambda name: value_spec(nodes[name])
 
 
 def _describe(kind: PipelineKind, training: bool) -> str:

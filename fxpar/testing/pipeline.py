@@ -14,16 +14,14 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 import torch
-import torch.fx as fx
 
 from fxpar.cluster import Cluster, Coordinate
 from fxpar.ir.program import StepResult
-from fxpar.lowering import value_spec
 from fxpar.pipeline.meshes import StageMeshes
-from fxpar.pipeline.reshard import Crossing, StageSide
-from fxpar.pipeline.sharded import ShardedStage, local_batch, shard_stage
+from fxpar.pipeline.reshard import Crossing
+from fxpar.pipeline.sharded import ShardedStage, local_batch, neighbour_sides, shard_stage
 from fxpar.pipeline.split import SplitProgram, StageOutputs, Value
-from fxpar.sharding import Spec, assemble
+from fxpar.sharding import assemble
 from fxpar.testing.simulate import SimulatedMesh
 
 R = TypeVar("R")
@@ -83,16 +81,12 @@ class _SimulatedPipeline:
         self.meshes = StageMeshes(tuple(clusters))
         self.devices = [SimulatedMesh(shape, timeout=timeout) for shape in self.meshes.shapes]
         same = self.meshes.uniform and all(s is self.split for s in splits)
+        sides = [
+            None if same else neighbour_sides(self.meshes, s, self.splits.__getitem__)
+            for s in range(len(splits))
+        ]
         self.stages = [
-            mesh.run(
-                functools.partial(
-                    shard_stage,
-                    self.splits[s],
-                    s,
-                    clusters[s],
-                    sides=None if same else self._sides(s),
-                )
-            )
+            mesh.run(functools.partial(shard_stage, splits[s], s, clusters[s], sides=sides[s]))
             for s, mesh in enumerate(self.devices)
         ]
         self.parameters = [
@@ -109,18 +103,6 @@ class _SimulatedPipeline:
             {c: {} for c in by_device} for by_device in self.stages
         ]
         self.losses: list[torch.Tensor] = []
-
-    def _sides(self, stage: int) -> dict[int, StageSide]:
-        sides = {}
-        for s in (stage - 1, stage, stage + 1):
-            if 0 <= s < self.meshes.num_stages:
-                nodes = {node.name: node for node in self.splits[s].program.graph.nodes}
-                sides[s] = StageSide(
-                    self.meshes.shapes[s],
-                    self.meshes.ranks(s),
-                    functools.partial(_spec_of, nodes),
-                )
-        return sides
 
     def on_stage(self, stage: int, body: Callable[[ShardedStage], R]) -> dict[Coordinate, R]:
         """``body`` on every device of ``stage``, given that device's share of the stage."""
@@ -140,11 +122,10 @@ class _SimulatedPipeline:
             crossings: tuple[Crossing, ...] = sharded.crossings[key]
             tensors = []
             for index, (value, found) in enumerate(zip(values, crossings, strict=True)):
-                buffer = torch.full(
-                    [int(n) for n in value.meta.shape], float("nan"), dtype=value.meta.dtype
-                ) if value.meta.dtype.is_floating_point else torch.zeros(
-                    [int(n) for n in value.meta.shape], dtype=value.meta.dtype
-                )  # fmt: skip
+                # NaN where no message wrote (an integer tensor cannot show that: zeros).
+                blank = float("nan") if value.meta.dtype.is_floating_point else 0
+                shape = [int(n) for n in value.meta.shape]
+                buffer = torch.full(shape, blank, dtype=value.meta.dtype)
                 for transfer in found.receives_at(rank):
                     source = self.meshes.coordinate(transfer.source)
                     buffer[transfer.target_box] = sent[source][index][transfer.source_box]
@@ -222,10 +203,6 @@ class _SimulatedPipeline:
             gradients={name: gradients[name] / count for name in signature.gradients},
             buffers={name: updated[name] for name in signature.buffer_updates},
         )
-
-
-def _spec_of(nodes: Mapping[str, fx.Node], name: str) -> Spec:
-    return value_spec(nodes[name])
 
 
 def _sync(
