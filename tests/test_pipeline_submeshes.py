@@ -32,8 +32,9 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 import fxpar
 from fxpar import plans
 from fxpar.cluster import Cluster
-from fxpar.errors import FxparError
+from fxpar.errors import FxparError, LoweringError
 from fxpar.ir.program import named_state
+from fxpar.lowering import value_spec
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.optim import SGD, AdamW
 from fxpar.pipeline import Pipeline, PipelineError, PipelineModel, partition, split_program
@@ -426,3 +427,17 @@ def test_stages_tiled_on_a_two_dimensional_cluster_train_like_one_device() -> No
     for rank, (_, got_losses, state) in enumerate(results):
         torch.testing.assert_close(torch.stack(got_losses), torch.stack(losses), msg=f"{rank}")
         torch.testing.assert_close(state, model.state_dict(), msg=f"rank {rank}")
+
+
+def test_plans_of_copies_of_a_program_do_not_share_annotations() -> None:
+    """Planning writes into the graph; two plans of one step for two meshes (what stages on
+    different meshes need) must each keep their own layouts. torch.fx copies node metadata
+    shallowly, so Program.copy copies the annotations itself."""
+    model, tokens, targets = _build(CONFIG)
+    program = fxpar.capture(model, (tokens,), gpt_loss, example_targets=(targets,))
+    one = plans.tensor_parallel(program.copy(), Cluster((1,)))
+    two = plans.tensor_parallel(program.copy(), Cluster((1, 2)))
+    first, second = (p.placeholders()["wte.weight"] for p in (one, two))
+    assert len(value_spec(first)) == 1 and len(value_spec(second)) == 2
+    with pytest.raises(LoweringError):
+        value_spec(program.placeholders()["wte.weight"])  # the original stays unplanned
