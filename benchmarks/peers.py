@@ -19,8 +19,10 @@ The same GPT (4 layers, width 256, 4 heads, vocab 256), the same global batch of
   step, travelling while the forward computes).
 
 Every process uses one thread. For each world size, each variant first takes ``--warmup``
-steps (fxpar plans and lowers on its first), then ``--rounds`` rounds follow; round r runs
-``--steps`` steps of every variant in turn, so a slow period of the machine hits all of them.
+steps (fxpar plans and lowers on its first, and runs its programs' fast copies from its 17th:
+the steady state of a long training, see ``fxpar.runtime.fastcall``), then ``--rounds``
+rounds follow; round r runs ``--steps`` steps of every variant in turn, so a slow period of
+the machine hits all of them.
 A step is forward, backward and optimizer update; a round's time per step is the slower rank's.
 The table gives the min and median over rounds, the ratios fxpar dp / DDP, fxpar fsdp / FSDP2,
 fxpar tp / DTensor TP and ILP / fastest fxpar manual plan (of medians), fxpar's collectives per
@@ -31,7 +33,7 @@ flagged and the script exits with status 1).
 World 4 puts four processes on the development machine's two cores: each process then gets
 about half a core, and every variant of that world pays the same contention.
 
-    python benchmarks/peers.py [--worlds 2 4] [--rounds 5] [--steps 3] [--warmup 2] [--quick]
+    python benchmarks/peers.py [--worlds 2 4] [--rounds 5] [--steps 3] [--warmup 17] [--quick]
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ from torch.nn.parallel import DistributedDataParallel
 import fxpar
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.models.gpt import CausalSelfAttention
+from fxpar.runtime import fastcall
 from fxpar.runtime.launch import spawn
 from fxpar.sharding import spec_str
 
@@ -328,7 +331,12 @@ def main() -> int:
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds (default 5)")
     parser.add_argument("--steps", type=int, default=3, help="steps per variant per round")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=fastcall.COPY_AFTER_CALLS + 1,
+        help="untimed steps per variant (default: until fxpar runs its fast copies)",
+    )
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 rounds of 1 step")
     args = parser.parse_args()
     for world in args.worlds:

@@ -42,6 +42,7 @@ from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.optim import SGD
 from fxpar.pipeline import Pipeline, PipelineModel, bubble_fractions, ideal_bubble, plot_timeline
 from fxpar.pipeline.executor import StageTrace
+from fxpar.runtime import fastcall
 from fxpar.runtime.launch import spawn
 
 CONFIG = GPTConfig(
@@ -108,14 +109,15 @@ class _TorchStage(nn.Module):
         return x
 
 
-def _timed(*runs: Any, steps: int) -> list[float]:
+def _timed(*runs: Any, steps: int, warmup: int = 1) -> list[float]:
     """The median step time of each of ``runs``, timed in turn (one step of each, then the
     next round), so that all see the same machine load, which drifts on a shared machine; each
     round starts one further along, so none always runs first or after the same other (a step
-    right after another runtime's is slower). After a warm-up step of each (first-call
-    allocations, lazy initialization)."""
-    for step in runs:
-        step()
+    right after another runtime's is slower). After ``warmup`` untimed steps of each
+    (first-call allocations, lazy initialization, fxpar's fast copies of its programs)."""
+    for _ in range(warmup):
+        for step in runs:
+            step()
     times: list[list[float]] = [[] for _ in runs]
     for round_ in range(steps):
         for index in range(len(runs)):
@@ -159,7 +161,7 @@ def _measure(rank: int, world_size: int, steps: int) -> list[RankRow]:
         # torch checks nothing of the batch: fxpar's ranks-hold-the-same-batch check (one
         # all-gather per step) is timed apart.
         fxpar_seconds, checked_seconds, torch_seconds = _timed(
-            _unchecked(pipelined, step), step, torch_step, steps=steps
+            _unchecked(pipelined, step), step, torch_step, steps=steps, warmup=_warmup(2 * count)
         )
         trace = pipelined.trace
         assert trace is not None
@@ -179,6 +181,13 @@ def _measure(rank: int, world_size: int, steps: int) -> list[RankRow]:
             )
         )
     return rows
+
+
+def _warmup(calls_per_round: int) -> int:
+    """Untimed rounds enough for every unit to reach the steady state of a long training: the
+    runtime runs a program's fast copy only once it has run ``COPY_AFTER_CALLS`` times, and a
+    round runs each unit ``calls_per_round`` times (once per micro-batch of each fxpar step)."""
+    return max(1, -(-(fastcall.COPY_AFTER_CALLS + 1) // calls_per_round))
 
 
 def _unchecked(pipelined: PipelineModel, step: Any) -> Any:
@@ -252,7 +261,9 @@ def _single_device_seconds(count: int, steps: int) -> float:
         example_targets=(targets,),
         optimizer=SGD(),
     )
-    (seconds,) = _timed(lambda: pipelined.compute_gradients(tokens, targets), steps=steps)
+    (seconds,) = _timed(
+        lambda: pipelined.compute_gradients(tokens, targets), steps=steps, warmup=_warmup(count)
+    )
     return seconds
 
 
