@@ -16,6 +16,7 @@ import math
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -200,3 +201,26 @@ def test_run_rank_rejects_a_rank_that_is_not_this_process(
         message = errors["run_rank"]
         assert f"asked for rank {1 - rank} at ({1 - rank},)" in message
         assert f"this process sits at ({rank},)" in message
+
+
+def _where_and_what(rank: int, world_size: int) -> tuple[str, str | None, int]:
+    return os.getcwd(), os.environ.get("FXPAR_TEST_SPAWN"), os.getpid()
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_processes_take_the_callers_directory_and_environment(
+    start_method: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Set after the fork server started (an earlier call started it), the caller's working
+    directory and environment still reach every process, as a fresh interpreter's would."""
+    spawn(_where_and_what, 1)  # the fork server runs from here on
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FXPAR_TEST_SPAWN", "here")
+    results = spawn(_where_and_what, 2, start_method=start_method)  # type: ignore[arg-type]
+    assert [(cwd, value) for cwd, value, _ in results] == [(str(tmp_path), "here")] * 2
+    assert len({pid for *_, pid in results} | {os.getpid()}) == 3
+
+
+def test_spawn_rejects_an_unknown_start_method() -> None:
+    with pytest.raises(FxparError, match="start_method must be 'forkserver' or 'spawn'"):
+        spawn(_where_and_what, 2, start_method="fork")  # type: ignore[arg-type]

@@ -93,7 +93,9 @@ def resident_growth() -> Iterator[ResidentGrowth]:
     ``/proc/self/clear_refs``, and reads it back on exit. Clean file pages mapped by the block
     count too. glibc keeps freed blocks under its mmap threshold on a heap it rarely gives back
     and raises that threshold as large blocks are freed: set ``MALLOC_MMAP_THRESHOLD_`` (bytes)
-    in the environment of a process started afterwards to keep the figure to what was alive.
+    in the environment of a process started afterwards to keep the figure to what was alive
+    (with :func:`~fxpar.runtime.launch.spawn`, ``start_method="spawn"``: a process forked from
+    its fork server keeps the server's glibc settings).
     """
     Path("/proc/self/clear_refs").write_text("5")
     before = _status_bytes("VmRSS")
