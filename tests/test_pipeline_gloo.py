@@ -15,6 +15,7 @@ import math
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,7 @@ from fxpar.cluster import Cluster
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.optim import SGD, AdamW
 from fxpar.pipeline import Pipeline, PipelineModel
+from fxpar.pipeline.groups import LossReduction
 from fxpar.runtime.launch import spawn
 from fxpar.sharding import shard_tensor
 from fxpar.testing.strategies import splitting_cluster
@@ -46,6 +48,7 @@ CASES = [
 ]
 RankResult = tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]
 FULL_STATE_CASE = 5  # 2 stages x 2 replicas: full_state_dict gathers across stages
+LOSS_TIMING_CASE = 2  # 4 stages, 1F1B, no remat
 # 2 stages x 2-way tensor parallel on a (2, 2) mesh: fxpar.compile plans the stage mesh.
 TP_CASES = [
     *(
@@ -68,15 +71,20 @@ def _build() -> tuple[GPT, torch.Tensor, torch.Tensor]:
 
 def _run_cases(rank: int, world_size: int, cases: list[Pipeline], checkpoint_dir: str) -> list[Any]:
     results: list[Any] = []
+    started = _record_loss_reductions()
     for index, pipeline in enumerate(cases):
         model, tokens, targets = _build()
         pipelined = PipelineModel(
             model, pipeline, (tokens,), gpt_loss, example_targets=(targets,), optimizer=SGD(lr=LR)
         )
+        started.clear()
         loss = pipelined.step(tokens, targets)
         results.append((loss, dict(pipelined.gradients), dict(pipelined.parameters)))
         if index == FULL_STATE_CASE:
             full_state = pipelined.full_state_dict()
+        if index == LOSS_TIMING_CASE:
+            assert pipelined.trace is not None
+            timing = (list(started), pipelined.trace.events)
     results.append(full_state)
     for pipeline, solver in TP_CASES:
         model, tokens, targets = _build()
@@ -91,7 +99,21 @@ def _run_cases(rank: int, world_size: int, cases: list[Pipeline], checkpoint_dir
         local = (dict(pipelined.gradients), dict(pipelined.parameters), specs)
         results.append((loss, pipelined.coordinate, local, pipelined.full_state_dict()))
     results.append(_checkpoint_round_trip(checkpoint_dir))
+    results.append(timing)
     return results
+
+
+def _record_loss_reductions() -> list[float]:
+    """When this process starts each loss reduction from now on."""
+    started: list[float] = []
+    start = LossReduction.start
+
+    def recorded(self: LossReduction, loss_sum: torch.Tensor | None) -> None:
+        started.append(time.perf_counter())
+        start(self, loss_sum)
+
+    LossReduction.start = recorded  # type: ignore[method-assign]
+    return started
 
 
 def _checkpoint_round_trip(directory: str) -> tuple[Any, ...]:
@@ -158,6 +180,21 @@ def test_pipeline_step_equals_single_device(
     assert held == set(grads)
 
 
+def test_the_loss_all_reduce_travels_while_the_step_computes(per_rank: list[list[Any]]) -> None:
+    """Each rank starts the loss's all-reduce once: the last stage as soon as its last loss
+    is computed (before its last backward), the others right after their first message (the
+    batch check comes first), not at the end of the step where every rank would wait for it."""
+    assert CASES[LOSS_TIMING_CASE].schedule == "1f1b" and not CASES[LOSS_TIMING_CASE].remat
+    for rank, results in enumerate(per_rank):
+        (started,), events = results[-1]
+        forwards = [e for e in events if e.op == "forward"]
+        if rank == len(per_rank) - 1:
+            backwards = [e for e in events if e.op == "backward"]
+            assert forwards[-1].end <= started <= backwards[-1].start, rank
+        else:
+            assert events[0].end <= started <= forwards[1].start, rank
+
+
 def test_full_state_dict_gathers_every_stage(per_rank: list[list[Any]]) -> None:
     """Every rank gets the whole updated model under its own state_dict names (the tied
     embedding under both), equal to eager PyTorch's after the step."""
@@ -213,7 +250,7 @@ def test_checkpoint_of_a_tensor_parallel_pipeline_resumes_anywhere(
     rank its pieces) loads into 4 one-device stages and into a fully sharded ParallelModel,
     and the next step gives the uninterrupted run's loss and model on every rank."""
     for rank, results in enumerate(per_rank):
-        (loss, state), outcomes = results[-1]
+        (loss, state), outcomes = results[-2]
         for index, (resumed_loss, resumed_state) in enumerate(outcomes):
             torch.testing.assert_close(resumed_loss, loss, msg=f"rank {rank}, resume {index}")
             torch.testing.assert_close(

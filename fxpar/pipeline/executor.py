@@ -238,11 +238,15 @@ class StageWorker:
         microbatches: Sequence[Mapping[str, torch.Tensor]],
         *,
         check: Callable[[], None] | None = None,
+        losses_done: Callable[[torch.Tensor | None], None] | None = None,
     ) -> StageResult:
         """One step over ``microbatches`` (this replica's pieces, by batch-tensor name).
         ``check`` (say, the comparison of every rank's batch, which raises on a mismatch) is
         called before the first message is sent or received, or at the end of a list with
-        none: a step that fails it has exchanged nothing that a later step could receive."""
+        none: a step that fails it has exchanged nothing that a later step could receive.
+        ``losses_done`` is called once with this rank's loss sum (None on a stage that
+        computes none) as soon as its last loss is computed and ``check`` has run, so that a
+        reduction of the losses it starts travels while the rest of the step computes."""
         clock = time.perf_counter
         trace = StageTrace(self.rank, self.stage, start=clock())
         buffers = dict(buffers)
@@ -259,7 +263,15 @@ class StageWorker:
         outputs: dict[int, tuple[torch.Tensor, ...]] = {}
         sends: list[Any] = []
         events = trace.events
-        for instruction in self.instructions:
+        last_loss = max(
+            (
+                index
+                for index, instruction in enumerate(self.instructions)
+                if instruction.op is Op.FORWARD and self.forward[instruction.chunk].loss
+            ),
+            default=-1,
+        )
+        for index, instruction in enumerate(self.instructions):
             op, m, c = instruction.op, instruction.microbatch, instruction.chunk
             if check is not None and op in _MESSAGES:
                 check()
@@ -305,8 +317,13 @@ class StageWorker:
             elif op is Op.FREE:
                 del stashes[(c, m)], stash_bytes[(c, m)]
             events.append(Event(op.value, m, start, clock(), c))
+            if losses_done is not None and check is None and index >= last_loss:
+                losses_done(_sum(losses))
+                losses_done = None
         if check is not None:
             check()
+        if losses_done is not None:
+            losses_done(_sum(losses))
         for work, _payload in sends:
             work.wait()
         trace.end = clock()
@@ -316,12 +333,16 @@ class StageWorker:
                 f"stashed or {sorted(received)} received but unused"
             )
         return StageResult(
-            loss_sum=torch.stack(losses).sum() if losses else None,
+            loss_sum=_sum(losses),
             gradient_sums=gradients,
             buffers=buffers,
             trace=trace,
             outputs=outputs,
         )
+
+
+def _sum(losses: list[torch.Tensor]) -> torch.Tensor | None:
+    return torch.stack(losses).sum() if losses else None
 
 
 def _routes(

@@ -1,6 +1,6 @@
 """The process groups of a :class:`~fxpar.pipeline.PipelineModel`: each stage's replicas, each
 stage's device mesh, and the holders of each tied weight, whose gradients are summed once per
-step.
+step; and the reduction of a step's loss over every rank.
 
 ``new_group`` (and a DeviceMesh, which makes groups) is collective over the world: every rank
 creates every group in the same order and keeps its own.
@@ -49,6 +49,35 @@ class TiedSum:
             whole[self.box] = gradient
         dist.all_reduce(whole, group=self.group)
         return whole[self.box].clone()
+
+
+class LossReduction:
+    """A step's mean loss on every rank. The losses are computed by the last stage, replicated
+    over its mesh: one device of each of its replicas counts its sum, every other rank zero,
+    and one all-reduce over the world adds them. :meth:`start` posts that all-reduce as soon as
+    the rank's last loss is known (the executor's ``losses_done``), so it travels while the
+    rest of the step computes; :meth:`wait` ends it and divides by the step's ``divisor``."""
+
+    def __init__(
+        self, *, counted: bool, divisor: int, dtype: torch.dtype, distributed: bool
+    ) -> None:
+        self.counted, self.divisor, self.dtype = counted, divisor, dtype
+        self.distributed = distributed
+        self._sum: torch.Tensor | None = None
+        self._work: Any = None
+
+    def start(self, loss_sum: torch.Tensor | None) -> None:
+        mine = loss_sum if self.counted and loss_sum is not None else torch.zeros(())
+        self._sum = mine.detach().to(torch.float64, copy=True)
+        if self.distributed:
+            self._work = dist.all_reduce(self._sum, async_op=True)
+
+    def wait(self) -> torch.Tensor:
+        if self._sum is None:
+            raise RuntimeError("LossReduction.wait before start")  # the executor starts it
+        if self._work is not None:
+            self._work.wait()
+        return (self._sum / self.divisor).to(self.dtype)
 
 
 def replica_group(pipeline: Pipeline, stage: int) -> Any:

@@ -77,6 +77,7 @@ from fxpar.passes import default_pipeline, for_compile
 from fxpar.passes.canonicalize import Canonicalize
 from fxpar.pipeline.executor import StageResult, StageTrace, StageWorker
 from fxpar.pipeline.groups import (
+    LossReduction,
     TiedSum,
     first_holder,
     replica_group,
@@ -387,13 +388,13 @@ class PipelineModel:
         call outside it (or :meth:`clip_grad_norm_` or :meth:`optimizer_step`) reduces the sum
         of all of them at once, and :attr:`gradients` is then that sum."""
         if self._syncing and not self._unsynced:
-            loss = self.compute_gradients(*batch, **named_batch)
+            mean = self.compute_gradients(*batch, **named_batch)
             for name in self._trainable:
                 # A copy, so clipping in place leaves :attr:`gradients` as computed.
                 self._add_gradient(name, self.gradients[name] * scale)
-            return loss
+            return mean
         step, tensors, check = self._training_step(batch, named_batch)
-        result = self._run(step, step.worker, tensors, check)
+        result, loss = self._run(step, step.worker, tensors, check)
         self.trace = result.trace
         for name in self.buffers:
             self.buffers[name] = result.buffers[name]
@@ -407,7 +408,7 @@ class PipelineModel:
         growing = step.sharded is not None and step.sharded.sync.grows
         if self._syncing or growing:
             self._sync_gradients()
-        return self._reduce_loss(step, result)
+        return loss.wait()
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -451,12 +452,12 @@ class PipelineModel:
         :attr:`gradients` and :attr:`trace`, updates buffers, returns the loss
         (:meth:`backward` is this, adding the gradients to ``.grad``)."""
         step, tensors, check = self._training_step(batch, named_batch)
-        result = self._run(step, step.worker, tensors, check)
+        result, loss = self._run(step, step.worker, tensors, check)
         self.trace = result.trace
         for name in self.buffers:
             self.buffers[name] = result.buffers[name]
         self.gradients = self._reduce_gradients(step, result.gradient_sums, self._divisor(step))
-        return self._reduce_loss(step, result)
+        return loss.wait()
 
     def loss(self, *batch: torch.Tensor, **named_batch: torch.Tensor) -> torch.Tensor:
         """The loss of the current weights on a global batch (as :meth:`step` takes it), on
@@ -469,10 +470,10 @@ class PipelineModel:
         step, tensors, check = self._training_step(batch, named_batch)
         state = self.random.state
         try:
-            result = self._run(step, step.forward_worker, tensors, check)
+            _, loss = self._run(step, step.forward_worker, tensors, check)
         finally:
             self.random.state = state
-        return self._reduce_loss(step, result)
+        return loss.wait()
 
     # -- evaluation and inference -------------------------------------------------------------
 
@@ -606,13 +607,24 @@ class PipelineModel:
 
     def _run(
         self, step: StageStep, worker: StageWorker, tensors: Sequence[torch.Tensor], check: Any
-    ) -> StageResult:
+    ) -> tuple[StageResult, LossReduction]:
         """Run ``worker`` (one of ``step``'s) on this replica's micro-batches, calling
-        ``check`` before its first message; a refused batch leaves the random state as it was."""
+        ``check`` before its first message, and start the loss's reduction over every rank as
+        soon as this rank's losses are done; a refused batch leaves the random state as it
+        was."""
         state = self.random.state
+        loss = LossReduction(
+            counted=self._local_index == self.replica,
+            divisor=self._divisor(step),
+            dtype=self.split.program.output_metas()[0].dtype,
+            distributed=self._distributed and dist.get_world_size() > 1,
+        )
         try:
             microbatches = self._microbatches(step, tensors)
-            return worker.run(self.parameters, self.buffers, microbatches, check=check)
+            result = worker.run(
+                self.parameters, self.buffers, microbatches, check=check, losses_done=loss.start
+            )
+            return result, loss
         except BatchError:
             self.random.state = state
             raise
@@ -652,21 +664,6 @@ class PipelineModel:
     def _divisor(self, step: StageStep) -> int:
         pieces = self.pipeline.microbatches * self.pipeline.data_parallel
         return step.split.semantics.divisor(pieces)
-
-    def _reduce_loss(self, step: StageStep, result: StageResult) -> torch.Tensor:
-        count = self._divisor(step)
-        # Only the last stage has losses, replicated over its stage mesh: one device of each
-        # of its replicas contributes, and a sum over every rank spreads the mean to all.
-        counted = result.loss_sum is not None and self._local_index == self.replica
-        loss = result.loss_sum if counted else None
-        loss = (loss if loss is not None else torch.zeros(())).detach().clone()
-        loss = loss.to(torch.float64)
-        if self._distributed and dist.get_world_size() > 1:
-            dist.all_reduce(loss)
-        return (loss / count).to(self._loss_dtype())
-
-    def _loss_dtype(self) -> torch.dtype:
-        return self.split.program.output_metas()[0].dtype
 
     # -- checkpoints ----------------------------------------------------------------------------
 
