@@ -252,7 +252,7 @@ def _start_gather(
     mine = torch.cat([status, digests])
     world = dist.get_world_size()
     output = mine.new_empty((world * mine.shape[0], _DIGEST_BYTES))
-    work = dist.all_gather_into_tensor(output, mine, async_op=True)
+    work = dist.all_gather_single(output, mine, async_op=True)
 
     def arrived() -> list[tuple[torch.Tensor, bool]]:
         if work is not None:

@@ -251,7 +251,7 @@ class OneDeviceCommunicator:
 
 class ProcessGroupCommunicator:
     """Collectives on the per-axis process groups of a DeviceMesh, with torch.distributed's
-    native tensor collectives (``all_gather_into_tensor``, ``reduce_scatter_tensor``,
+    native tensor collectives (``all_gather_single``, ``reduce_scatter_single``,
     ``all_to_all_single``), which gloo and NCCL both run.
 
     Those collectives work on dim 0 of a contiguous buffer; another dim is moved to the front
@@ -282,7 +282,7 @@ class ProcessGroupCommunicator:
         self.settle()
         front = tensor.movedim(dim, 0).contiguous()
         output = front.new_empty((self._size(axis) * front.shape[0], *front.shape[1:]))
-        dist.all_gather_into_tensor(output, front, group=self._groups[axis])
+        dist.all_gather_single(output, front, group=self._groups[axis])
         return output.movedim(0, dim).contiguous()
 
     def all_reduce(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
@@ -298,19 +298,19 @@ class ProcessGroupCommunicator:
 
     def start_reduce_scatter(self, output: torch.Tensor, flat: torch.Tensor, axis: int) -> Pending:
         self.settle()
-        work = dist.reduce_scatter_tensor(output, flat, group=self._groups[axis], async_op=True)
+        work = dist.reduce_scatter_single(output, flat, group=self._groups[axis], async_op=True)
         return _handle(work)
 
     def start_all_gather(self, output: torch.Tensor, flat: torch.Tensor, axis: int) -> Pending:
         self.settle()
-        work = dist.all_gather_into_tensor(output, flat, group=self._groups[axis], async_op=True)
+        work = dist.all_gather_single(output, flat, group=self._groups[axis], async_op=True)
         return _handle(work)
 
     def reduce_scatter(self, tensor: torch.Tensor, dim: int, axis: int) -> torch.Tensor:
         self.settle()
         front = tensor.movedim(dim, 0).contiguous()
         output = front.new_empty((front.shape[0] // self._size(axis), *front.shape[1:]))
-        dist.reduce_scatter_tensor(output, front, group=self._groups[axis])
+        dist.reduce_scatter_single(output, front, group=self._groups[axis])
         return output.movedim(0, dim).contiguous()
 
     def all_to_all(
