@@ -35,6 +35,7 @@ from fxpar.pipeline import (
     simulate,
     split_program,
 )
+from fxpar.pipeline.executor import receives_ahead
 
 CONFIG = GPTConfig(n_layer=4, n_embd=32, n_head=4, vocab_size=64, block_size=16)
 BATCH, MICROBATCHES = 8, 4
@@ -215,6 +216,29 @@ def test_schedules_are_complete_deadlock_free_and_bounded(
             assert order == sorted(order)
         expected = count if name == "gpipe" else min(stages - stage, count)
         assert max_in_flight(instructions) == expected
+
+
+@pytest.mark.parametrize(
+    ("name", "stages", "count", "chunks"),
+    [("gpipe", 3, 4, 1), ("1f1b", 4, 8, 1), ("interleaved", 2, 4, 2), ("interleaved", 3, 6, 3)],
+)
+def test_each_receive_is_posted_before_the_compute_ahead_of_it(
+    name: str, stages: int, count: int, chunks: int
+) -> None:
+    """Every receive after the first compute is posted before the compute that precedes it
+    (and never before an earlier one: its buffer would wait longer than needed); only the
+    receives ahead of a stage's first compute are posted where they run."""
+    for instructions in build_schedule(name, stages, count, chunks):  # type: ignore[arg-type]
+        ahead = receives_ahead(instructions)
+        computes = [i for i, x in enumerate(instructions) if x.op in (Op.FORWARD, Op.BACKWARD)]
+        receives = [
+            i for i, x in enumerate(instructions) if x.op in (Op.RECV_ACTIVATION, Op.RECV_GRAD)
+        ]
+        posted = {receive: compute for compute, receive in enumerate(ahead) if receive is not None}
+        for receive in receives:
+            before = [compute for compute in computes if compute < receive]
+            assert posted.get(receive) == (before[-1] if before else None), (receive, before)
+        assert all(ahead[i] is None for i in range(len(instructions)) if i not in computes)
 
 
 def test_simulate_catches_deadlocks_and_mismatched_messages() -> None:

@@ -4,8 +4,10 @@ The worker keeps what the list needs between instructions: activations received 
 consumed, each micro-batch's stash (what its forward kept for its backward), outputs waiting
 to be sent, and the running sums of the stage's gradients and losses. Sends are posted with
 ``isend`` and only waited for at the end of the step, so a rank never blocks on a peer that is
-busy computing; receives block. Together with :func:`fxpar.pipeline.schedule.simulate`'s check
-of the lists, that rules out deadlock.
+busy computing; each receive is posted before the compute that precedes it in the list (so its
+data can arrive while that computes) and waited for where the list receives. Together with
+:func:`fxpar.pipeline.schedule.simulate`'s check of the lists (a receive posted early blocks
+nothing), that rules out deadlock.
 
 Every message carries one tensor per :class:`~fxpar.pipeline.split.Value` of the channel, in
 the channel's order, with a tag made of the micro-batch, the direction, the sending virtual
@@ -136,8 +138,13 @@ class _Channel:
         return [(t.target, tensor[t.source_box].contiguous()) for t in self.routes[index]]
 
     def recv(self, microbatch: int) -> tuple[torch.Tensor, ...]:
+        return self.post(microbatch)()
+
+    def post(self, microbatch: int) -> Callable[[], tuple[torch.Tensor, ...]]:
+        """Post the receives of ``microbatch``'s tensors; the returned function waits for
+        them and returns the tensors."""
         if not self.values:
-            return ()
+            return tuple
         if self.peer is None and self.routes is None:
             raise PipelineError("a stage with no neighbour was asked to receive")
         buffers = [
@@ -159,12 +166,16 @@ class _Channel:
                     piece = torch.empty(target.shape, dtype=buffer.dtype)
                     works.append(dist.irecv(piece, transfer.source, tag=tag))
                     copies.append((piece, target))
-        for work in works:
-            if work is not None:  # None only for ranks outside the group, never here
-                work.wait()
-        for piece, target in copies:
-            target.copy_(piece)
-        return tuple(buffers)
+
+        def wait() -> tuple[torch.Tensor, ...]:
+            for work in works:
+                if work is not None:  # None only for ranks outside the group, never here
+                    work.wait()
+            for piece, target in copies:
+                target.copy_(piece)
+            return tuple(buffers)
+
+        return wait
 
 
 class StageWorker:
@@ -211,6 +222,7 @@ class StageWorker:
                 f"stage {self.stage} of {num_stages} was given chunks {virtual}; it runs "
                 f"chunks {self.stage}, {self.stage} + {num_stages}, ... of the split"
             )
+        self._next_receive = receives_ahead(self.instructions)
         routes = _routes(crossings, rank, len(forward))
         # Tags name the sending virtual stage, which both ends of a message know.
         self._channels = [
@@ -271,14 +283,23 @@ class StageWorker:
             ),
             default=-1,
         )
+        # Each receive is posted before the compute ahead of it, so that its data arrives
+        # while that computes (only after the batch check, which comes before any message).
+        posted: dict[int, Callable[[], tuple[torch.Tensor, ...]]] = {}
         for index, instruction in enumerate(self.instructions):
             op, m, c = instruction.op, instruction.microbatch, instruction.chunk
             if check is not None and op in _MESSAGES:
                 check()
                 check = None
+            ahead = self._next_receive[index]
+            if check is None and ahead is not None and ahead not in posted:
+                receive = self.instructions[ahead]
+                channel = self._channels[receive.chunk][receive.op]
+                posted[ahead] = channel.post(receive.microbatch)
             start = clock()
             if op is Op.RECV_ACTIVATION or op is Op.RECV_GRAD:
-                received[(op, c, m)] = self._channels[c][op].recv(m)
+                waiting = posted.pop(index, None) or self._channels[c][op].post(m)
+                received[(op, c, m)] = waiting()
             elif op is Op.FORWARD:
                 program = self.forward[c]
                 # Lists, which the program empties: each tensor goes once it is read.
@@ -339,6 +360,24 @@ class StageWorker:
             trace=trace,
             outputs=outputs,
         )
+
+
+def receives_ahead(instructions: Sequence[Instruction]) -> list[int | None]:
+    """For each compute instruction of a list, the index of the receive it is followed by
+    before the next compute (None where there is none, and for every other instruction):
+    :meth:`StageWorker.run` posts that receive before the compute starts."""
+    ahead: list[int | None] = [None] * len(instructions)
+    computes = (Op.FORWARD, Op.BACKWARD)
+    for index, instruction in enumerate(instructions):
+        if instruction.op not in computes:
+            continue
+        for later in range(index + 1, len(instructions)):
+            op = instructions[later].op
+            if op is Op.RECV_ACTIVATION or op is Op.RECV_GRAD:
+                ahead[index] = later
+            if op is Op.RECV_ACTIVATION or op is Op.RECV_GRAD or op in computes:
+                break
+    return ahead
 
 
 def _sum(losses: list[torch.Tensor]) -> torch.Tensor | None:
