@@ -14,6 +14,7 @@ import copy
 import functools
 import math
 import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -204,21 +205,32 @@ def test_run_rank_rejects_a_rank_that_is_not_this_process(
 
 
 def _where_and_what(rank: int, world_size: int) -> tuple[str, str | None, int]:
+    print(f"rank {rank} prints", flush=True)
+    print(f"rank {rank} warns", file=sys.stderr, flush=True)
     return os.getcwd(), os.environ.get("FXPAR_TEST_SPAWN"), os.getpid()
 
 
 @pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
-def test_processes_take_the_callers_directory_and_environment(
-    start_method: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_processes_take_the_callers_directory_environment_and_output(
+    start_method: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
 ) -> None:
-    """Set after the fork server started (an earlier call started it), the caller's working
-    directory and environment still reach every process, as a fresh interpreter's would."""
-    spawn(_where_and_what, 1)  # the fork server runs from here on
+    """Changed after the fork server started (an earlier call started it), the caller's
+    working directory, environment and standard output and error (captured here) still reach
+    every process, as a fresh interpreter's would."""
+    with capfd.disabled():
+        spawn(_where_and_what, 1)  # the fork server runs from here on, with other outputs
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("FXPAR_TEST_SPAWN", "here")
     results = spawn(_where_and_what, 2, start_method=start_method)  # type: ignore[arg-type]
     assert [(cwd, value) for cwd, value, _ in results] == [(str(tmp_path), "here")] * 2
     assert len({pid for *_, pid in results} | {os.getpid()}) == 3
+    out, err = capfd.readouterr()
+    # (the two processes' writes may interleave)
+    assert "rank 0 prints" in out and "rank 1 prints" in out
+    assert "rank 0 warns" in err and "rank 1 warns" in err
 
 
 def test_spawn_rejects_an_unknown_start_method() -> None:

@@ -24,10 +24,10 @@ has read it).
 Processes start from a fork server (start method ``"forkserver"``) that has imported torch and
 fxpar once: a process then starts in milliseconds instead of the seconds a fresh interpreter
 takes to import them (about 5 s for four processes on two cores, paid by every call). Each
-process takes the caller's working directory and environment variables as they are at the
-call, like a freshly spawned one; what a process reads only as it starts (glibc's ``MALLOC_*``
-variables, say) is the fork server's, from when the first call started it. Pass
-``start_method="spawn"`` for fresh interpreters.
+process takes the caller's working directory, environment variables and standard output and
+error as they are at the call, like a freshly spawned one; what a process reads only as it
+starts (glibc's ``MALLOC_*`` variables, say) is the fork server's, from when the first call
+started it. Pass ``start_method="spawn"`` for fresh interpreters.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from multiprocessing import reduction
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -161,11 +162,24 @@ def run_rank(
 
 @dataclass(frozen=True)
 class _Caller:
-    """What a process takes from the process that called :func:`spawn` (a forked one would
-    otherwise have the fork server's)."""
+    """What a process takes from the process that called :func:`spawn`, where a forked one
+    would otherwise have the fork server's: the working directory, the environment, and
+    standard output and error (the file descriptors, so that what a process prints goes
+    where the caller's own output goes now, a capture by pytest's ``capfd`` included)."""
 
     cwd: str
     environ: dict[str, str]
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled as the process starts: DupFd hands the descriptors over with it.
+        outputs = tuple(reduction.DupFd(fd) for fd in (1, 2))
+        return _Caller._adopt, (self.cwd, self.environ, outputs)
+
+    @staticmethod
+    def _adopt(cwd: str, environ: dict[str, str], outputs: tuple[Any, ...]) -> _Caller:
+        for fd, duplicate in zip((1, 2), outputs, strict=True):
+            os.dup2(duplicate.detach(), fd)
+        return _Caller(cwd, environ)
 
 
 def _run_process(
