@@ -3,7 +3,8 @@ like one device on a zoo of real model families: Hugging Face decoder LMs (dense
 mixture-of-experts), encoder-decoders, a vision transformer, and a CNN with BatchNorm. Most of
 the Hugging Face graphs hold tensor constants (``get_attr`` nodes), which the manual plans once
 could not propagate through. Mixtral's experts also split inside each expert, Megatron-style,
-through the sharding rules of its grouped products."""
+through the sharding rules of its grouped products. And each Hugging Face model, cut into two
+pipeline stages on meshes of different shapes, (1,) and (2,), trains like eager PyTorch."""
 
 from __future__ import annotations
 
@@ -22,11 +23,14 @@ from zoo import CNN
 import fxpar
 from fxpar import ir, plans
 from fxpar.cluster import Cluster
+from fxpar.ir.program import named_state
 from fxpar.lowering import SPMDProgram
+from fxpar.pipeline import partition, split_program
 from fxpar.planning.plan import plan_program
 from fxpar.rules import coverage
 from fxpar.sharding import Sharding, Spec
 from fxpar.testing import assert_equivalent, simulate
+from fxpar.testing.pipeline import simulate_stage_meshes
 
 transformers = pytest.importorskip("transformers")
 
@@ -299,3 +303,44 @@ def test_bf16_mixtral_split_inside_experts_trains_like_one_device() -> None:
         error = (found.gradients[name].float() - want.float()).abs().max().item()
         scale = want.float().abs().max().item()
         assert error <= 0.05 * scale, f"gradient of {name}: off by {error:.3g} of {scale:.3g}"
+
+
+# Where the second stage begins, for a 2-stage pipeline of each Hugging Face model.
+STAGE_SPLITS = [
+    ("llama", "model.layers.0", "tensor_parallel"),
+    ("mixtral", "model.layers.0", "tensor_parallel"),
+    ("qwen2_moe", "model.norm", "tensor_parallel"),
+    ("gpt2", "transformer.h.0", "tensor_parallel"),
+    ("t5", "decoder", "tensor_parallel"),
+    ("bart", "model.decoder", "tensor_parallel"),
+    ("vit", "classifier", "tensor_parallel"),
+    ("llama", "model.norm", "fully_sharded"),
+]
+
+
+@pytest.mark.parametrize(("model", "point", "plan"), STAGE_SPLITS)
+def test_stages_on_meshes_of_different_shapes_train_like_eager(
+    model: str, point: str, plan: str
+) -> None:
+    """Two stages on meshes (1,) and (2,) (each mesh shape under its own plan, the values
+    crossing the boundary resharded between them), every device in a thread: the loss and
+    every gradient of 2 micro-batches equal eager PyTorch's mean over them."""
+    case = ZOO[model]()
+    assert isinstance(case.inputs, dict)
+    names = list(case.inputs)
+    pieces = [list(piece) for piece in zip(*(case.inputs[n].chunk(2) for n in names), strict=True)]
+    program = fxpar.capture(case.model, dict(zip(names, pieces[0], strict=True)), case.loss_fn)
+    meshes = [(1,), (2,)]
+    splits = []
+    for shape in meshes:
+        planned = PLANS[plan](program.copy(), Cluster(shape))
+        splits.append(split_program(planned, partition(planned, (point,)), remat=False))
+    state = named_state(case.model)
+    result = simulate_stage_meshes(splits, [Cluster(shape) for shape in meshes], state, pieces)
+    losses = [case.model(**dict(zip(names, piece, strict=True))).loss for piece in pieces]
+    torch.stack(losses).mean().backward()
+    torch.testing.assert_close(result.loss, torch.stack(losses).mean().detach())
+    trained = {name: p for name, p in case.model.named_parameters() if p.grad is not None}
+    assert result.gradients.keys() >= trained.keys()
+    for name, parameter in trained.items():
+        torch.testing.assert_close(result.gradients[name], parameter.grad, msg=name)

@@ -27,7 +27,8 @@ takes to import them (about 5 s for four processes on two cores, paid by every c
 process takes the caller's working directory, environment variables and standard output and
 error as they are at the call, like a freshly spawned one; what a process reads only as it
 starts (glibc's ``MALLOC_*`` variables, say) is the fork server's, from when the first call
-started it. Pass ``start_method="spawn"`` for fresh interpreters.
+started it, and so is the import path (``sys.path``) that ``fn``'s module is found on. Pass
+``start_method="spawn"`` for fresh interpreters.
 """
 
 from __future__ import annotations
