@@ -137,9 +137,6 @@ class _Channel:
             return [(self.peer, tensor.contiguous())]
         return [(t.target, tensor[t.source_box].contiguous()) for t in self.routes[index]]
 
-    def recv(self, microbatch: int) -> tuple[torch.Tensor, ...]:
-        return self.post(microbatch)()
-
     def post(self, microbatch: int) -> Callable[[], tuple[torch.Tensor, ...]]:
         """Post the receives of ``microbatch``'s tensors; the returned function waits for
         them and returns the tensors."""
@@ -223,6 +220,15 @@ class StageWorker:
                 f"chunks {self.stage}, {self.stage} + {num_stages}, ... of the split"
             )
         self._next_receive = receives_ahead(self.instructions)
+        # The index of the list's last forward that computes a loss (-1: none on this stage).
+        self._last_loss = max(
+            (
+                index
+                for index, instruction in enumerate(self.instructions)
+                if instruction.op is Op.FORWARD and self.forward[instruction.chunk].loss
+            ),
+            default=-1,
+        )
         routes = _routes(crossings, rank, len(forward))
         # Tags name the sending virtual stage, which both ends of a message know.
         self._channels = [
@@ -275,14 +281,6 @@ class StageWorker:
         outputs: dict[int, tuple[torch.Tensor, ...]] = {}
         sends: list[Any] = []
         events = trace.events
-        last_loss = max(
-            (
-                index
-                for index, instruction in enumerate(self.instructions)
-                if instruction.op is Op.FORWARD and self.forward[instruction.chunk].loss
-            ),
-            default=-1,
-        )
         # Each receive is posted before the compute ahead of it, so that its data arrives
         # while that computes (only after the batch check, which comes before any message).
         posted: dict[int, Callable[[], tuple[torch.Tensor, ...]]] = {}
@@ -338,7 +336,7 @@ class StageWorker:
             elif op is Op.FREE:
                 del stashes[(c, m)], stash_bytes[(c, m)]
             events.append(Event(op.value, m, start, clock(), c))
-            if losses_done is not None and check is None and index >= last_loss:
+            if losses_done is not None and check is None and index >= self._last_loss:
                 losses_done(_sum(losses))
                 losses_done = None
         if check is not None:
@@ -373,9 +371,10 @@ def receives_ahead(instructions: Sequence[Instruction]) -> list[int | None]:
             continue
         for later in range(index + 1, len(instructions)):
             op = instructions[later].op
+            if op in computes:
+                break
             if op is Op.RECV_ACTIVATION or op is Op.RECV_GRAD:
                 ahead[index] = later
-            if op is Op.RECV_ACTIVATION or op is Op.RECV_GRAD or op in computes:
                 break
     return ahead
 
