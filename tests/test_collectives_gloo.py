@@ -84,5 +84,11 @@ def _collectives(rank: int, world_size: int) -> list[str]:
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_native_collectives_mean_what_they_say(world_size: int) -> None:
+@pytest.mark.parametrize("policy", ["poll", "block"])
+def test_native_collectives_mean_what_they_say(
+    monkeypatch: pytest.MonkeyPatch, world_size: int, policy: str
+) -> None:
+    """Under both ways of waiting (fxpar.runtime.waiting); the processes take the caller's
+    environment."""
+    monkeypatch.setenv("FXPAR_WAIT", policy)
     assert spawn(_collectives, world_size, timeout_s=120) == [[]] * world_size

@@ -167,7 +167,7 @@ class _Channel:
         def wait() -> tuple[torch.Tensor, ...]:
             for work in works:
                 if work is not None:  # None only for ranks outside the group, never here
-                    work.wait()
+                    work.wait()  # a receive cannot be polled (fxpar.runtime.waiting)
             for piece, target in copies:
                 target.copy_(piece)
             return tuple(buffers)

@@ -20,6 +20,7 @@ from torch.distributed.tensor import Shard
 from fxpar.pipeline.meshes import StageMeshes
 from fxpar.pipeline.options import Pipeline
 from fxpar.pipeline.split import SplitProgram
+from fxpar.runtime import waiting
 from fxpar.runtime.weights import Piece
 from fxpar.sharding import Spec
 
@@ -42,12 +43,13 @@ class TiedSum:
 
     def __call__(self, gradient: torch.Tensor) -> torch.Tensor:
         if self.box is None:
-            dist.all_reduce(gradient, group=self.group)
+            work = dist.all_reduce(gradient, group=self.group, async_op=True)
+            waiting.wait(work, poll=gradient.is_cpu)
             return gradient
         whole = torch.zeros(self.shape, dtype=gradient.dtype)
         if self.counted:
             whole[self.box] = gradient
-        dist.all_reduce(whole, group=self.group)
+        waiting.wait(dist.all_reduce(whole, group=self.group, async_op=True), poll=whole.is_cpu)
         return whole[self.box].clone()
 
 
@@ -75,8 +77,7 @@ class LossReduction:
     def wait(self) -> torch.Tensor:
         if self._sum is None:
             raise RuntimeError("LossReduction.wait before start")  # the executor starts it
-        if self._work is not None:
-            self._work.wait()
+        waiting.wait(self._work, poll=self._sum.is_cpu)
         return (self._sum / self.divisor).to(self.dtype)
 
 

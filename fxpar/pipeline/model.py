@@ -99,6 +99,7 @@ from fxpar.pipeline.steps import (
     check_same_cut,
 )
 from fxpar.planning.plan import Plan
+from fxpar.runtime import waiting
 from fxpar.runtime.batches import BatchSignature
 from fxpar.runtime.collectives import (
     Communicator,
@@ -647,7 +648,8 @@ class PipelineModel:
         }
         if self._stage_group is not None:
             for name in self._trainable:
-                dist.all_reduce(sums[name], group=self._stage_group)
+                work = dist.all_reduce(sums[name], group=self._stage_group, async_op=True)
+                waiting.wait(work, poll=sums[name].is_cpu)
         for name, tied in self._tied.items():
             sums[name] = tied(sums[name])
         return {name: value / count for name, value in sums.items()} if count != 1 else sums

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from fxpar import ir
 from fxpar.errors import BatchError, FxparError
+from fxpar.runtime import waiting
 
 _DIGEST_BYTES = 32
 
@@ -255,8 +256,7 @@ def _start_gather(
     work = dist.all_gather_single(output, mine, async_op=True)
 
     def arrived() -> list[tuple[torch.Tensor, bool]]:
-        if work is not None:
-            work.wait()
+        waiting.wait(work, poll=output.is_cpu)
         return [(theirs[1:], bool(theirs[0, 0])) for theirs in output.chunk(world)]
 
     return arrived

@@ -12,10 +12,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+
+from fxpar.runtime import waiting
 
 
 class Communicator(Protocol):
@@ -282,35 +284,37 @@ class ProcessGroupCommunicator:
         self.settle()
         front = tensor.movedim(dim, 0).contiguous()
         output = front.new_empty((self._size(axis) * front.shape[0], *front.shape[1:]))
-        dist.all_gather_single(output, front, group=self._groups[axis])
+        work = dist.all_gather_single(output, front, group=self._groups[axis], async_op=True)
+        _handle(work, output, reports=True).wait()
         return output.movedim(0, dim).contiguous()
 
     def all_reduce(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
         self.settle()
         # One copy, contiguous whatever the input's strides (a transposed gradient).
         result = tensor.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(result, group=self._groups[axis])
+        self.start_all_reduce(result, axis).wait()
         return result
 
     def start_all_reduce(self, flat: torch.Tensor, axis: int) -> Pending:
         self.settle()
-        return _handle(dist.all_reduce(flat, group=self._groups[axis], async_op=True))
+        work = dist.all_reduce(flat, group=self._groups[axis], async_op=True)
+        return _handle(work, flat, reports=True)
 
     def start_reduce_scatter(self, output: torch.Tensor, flat: torch.Tensor, axis: int) -> Pending:
         self.settle()
         work = dist.reduce_scatter_single(output, flat, group=self._groups[axis], async_op=True)
-        return _handle(work)
+        return _handle(work, output, reports=False)
 
     def start_all_gather(self, output: torch.Tensor, flat: torch.Tensor, axis: int) -> Pending:
         self.settle()
         work = dist.all_gather_single(output, flat, group=self._groups[axis], async_op=True)
-        return _handle(work)
+        return _handle(work, output, reports=True)
 
     def reduce_scatter(self, tensor: torch.Tensor, dim: int, axis: int) -> torch.Tensor:
         self.settle()
         front = tensor.movedim(dim, 0).contiguous()
         output = front.new_empty((front.shape[0] // self._size(axis), *front.shape[1:]))
-        dist.reduce_scatter_single(output, front, group=self._groups[axis])
+        self.start_reduce_scatter(output, front, axis).wait()
         return output.movedim(0, dim).contiguous()
 
     def all_to_all(
@@ -322,7 +326,8 @@ class ProcessGroupCommunicator:
         # dim 0, as all_to_all_single sends it; what arrives is stacked on dim 0 in order.
         front = tensor.movedim(split_dim, 0).contiguous()
         received = torch.empty_like(front)
-        dist.all_to_all_single(received, front, group=self._groups[axis])
+        work = dist.all_to_all_single(received, front, group=self._groups[axis], async_op=True)
+        _handle(work, received, reports=True).wait()
         piece = (front.shape[0] // size, *front.shape[1:])
         stacked = received.view(size, *piece)
         # Where concat_dim sits among a piece's dims (split_dim first, the others in order).
@@ -333,6 +338,19 @@ class ProcessGroupCommunicator:
         return merged.reshape(shape).movedim(0, split_dim).contiguous()
 
 
-def _handle(work: object) -> Pending:
-    """A torch.distributed work object (``None`` where the call ran synchronously)."""
-    return Done() if work is None else work  # type: ignore[return-value]
+def _handle(work: object, output: torch.Tensor, *, reports: bool) -> Pending:
+    """The handle of the torch.distributed ``work`` that writes ``output`` (``None`` where the
+    call ran synchronously). Its wait polls (:mod:`fxpar.runtime.waiting`) if ``output`` is a
+    CPU tensor and the work ``reports`` its completion."""
+    if work is None:
+        return Done()
+    return _Work(work, poll=reports and output.device.type == "cpu")
+
+
+@dataclass(frozen=True)
+class _Work:
+    work: Any
+    poll: bool
+
+    def wait(self) -> None:
+        waiting.wait(self.work, poll=self.poll)
