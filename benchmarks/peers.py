@@ -33,7 +33,7 @@ flagged and the script exits with status 1).
 World 4 puts four processes on the development machine's two cores: each process then gets
 about half a core, and every variant of that world pays the same contention.
 
-    python benchmarks/peers.py [--worlds 2 4] [--rounds 5] [--steps 3] [--warmup 17] [--quick]
+    python benchmarks/peers.py [--worlds 2 4] [--rounds 9] [--steps 3] [--warmup 17] [--quick]
 """
 
 from __future__ import annotations
@@ -329,7 +329,7 @@ def _row(world: int, name: str, result: Result, reference: float, ratio: str) ->
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--rounds", type=int, default=5, help="timed rounds (default 5)")
+    parser.add_argument("--rounds", type=int, default=9, help="timed rounds (default 9)")
     parser.add_argument("--steps", type=int, default=3, help="steps per variant per round")
     parser.add_argument(
         "--warmup",

@@ -188,12 +188,18 @@ def draw_split_points(data: Any, model: nn.Module, least: int, most: int) -> tup
 
 def microbatch_program(case: Any, microbatches: int) -> tuple[list[list[torch.Tensor]], Any]:
     """A zoo case's batch (inputs, then targets) cut into ``microbatches`` pieces, and its
-    step captured at one piece's size."""
-    batch = [*case.inputs, *case.targets]
+    step captured at one piece's size. Inputs given by name (a Hugging Face model's keyword
+    arguments) are cut in the order of their names and captured by name."""
+    names = list(case.inputs) if isinstance(case.inputs, dict) else None
+    inputs = [case.inputs[n] for n in names] if names is not None else list(case.inputs)
+    batch = [*inputs, *case.targets]
     chunks = [list(pieces) for pieces in zip(*(t.chunk(microbatches) for t in batch), strict=True)]
-    size = len(case.inputs)
+    first = chunks[0][: len(inputs)]
     program = fxpar.capture(
-        case.model, chunks[0][:size], case.loss_fn, example_targets=chunks[0][size:]
+        case.model,
+        dict(zip(names, first, strict=True)) if names is not None else first,
+        case.loss_fn,
+        example_targets=chunks[0][len(inputs) :],
     )
     return chunks, program
 

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import microbatch_program
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from zoo import CNN
@@ -326,10 +327,9 @@ def test_stages_on_meshes_of_different_shapes_train_like_eager(
     crossing the boundary resharded between them), every device in a thread: the loss and
     every gradient of 2 micro-batches equal eager PyTorch's mean over them."""
     case = ZOO[model]()
-    assert isinstance(case.inputs, dict)
+    assert isinstance(case.inputs, dict) and not case.targets
     names = list(case.inputs)
-    pieces = [list(piece) for piece in zip(*(case.inputs[n].chunk(2) for n in names), strict=True)]
-    program = fxpar.capture(case.model, dict(zip(names, pieces[0], strict=True)), case.loss_fn)
+    pieces, program = microbatch_program(case, 2)
     meshes = [(1,), (2,)]
     splits = []
     for shape in meshes:

@@ -69,8 +69,13 @@ def _build() -> tuple[GPT, torch.Tensor, torch.Tensor]:
     return model, tokens, targets
 
 
-def _run_cases(rank: int, world_size: int, cases: list[Pipeline], checkpoint_dir: str) -> list[Any]:
-    results: list[Any] = []
+def _run_cases(
+    rank: int, world_size: int, cases: list[Pipeline], checkpoint_dir: str
+) -> dict[str, Any]:
+    """This rank's outcomes, by what they are of: each of ``cases`` (``steps``), the full state
+    after FULL_STATE_CASE, each of TP_CASES (``tensor_parallel``), the checkpoint round trip
+    and the loss reduction's timing in LOSS_TIMING_CASE."""
+    results: dict[str, Any] = {"steps": [], "tensor_parallel": []}
     started = _record_loss_reductions()
     for index, pipeline in enumerate(cases):
         model, tokens, targets = _build()
@@ -79,13 +84,12 @@ def _run_cases(rank: int, world_size: int, cases: list[Pipeline], checkpoint_dir
         )
         started.clear()
         loss = pipelined.step(tokens, targets)
-        results.append((loss, dict(pipelined.gradients), dict(pipelined.parameters)))
+        results["steps"].append((loss, dict(pipelined.gradients), dict(pipelined.parameters)))
         if index == FULL_STATE_CASE:
-            full_state = pipelined.full_state_dict()
+            results["full_state"] = pipelined.full_state_dict()
         if index == LOSS_TIMING_CASE:
             assert pipelined.trace is not None
-            timing = (list(started), pipelined.trace.events)
-    results.append(full_state)
+            results["loss_timing"] = (list(started), pipelined.trace.events)
     for pipeline, solver in TP_CASES:
         model, tokens, targets = _build()
         pipelined = fxpar_compile(
@@ -97,9 +101,9 @@ def _run_cases(rank: int, world_size: int, cases: list[Pipeline], checkpoint_dir
         assert pipelined.sharded is not None
         specs = {name: pipelined.sharded.specs[name] for name in pipelined.parameters}
         local = (dict(pipelined.gradients), dict(pipelined.parameters), specs)
-        results.append((loss, pipelined.coordinate, local, pipelined.full_state_dict()))
-    results.append(_checkpoint_round_trip(checkpoint_dir))
-    results.append(timing)
+        outcome = (loss, pipelined.coordinate, local, pipelined.full_state_dict())
+        results["tensor_parallel"].append(outcome)
+    results["checkpoint"] = _checkpoint_round_trip(checkpoint_dir)
     return results
 
 
@@ -143,7 +147,7 @@ def _checkpoint_round_trip(directory: str) -> tuple[Any, ...]:
 
 
 @pytest.fixture(scope="module")
-def per_rank(tmp_path_factory: pytest.TempPathFactory) -> list[list[Any]]:
+def per_rank(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     directory = tmp_path_factory.mktemp("pipeline_checkpoint")
     return spawn(_run_cases, 4, CASES, str(directory))
 
@@ -161,7 +165,7 @@ def reference() -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.
 @pytest.mark.parametrize("case", range(len(CASES)), ids=[str(c) for c in CASES])
 def test_pipeline_step_equals_single_device(
     case: int,
-    per_rank: list[list[Any]],
+    per_rank: list[dict[str, Any]],
     reference: tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]],
 ) -> None:
     """Every rank reports the whole batch's loss; every parameter's gradient and updated
@@ -170,7 +174,7 @@ def test_pipeline_step_equals_single_device(
     loss, grads, updated = reference
     held: set[str] = set()
     for rank, results in enumerate(per_rank):
-        rank_loss, rank_grads, rank_params = results[case]
+        rank_loss, rank_grads, rank_params = results["steps"][case]
         torch.testing.assert_close(rank_loss, loss, msg=f"rank {rank}")
         for name, grad in rank_grads.items():
             torch.testing.assert_close(grad, grads[name], msg=f"rank {rank}: {name}")
@@ -180,13 +184,15 @@ def test_pipeline_step_equals_single_device(
     assert held == set(grads)
 
 
-def test_the_loss_all_reduce_travels_while_the_step_computes(per_rank: list[list[Any]]) -> None:
+def test_the_loss_all_reduce_travels_while_the_step_computes(
+    per_rank: list[dict[str, Any]],
+) -> None:
     """Each rank starts the loss's all-reduce once: the last stage as soon as its last loss
     is computed (before its last backward), the others right after their first message (the
     batch check comes first), not at the end of the step where every rank would wait for it."""
     assert CASES[LOSS_TIMING_CASE].schedule == "1f1b" and not CASES[LOSS_TIMING_CASE].remat
     for rank, results in enumerate(per_rank):
-        (started,), events = results[-1]
+        (started,), events = results["loss_timing"]
         forwards = [e for e in events if e.op == "forward"]
         if rank == len(per_rank) - 1:
             backwards = [e for e in events if e.op == "backward"]
@@ -195,7 +201,7 @@ def test_the_loss_all_reduce_travels_while_the_step_computes(per_rank: list[list
             assert events[0].end <= started <= forwards[1].start, rank
 
 
-def test_full_state_dict_gathers_every_stage(per_rank: list[list[Any]]) -> None:
+def test_full_state_dict_gathers_every_stage(per_rank: list[dict[str, Any]]) -> None:
     """Every rank gets the whole updated model under its own state_dict names (the tied
     embedding under both), equal to eager PyTorch's after the step."""
     model, tokens, targets = _build()
@@ -203,7 +209,7 @@ def test_full_state_dict_gathers_every_stage(per_rank: list[list[Any]]) -> None:
     torch.optim.SGD(model.parameters(), lr=LR).step()
     expected = model.state_dict()
     for rank, results in enumerate(per_rank):
-        state = results[len(CASES)]
+        state = results["full_state"]
         assert state.keys() == expected.keys(), rank
         torch.testing.assert_close(state, expected, msg=f"rank {rank}")
 
@@ -213,7 +219,7 @@ def test_full_state_dict_gathers_every_stage(per_rank: list[list[Any]]) -> None:
 )
 def test_tensor_parallel_stages_equal_single_device(
     case: int,
-    per_rank: list[list[Any]],
+    per_rank: list[dict[str, Any]],
     reference: tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]],
 ) -> None:
     """Each rank holds its piece of its stage's parameters under the stage's plan: the
@@ -227,9 +233,8 @@ def test_tensor_parallel_stages_equal_single_device(
     expected_state = model.state_dict()
     split_some = False
     for rank, results in enumerate(per_rank):
-        rank_loss, coordinate, (rank_grads, rank_params, specs), state = results[
-            len(CASES) + 1 + case
-        ]
+        outcome = results["tensor_parallel"][case]
+        rank_loss, coordinate, (rank_grads, rank_params, specs), state = outcome
         torch.testing.assert_close(rank_loss, loss, msg=f"rank {rank}")
         for name, grad in rank_grads.items():
             piece = shard_tensor(grads[name], specs[name], (2,), coordinate)
@@ -244,13 +249,13 @@ def test_tensor_parallel_stages_equal_single_device(
 
 
 def test_checkpoint_of_a_tensor_parallel_pipeline_resumes_anywhere(
-    per_rank: list[list[Any]],
+    per_rank: list[dict[str, Any]],
 ) -> None:
     """A checkpoint saved by 2 stages x 2-way tensor parallel (weights and AdamW state, every
     rank its pieces) loads into 4 one-device stages and into a fully sharded ParallelModel,
     and the next step gives the uninterrupted run's loss and model on every rank."""
     for rank, results in enumerate(per_rank):
-        (loss, state), outcomes = results[-2]
+        (loss, state), outcomes = results["checkpoint"]
         for index, (resumed_loss, resumed_state) in enumerate(outcomes):
             torch.testing.assert_close(resumed_loss, loss, msg=f"rank {rank}, resume {index}")
             torch.testing.assert_close(

@@ -42,6 +42,20 @@ def test_a_polled_wait_asks_until_the_work_is_complete_then_waits(
     assert (work.polled, work.waited) == (5, 1)  # wait() still runs: it raises errors
 
 
+def test_a_polled_wait_blocks_once_its_time_to_poll_is_spent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Work that never reports its completion (or a long wait on an oversubscribed machine)
+    ends up in the blocking wait."""
+    monkeypatch.delenv("FXPAR_WAIT", raising=False)
+    monkeypatch.setattr(waiting, "POLL_SECONDS", 0.002)
+    work = _Work(polls=10**9)
+    began = time.perf_counter()
+    waiting.wait(work, poll=True)
+    assert time.perf_counter() - began >= 0.002
+    assert work.polled > 0 and work.waited == 1
+
+
 @pytest.mark.parametrize(("policy", "poll"), [("block", True), ("poll", False)])
 def test_a_wait_blocks_when_told_to_or_when_the_work_cannot_be_polled(
     monkeypatch: pytest.MonkeyPatch, policy: str, poll: bool
@@ -93,9 +107,9 @@ def _reports_completion(rank: int, world_size: int) -> dict[str, bool]:
 @pytest.mark.slow
 def test_gloo_work_reports_its_completion_where_fxpar_polls_it() -> None:
     """The kinds fxpar polls (fxpar.runtime.collectives passes reports=True) report their
-    completion without wait(); a kind that did not would hang its poll. Those fxpar waits on
-    (reduce_scatter_single, send, recv) do not, as the module docstring says: if a torch
-    release changes that, they can be polled too."""
+    completion without wait(); a kind that did not would be polled in vain. Those fxpar
+    waits on without polling (reduce_scatter_single, send, recv) do not, as the module
+    docstring says: if a torch release changes that, they can be polled too."""
     expected = {
         "all_reduce": True,
         "all_gather_single": True,
