@@ -66,6 +66,15 @@ def test_a_wait_blocks_when_told_to_or_when_the_work_cannot_be_polled(
     assert (work.polled, work.waited) == (0, 1)
 
 
+def test_only_cpu_transfers_up_to_the_bound_are_worth_polling(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(waiting, "POLL_BYTES", 64)
+    assert waiting.pollable(torch.zeros(16))  # 64 bytes
+    assert not waiting.pollable(torch.zeros(17))
+    assert not waiting.pollable(torch.zeros(1, device="meta"))
+
+
 def test_nothing_to_wait_for_is_done(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("FXPAR_WAIT", raising=False)
     waiting.wait(None, poll=True)

@@ -44,12 +44,13 @@ class TiedSum:
     def __call__(self, gradient: torch.Tensor) -> torch.Tensor:
         if self.box is None:
             work = dist.all_reduce(gradient, group=self.group, async_op=True)
-            waiting.wait(work, poll=gradient.is_cpu)
+            waiting.wait(work, poll=waiting.pollable(gradient))
             return gradient
         whole = torch.zeros(self.shape, dtype=gradient.dtype)
         if self.counted:
             whole[self.box] = gradient
-        waiting.wait(dist.all_reduce(whole, group=self.group, async_op=True), poll=whole.is_cpu)
+        work = dist.all_reduce(whole, group=self.group, async_op=True)
+        waiting.wait(work, poll=waiting.pollable(whole))
         return whole[self.box].clone()
 
 
@@ -77,7 +78,7 @@ class LossReduction:
     def wait(self) -> torch.Tensor:
         if self._sum is None:
             raise RuntimeError("LossReduction.wait before start")  # the executor starts it
-        waiting.wait(self._work, poll=self._sum.is_cpu)
+        waiting.wait(self._work, poll=waiting.pollable(self._sum))
         return (self._sum / self.divisor).to(self.dtype)
 
 

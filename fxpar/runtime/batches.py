@@ -256,7 +256,7 @@ def _start_gather(
     work = dist.all_gather_single(output, mine, async_op=True)
 
     def arrived() -> list[tuple[torch.Tensor, bool]]:
-        waiting.wait(work, poll=output.is_cpu)
+        waiting.wait(work, poll=waiting.pollable(output))
         return [(theirs[1:], bool(theirs[0, 0])) for theirs in output.chunk(world)]
 
     return arrived

@@ -340,11 +340,11 @@ class ProcessGroupCommunicator:
 
 def _handle(work: object, output: torch.Tensor, *, reports: bool) -> Pending:
     """The handle of the torch.distributed ``work`` that writes ``output`` (``None`` where the
-    call ran synchronously). Its wait polls (:mod:`fxpar.runtime.waiting`) if ``output`` is a
-    CPU tensor and the work ``reports`` its completion."""
+    call ran synchronously). Its wait polls (:mod:`fxpar.runtime.waiting`) if the work
+    ``reports`` its completion and ``output`` is :func:`~fxpar.runtime.waiting.pollable`."""
     if work is None:
         return Done()
-    return _Work(work, poll=reports and output.device.type == "cpu")
+    return _Work(work, poll=reports and waiting.pollable(output))
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,11 @@ four processes of a tensor-parallel GPT on two cores (``benchmarks/peers.py``'s 
 of 7 rounds in one run), a step took 297 ms blocking, 295 ms polling without a bound and 240 ms
 polling for up to 10 ms; on two processes, 180, 170 and 171-174 ms (20 and 5 ms bounds).
 
+Transfers larger than :data:`POLL_BYTES` (4 MiB) are waited on by sleeping: a wake-up is small
+beside their own time, and the gloo threads moving them need the cores a poll would hold (four
+data-parallel processes on two cores, whose 12 MiB gradient bucket is waited on at the end of
+the step, took 179-181 ms per step blocking and 184-188 ms polling).
+
 Only work that reports its own completion is polled. On gloo in torch 2.13 that is
 ``all_reduce``, ``all_gather_single`` and ``all_to_all_single``; ``reduce_scatter_single``,
 ``send`` and ``recv`` say they are complete only once ``wait()`` has run (their transfer
@@ -35,11 +40,15 @@ import os
 import time
 from typing import Any
 
+import torch
+
 from fxpar.errors import FxparError
 
 POLICIES = ("poll", "block")
 POLL_SECONDS = 0.01
 """How long a wait polls before it blocks after all."""
+POLL_BYTES = 4 * 2**20
+"""The largest transfer waited on by polling (:func:`pollable`)."""
 
 
 def policy() -> str:
@@ -50,11 +59,18 @@ def policy() -> str:
     return chosen
 
 
+def pollable(tensor: torch.Tensor) -> bool:
+    """Whether work writing ``tensor`` is worth polling: a CPU tensor of at most
+    :data:`POLL_BYTES`. A larger transfer takes long enough that a wake-up is small beside it,
+    and the gloo threads moving it need the cores a poll would take."""
+    return tensor.device.type == "cpu" and tensor.nbytes <= POLL_BYTES
+
+
 def wait(work: Any, *, poll: bool) -> None:
     """Wait for the torch.distributed ``work`` (``None``, for a call that ran synchronously, is
-    done already). ``poll``: whether ``work`` is on CPU tensors and of a kind that reports its
-    completion (see the module docstring); work that does not would be polled in vain for
-    :data:`POLL_SECONDS` before the blocking wait.
+    done already). ``poll``: whether ``work`` is of a kind that reports its completion (see
+    the module docstring) and its tensor is :func:`pollable`; work that does not report it
+    would be polled in vain for :data:`POLL_SECONDS` before the blocking wait.
 
     Errors and timeouts surface as ``work.wait()`` raises them: gloo marks failed work
     completed, so the polling ends and ``wait()`` raises."""
@@ -67,4 +83,4 @@ def wait(work: Any, *, poll: bool) -> None:
     work.wait()
 
 
-__all__ = ["POLICIES", "POLL_SECONDS", "policy", "wait"]
+__all__ = ["POLICIES", "POLL_BYTES", "POLL_SECONDS", "policy", "pollable", "wait"]
