@@ -52,6 +52,7 @@ from fxpar import ir
 from fxpar.cluster import Cluster
 from fxpar.errors import DistributedError, FxparError
 from fxpar.planning.cost import collective_seconds, roofline_seconds
+from fxpar.runtime import waiting
 
 logger = logging.getLogger(__name__)
 
@@ -299,7 +300,14 @@ def _runner(
     if timing.operation == ALL_REDUCE:
         # Zeros stay zeros however often they are summed: no overflow, no denormals.
         buffer = torch.zeros(timing.nbytes // dtype.itemsize, dtype=dtype)
-        return lambda: dist.all_reduce(buffer, group=group)
+        poll = waiting.pollable(buffer)
+
+        def all_reduce() -> None:
+            # Waited on as the runtime waits (polling small transfers), so the latency fitted
+            # is the one the programs see.
+            waiting.wait(dist.all_reduce(buffer, group=group, async_op=True), poll=poll)
+
+        return all_reduce
     if timing.operation == MATMUL:
         size = options.matmul_size
         left, right = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
