@@ -43,14 +43,12 @@ class TiedSum:
 
     def __call__(self, gradient: torch.Tensor) -> torch.Tensor:
         if self.box is None:
-            work = dist.all_reduce(gradient, group=self.group, async_op=True)
-            waiting.wait(work, poll=waiting.pollable(gradient))
+            waiting.all_reduce(gradient, self.group)
             return gradient
         whole = torch.zeros(self.shape, dtype=gradient.dtype)
         if self.counted:
             whole[self.box] = gradient
-        work = dist.all_reduce(whole, group=self.group, async_op=True)
-        waiting.wait(work, poll=waiting.pollable(whole))
+        waiting.all_reduce(whole, self.group)
         return whole[self.box].clone()
 
 

@@ -648,8 +648,7 @@ class PipelineModel:
         }
         if self._stage_group is not None:
             for name in self._trainable:
-                work = dist.all_reduce(sums[name], group=self._stage_group, async_op=True)
-                waiting.wait(work, poll=waiting.pollable(sums[name]))
+                waiting.all_reduce(sums[name], self._stage_group)
         for name, tied in self._tied.items():
             sums[name] = tied(sums[name])
         return {name: value / count for name, value in sums.items()} if count != 1 else sums

@@ -300,14 +300,9 @@ def _runner(
     if timing.operation == ALL_REDUCE:
         # Zeros stay zeros however often they are summed: no overflow, no denormals.
         buffer = torch.zeros(timing.nbytes // dtype.itemsize, dtype=dtype)
-        poll = waiting.pollable(buffer)
-
-        def all_reduce() -> None:
-            # Waited on as the runtime waits (polling small transfers), so the latency fitted
-            # is the one the programs see.
-            waiting.wait(dist.all_reduce(buffer, group=group, async_op=True), poll=poll)
-
-        return all_reduce
+        # Waited on as the runtime waits (polling small transfers), so the latency fitted is
+        # the one the programs see.
+        return lambda: waiting.all_reduce(buffer, group)
     if timing.operation == MATMUL:
         size = options.matmul_size
         left, right = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)

@@ -41,6 +41,7 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from fxpar.errors import FxparError
 
@@ -83,4 +84,11 @@ def wait(work: Any, *, poll: bool) -> None:
     work.wait()
 
 
-__all__ = ["POLICIES", "POLL_BYTES", "POLL_SECONDS", "policy", "pollable", "wait"]
+def all_reduce(tensor: torch.Tensor, group: Any = None) -> None:
+    """Sum ``tensor`` in place over ``group`` (the world by default), waited on as :func:`wait`
+    waits: an all-reduce reports its completion, so it is polled if ``tensor`` is
+    :func:`pollable`."""
+    wait(dist.all_reduce(tensor, group=group, async_op=True), poll=pollable(tensor))
+
+
+__all__ = ["POLICIES", "POLL_BYTES", "POLL_SECONDS", "all_reduce", "policy", "pollable", "wait"]
