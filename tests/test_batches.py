@@ -7,8 +7,10 @@
 - on 2 gloo processes: batches holding NaN (a regression with missing targets) are the same
   batch on every rank, for ParallelModel and pipelines, and train like one device; a pipeline
   fed different batches on its ranks fails on every rank unless ``check_batches=False``
-  reaches it through ``fxpar.compile``; a rank given a batch of another shape than its peers
-  fails, and so do its peers, instead of planning alone and waiting for them.
+  reaches it through ``fxpar.compile``, and the error advises ``batch='local'``, never a
+  setting that drops rows; unchecked, a data-parallel step trains on each rank's own piece of
+  the batch it was given (docs/training.md); a rank given a batch of another shape than its
+  peers fails, and so do its peers, instead of planning alone and waiting for them.
 """
 
 from __future__ import annotations
@@ -189,6 +191,10 @@ def _two_ranks(rank: int, world_size: int) -> dict[str, Any]:
         results["parallel different"] = str(error)
     unchecked = _regression(rank, world_size, pipeline=pipeline, check_batches=False)
     results["unchecked"] = unchecked.step(*other)
+    unchecked_parallel = _regression(
+        rank, world_size, manual=plans.data_parallel, check_batches=False
+    )
+    results["unchecked parallel"] = unchecked_parallel.step(*other)
 
     for name, model in (("parallel", parallel), ("pipeline", pipelined)):
         try:  # rank 1 drops a row
@@ -203,13 +209,23 @@ def test_batches_are_checked_alike_on_every_rank() -> None:
     ranks = spawn(_two_ranks, 2)
     inputs, targets = _regression_batch()
     torch.manual_seed(0)
-    expected = _masked_mse(_Regressor()(inputs), targets)
+    reference = _Regressor()
+    expected = _masked_mse(reference(inputs), targets)
     for rank, results in enumerate(ranks):
         torch.testing.assert_close(results["parallel"], expected, msg=f"rank {rank}")
         torch.testing.assert_close(results["pipeline"], expected, msg=f"rank {rank}")
         for name in ("different", "parallel different"):
-            assert f"rank {rank} got a different batch than ranks [{1 - rank}]" in results[name]
+            message = results[name]
+            assert f"rank {rank} got a different batch than ranks [{1 - rank}]" in message
+            # The advice for per-rank data is local batches; never a setting that drops rows.
+            assert "batch='local'" in message and "check_batches" not in message
         assert torch.isfinite(results["unchecked"])  # trained on a mixture, as asked
+        # As docs/training.md says: unchecked, each rank keeps its own piece of the batch it
+        # was given, so the step trains on rank 0's first half and rank 1's second half.
+        mixed = torch.cat([inputs[:4], inputs[4:] + 1])
+        torch.testing.assert_close(
+            results["unchecked parallel"], _masked_mse(reference(mixed), targets)
+        )
         assert torch.equal(results["loss before"], results["loss after"])
     # Both would plan rank 1's new shape, but the ranks first compare batches, and both say
     # they differ (no rank goes on to plan alone and wait for the other).

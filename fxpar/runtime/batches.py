@@ -1,9 +1,10 @@
 """The batch a compiled step takes, checked before any rank runs on it.
 
 :class:`~fxpar.runtime.parallel.ParallelModel` and :class:`~fxpar.pipeline.PipelineModel` both take
-the global batch, whole and identical on every rank, and each rank cuts out its own pieces. So two
-things must hold before a step runs, or the step trains on something other than what the user meant,
-without a word:
+the global batch, whole and identical on every rank, and each rank cuts out its own pieces (a
+``ParallelModel`` compiled with ``batch="local"`` takes each rank's own rows instead, see
+:func:`global_rows`). So two things must hold before a step runs, or the step trains on something
+other than what the user meant, without a word:
 
 - the batch is the one the step was compiled for: as many tensors, bound by position or by
   name, each with the example's full shape and dtype (:meth:`BatchSignature.bind`);
@@ -231,10 +232,12 @@ def check_same_batch(
         differing = [r for r, (theirs, _) in enumerate(everyone) if not torch.equal(theirs, mine)]
         if differing:
             raise BatchError(
-                f"rank {rank} got a different batch than ranks {differing}: the compiled model "
-                "expects the same global batch on every rank (each takes its own piece); seed "
-                "the data loader identically, or pass check_batches=False to fxpar.compile if "
-                "you mean it"
+                f"rank {rank} got a different batch than ranks {differing}, but the compiled "
+                "model takes the same global batch on every rank (each keeps only its own piece "
+                "of it). If each rank loads its own rows (a DataLoader with a "
+                "DistributedSampler), compile with fxpar.compile(..., batch='local') (not with "
+                "a pipeline), which trains on every rank's rows together; otherwise give every "
+                "rank the same batch (seed every rank's data loader identically)"
             )
 
     if defer is None:
