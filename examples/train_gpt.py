@@ -8,11 +8,12 @@ Every process runs this same script (SPMD). fxpar reads the world from torchrun'
 (``fxpar.Cluster.from_env``), plans on rank 0 and shares the plan, and each process trains its
 own piece of the model.
 
-With ``--checkpoint DIR`` the run saves every ``--save-every`` steps into ``DIR/step-<N>`` and,
-when started again, resumes from the newest complete one (a save that was interrupted is
-skipped), under any mesh: the weights, optimizer state, step count and random state come from
-the checkpoint, and the data stream is fast-forwarded to the step it stopped at. So a run
-stopped and resumed ends with the loss of an uninterrupted one. ``--steps`` is the total.
+With ``--checkpoint DIR`` the run saves every ``--save-every`` steps into ``DIR/step-<N>``
+(``fxpar.checkpoint.save_step``) and, when started again, resumes from the newest complete one
+(``fxpar.checkpoint.resume``; a save that was interrupted is skipped), under any mesh: the
+weights, optimizer state, step count and random state come from the checkpoint, and the data
+stream is fast-forwarded to the step it stopped at. So a run stopped and resumed ends with the
+loss of an uninterrupted one. ``--steps`` is the total.
 """
 
 from __future__ import annotations
@@ -52,15 +53,16 @@ def main() -> None:
     )  # fmt: skip
     if rank == 0:
         print(parallel.plan.report(), flush=True)
-    resume = fxpar.checkpoint.latest(args.checkpoint) if args.checkpoint else None
-    if resume is not None:
-        parallel.load(resume)
+    resumed = fxpar.checkpoint.resume(parallel, args.checkpoint) if args.checkpoint else None
+    if resumed is not None:
+        step, _ = resumed
         # The stream is deterministic: skip the batches the saved run had trained on.
         data = itertools.chain([(tokens, targets)], data)
-        data = itertools.islice(data, parallel.steps, None)
+        data = itertools.islice(data, step, None)
         tokens, targets = next(data)
         if rank == 0:
-            print(f"resumed from {resume} at step {parallel.steps}", flush=True)
+            where = fxpar.checkpoint.step_directory(args.checkpoint, step)
+            print(f"resumed from {where} at step {parallel.steps}", flush=True)
 
     loss = None
     while parallel.steps < args.steps:
@@ -71,7 +73,7 @@ def main() -> None:
             parallel.steps == args.steps
             or (args.save_every and parallel.steps % args.save_every == 0)
         ):
-            parallel.save(f"{args.checkpoint}/step-{parallel.steps:06d}")
+            fxpar.checkpoint.save_step(parallel, args.checkpoint, parallel.steps)
         tokens, targets = next(data)
     if rank == 0 and loss is not None:
         print(f"final loss {loss.item():.8f} at step {parallel.steps}", flush=True)

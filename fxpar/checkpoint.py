@@ -32,12 +32,19 @@ hyperparameters per parameter group: the learning rate a scheduler set, ``initia
 scheduler's ``state_dict()``, the data loader's position), returned by the load. Both are
 pickled, so load only checkpoints you trust, as with ``torch.load(weights_only=False)``.
 Checkpoints written before these entries existed load as they are.
+
+**Resumable runs.** A run that saves periodically keeps one checkpoint per step under a root
+directory, ``<root>/step-<N>``: :func:`save_step` writes them, :func:`resume` loads the newest
+committed one (a save interrupted before its commit is passed over) and returns its step and
+``extra``, and :func:`latest` finds it, warning of directories under the root that are not
+named as step checkpoints.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 import pickle
 import shutil
@@ -45,7 +52,7 @@ import uuid
 import warnings
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -60,6 +67,8 @@ from fxpar.sharding import Spec
 Wrap = Callable[[str, torch.Tensor], Any]
 """Turns the local piece of the named parameter (or of a state slot shaped like it) into what
 the checkpoint stores: a DTensor, or the tensor itself without a process group."""
+
+logger = logging.getLogger(__name__)
 
 RECORD = "fxpar-checkpoint.json"
 """The commit record's file name, inside the checkpoint directory."""
@@ -172,20 +181,102 @@ def committed_version(path: str | os.PathLike[str]) -> Path:
     return directory
 
 
-def latest(root: str | os.PathLike[str], prefix: str = "step-") -> Path | None:
+STEP_PREFIX = "step-"
+"""The name of a step checkpoint's directory under its run's root: ``step-<N>``."""
+
+
+class Checkpointable(Protocol):
+    """What :func:`save_step` and :func:`resume` need of a model: a
+    :class:`~fxpar.runtime.parallel.ParallelModel` or a :class:`~fxpar.pipeline.PipelineModel`."""
+
+    def save(self, path: str | os.PathLike[str], *, extra: object = None) -> None: ...
+
+    def load(self, path: str | os.PathLike[str], *, strict: bool = True) -> Any: ...
+
+
+def step_directory(root: str | os.PathLike[str], step: int) -> Path:
+    """Where :func:`save_step` writes step ``step``'s checkpoint: ``<root>/step-<N>``, ``N``
+    padded to 6 digits so that listings sort by step (:func:`latest` reads any width)."""
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise CheckpointError(f"a checkpoint's step is a whole number >= 0, got {step!r}")
+    return Path(root) / f"{STEP_PREFIX}{step:06d}"
+
+
+def save_step(
+    model: Checkpointable, root: str | os.PathLike[str], step: int, *, extra: object = None
+) -> Path:
+    """Save ``model`` as the checkpoint of step ``step`` of the run kept under ``root``, in
+    ``<root>/step-<N>`` (:func:`step_directory`), where :func:`resume` finds it; returns that
+    directory. The save is the model's own ``save(path, extra=extra)``: atomic (a save killed
+    part way leaves no committed checkpoint there, and :func:`resume` passes over it), with the
+    optimizer state, step count, random state and your picklable ``extra`` (a scheduler's
+    ``state_dict()``, the data position). A collective: call it on every rank."""
+    path = step_directory(root, step)
+    model.save(path, extra=extra)
+    return path
+
+
+def resume(model: Checkpointable, root: str | os.PathLike[str]) -> tuple[int, Any] | None:
+    """Load the newest committed checkpoint that :func:`save_step` wrote under ``root``
+    (:func:`latest`) into ``model`` and return ``(step, extra)``: the step it was saved as and
+    the ``extra`` saved with it (None if none). Returns None, loading nothing, when ``root``
+    holds no committed step checkpoint (a first run; ``root`` need not exist). ``root`` must
+    be the same directory on every rank (a shared file system), as for ``load``. A collective
+    when it loads: call it on every rank.
+
+    Raises:
+        CheckpointError: the checkpoint found is another model's (see ``load``).
+    """
+    found = latest(root)
+    if found is None:
+        return None
+    extra = model.load(found)
+    return int(found.name.removeprefix(STEP_PREFIX)), extra
+
+
+def latest(root: str | os.PathLike[str], prefix: str = STEP_PREFIX) -> Path | None:
     """The newest committed checkpoint among the directories ``<root>/<prefix><N>``: the one
-    with the largest ``N`` whose commit record and files check out (a save interrupted before
-    its commit is passed over), or None. For runs that save periodically into step
-    directories and resume from the last (see examples/train_gpt.py)."""
-    found = []
-    for directory in Path(root).glob(f"{prefix}*"):
+    with the largest ``N`` whose commit record and files check out, or None. For runs that save
+    periodically into step directories and resume from the last (:func:`save_step` and
+    :func:`resume` name, find and load them).
+
+    Only ``<prefix><N>`` names are step checkpoints: a warning is logged (``logging``, logger
+    ``fxpar.checkpoint``) for every other directory under ``root`` (``ckpt_20`` would otherwise
+    be passed over without a word, and a run restart from step 0), for a ``root`` that is
+    itself a checkpoint rather than the directory of a run's step checkpoints, and for each
+    newer step directory passed over because its save was interrupted before its commit."""
+    found, unknown = [], []
+    base = Path(root)
+    if (base / RECORD).is_file():
+        logger.warning(
+            "%s is itself a checkpoint, not a directory of step checkpoints %s<N>: load it "
+            "with the model's load(), or save steps with fxpar.checkpoint.save_step",
+            base,
+            prefix,
+        )
+    for directory in sorted(base.iterdir()) if base.is_dir() else ():
+        if not directory.is_dir():
+            continue
         number = directory.name.removeprefix(prefix)
-        if number.isdigit():
+        if directory.name.startswith(prefix) and number.isdigit():
             found.append((int(number), directory))
+        else:
+            unknown.append(directory)
+    if unknown:
+        names = [f"{d.name} (a checkpoint)" if (d / RECORD).is_file() else d.name for d in unknown]
+        logger.warning(
+            "%s holds directories that are not step checkpoints %s<N>, passed over: %s; "
+            "rename a checkpoint among them to %s<N> (its step) to resume from it",
+            base,
+            prefix,
+            ", ".join(names),
+            prefix,
+        )
     for _, directory in sorted(found, reverse=True):
         try:
             committed_version(directory)
-        except CheckpointError:
+        except CheckpointError as error:
+            logger.warning("passing over %s: %s", directory, error)
             continue
         return directory
     return None
