@@ -6,6 +6,9 @@
     lower(plan)             one program per rank, with collectives
     ParallelModel           this rank's program, its pieces of the state, the optimizer
 
+:class:`~fxpar.driver.Driver` runs the first three for the training step and keeps them for
+the other steps the model is asked for (other shapes, modes, the forward alone).
+
 :func:`plan` stops after the passes and returns the :class:`~fxpar.planning.plan.Plan`;
 :func:`compile` goes on to lower it and build this process's share of the model (or a
 :class:`~fxpar.pipeline.PipelineModel` when ``pipeline=`` asks for stages). Every process of a
@@ -19,7 +22,6 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, overload
 
 import torch
@@ -27,15 +29,9 @@ import torch.distributed as dist
 from torch import nn
 
 from fxpar.cluster import Cluster
+from fxpar.driver import Driver
 from fxpar.errors import DistributedError, FxparError
-from fxpar.ir.capture import (
-    LossFn,
-    StepKind,
-    batch_tensors,
-    capture,
-    model_in_mode,
-    with_batch_tensors,
-)
+from fxpar.ir.capture import LossFn, capture
 from fxpar.ir.precision import MixedPrecision, check_policy
 from fxpar.ir.program import named_state
 from fxpar.optim import AdamW, Optimizer, check_optimizer
@@ -45,11 +41,10 @@ from fxpar.pipeline.auto import StagePlanner
 from fxpar.pipeline.meshes import StageMeshes, stage_meshes
 from fxpar.pipeline.sharded import stage_devices
 from fxpar.pipeline.steps import PassPlanner
-from fxpar.planning.plan import Plan, keeping_state, pipeline_of, plan_program
+from fxpar.planning.plan import Plan, pipeline_of, plan_program
 from fxpar.planning.problem import PlanOptions
 from fxpar.rules import RuleRegistry
 from fxpar.runtime.parallel import ParallelModel
-from fxpar.runtime.steps import CallInputs
 from fxpar.runtime.weights import check_sources
 from fxpar.sharding import Spec
 from fxpar.solvers.problem import IntraOpSolver
@@ -233,14 +228,13 @@ def compile(
             planner=stage_planner, intra_op=intra_op, check_batches=check_batches, init=init,
             mixed_precision=mixed_precision,
         )  # fmt: skip
-    program = capture(
-        model, example_inputs, loss_fn, example_targets=example_targets,
+    driver = Driver(
+        model, example_inputs, loss_fn, cluster, passes, example_targets=example_targets,
         mixed_precision=mixed_precision,
     )  # fmt: skip
-    plan = plan_program(program, cluster, passes=passes)
-    planner = _Planner(model, example_inputs, loss_fn, cluster, passes, mixed_precision)
+    step = driver.training_step()  # capture -> passes -> lower
     return ParallelModel(
-        plan, model, optimizer, device_mesh, check_batches=check_batches, planner=planner,
+        step, model, optimizer, device_mesh, steps=driver, check_batches=check_batches,
         batch=batch, init=init,
     )  # fmt: skip
 
@@ -326,47 +320,6 @@ def _compile_pipeline(
     )  # fmt: skip
     pipelined.stage_choice = choice
     return pipelined
-
-
-@dataclass(frozen=True)
-class _Planner:
-    """How a ParallelModel plans the steps it is asked for beyond the one compiled (see
-    :mod:`fxpar.runtime.steps`): capture again with the call's tensors (it keeps a reference
-    to ``model`` for that, and sets its train/eval mode while tracing; its weights are not
-    read), then run the same passes with every parameter and buffer pinned to its spec."""
-
-    model: nn.Module
-    example_inputs: Sequence[Any] | Mapping[str, Any]
-    loss_fn: LossFn | None
-    cluster: Cluster
-    passes: PassManager
-    mixed_precision: MixedPrecision | None = None
-
-    def plan_step(
-        self,
-        kind: StepKind,
-        training: bool,
-        batch: Sequence[torch.Tensor],
-        state: Mapping[str, Spec],
-    ) -> Plan:
-        count = len(batch_tensors(self.example_inputs))
-        inputs = with_batch_tensors(self.example_inputs, batch[:count])
-        with model_in_mode(self.model, training):
-            program = capture(
-                self.model, inputs, self.loss_fn, example_targets=batch[count:], step=kind,
-                mixed_precision=self.mixed_precision,
-            )  # fmt: skip
-        # A loss evaluation has no gradients to place: the solver chooses its activations.
-        passes = keeping_state(self.passes, state, solve=kind != "train")
-        return plan_program(program, self.cluster, passes=passes)
-
-    def plan_forward(self, training: bool, inputs: CallInputs, state: Mapping[str, Spec]) -> Plan:
-        with model_in_mode(self.model, training):
-            program = capture(
-                self.model, inputs, step="forward", mixed_precision=self.mixed_precision
-            )
-        passes = keeping_state(self.passes, state, solve=True)
-        return plan_program(program, self.cluster, passes=passes)
 
 
 def _device_mesh(cluster: Cluster) -> Any:

@@ -54,10 +54,9 @@ the same state, which is checked not to move (:mod:`.steps`).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -107,8 +106,8 @@ from fxpar.runtime.collectives import (
     ProcessGroupCommunicator,
 )
 from fxpar.runtime.fingerprint import check_same_model
-from fxpar.runtime.loop import clip_grad_norm_, one_step
-from fxpar.runtime.steps import call_inputs, forward_key
+from fxpar.runtime.lowered import call_inputs, forward_key
+from fxpar.runtime.trainer import Trainer
 from fxpar.runtime.weights import Piece, initial_pieces
 from fxpar.sharding import Spec, assemble
 
@@ -118,7 +117,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class PipelineModel:
+class PipelineModel(Trainer):
     """This rank's stage of a pipelined model (see the module docstring).
 
     Attributes:
@@ -295,7 +294,7 @@ class PipelineModel:
         self.parameters = {n: mine[n] for n in self.signature.parameters if n in held}
         self.buffers = {n: mine[n] for n in self.signature.buffers if n in held}
         self._trainable = [n for n in self.signature.gradients if n in self.parameters]
-        self._norm_counted = [n for n in self._trainable if self._counts_in_norm(n)]
+        self._norm_counted = {n for n in self._trainable if self._counts_in_norm(n)}
         self._gradient_dtype = next(
             (ir.require(placeholders[n], ir.ValueMeta).tensor.dtype for n in self._trainable),
             torch.float32,
@@ -344,34 +343,6 @@ class PipelineModel:
 
     # -- training -----------------------------------------------------------------------------
 
-    def step(
-        self,
-        *batch: torch.Tensor,
-        max_grad_norm: float | None = None,
-        accumulate: int = 1,
-        **named_batch: torch.Tensor,
-    ) -> torch.Tensor:
-        """One training step on the global batch (model inputs, then loss targets,
-        positionally or by name, the same on every rank and shaped like the example): the
-        pipelined forward and backward, then one optimizer update. Returns the loss of the
-        whole batch, on every rank.
-
-        ``max_grad_norm``: clip the gradients to this global norm first
-        (:meth:`clip_grad_norm_`). ``accumulate``: the batch is ``accumulate`` compiled batches
-        stacked on dim 0; each runs through the pipeline in turn (:meth:`backward` with
-        ``scale=1/accumulate``) before one update, which equals one step on the whole batch
-        for a loss that is a mean over equal pieces (the returned loss is the mean of the
-        pieces' losses).
-
-        Raises:
-            FxparError: ``accumulate`` is not a whole number of at least 1, or ``max_grad_norm``
-                is negative.
-            BatchError: the batch does not cut into ``accumulate`` compiled batches.
-        """
-        return one_step(
-            self, batch, named_batch, max_grad_norm=max_grad_norm, accumulate=accumulate
-        )
-
     def backward(
         self, *batch: torch.Tensor, scale: float = 1.0, **named_batch: torch.Tensor
     ) -> torch.Tensor:
@@ -410,28 +381,6 @@ class PipelineModel:
         if self._syncing or growing:
             self._sync_gradients()
         return loss.wait()
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Within the block, :meth:`backward` keeps each gradient unreduced instead of
-        reducing it over the stage's replicas, the holders of a tied weight and the stage
-        mesh (as DistributedDataParallel's ``no_sync`` does); the next :meth:`backward`
-        outside the block reduces the sum of all of them at once. Gradient accumulation then
-        communicates once per update (``step(accumulate=k)`` does this). A stage plan whose
-        gradients end smaller than they are made (fully sharded) still converts them in every
-        backward, so memory never grows."""
-        previous, self._syncing = self._syncing, False
-        try:
-            yield
-        finally:
-            self._syncing = previous
-
-    def _add_gradient(self, name: str, gradient: torch.Tensor) -> None:
-        parameter = self.parameters[name]
-        if parameter.grad is None:
-            parameter.grad = gradient
-        else:
-            parameter.grad.add_(gradient)
 
     def _sync_gradients(self) -> None:
         """Reduce every gradient kept unreduced (one conversion program and one all-reduce
@@ -521,20 +470,6 @@ class PipelineModel:
 
     __call__ = forward
 
-    def train(self, mode: bool = True) -> PipelineModel:
-        """Run later calls in train mode (or eval mode with False), as ``nn.Module.train``
-        does: dropout on, BatchNorm normalizing by each micro-batch and updating its running
-        statistics. The programs of the other mode are captured and cut at the same split
-        points on first use (:mod:`.steps`), over the same state."""
-        self.training = bool(mode)
-        return self
-
-    def eval(self) -> PipelineModel:
-        """Run later calls in eval mode: dropout off, BatchNorm normalizing by its running
-        statistics. :meth:`step` and :meth:`backward` still train (the model as it behaves in
-        eval mode), as PyTorch allows."""
-        return self.train(False)
-
     def _training_step(
         self, batch: Sequence[torch.Tensor], named: Mapping[str, torch.Tensor]
     ) -> tuple[StageStep, list[torch.Tensor], Callable[[], None] | None]:
@@ -565,46 +500,15 @@ class PipelineModel:
             self._steps[key] = step
         return step, tensors, checks[0] if checks else None
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Scale the accumulated gradients (the held parameters' ``.grad``) so that their
-        global norm is at most ``max_norm``, as :func:`torch.nn.utils.clip_grad_norm_` does on
-        one device for the whole model; returns the norm before clipping, the same on every
-        rank.
+    def _norm_weight(self, name: str) -> float:
+        """Every piece of every gradient is counted by exactly one rank: a tied weight by the
+        first stage holding it, a stage's gradients by its replica 0, a piece replicated over
+        axes of a stage mesh by the device at index 0 of those axes; pieces sharded over an
+        axis by each of its devices."""
+        return 1.0 if name in self._norm_counted else 0.0
 
-        The norm is exact over the whole model: every piece of every gradient is counted by
-        exactly one rank (a tied weight by the first stage holding it, a stage's gradients by
-        its replica 0, a piece replicated over axes of a stage mesh by the device at index 0 of
-        those axes; pieces sharded over an axis by each of its devices), and one all-reduce
-        over every rank adds the counted sums (takes their maximum for ``norm_type=inf``). A
-        collective: call it on every rank.
-
-        Raises:
-            FxparError: ``max_norm`` is negative or ``norm_type`` not positive.
-        """
-        self._sync_gradients()
-        counted = set(self._norm_counted)
-        pieces = [
-            (grad, 1.0 if name in counted else 0.0)
-            for name in self._trainable
-            if (grad := self.parameters[name].grad) is not None
-        ]
-        distributed = self._distributed and dist.get_world_size() > 1
-        return clip_grad_norm_(
-            pieces, max_norm, norm_type, dtype=self._gradient_dtype, distributed=distributed
-        )
-
-    def optimizer_step(self) -> None:
-        """Update this rank's parameters from their accumulated ``.grad``; copies of a tied
-        weight take identical updates, so they stay identical."""
-        self._sync_gradients()
-        self.optimizer.step()
-        self.steps += 1
-
-    def zero_grad(self) -> None:
-        """Forget the accumulated gradients (``.grad`` becomes None, and those kept
-        unreduced by :meth:`no_sync` are dropped)."""
+    def _forget_unsynced(self) -> None:
         self._unsynced.clear()
-        self.optimizer.zero_grad(set_to_none=True)
 
     def _run(
         self, step: StageStep, worker: StageWorker, tensors: Sequence[torch.Tensor], check: Any
@@ -666,67 +570,7 @@ class PipelineModel:
         pieces = self.pipeline.microbatches * self.pipeline.data_parallel
         return step.split.semantics.divisor(pieces)
 
-    # -- checkpoints ----------------------------------------------------------------------------
-
-    def save(self, path: str | os.PathLike[str], *, extra: object = None) -> None:
-        """Write a sharded checkpoint of this stage's parameters, buffers and optimizer state,
-        with the optimizer's hyperparameters, the step count, the random state and your
-        picklable ``extra`` (returned by :meth:`load`) (every rank writes its own pieces, under the
-        model's own names; see :mod:`fxpar.checkpoint`). It loads into any pipeline or
-        :class:`ParallelModel` of the same model, whatever its stages, mesh or plan. The save
-        is atomic: the previous checkpoint at ``path`` stays until every rank has written the
-        new one. A collective: call it on every rank."""
-        state = self._checkpoint_state(include_missing=False)
-        state.update(
-            checkpoint.object_entries(self.optimizer, extra, rank=self.rank, loading=False)
-        )
-        checkpoint.save(state, path, distributed=self._distributed)
-
-    def load(self, path: str | os.PathLike[str], *, strict: bool = True) -> Any:
-        """Read the entries this stage holds from a checkpoint written by :meth:`save` or by
-        :meth:`ParallelModel.save <fxpar.runtime.parallel.ParallelModel.save>`. With ``strict`` (the
-        default) the checkpoint must hold exactly the whole model's entries; ``strict=False``
-        loads those both have. Returns the ``extra`` given to :meth:`save` (None if none). A
-        collective.
-
-        Raises:
-            CheckpointError: as for :meth:`ParallelModel.load
-                <fxpar.runtime.parallel.ParallelModel.load>`.
-        """
-        state = self._checkpoint_state(include_missing=True)
-        state.update(checkpoint.object_entries(self.optimizer, None, rank=self.rank, loading=True))
-        expected = checkpoint.Entries(self.signature, self.optimizer_spec)
-        wanted = checkpoint.load(
-            state, path, distributed=self._distributed, expected=expected, strict=strict
-        )
-        self.steps = checkpoint.restore_progress(wanted, self.steps, self.random)
-        extra = checkpoint.restore_objects(wanted, self.optimizer, path)
-        if not self._distributed:  # plain tensors: loaded into copies
-            for key, value in wanted.items():
-                kind, _, rest = key.partition("/")
-                if kind == "model":
-                    self.parameters.get(rest, self.buffers.get(rest)).copy_(value)  # type: ignore[union-attr]
-                elif kind == "optimizer":
-                    name, _, slot = rest.rpartition("/")
-                    self.optimizer.state[self.parameters[name]][slot].copy_(value)
-        return extra
-
-    def _checkpoint_state(self, *, include_missing: bool) -> dict[str, Any]:
-        state: dict[str, Any] = checkpoint.progress_entries(self.steps, self.random)
-        for name, tensor in {**self.parameters, **self.buffers}.items():
-            state[f"model/{name}"] = self._wrap(name, tensor)
-        trainable = {name: self.parameters[name] for name in self._trainable}
-        state.update(
-            checkpoint.optimizer_entries(
-                trainable, self.optimizer, self.optimizer_spec, self._wrap,
-                include_missing=include_missing,
-            )
-        )  # fmt: skip
-        if not self._distributed:
-            state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
-        return state
-
-    def _wrap(self, name: str, local: torch.Tensor) -> Any:
+    def _as_dtensor(self, name: str, local: torch.Tensor) -> Any:
         if self._device_mesh is None:
             return local
         spec = self.sharded.specs[name] if self.sharded else (Replicate(),)

@@ -1,5 +1,5 @@
 """The stage programs a :class:`~fxpar.pipeline.PipelineModel` runs, one per kind of call and
-train/eval mode, as :mod:`fxpar.runtime.steps` keeps a ParallelModel's.
+train/eval mode, as the driver (:mod:`fxpar.driver`) keeps a ParallelModel's.
 
 A PipelineModel is built for the training step, captured in the mode the model was in. Asked
 for the step in the other mode (``eval()`` then ``step``, ``backward`` or ``loss``), on a batch
@@ -70,7 +70,7 @@ from fxpar.pipeline.split import SplitProgram, StageProgram, split_program
 from fxpar.planning.plan import Plan, keeping_state, plan_program
 from fxpar.runtime.batches import BatchSignature
 from fxpar.runtime.collectives import Communicator
-from fxpar.runtime.steps import CallInputs
+from fxpar.runtime.lowered import CallInputs
 from fxpar.sharding import Spec
 
 logger = logging.getLogger(__name__)

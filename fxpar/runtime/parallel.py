@@ -17,11 +17,10 @@ needs.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -32,41 +31,34 @@ from torch.distributed.tensor import Replicate, Shard
 
 from fxpar import checkpoint, ir
 from fxpar.cluster import Coordinate
-from fxpar.errors import BatchError, CheckpointError, FxparError
-from fxpar.ir.capture import StepKind, with_batch_tensors
+from fxpar.errors import BatchError, FxparError
+from fxpar.ir.capture import StepKind
 from fxpar.ir.program import named_state, state_dict_aliases
 from fxpar.ir.rng import RandomState
 from fxpar.lowering import conversion_program
 from fxpar.optim import Optimizer
-from fxpar.planning.plan import Plan
 from fxpar.runtime import fastcall
 from fxpar.runtime.batches import BatchSignature, check_same_batch, gather_rows, global_rows
 from fxpar.runtime.collectives import OneDeviceCommunicator, ProcessGroupCommunicator
 from fxpar.runtime.fingerprint import check_same_model
-from fxpar.runtime.loop import clip_grad_norm_, one_step
-from fxpar.runtime.steps import (
-    CompiledStep,
-    StepKey,
-    StepPlanner,
-    call_inputs,
-    forward_key,
-    step_key,
-)
+from fxpar.runtime.lowered import LoweredStep, StepSource, call_inputs
+from fxpar.runtime.trainer import Trainer
 from fxpar.runtime.weights import Piece, initial_pieces
 from fxpar.sharding import Spec, shard_tensor
 
 logger = logging.getLogger(__name__)
 
 
-class ParallelModel:
+class ParallelModel(Trainer):
     """This rank's share of a model compiled by :func:`fxpar.compile`.
 
     Besides the training step it runs the model's forward (``parallel(*inputs)``) and a
     forward-only loss (:meth:`loss`), in train or eval mode (:meth:`train`, :meth:`eval`), on
     batches of any shapes. Each such call is captured and planned on first sight, with every
     parameter and buffer kept in its layout, and that plan is kept for the next call of its
-    kind, mode and shapes (see :mod:`fxpar.runtime.steps`); ``plan``, ``spmd`` and
-    ``program`` are those of the training step last run.
+    kind, mode and shapes by the driver (see :mod:`fxpar.runtime.lowered`); ``plan``,
+    ``spmd`` and ``program`` are those of the training step last run. The loop, the mode and
+    checkpoints are :class:`~fxpar.runtime.trainer.Trainer`'s.
 
     Attributes:
         plan: the chosen plan (the same on every rank): strategies, costs, solver's answer.
@@ -80,24 +72,28 @@ class ParallelModel:
 
     def __init__(
         self,
-        plan: Plan,
+        step: LoweredStep,
         model: nn.Module,
         optimizer: Optimizer,
         device_mesh: Any,
         *,
         check_batches: bool = True,
-        planner: StepPlanner | None = None,
+        steps: StepSource | None = None,
         batch: str = "global",
         init: str | os.PathLike[str] | None = None,
     ) -> None:
+        """``step``: the lowered training step to start with; ``steps``: where the steps of
+        other kinds, modes and shapes come from (the driver; None: only ``step`` runs)."""
         if batch not in ("global", "local"):
             raise FxparError(f"batch must be 'global' or 'local', got {batch!r}")
+        plan = step.plan
         self.cluster = plan.cluster
         self.optimizer_spec = optimizer
         self.check_batches = check_batches
         self.batch = batch
         self._device_mesh = device_mesh
-        self._planner = planner
+        self._distributed = device_mesh is not None
+        self._source = steps
         self.rank = dist.get_rank() if device_mesh is not None else 0
         self.coordinate: Coordinate = self.cluster.coordinate(self.rank)
         self._communicator = (
@@ -106,15 +102,12 @@ class ParallelModel:
             else OneDeviceCommunicator()
         )
         self.training = model.training
-        first = CompiledStep.of(plan)
-        self._steps: dict[StepKey, CompiledStep] = {
-            step_key("train", self.training, first.batch.metas): first
-        }
-        self._adopt(first)
+        self._first_mode = self.training
+        self._adopt(step)
         self.signature = plan.program.signature
         names = self.signature.parameters + self.signature.buffers
-        self._state_specs = {name: first.specs[name] for name in names}
-        self._state_metas = {name: first.metas[name] for name in names}
+        self._state_specs = {name: step.specs[name] for name in names}
+        self._state_metas = {name: step.metas[name] for name in names}
 
         state = named_state(model)
         self._aliases = state_dict_aliases(model, names)
@@ -126,21 +119,21 @@ class ParallelModel:
         local = initial_pieces(model, names, pieces, init, distributed=device_mesh is not None)
         self.parameters = {name: local[name] for name in self.signature.parameters}
         self.buffers = {name: local[name] for name in self.signature.buffers}
-        self.trainable = [self.parameters[name] for name in self.signature.gradients]
+        self._trainable = list(self.signature.gradients)
+        self.trainable = [self.parameters[name] for name in self._trainable]
         self._gradient_index = {name: i for i, name in enumerate(self.signature.gradients)}
         self._gradient_dtype = next((p.dtype for p in self.trainable), torch.float32)
         self._pieces_checked = False
         self._syncing = True
         self._unsynced: dict[tuple[str, Spec], torch.Tensor] = {}
         """Gradients summed unreduced inside no_sync, by parameter and the spec they are in."""
-        self._deferred_steps: dict[int, CompiledStep] = {}
         self._conversions: dict[tuple[tuple[str, Spec], ...], fx.GraphModule] = {}
         self.optimizer = optimizer.build(self.trainable)
         self.random = RandomState.from_rank_zero(distributed=device_mesh is not None)
         """The generator the step's random ops draw from, the same on every rank."""
         self.steps = 0
 
-    def _adopt(self, step: CompiledStep) -> None:
+    def _adopt(self, step: LoweredStep) -> None:
         """Train by ``step`` (one of them per batch shape and mode)."""
         self._step = step
         self.plan = step.plan
@@ -161,26 +154,21 @@ class ParallelModel:
         accumulate: int = 1,
         **named_batch: torch.Tensor,
     ) -> torch.Tensor:
-        """One training step on the global batch: forward, backward, optimizer update.
+        """One training step (:meth:`Trainer.step <fxpar.runtime.trainer.Trainer.step>`).
 
-        The batch is given whole and identically on every rank (model inputs, then loss
-        targets, positionally or by name), shaped like the example it was compiled with; each
-        rank takes its own piece. Returns the loss, a scalar, the same on every rank.
-
-        ``max_grad_norm``: clip the gradients to this global norm first
-        (:meth:`clip_grad_norm_`). ``accumulate``: the batch is ``accumulate`` compiled batches
-        stacked on dim 0; each is run in turn (:meth:`backward` with ``scale=1/accumulate``)
-        before one update, which equals one step on the whole batch for a loss that is a mean
-        over equal pieces (the returned loss is the mean of the pieces' losses).
-        """
+        With ``batch="global"`` (the default) the batch is given whole and identically on
+        every rank, and each rank takes its own piece; with ``batch="local"`` each rank gives
+        its own rows (see :func:`fxpar.compile`), and with ``accumulate=k`` each rank's rows
+        are cut into ``k`` equal pieces, piece ``i`` of every rank together making the
+        ``i``-th accumulated batch."""
         checking = self._same_batch and accumulate != 1
         if checking:  # the whole batch once, rather than each piece
             tensors = [*batch, *named_batch.values()]
             check_same_batch([t for t in tensors if isinstance(t, torch.Tensor)], rank=self.rank)
         self._pieces_checked = checking
         try:
-            return one_step(
-                self, batch, named_batch, max_grad_norm=max_grad_norm, accumulate=accumulate
+            return super().step(
+                *batch, max_grad_norm=max_grad_norm, accumulate=accumulate, **named_batch
             )
         finally:
             self._pieces_checked = False
@@ -221,34 +209,11 @@ class ParallelModel:
             self._sync_gradients()
         return outputs[0]
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Within the block, :meth:`backward` keeps each gradient in the layout the backward
-        made it in instead of reducing it (as DistributedDataParallel's ``no_sync`` does), where
-        that takes no more memory than the parameter's layout; the next :meth:`backward` outside
-        the block reduces the sum of all of them at once. Gradient accumulation then
-        communicates once per update, not once per micro-batch (``step(accumulate=k)`` does
-        this for you). A plan whose gradients end smaller than they are made (fully sharded)
-        still reduce-scatters in every backward, so memory never grows."""
-        previous, self._syncing = self._syncing, False
-        try:
-            yield
-        finally:
-            self._syncing = previous
-
-    def _deferred(self, step: CompiledStep) -> CompiledStep:
+    def _deferred(self, step: LoweredStep) -> LoweredStep:
         """``step`` lowered with its gradients left where the backward made them."""
-        key = id(step)  # steps are kept for the model's life, so their ids stay theirs
-        if key not in self._deferred_steps:
-            self._deferred_steps[key] = CompiledStep.of(step.plan, defer_gradients=True)
-        return self._deferred_steps[key]
-
-    def _add_gradient(self, name: str, gradient: torch.Tensor) -> None:
-        parameter = self.trainable[self._gradient_index[name]]
-        if parameter.grad is None:
-            parameter.grad = gradient
-        else:
-            parameter.grad.add_(gradient)
+        if self._source is None:
+            return step
+        return self._source.deferred(step)
 
     def _sync_gradients(self) -> None:
         """Convert every gradient kept unreduced to its parameter's layout (one program of
@@ -274,37 +239,12 @@ class ParallelModel:
         for (name, _), gradient in zip(keys, converted, strict=True):
             self._add_gradient(name, gradient)
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Scale the accumulated gradients so that their global norm is at most ``max_norm``,
-        as :func:`torch.nn.utils.clip_grad_norm_` does on one device; returns the norm before
-        clipping, the same on every rank.
-
-        The norm is exact over the whole model: each rank sums its pieces, a piece that is
-        replicated over some mesh axes counts once for all its copies, and one all-reduce over
-        every rank adds the sums (a maximum for ``norm_type=inf``). A collective: call it on
-        every rank."""
-        self._sync_gradients()
-        pieces = [
-            (p.grad, 1.0 / self._copies(name))
-            for name, p in zip(self.signature.gradients, self.trainable, strict=True)
-            if p.grad is not None
-        ]
-        return clip_grad_norm_(
-            pieces, max_norm, norm_type, dtype=self._gradient_dtype,
-            distributed=self._device_mesh is not None,
-        )  # fmt: skip
-
-    def optimizer_step(self) -> None:
-        """Update the parameters from their accumulated gradients (this rank's pieces),
-        reducing first any kept unreduced by :meth:`no_sync`."""
-        self._sync_gradients()
-        self.optimizer.step()
-        self.steps += 1
-
-    def zero_grad(self) -> None:
-        """Forget the accumulated gradients (those kept unreduced too)."""
+    def _forget_unsynced(self) -> None:
         self._unsynced.clear()
-        self.optimizer.zero_grad(set_to_none=True)
+
+    def _norm_weight(self, name: str) -> float:
+        """A piece replicated over some mesh axes counts once for all its copies."""
+        return 1.0 / self._copies(name)
 
     def _copies(self, name: str) -> int:
         """How many ranks hold the same piece of parameter ``name``: the sizes of the mesh axes
@@ -348,14 +288,7 @@ class ParallelModel:
             inputs, named_inputs, check_ranks=self._same_batch, rank=self.rank
         )
         metas = self._global_metas(metas)
-        key = forward_key(self.training, call, metas)
-        step = self._steps.get(key)
-        if step is None:
-            shaped = with_batch_tensors(call, [_meta_tensor(m) for m in metas])
-            planner = self._planner_or_fail(key)
-            step = self._plan_new(
-                key, lambda kept: planner.plan_forward(self.training, shaped, kept)
-            )
+        step = self._source_or_fail("forward").forward(self.training, call, metas)
         outputs = self._run(step, self._pieces(step, tensors))
         leading = len(step.signature.outputs)
         for name, value in zip(step.signature.buffer_updates, outputs[leading:], strict=True):
@@ -372,18 +305,7 @@ class ParallelModel:
 
     __call__ = forward
 
-    def train(self, mode: bool = True) -> ParallelModel:
-        """Run later calls in train mode (or eval mode with False), as ``nn.Module.train``
-        does: dropout on, BatchNorm normalizing by the batch and updating its statistics."""
-        self.training = bool(mode)
-        return self
-
-    def eval(self) -> ParallelModel:
-        """Run later calls in eval mode: dropout off, BatchNorm using its running statistics.
-        :meth:`step` still trains (the model as it behaves in eval mode)."""
-        return self.train(False)
-
-    def _run(self, step: CompiledStep, batch: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    def _run(self, step: LoweredStep, batch: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """Run ``step``'s program on this rank; ``batch`` holds this rank's pieces."""
         signature = step.signature
         inputs = [self.parameters[n] for n in signature.parameters]
@@ -407,7 +329,7 @@ class ParallelModel:
 
     def _prepare(
         self, kind: StepKind, batch: tuple[torch.Tensor, ...], named: Mapping[str, torch.Tensor]
-    ) -> tuple[CompiledStep, list[torch.Tensor]]:
+    ) -> tuple[LoweredStep, list[torch.Tensor]]:
         """The step of ``kind`` for this batch (planned now if it is new) and this rank's
         pieces of the batch, after checking that it binds to the step's inputs and, with
         ``check_batches``, that every rank holds the same one (or same-shaped local rows)."""
@@ -415,7 +337,7 @@ class ParallelModel:
         if self.batch == "local":
             current = current.with_rows(self._world, local=True)
         given = current.given(batch, named)
-        if given is None or (self._planner is None and given != current.metas):
+        if given is None or (self._source is None and given != current.metas):
             current.take(batch, named, check_ranks=self._same_batch, rank=self.rank)
             raise AssertionError("take refuses a batch that given refused")  # pragma: no cover
         signature = BatchSignature(current.names, given)
@@ -426,16 +348,12 @@ class ParallelModel:
             defer=self._communicator.defer,
         )  # fmt: skip
         metas = self._global_metas(given)
-        key = step_key(kind, self.training, metas)
-        step = self._steps.get(key)
-        if step is None:
-            # Every rank plans a new shape only once all agree on the batch.
-            self._communicator.settle()
-            shaped = [_meta_tensor(meta) for meta in metas]
-            planner = self._planner_or_fail(key)
-            step = self._plan_new(
-                key, lambda kept: planner.plan_step(kind, self.training, shaped, kept)
-            )
+        if self._source is None and (kind, self.training) == ("train", self._first_mode):
+            return self._step, self._pieces(self._step, tensors)
+        # Every rank plans a new shape only once all agree on the batch.
+        step = self._source_or_fail(kind).step(
+            kind, self.training, metas, before_planning=self._communicator.settle
+        )
         return step, self._pieces(step, tensors)
 
     @property
@@ -469,7 +387,7 @@ class ParallelModel:
                 )
         return tuple(global_rows(meta, self._world) for meta in metas)
 
-    def _pieces(self, step: CompiledStep, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def _pieces(self, step: LoweredStep, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """This rank's piece of each batch tensor in the layout ``step`` wants. With
         ``batch="local"`` a tensor split on dim 0 over every mesh axis (rank order) is this
         rank's rows already; any other layout needs the whole tensor, gathered from every
@@ -486,7 +404,7 @@ class ParallelModel:
             pieces.append(self._piece(step, name, tensor))
         return pieces
 
-    def _piece(self, step: CompiledStep, name: str, full: torch.Tensor) -> torch.Tensor:
+    def _piece(self, step: LoweredStep, name: str, full: torch.Tensor) -> torch.Tensor:
         return shard_tensor(full, step.specs[name], self.cluster.mesh_shape, self.coordinate)
 
     def _output(
@@ -501,24 +419,14 @@ class ParallelModel:
             return local
         return checkpoint.dtensor(local, self._device_mesh, spec, meta.shape).full_tensor()
 
-    def _planner_or_fail(self, key: StepKey) -> StepPlanner:
-        if self._planner is None:
+    def _source_or_fail(self, kind: str) -> StepSource:
+        if self._source is None:
             raise FxparError(
-                f"this model was built without a planner, so it runs only the step it was "
-                f"compiled for, not a {key[0]} step in {'train' if key[1] else 'eval'} mode: "
-                "build it with fxpar.compile"
+                f"this model was built without a driver, so it runs only the step it was "
+                f"compiled for, not a {kind} step in {'train' if self.training else 'eval'} "
+                "mode: build it with fxpar.compile"
             )
-        return self._planner
-
-    def _plan_new(self, key: StepKey, plan: Callable[[dict[str, Spec]], Plan]) -> CompiledStep:
-        """Plan the step ``key`` names (``plan(kept)``, given the state's specs to keep), lower
-        it, check that no state moves, and keep it. Every rank plans together."""
-        step = CompiledStep.of(plan(dict(self._state_specs)))
-        mode = "train" if key[1] else "eval"
-        step.check_state(self._state_specs, f"a {key[0]} step in {mode} mode on {key[2]}")
-        logger.info("planned a %s step (%s mode) for %s", key[0], mode, key[2])
-        self._steps[key] = step
-        return step
+        return self._source
 
     # -- state --------------------------------------------------------------------------------
 
@@ -537,83 +445,11 @@ class ParallelModel:
         assert local is not None
         if self._device_mesh is None:
             return local.clone()
-        return self._dtensor(name, local).full_tensor()
-
-    def save(self, path: str | os.PathLike[str], *, extra: object = None) -> None:
-        """Write a sharded checkpoint (see :mod:`fxpar.checkpoint`): the parameters, buffers,
-        optimizer state and hyperparameters (the learning rate a scheduler set), step count and
-        random state, each rank writing its own pieces, and ``extra``, any picklable state of
-        yours (``{"scheduler": scheduler.state_dict(), "data": position}``), which :meth:`load`
-        returns. The save is atomic: the previous checkpoint at ``path`` stays until every rank
-        has written the new one. A collective: call it on every rank."""
-        distributed = self._device_mesh is not None
-        state = self._checkpoint_state(include_missing=False)
-        state.update(
-            checkpoint.object_entries(self.optimizer, extra, rank=self.rank, loading=False)
-        )
-        checkpoint.save(state, path, distributed=distributed)
-
-    def load(self, path: str | os.PathLike[str], *, strict: bool = True) -> Any:
-        """Read a checkpoint written by :meth:`save` (or by a :class:`PipelineModel` of the
-        same model), under this model's mesh and plan, which may differ from those it was
-        saved with. With ``strict`` (the default) the checkpoint must hold exactly this
-        model's entries; ``strict=False`` loads those both have. Returns the ``extra`` given
-        to :meth:`save` (None if none). A collective: call it on every rank.
-
-        Raises:
-            CheckpointError: no committed checkpoint at ``path``, a damaged one, another
-                model's (with ``strict``), or an entry of another shape.
-        """
-        distributed = self._device_mesh is not None
-        state = self._checkpoint_state(include_missing=True)
-        state.update(checkpoint.object_entries(self.optimizer, None, rank=self.rank, loading=True))
-        expected = checkpoint.Entries(self.signature, self.optimizer_spec)
-        wanted = checkpoint.load(
-            state, path, distributed=distributed, expected=expected, strict=strict
-        )
-        self.steps = checkpoint.restore_progress(wanted, self.steps, self.random)
-        extra = checkpoint.restore_objects(wanted, self.optimizer, path)
-        # Loads land in place in the local pieces (DTensors share their storage), except for
-        # the plain tensors, which are copied back here.
-        if not distributed:
-            for key, value in wanted.items():
-                if key.startswith(("model/", "optimizer/")):
-                    self._checkpoint_tensor(key).copy_(value)
-        return extra
-
-    def _checkpoint_state(self, *, include_missing: bool) -> dict[str, Any]:
-        state: dict[str, Any] = checkpoint.progress_entries(self.steps, self.random)
-        for name in self.signature.parameters + self.signature.buffers:
-            state[f"model/{name}"] = self._dtensor(name, self._checkpoint_tensor(f"model/{name}"))
-        trainable = dict(zip(self.signature.gradients, self.trainable, strict=True))
-        state.update(
-            checkpoint.optimizer_entries(
-                trainable, self.optimizer, self.optimizer_spec, self._dtensor,
-                include_missing=include_missing,
-            )
-        )  # fmt: skip
-        if self._device_mesh is None:
-            state = {
-                key: v.clone() if isinstance(v, torch.Tensor) else v for key, v in state.items()
-            }
-        return state
-
-    def _checkpoint_tensor(self, key: str) -> torch.Tensor:
-        kind, _, rest = key.partition("/")
-        if kind == "model":
-            return self.parameters.get(rest, self.buffers.get(rest))  # type: ignore[return-value]
-        if kind == "optimizer":
-            name, _, slot = rest.rpartition("/")
-            parameter = self.trainable[self.signature.gradients.index(name)]
-            return self.optimizer.state[parameter][slot]
-        raise CheckpointError(f"unexpected checkpoint entry {key!r}")
+        return self._as_dtensor(name, local).full_tensor()
 
     # -- layouts ------------------------------------------------------------------------------
 
-    def _local(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        return shard_tensor(full, self._state_specs[name], self.cluster.mesh_shape, self.coordinate)
-
-    def _dtensor(self, name: str, local: torch.Tensor) -> Any:
+    def _as_dtensor(self, name: str, local: torch.Tensor) -> Any:
         if self._device_mesh is None:
             return local
         return checkpoint.dtensor(
@@ -625,11 +461,6 @@ class ParallelModel:
             f"ParallelModel(rank {self.rank} at {self.coordinate} of {self.cluster}; "
             f"{len(self.parameters)} parameters, {self.steps} steps; {self.plan.summary()})"
         )
-
-
-def _meta_tensor(meta: ir.TensorMeta) -> torch.Tensor:
-    """A tensor of ``meta``'s shape and dtype with no storage, for capturing at that shape."""
-    return torch.empty(meta.shape, dtype=meta.dtype, device="meta")
 
 
 __all__ = ["ParallelModel"]

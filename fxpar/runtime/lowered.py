@@ -1,19 +1,20 @@
-"""The programs a :class:`~fxpar.runtime.parallel.ParallelModel` runs, one per kind of call.
+"""What the runtime receives from the driver: lowered steps, and where more of them come from.
 
 A compiled model runs more than the training step it was compiled for: a step on a batch of
 other shapes, a loss evaluation (forward and loss, no backward), the model's forward alone
-(inference), each in train or eval mode. Each is its own Program, captured and planned the
-first time it is asked for and kept under a :data:`StepKey`. Every such plan pins every
-parameter and buffer to the layout the training plan gave it, so the state never moves
-between programs: the same local pieces feed all of them.
+(inference), each in train or eval mode. Each is its own Program, captured, planned and lowered
+the first time it is asked for, by the driver (:class:`fxpar.driver.Driver`), which keeps it
+under a :data:`StepKey`. Every such plan pins every parameter and buffer to the layout the
+training plan gave it, so the state never moves between programs: the same local pieces feed
+all of them.
 
-The runtime does not know how plans are made; it asks a :class:`StepPlanner`, which
-:func:`fxpar.compile` builds from the model, the example and the pass pipeline.
+The runtime never plans or lowers: it holds a :class:`LoweredStep` and asks a
+:class:`StepSource` for the others.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -24,7 +25,7 @@ from fxpar import ir
 from fxpar.errors import FxparError
 from fxpar.ir.capture import StepKind, batch_tensors
 from fxpar.ir.program import Signature
-from fxpar.lowering import SPMDProgram, lower
+from fxpar.lowering import SPMDProgram
 from fxpar.planning.plan import Plan
 from fxpar.runtime.batches import BatchSignature
 from fxpar.sharding import Spec
@@ -38,45 +39,45 @@ CallInputs = Sequence[Any] | Mapping[str, Any]
 :func:`fxpar.capture` takes ``example_inputs``."""
 
 
-class StepPlanner(Protocol):
-    """Plans the steps a compiled model is asked for, keeping every parameter and buffer in
-    the spec ``state`` gives it (:func:`fxpar.compile` makes one)."""
+class StepSource(Protocol):
+    """Where a compiled model's steps come from (the driver, :class:`fxpar.driver.Driver`):
+    each lowered for this cluster with every parameter and buffer in the training plan's
+    layout, and kept for the next call of its kind, mode and shapes."""
 
-    def plan_step(
+    def step(
         self,
         kind: StepKind,
         training: bool,
-        batch: Sequence[torch.Tensor],
-        state: Mapping[str, Spec],
-    ) -> Plan:
-        """A ``"train"`` or ``"loss"`` step on ``batch`` (model inputs then loss targets, in
-        the compiled Program's order), traced in train or eval mode."""
+        metas: Sequence[ir.TensorMeta],
+        *,
+        before_planning: Callable[[], None],
+    ) -> LoweredStep:
+        """A ``"train"`` or ``"loss"`` step on a whole batch of ``metas`` (model inputs then
+        loss targets, in the compiled Program's order), traced in train or eval mode. Calls
+        ``before_planning`` first when the step is new (every rank plans it together)."""
         ...
 
-    def plan_forward(self, training: bool, inputs: CallInputs, state: Mapping[str, Spec]) -> Plan:
-        """The model's forward alone on ``inputs``, traced in train or eval mode."""
+    def forward(
+        self, training: bool, inputs: CallInputs, metas: Sequence[ir.TensorMeta]
+    ) -> LoweredStep:
+        """The model's forward alone on ``inputs`` (whole tensors of ``metas``)."""
+        ...
+
+    def deferred(self, step: LoweredStep) -> LoweredStep:
+        """``step`` lowered with its gradients left where the backward made them, where that
+        is no larger (:func:`fxpar.lowering.deferred_gradient_specs`)."""
         ...
 
 
 @dataclass(frozen=True)
-class CompiledStep:
+class LoweredStep:
     """One planned and lowered step: the plan, the per-rank programs, and the spec and shape
-    of each placeholder by name."""
+    of each placeholder by name (the driver makes them, :func:`fxpar.driver.lowered_step`)."""
 
     plan: Plan
     spmd: SPMDProgram
     specs: dict[str, Spec]
     metas: dict[str, ir.TensorMeta]
-
-    @staticmethod
-    def of(plan: Plan, *, defer_gradients: bool = False) -> CompiledStep:
-        """``plan`` lowered; with ``defer_gradients``, its gradients left where the backward
-        made them when that is no larger (:func:`fxpar.lowering.deferred_gradient_specs`)."""
-        spmd = lower(plan.program, plan.cluster, defer_gradients=defer_gradients)
-        placeholders = plan.program.placeholders()
-        specs = dict(zip(placeholders, spmd.input_specs, strict=True))
-        metas = {name: ir.require(n, ir.ValueMeta).tensor for name, n in placeholders.items()}
-        return CompiledStep(plan, spmd, specs, metas)
 
     @property
     def signature(self) -> Signature:
@@ -160,9 +161,9 @@ def forward_key(training: bool, inputs: CallInputs, metas: Sequence[ir.TensorMet
 
 __all__ = [
     "CallInputs",
-    "CompiledStep",
+    "LoweredStep",
     "StepKey",
-    "StepPlanner",
+    "StepSource",
     "call_inputs",
     "forward_key",
     "step_key",
