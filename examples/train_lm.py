@@ -144,7 +144,7 @@ def evaluate(parallel: fxpar.ParallelModel, held_out: torch.Tensor, rank: int, w
     share = held_out[: len(held_out) // world * world].chunk(world)[rank]
     parallel.eval()
     loss = parallel.loss(input_ids=share, labels=share)  # over every rank's share
-    logits = parallel(input_ids=share).logits  # a ModelOutput; every share's rows, in rank order
+    logits = parallel(input_ids=share).logits  # a ModelOutput of this rank's rows
     parallel.train()
     if rank == 0:
         guess = bytes(logits[0].argmax(-1).tolist()[-8:]).decode("utf-8", "replace")

@@ -2,7 +2,9 @@
 with a ``DistributedSampler`` gives them, and training equals single-device training on every
 rank's rows together (in rank order), whatever the plan: where the plan splits the batch over
 every device a rank's rows are its piece; elsewhere (tensor parallelism, a plan on two mesh
-axes) they are gathered first."""
+axes) they are gathered first. An eval forward returns the outputs of this rank's own rows,
+aligned with its inputs (as DDP does) and equal to eager PyTorch on them, whatever the plan,
+or every rank's with ``rows="global"``; a scalar output (a loss) comes whole."""
 
 from __future__ import annotations
 
@@ -49,7 +51,20 @@ def _single_device(world_size: int, per_rank: int) -> dict[str, Any]:
     losses, _ = train_eager(model, torch.optim.SGD(model.parameters(), lr=LR), batches)
     with torch.no_grad():
         logits = model.eval()(batches[0])
-    return {"losses": losses, "state": model.state_dict(), "logits": logits}
+        loss = gpt_loss(logits, batches[0])
+    return {"losses": losses, "state": model.state_dict(), "logits": logits, "loss": loss}
+
+
+class _LogitsAndLoss(GPT):
+    """A model whose forward returns a scalar beside its rows, as an HF model given labels."""
+
+    def forward(self, idx: torch.Tensor) -> dict[str, torch.Tensor]:  # type: ignore[override]
+        logits = super().forward(idx)
+        return {"logits": logits, "loss": gpt_loss(logits, idx)}
+
+
+def _logits_loss(output: dict[str, torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
+    return gpt_loss(output["logits"], targets)
 
 
 def _train(rank: int, world_size: int, plan: str, mesh: tuple[int, ...], per_rank: int) -> Any:
@@ -57,14 +72,18 @@ def _train(rank: int, world_size: int, plan: str, mesh: tuple[int, ...], per_ran
     first = next(iter(_loader(world_size, rank, per_rank)))[0]  # (iterating draws a seed)
     torch.manual_seed(0)
     parallel = fxpar.compile(
-        GPT(CONFIG), splitting_cluster(mesh), (first,), gpt_loss, example_targets=(first,),
-        optimizer=fxpar.optim.SGD(lr=LR), batch="local",
+        _LogitsAndLoss(CONFIG), splitting_cluster(mesh), (first,), _logits_loss,
+        example_targets=(first,), optimizer=fxpar.optim.SGD(lr=LR), batch="local",
         manual=None if plan == "ilp" else getattr(fxpar.plans, plan),
     )  # fmt: skip
     losses = [parallel.step(rows, rows).item() for (rows,) in _loader(world_size, rank, per_rank)]
     parallel.eval()
-    logits = parallel(first)  # this rank's rows in, every rank's outputs out
-    return {"losses": losses, "state": parallel.full_state_dict(), "logits": logits}
+    mine = parallel(first)  # this rank's rows in, the outputs of this rank's rows out
+    everyone = parallel(first, rows="global")
+    return {
+        "losses": losses, "state": parallel.full_state_dict(), "logits": mine["logits"],
+        "loss": mine["loss"], "global logits": everyone["logits"],
+    }  # fmt: skip
 
 
 @pytest.mark.slow
@@ -82,11 +101,15 @@ def test_local_batches_train_like_one_device(plan: str, mesh: tuple[int, ...]) -
     world_size = mesh[0] * (mesh[1] if len(mesh) > 1 else 1)
     per_rank = 8 // world_size
     expected = _single_device(world_size, per_rank)
-    for found in spawn(_train, world_size, plan, mesh, per_rank):
+    for rank, found in enumerate(spawn(_train, world_size, plan, mesh, per_rank)):
         assert found["losses"] == pytest.approx(expected["losses"], rel=1e-5)
         for name, value in expected["state"].items():
             torch.testing.assert_close(found["state"][name], value, rtol=1e-4, atol=1e-6)
-        torch.testing.assert_close(found["logits"], expected["logits"], rtol=1e-4, atol=1e-5)
+        own_rows = expected["logits"].chunk(world_size)[rank]
+        torch.testing.assert_close(found["logits"], own_rows, rtol=1e-4, atol=1e-5)
+        global_logits = found["global logits"]
+        torch.testing.assert_close(global_logits, expected["logits"], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(found["loss"], expected["loss"], rtol=1e-4, atol=1e-6)
 
 
 def _uneven(rank: int, world_size: int) -> None:
@@ -124,3 +147,22 @@ def test_one_process_local_batch_is_the_whole_batch() -> None:
     expected = _single_device(1, 8)
     found = _train(0, 1, "ilp", (1,), 8)
     assert found["losses"] == pytest.approx(expected["losses"], rel=1e-5)
+    torch.testing.assert_close(found["logits"], expected["logits"], rtol=1e-4, atol=1e-5)
+
+
+def test_rows_option_is_checked() -> None:
+    """rows='local' needs local batches and whole outputs; any other value is refused."""
+    tokens = _dataset()[:4]
+    compiled = {}
+    for batch in ("global", "local"):
+        compiled[batch] = fxpar.compile(
+            GPT(CONFIG), fxpar.Cluster((1,)), (tokens,), gpt_loss, example_targets=(tokens,),
+            batch=batch,
+        )  # fmt: skip
+    with pytest.raises(FxparError, match="for a model compiled with batch='local'"):
+        compiled["global"](tokens, rows="local")
+    with pytest.raises(FxparError, match="with gather=False"):
+        compiled["local"](tokens, rows="local", gather=False)
+    with pytest.raises(FxparError, match="'local' or 'global', got 'mine'"):
+        compiled["local"](tokens, rows="mine")
+    assert compiled["global"](tokens, rows="global").shape == (4, 8, CONFIG.vocab_size)

@@ -26,10 +26,12 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import Shard
 
 from fxpar import ir
 from fxpar.errors import BatchError, FxparError
 from fxpar.runtime import waiting
+from fxpar.sharding import Spec
 
 _DIGEST_BYTES = 32
 
@@ -187,6 +189,79 @@ def gather_rows(tensor: torch.Tensor, ranks: int, *, distributed: bool) -> torch
     return torch.cat(everyone)
 
 
+ROWS = ("local", "global")
+"""What ``ParallelModel.forward(..., rows=)`` returns: this rank's rows or every rank's."""
+
+
+@dataclass(frozen=True)
+class OwnRows:
+    """This rank's rows of a forward's outputs, under ``batch="local"``: each rank passed
+    ``n`` rows of every input (``sizes`` holds each input's ``n``), the forward ran on every
+    rank's rows together, in rank order, and each output tensor whose dim 0 is ``world * n``
+    rows is cut back to this rank's ``n``, aligned with its own inputs (as
+    DistributedDataParallel returns them). Other outputs (a scalar loss, a tensor without a
+    batch dimension) come whole, the same on every rank."""
+
+    rank: int
+    world: int
+    sizes: frozenset[int]
+
+    @classmethod
+    def of(
+        cls,
+        rows: str | None,
+        *,
+        batch: str,
+        gather: bool,
+        inputs: Sequence[torch.Tensor],
+        rank: int,
+        world: int,
+    ) -> OwnRows | None:
+        """How to cut ``forward(..., rows=rows, gather=gather)``'s outputs: an :class:`OwnRows`,
+        or None for whole outputs (``rows="global"``) and for DTensors (``gather=False``).
+        ``rows=None`` is ``"local"`` under ``batch="local"``, else ``"global"``.
+
+        Raises:
+            FxparError: ``rows`` is neither ``"local"`` nor ``"global"``, or is ``"local"``
+                with global batches or with ``gather=False``.
+        """
+        if rows is not None and rows not in ROWS:
+            raise FxparError(f"rows must be 'local' or 'global', got {rows!r}")
+        if rows == "local" and batch != "local":
+            raise FxparError(
+                "rows='local' returns the outputs of this rank's own rows, for a model compiled "
+                "with batch='local'; this one takes the whole batch on every rank and returns "
+                "the whole batch's outputs"
+            )
+        if rows == "local" and not gather:
+            raise FxparError(
+                "rows='local' cuts whole outputs to this rank's rows; with gather=False every "
+                "output is a DTensor of this rank's piece of the whole batch's output: pass "
+                "one or the other"
+            )
+        if not gather or (rows or batch) != "local":
+            return None
+        return cls(rank, world, frozenset(t.shape[0] for t in inputs if t.dim()))
+
+    def cut(
+        self,
+        local: torch.Tensor,
+        spec: Spec,
+        meta: ir.TensorMeta,
+        whole: Callable[[torch.Tensor, Spec, ir.TensorMeta, bool], torch.Tensor],
+    ) -> torch.Tensor:
+        """This rank's rows of an output whose piece on this rank is ``local``, laid out as
+        ``spec``; ``whole(local, spec, meta, True)`` gathers it whole. A collective when it
+        gathers (the same outputs gather on every rank)."""
+        if not meta.shape or int(meta.shape[0]) not in {n * self.world for n in self.sizes}:
+            return whole(local, spec, meta, True)
+        if self.world == 1:
+            return whole(local, spec, meta, True)
+        if all(isinstance(p, Shard) and p.dim == 0 for p in spec):
+            return local  # split over every device, in rank order: this rank's rows already
+        return whole(local, spec, meta, True).chunk(self.world)[self.rank].clone()
+
+
 def batch_digest(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """One row per tensor: a BLAKE2b digest of its dtype, shape and bytes (uint8, ``[n, 32]``)."""
     rows = [torch.zeros((0, _DIGEST_BYTES), dtype=torch.uint8)]
@@ -266,7 +341,9 @@ def _start_gather(
 
 
 __all__ = [
+    "ROWS",
     "BatchSignature",
+    "OwnRows",
     "batch_digest",
     "check_same_batch",
     "gather_rows",

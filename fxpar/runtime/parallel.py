@@ -38,7 +38,13 @@ from fxpar.ir.rng import RandomState
 from fxpar.lowering import conversion_program
 from fxpar.optim import Optimizer
 from fxpar.runtime import fastcall
-from fxpar.runtime.batches import BatchSignature, check_same_batch, gather_rows, global_rows
+from fxpar.runtime.batches import (
+    BatchSignature,
+    OwnRows,
+    check_same_batch,
+    gather_rows,
+    global_rows,
+)
 from fxpar.runtime.collectives import OneDeviceCommunicator, ProcessGroupCommunicator
 from fxpar.runtime.fingerprint import check_same_model
 from fxpar.runtime.lowered import LoweredStep, StepSource, call_inputs
@@ -269,7 +275,9 @@ class ParallelModel(Trainer):
         finally:
             self.random.state = state
 
-    def forward(self, *inputs: Any, gather: bool = True, **named_inputs: Any) -> Any:
+    def forward(
+        self, *inputs: Any, gather: bool = True, rows: str | None = None, **named_inputs: Any
+    ) -> Any:
         """Run the model's forward alone and return its output, as ``model(*inputs)`` would:
         a tensor, a tuple, a dict or a Hugging Face ``ModelOutput``, with the same structure.
 
@@ -282,11 +290,17 @@ class ParallelModel(Trainer):
 
         ``gather``: return whole tensors (the default), the same on every rank; with False,
         each output tensor is a ``DTensor`` of this rank's piece on the job's device mesh (a
-        plain tensor on one device). A collective: call it on every rank.
+        plain tensor on one device). ``rows``, with ``batch="local"``: ``"local"`` (the
+        default) returns, of each output whose dim 0 is the batch's rows, this rank's rows
+        only, aligned with its own inputs (as DistributedDataParallel does); ``"global"``
+        returns every rank's rows, in rank order (see :class:`~fxpar.runtime.batches.OwnRows`).
+        A collective: call it on every rank.
         """
         call, tensors, metas = call_inputs(
             inputs, named_inputs, check_ranks=self._same_batch, rank=self.rank
         )
+        own = OwnRows.of(rows, batch=self.batch, gather=gather, inputs=tensors, rank=self.rank,
+                         world=self._world)  # fmt: skip
         metas = self._global_metas(metas)
         step = self._source_or_fail("forward").forward(self.training, call, metas)
         outputs = self._run(step, self._pieces(step, tensors))
@@ -297,6 +311,8 @@ class ParallelModel(Trainer):
         assert tree is not None
         results = [
             self._output(local, spec, meta, gather)
+            if own is None
+            else own.cut(local, spec, meta, self._output)
             for local, spec, meta in zip(
                 outputs[:leading], step.leading_specs, step.plan.program.output_metas(), strict=True
             )
