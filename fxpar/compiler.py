@@ -171,9 +171,12 @@ def compile(
             left as it is.
         cluster: the device mesh and what its devices can do; its size must equal the world
             size.
-        example_inputs, loss_fn, example_targets: as for :func:`fxpar.capture`. Batches given
-            to :meth:`ParallelModel.step` must have the same shapes.
-        optimizer: :class:`fxpar.optim.AdamW` (the default) or :class:`fxpar.optim.SGD`.
+        example_inputs, loss_fn, example_targets: as for :func:`fxpar.capture`. The step is
+            planned for the example's shapes; a batch of other shapes (a short last batch,
+            another sequence length) is planned the first time it comes, with the state kept
+            in its layout (docs/training.md).
+        optimizer: :class:`fxpar.optim.AdamW` or :class:`fxpar.optim.SGD`; without it,
+            ``fxpar.optim.AdamW(lr=1e-3)`` (torch's AdamW defaults otherwise).
         passes, solver, manual, pins, options, rules: how to choose the plan, as for
             :func:`fxpar.plan`. A solver runs on rank 0 only and its answer is broadcast, so
             every rank lowers the same plan (:func:`fxpar.passes.for_compile`).
@@ -186,7 +189,9 @@ def compile(
             default ``num_replicas`` and ``rank`` gives it); the batch trained on is every
             rank's rows concatenated in rank order. Where the plan splits a batch tensor on
             dim 0 over every mesh axis, a rank's rows are its piece and nothing moves;
-            otherwise the rows are all-gathered first. Not for pipelines.
+            otherwise the rows are all-gathered first. A forward (``parallel(...)``) then
+            returns the outputs of this rank's rows (``rows="global"``: every rank's). Not
+            for pipelines.
         pipeline: run the step as a synchronous pipeline instead (see
             :class:`fxpar.pipeline.Pipeline` and docs/pipelines.md): returns a
             :class:`~fxpar.pipeline.PipelineModel`. On a cluster of mesh ``(K, *stage_mesh)``

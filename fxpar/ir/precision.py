@@ -14,8 +14,10 @@ it returns already computes in those dtypes and nothing downstream needs to know
   to the master's dtype (:attr:`~fxpar.ir.CastRole.FROM_REDUCE`, which takes no partial sum):
   whichever plan the solver picks, a gradient is summed over devices in ``reduce_dtype``;
 - floating-point model inputs are cast to ``param_dtype`` (``cast_forward_inputs``), floating
-  outputs of the model to ``output_dtype`` when one is given, and the loss is returned in
-  float32;
+  outputs of the model to ``output_dtype`` when one is given, and the loss is returned as a
+  float32 tensor (its value as precise as the dtype it was computed in: a loss computed in
+  ``param_dtype``, such as one a Hugging Face model computes itself from its logits, is
+  bf16-rounded);
 - buffers keep their dtype, and so do the parameters of a module that holds floating-point
   buffers (BatchNorm's weight and bias beside its running statistics): as under
   ``torch.autocast`` on CPU, normalization with statistics runs with float32 affine
@@ -50,8 +52,9 @@ class MixedPrecision:
         param_dtype: the dtype the forward and backward compute in.
         reduce_dtype: the dtype gradients are summed over devices in; None: ``param_dtype``
             (as FSDP2).
-        output_dtype: cast the model's floating-point outputs to this dtype (float32 to
-            compute the loss in float32); None leaves them in ``param_dtype``.
+        output_dtype: cast the model's floating-point outputs to this dtype (float32 for
+            ``loss_fn`` to compute the loss in float32; a loss the model computes inside its
+            forward stays in ``param_dtype``); None leaves them in ``param_dtype``.
         cast_forward_inputs: cast floating-point model inputs to ``param_dtype`` (loss
             targets are left alone).
     """
