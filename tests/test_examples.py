@@ -1,7 +1,9 @@
 """The documented torchrun launches work: examples/train_gpt.py trains on 2 processes, saves
 step checkpoints, and a stopped run resumes to the loss of an uninterrupted one (under the same
 or another mesh); examples/train_lm.py, a whole LLM training loop, ends where single-device
-PyTorch does; README's torchrun snippet runs as written."""
+PyTorch does; examples/train_bert.py, a bf16 BERT fine-tuning loop with eval accuracy, follows
+single-device PyTorch to bf16 rounding and resumes exactly; README's torchrun snippet runs as
+written."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -163,3 +166,125 @@ def test_train_lm_equals_one_device_and_resumes(tmp_path: Path) -> None:
                           script=LM_EXAMPLE)  # fmt: skip
     (moved,) = re.findall(r"final loss (\d+\.\d+) at step 16", elsewhere)
     assert float(moved) == pytest.approx(expected, rel=1e-5)
+
+
+BERT_EXAMPLE = EXAMPLE.with_name("train_bert.py")
+
+
+def _example_module(path: Path) -> Any:
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _bert_one_device(
+    steps: int, eval_every: int, lr: float, rows: int = 8, world: int = 2
+) -> dict[str, Any]:
+    """examples/train_bert.py's loop on one device, in plain PyTorch with bf16 compute on
+    float32 masters (fxpar.MixedPrecision's arithmetic): each update's two micro-batches are
+    every rank's first half, then every rank's second half, of its rows, in rank order."""
+    example = _example_module(BERT_EXAMPLE)
+    train_set, held_out = example.dataset(512, seed=1), example.dataset(128, seed=2)
+    samplers = [
+        DistributedSampler(
+            train_set, num_replicas=world, rank=r, shuffle=True, seed=0, drop_last=True
+        )
+        for r in range(world)
+    ]
+    torch.manual_seed(0)
+    model = transformers.BertForSequenceClassification(example.config())
+    masters = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    optimizer = torch.optim.AdamW(masters.values(), lr=lr, weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, example.warmup_then_decay(warmup=max(1, steps // 10), total=steps)
+    )
+
+    def loss_of(
+        ids: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        computed = {name: p.to(torch.bfloat16) for name, p in masters.items()}
+        inputs = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+        output = torch.func.functional_call(model, (computed, buffers), (), inputs)
+        return output.loss.float(), output.logits
+
+    result: dict[str, Any] = {"losses": [], "evals": []}
+    done, epoch = 0, 0
+    while done < steps:
+        loaders = []
+        for sampler in samplers:
+            sampler.set_epoch(epoch)
+            loaders.append(DataLoader(train_set, batch_size=rows * 2, sampler=sampler,
+                                      drop_last=True))  # fmt: skip
+        for per_rank in zip(*loaders, strict=True):
+            losses = []
+            for micro in range(2):
+                batch = [
+                    torch.cat([t.chunk(2)[micro] for t in ts]) for ts in zip(*per_rank, strict=True)
+                ]
+                loss, _ = loss_of(*batch)
+                (loss / 2).backward()
+                losses.append(loss.item())
+            torch.nn.utils.clip_grad_norm_(masters.values(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+            done += 1
+            result["losses"].append(sum(losses) / 2)
+            if done % eval_every == 0:
+                model.eval()
+                with torch.no_grad():
+                    loss, logits = loss_of(*held_out.tensors)
+                model.train()
+                right = (logits.argmax(-1) == held_out.tensors[2]).float().mean().item()
+                result["evals"].append((loss.item(), right))
+            if done == steps:
+                break
+        epoch += 1
+    return result
+
+
+def _bert_run(output: str) -> dict[str, Any]:
+    return {
+        "losses": {
+            int(s): float(x) for s, x in re.findall(r"step +(\d+)  loss (\d+\.\d+)", output)
+        },
+        "evals": [
+            (float(loss), float(right))
+            for loss, right in re.findall(r"held-out loss (\d+\.\d+)  accuracy (\d+\.\d+)", output)
+        ],
+        "final": re.findall(r"final loss (\d+\.\d+) at step (\d+)", output),
+    }
+
+
+def test_train_bert_equals_one_device_and_resumes(tmp_path: Path) -> None:
+    """The BERT fine-tuning loop (local batches from a DistributedSampler, bf16 compute,
+    accumulation, clipping, AdamW with warmup and decay, eval loss and accuracy from this
+    rank's rows, step checkpoints) on 2 processes follows the same loop on one device, to bf16
+    rounding: each rank computes its half in bf16 where one device computes the whole. A run
+    killed after its step-4 checkpoint and started again ends exactly as the uninterrupted run."""
+    common = ("--steps", "8", "--save-every", "4", "--log-every", "1", "--lr", "3e-3")
+    output = _torchrun(*common, "--eval-every", "4", "--checkpoint", str(tmp_path / "a"),
+                       script=BERT_EXAMPLE)  # fmt: skip
+    whole = _bert_run(output)
+    expected = _bert_one_device(steps=8, eval_every=4, lr=3e-3)
+    assert sorted(whole["losses"]) == list(range(1, 9))
+    found = [whole["losses"][step] for step in range(1, 9)]
+    torch.testing.assert_close(found, expected["losses"], rtol=2e-2, atol=0.0)
+    assert len(whole["evals"]) == 2
+    for (loss, right), (loss_1, right_1) in zip(whole["evals"], expected["evals"], strict=True):
+        assert loss == pytest.approx(loss_1, rel=2e-2)
+        assert abs(right - right_1) <= 2 / 128  # a near tie may round either way
+
+    killed = tmp_path / "b"  # as a run killed after its step-4 checkpoint leaves it
+    shutil.copytree(tmp_path / "a", killed)
+    shutil.rmtree(killed / "step-000008")
+    # Without evaluations (they change nothing, and planning them takes time).
+    output = _torchrun(*common, "--eval-every", "0", "--checkpoint", str(killed),
+                       script=BERT_EXAMPLE)  # fmt: skip
+    assert "resumed at step 4" in output
+    resumed = _bert_run(output)
+    assert resumed["losses"] == {step: whole["losses"][step] for step in range(5, 9)}
+    assert resumed["final"] == whole["final"]
