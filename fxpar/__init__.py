@@ -30,8 +30,8 @@ from fxpar.ir.precision import MixedPrecision
 from fxpar.ir.program import Program, Signature, StepResult
 from fxpar.ir.verify import verify
 from fxpar.lowering import lower
+from fxpar.passes import manual as plans
 from fxpar.pipeline import Pipeline, PipelineModel
-from fxpar.planning import manual as plans
 from fxpar.planning import plan_file as plan_io
 from fxpar.planning.plan import Plan
 from fxpar.planning.problem import PlanOptions

@@ -31,9 +31,8 @@ from fxpar.errors import FxparError
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.models.corpus import batches, corpus_tokens
 from fxpar.models.shapes import GPT2_SHAPES, LLAMA_LAYERS, llama
-from fxpar.passes import PassManager, default_pipeline
+from fxpar.passes import PassManager, default_pipeline, plan_program
 from fxpar.pipeline import Pipeline, plan_stages
-from fxpar.planning.plan import plan_program
 from fxpar.planning.problem import PlanOptions
 from fxpar.runtime.calibration import Calibration, measure
 from fxpar.runtime.launch import spawn

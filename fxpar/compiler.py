@@ -35,13 +35,13 @@ from fxpar.ir.capture import LossFn, capture
 from fxpar.ir.precision import MixedPrecision, check_policy
 from fxpar.ir.program import named_state
 from fxpar.optim import AdamW, Optimizer, check_optimizer
-from fxpar.passes import ManualPlan, PassManager, for_compile
+from fxpar.passes import ManualPlan, PassManager, for_compile, passes_for, plan_program
 from fxpar.pipeline import Pipeline, PipelineModel, plan_stages
 from fxpar.pipeline.auto import StagePlanner
 from fxpar.pipeline.meshes import StageMeshes, stage_meshes
 from fxpar.pipeline.sharded import stage_devices
 from fxpar.pipeline.steps import PassPlanner
-from fxpar.planning.plan import Plan, pipeline_of, plan_program
+from fxpar.planning.plan import Plan
 from fxpar.planning.problem import PlanOptions
 from fxpar.rules import RuleRegistry
 from fxpar.runtime.parallel import ParallelModel
@@ -78,7 +78,7 @@ def plan(
     spec they must have, e.g. ``{"*.mlp.fc.weight": (Shard(0),)}``. ``mixed_precision``
     (:class:`fxpar.MixedPrecision`) is applied at capture: the plan computes in its dtypes.
     """
-    passes = pipeline_of(
+    passes = passes_for(
         passes, solver=solver, manual=manual, options=options, rules=rules, pins=pins
     )
     program = capture(
@@ -207,7 +207,7 @@ def compile(
     optimizer = check_optimizer(optimizer if optimizer is not None else AdamW())
     mixed_precision = check_policy(mixed_precision)
     intra_op = any(value is not None for value in (passes, solver, manual, pins, options, rules))
-    passes = pipeline_of(
+    passes = passes_for(
         passes, solver=solver, manual=manual, options=options, rules=rules, pins=pins
     )
     passes = for_compile(passes, optimizer_states=optimizer.state_copies)

@@ -38,8 +38,8 @@ from fxpar.ir.capture import (
 from fxpar.ir.precision import MixedPrecision
 from fxpar.ir.program import Program
 from fxpar.lowering import lower
-from fxpar.passes import PassManager
-from fxpar.planning.plan import Plan, keeping_state, plan_program
+from fxpar.passes import PassManager, keeping_state, plan_program
+from fxpar.planning.plan import Plan
 from fxpar.runtime.lowered import CallInputs, LoweredStep, StepKey, forward_key, step_key
 from fxpar.sharding import Spec
 

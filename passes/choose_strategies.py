@@ -32,6 +32,7 @@ from fxpar.errors import FxparError
 from fxpar.ir.program import Program
 from fxpar.passes.base import Pass
 from fxpar.passes.remat import recompute_in_backward, saved_bytes_by_layer
+from fxpar.planning.plan import ChosenStrategies
 from fxpar.planning.plan_file import apply_plan, read_plan
 from fxpar.planning.problem import (
     Layout,
@@ -48,17 +49,6 @@ from fxpar.solvers.problem import IntraOpProblem, IntraOpSolution, IntraOpSolver
 
 ManualPlan = Callable[[Program, Cluster], Program]
 """A hand-written plan: annotates every node of a Program with its strategy for a cluster."""
-
-
-@dataclass(frozen=True)
-class ChosenStrategies:
-    """The choice a ``choose-strategies`` pass made, as plain data: the problem it was chosen
-    from, the answer, the map from problem nodes to graph nodes and the options used."""
-
-    problem: IntraOpProblem
-    solution: IntraOpSolution
-    layout: Layout
-    options: PlanOptions
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,7 @@ from test_manual_plans_zoo import ZOO
 
 import fxpar
 from fxpar import plans
-from fxpar.passes import default_pipeline
-from fxpar.planning.plan import keeping_state, plan_program
+from fxpar.passes import default_pipeline, keeping_state, plan_program
 from fxpar.testing import assert_equivalent
 from fxpar.testing.strategies import splitting_cluster
 

@@ -20,8 +20,7 @@ from fxpar import plans
 from fxpar.errors import FxparError
 from fxpar.ir.precision import kept_in_own_dtype
 from fxpar.models import GPT, GPTConfig, gpt_loss
-from fxpar.passes import default_pipeline
-from fxpar.planning.plan import plan_program
+from fxpar.passes import default_pipeline, plan_program
 from fxpar.planning.report import report_data
 from fxpar.runtime.launch import spawn
 from tests.zoo import CNN

@@ -13,7 +13,8 @@ from fxpar.cluster import Cluster, GiB
 from fxpar.errors import FxparError, SymbolicShapeError
 from fxpar.lowering import lower
 from fxpar.models import GPT, GPTConfig, gpt_loss
-from fxpar.planning.plan import Plan, plan_program, score
+from fxpar.passes import plan_program
+from fxpar.planning.plan import Plan, score
 from fxpar.planning.problem import PlanOptions, build_problem
 from fxpar.rules import default_rules, op_call
 from fxpar.sharding import Sharding

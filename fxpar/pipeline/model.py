@@ -71,6 +71,7 @@ from fxpar.ir.capture import LossFn, batch_tensors, capture, with_batch_tensors
 from fxpar.ir.precision import MixedPrecision
 from fxpar.ir.program import Program, named_state, state_dict_aliases
 from fxpar.ir.rng import RandomState
+from fxpar.lowering.collective_calls import Communicator
 from fxpar.optim import AdamW, Optimizer, check_optimizer
 from fxpar.passes import default_pipeline, for_compile
 from fxpar.passes.canonicalize import Canonicalize
@@ -100,11 +101,7 @@ from fxpar.pipeline.steps import (
 from fxpar.planning.plan import Plan
 from fxpar.runtime import waiting
 from fxpar.runtime.batches import BatchSignature
-from fxpar.runtime.collectives import (
-    Communicator,
-    OneDeviceCommunicator,
-    ProcessGroupCommunicator,
-)
+from fxpar.runtime.communicators import OneDeviceCommunicator, ProcessGroupCommunicator
 from fxpar.runtime.fingerprint import check_same_model
 from fxpar.runtime.lowered import call_inputs, forward_key
 from fxpar.runtime.trainer import Trainer

@@ -40,12 +40,12 @@ from fxpar import ir
 from fxpar.cluster import Cluster, Coordinate
 from fxpar.errors import LoweringError
 from fxpar.lowering import CollectiveRecord, conversion_program, lower_graph, value_spec
+from fxpar.lowering.collective_calls import Communicator
 from fxpar.pipeline.meshes import StageMeshes
 from fxpar.pipeline.options import PipelineError
 from fxpar.pipeline.reshard import Crossing, StageSide, crossing
 from fxpar.pipeline.split import SplitProgram, StageProgram, Value
 from fxpar.runtime import fastcall
-from fxpar.runtime.collectives import Communicator
 from fxpar.sharding import Spec, local_shape, replicated, shard_tensor
 
 
@@ -324,11 +324,4 @@ def stage_devices(cluster: Cluster, num_stages: int) -> Cluster:
             f"({num_stages}, *stage_mesh), whose first axis is the stages; got "
             f"{cluster.mesh_shape}"
         )
-    return dataclasses.replace(
-        cluster,
-        mesh_shape=cluster.mesh_shape[1:],
-        axis_names=cluster.axis_names[1:],
-        bandwidth=cluster.bandwidth[1:],
-        latency=cluster.latency[1:],
-        memory=cluster.memory * num_stages,
-    )
+    return cluster.submesh(cluster.mesh_shape[1:])

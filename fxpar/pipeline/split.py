@@ -53,11 +53,11 @@ from fxpar.errors import LoweringError
 from fxpar.ir.program import Program, StepResult
 from fxpar.ir.rng import RandomDraw, draw_all
 from fxpar.lowering import value_spec
+from fxpar.lowering.collective_calls import Communicator
 from fxpar.pipeline.options import PipelineError
 from fxpar.pipeline.partition import Half, Partition, Unit
 from fxpar.pipeline.semantics import LossDenominator, PipelineSemantics, pipeline_semantics
 from fxpar.runtime import fastcall
-from fxpar.runtime.collectives import Communicator
 from fxpar.sharding import Sharding, Spec, Strategy
 
 aten = torch.ops.aten

@@ -57,7 +57,8 @@ from fxpar.ir.capture import LossFn, batch_tensors, capture, model_in_mode, with
 from fxpar.ir.precision import MixedPrecision
 from fxpar.ir.program import Program
 from fxpar.lowering import value_spec
-from fxpar.passes import PassManager
+from fxpar.lowering.collective_calls import Communicator
+from fxpar.passes import PassManager, keeping_state, plan_program
 from fxpar.passes.canonicalize import Canonicalize
 from fxpar.pipeline.executor import StageWorker
 from fxpar.pipeline.meshes import Shape, StageMeshes, plan_each
@@ -67,9 +68,8 @@ from fxpar.pipeline.reshard import Crossing, StageSide
 from fxpar.pipeline.schedule import StageSchedule, forward_only, simulate
 from fxpar.pipeline.sharded import ShardedStage, neighbour_sides, shard_stage
 from fxpar.pipeline.split import SplitProgram, StageProgram, split_program
-from fxpar.planning.plan import Plan, keeping_state, plan_program
+from fxpar.planning.plan import Plan
 from fxpar.runtime.batches import BatchSignature
-from fxpar.runtime.collectives import Communicator
 from fxpar.runtime.lowered import CallInputs
 from fxpar.sharding import Spec
 

@@ -39,7 +39,7 @@ from fxpar.lowering import conversion_program
 from fxpar.optim import Optimizer
 from fxpar.runtime import fastcall
 from fxpar.runtime.batches import BatchSignature, check_same_batch, gather_rows, global_rows
-from fxpar.runtime.collectives import OneDeviceCommunicator, ProcessGroupCommunicator
+from fxpar.runtime.communicators import OneDeviceCommunicator, ProcessGroupCommunicator
 from fxpar.runtime.fingerprint import check_same_model
 from fxpar.runtime.lowered import LoweredStep, StepSource, call_inputs
 from fxpar.runtime.trainer import Trainer

@@ -26,8 +26,9 @@ from collections.abc import Sequence
 from fxpar import ir
 from fxpar.cluster import Cluster
 from fxpar.ir.program import Program, require_concrete_shapes
-from fxpar.passes import RulesUsed, default_pipeline
+from fxpar.passes.default import default_pipeline
 from fxpar.planning import propagate as chosen
+from fxpar.planning.plan import RulesUsed
 from fxpar.planning.propagate import COLUMN, ROW, SpecChooser, propagate
 from fxpar.rules import RuleRegistry
 from fxpar.sharding import Sharding, Strategies
