@@ -35,16 +35,16 @@ stage. Costs are cached per (atom range, stage mesh shape); data-parallel replic
 shape's number of devices ``d``.
 
 **Intra-op plans inside stages** (``stage_planner``, which :func:`fxpar.compile` passes when a
-solver, pins, options or rules are given with ``stages="auto"``). Then a stage runs an intra-op
-plan on its own stage mesh, and the costs come from that plan. A stage mesh is a shape: ``(d,)``,
-``d`` consecutive ranks with the links of the innermost mesh axis that holds them, or on a 2-D
-cluster ``(r, C)``, ``r`` whole rows of ``C`` devices, each axis with the links of the cluster
-axis it runs along (:meth:`Cluster.submesh <fxpar.cluster.Cluster.submesh>`). For every
-distinct shape, the whole step is planned once on that mesh (``stage_planner(program,
-stage_mesh)``, the ILP by default), and the plan is read the way the plan report reads it (:func:`fxpar.planning.report.walk`): per node,
+solver, pins, options or rules are given with ``stages="auto"``). Then a stage runs an intra-op plan
+on its own stage mesh, and the costs come from that plan. A stage mesh is a shape: ``(d,)``, ``d``
+consecutive ranks with the links of the innermost mesh axis that holds them, or on a 2-D cluster
+``(r, C)``, ``r`` whole rows of ``C`` devices, each axis with the links of the cluster axis it runs
+along (:meth:`Cluster.submesh <fxpar.cluster.Cluster.submesh>`). For every distinct shape, the whole
+step is planned once on that mesh (``stage_planner(program, stage_mesh)``, the ILP by default), and
+the plan is read the way the plan report reads it (:func:`fxpar.planning.report.walk`): per node,
 its roofline seconds under its strategy and the collectives it runs, with the bytes each device
-holds of every value. Layers ``[i, j)`` then cost, per micro-batch (``1/M`` of the planned
-step's work, assumed linear in the batch as above):
+holds of every value. Layers ``[i, j)`` then cost, per micro-batch (``1/M`` of the planned step's
+work, assumed linear in the batch as above):
 
     time   = (T_fwd + T_bwd + [remat] T_fwd + C) / M + C_grad / M + sends of local bytes
     static = (2 + optimizer_states) G_local + S_local   (+ [remat] A_saved_local / M)
