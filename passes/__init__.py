@@ -15,6 +15,7 @@ from fxpar.passes.choose_strategies import (
     SolveStrategies,
 )
 from fxpar.passes.default import (
+    default_passes,
     default_pipeline,
     for_compile,
     keeping_state,
@@ -42,6 +43,7 @@ __all__ = [
     "RulesUsed",
     "SolveStrategies",
     "Verify",
+    "default_passes",
     "default_pipeline",
     "for_compile",
     "keeping_state",

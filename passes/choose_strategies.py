@@ -1,7 +1,7 @@
 """Choose one strategy for every node: by a solver, or by a hand-written plan.
 
 Both passes are called ``choose-strategies``, so either can stand in the pipeline's slot for
-the choice (``default_pipeline().replace("choose-strategies", ApplyManualPlan(data_parallel))``).
+the choice (``default_passes().replace("choose-strategies", ApplyManualPlan(data_parallel))``).
 Both leave a :class:`~fxpar.sharding.Sharding` on every node that needs one and record the
 choice as a program-level :class:`ChosenStrategies`: the plain-data problem, the answer and how
 problem nodes map back to graph nodes, which :class:`fxpar.Plan` reads.
@@ -70,7 +70,7 @@ class SolveStrategies(Pass):
             if callable(self.solver):
                 hint = (
                     f"; {getattr(self.solver, '__name__', self.solver)!r} looks like a manual "
-                    "plan: pass it as manual= (fxpar.plan, fxpar.compile, default_pipeline) or "
+                    "plan: pass it as manual= (fxpar.plan, fxpar.compile, default_passes) or "
                     "use ApplyManualPlan"
                 )
             raise FxparError(

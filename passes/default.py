@@ -16,16 +16,18 @@ Program and reads the choice as a :class:`~fxpar.planning.plan.Plan`; :func:`fxp
 driver does the same for every step it makes). To add a pass, edit the pipeline by name and
 hand it to ``fxpar.plan`` or ``fxpar.compile`` as ``passes=``::
 
-    passes = default_pipeline().insert_before("annotate-strategies", MyPass(threshold=4))
+    passes = default_passes().insert_before("annotate-strategies", MyPass(threshold=4))
     parallel = fxpar.compile(model, cluster, batch, loss_fn, passes=passes)
 """
 
 from __future__ import annotations
 
 import glob
+import warnings
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 from fxpar.cluster import Cluster
 from fxpar.errors import FxparError
@@ -49,7 +51,7 @@ from fxpar.sharding import Spec
 from fxpar.solvers.problem import IntraOpSolver
 
 
-def default_pipeline(
+def default_passes(
     *,
     solver: IntraOpSolver | None = None,
     manual: ManualPlan | None = None,
@@ -85,6 +87,15 @@ def default_pipeline(
     )
 
 
+def default_pipeline(**kwargs: Any) -> PassManager:
+    """Deprecated name of :func:`default_passes` ("pipeline" now means pipeline parallelism
+    only)."""
+    warnings.warn(
+        "fxpar.passes.default_pipeline is now default_passes", DeprecationWarning, stacklevel=2
+    )
+    return default_passes(**kwargs)
+
+
 def for_compile(passes: PassManager, *, optimizer_states: int | None = None) -> PassManager:
     """``passes`` as :func:`fxpar.compile` runs them on every rank: a solver's choice is made
     on rank 0 and broadcast (``SolveStrategies(on_rank_zero=True)``), so that every rank lowers
@@ -107,7 +118,7 @@ def prepare_for_planning(
     """The default pipeline's steps before the choice (canonicalize, annotate cost, annotate
     candidate strategies) on ``program`` for ``cluster``."""
     program.cluster = cluster
-    return default_pipeline(rules=rules).through("annotate-strategies").run(program)
+    return default_passes(rules=rules).through("annotate-strategies").run(program)
 
 
 def passes_for(
@@ -120,17 +131,17 @@ def passes_for(
     pins: Mapping[str, Spec] | None = None,
 ) -> PassManager:
     """``passes``, or the default pipeline built from the other arguments (which belong to
-    :func:`~fxpar.passes.default_pipeline` when ``passes`` is given); ``pins`` go into the
+    :func:`~fxpar.passes.default_passes` when ``passes`` is given); ``pins`` go into the
     options (see :func:`fxpar.plan`)."""
     if pins:
         if passes is not None:
             raise FxparError(
                 "passes= is the whole pipeline, so pins= would be ignored: give the pins to its "
-                "choose-strategies pass, e.g. default_pipeline(options=PlanOptions(pins=...))"
+                "choose-strategies pass, e.g. default_passes(options=PlanOptions(pins=...))"
             )
         options = replace(options or PlanOptions(), pins=dict(pins))
     if passes is None:
-        return default_pipeline(solver=solver, manual=manual, options=options, rules=rules)
+        return default_passes(solver=solver, manual=manual, options=options, rules=rules)
     given = [
         name
         for name, value in (
@@ -141,7 +152,7 @@ def passes_for(
     if given:
         raise FxparError(
             f"passes= is the whole pipeline, so {', '.join(given)} would be ignored: build the "
-            f"pipeline with them, e.g. default_pipeline({given[0]}=...).insert_before(...)"
+            f"pipeline with them, e.g. default_passes({given[0]}=...).insert_before(...)"
         )
     return passes
 
@@ -201,11 +212,12 @@ def load_plan(
     when the plan was made. Raises :class:`~fxpar.planning.plan_file.PlanFileError` naming the
     node or input that does not fit."""
     cluster = saved_cluster(path, cluster)
-    passes = default_pipeline(rules=rules).replace("choose-strategies", ApplyPlanFile(path))
+    passes = default_passes(rules=rules).replace("choose-strategies", ApplyPlanFile(path))
     return plan_program(program, cluster, passes=passes)
 
 
 __all__ = [
+    "default_passes",
     "default_pipeline",
     "for_compile",
     "keeping_state",

@@ -39,7 +39,7 @@ from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.passes import plan_program
 from fxpar.passes.canonicalize import Canonicalize
 from fxpar.pipeline import Pipeline, PipelineError, PipelineModel, partition, split_program
-from fxpar.pipeline.steps import check_state
+from fxpar.pipeline.stage_programs import check_state
 from fxpar.runtime.launch import spawn
 from fxpar.testing.strategies import splitting_cluster
 

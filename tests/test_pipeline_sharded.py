@@ -37,7 +37,7 @@ from fxpar.ir.program import named_state
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.optim import SGD, AdamW
 from fxpar.pipeline import Pipeline, PipelineError, PipelineModel, partition, split_program
-from fxpar.pipeline.sharded import shard_stage, stage_devices
+from fxpar.pipeline.intra_op import shard_stage, stage_devices
 from fxpar.runtime.communicators import OneDeviceCommunicator
 from fxpar.testing import ModelCase
 from fxpar.testing import strategies as fst

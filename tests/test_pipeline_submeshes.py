@@ -1,12 +1,12 @@
 """Pipeline stages on meshes of different shapes (``Pipeline(stage_meshes=...)``).
 
-- the messages of :func:`fxpar.pipeline.reshard.transfers` give every receiving device exactly
+- the messages of :func:`fxpar.pipeline.crossings.transfers` give every receiving device exactly
   its piece, for random meshes, shapes and layouts on both sides (hypothesis), and each piece of
   a value crosses once per receiving replica group, not once per device;
 - the property: random models cut at random points into 2-3 stages on random meshes, each
   mesh shape under its own random plan, compute the single-device step (every device in a
   thread, :func:`fxpar.testing.pipeline.simulate_stage_meshes`);
-- :func:`~fxpar.pipeline.reshard.crossing` keeps a value as computed between identical sides,
+- :func:`~fxpar.pipeline.crossings.crossing` keeps a value as computed between identical sides,
   reduces ``Partial`` values before they leave, and spreads a large value over the replicas
   of the receiving stage (Alpa's local all-gather);
 - on 3 gloo ranks, 2-stage pipelines on meshes ``(1,)`` and ``(2,)`` (Megatron tensor
@@ -38,9 +38,9 @@ from fxpar.lowering import value_spec
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.optim import SGD, AdamW
 from fxpar.pipeline import Pipeline, PipelineError, PipelineModel, partition, split_program
+from fxpar.pipeline.crossings import StageSide, crossing, transfers
+from fxpar.pipeline.intra_op import stage_devices
 from fxpar.pipeline.meshes import coordinates, meshes_of, stage_meshes
-from fxpar.pipeline.reshard import StageSide, crossing, transfers
-from fxpar.pipeline.sharded import stage_devices
 from fxpar.runtime.launch import spawn
 from fxpar.sharding import all_specs, shard_tensor
 from fxpar.testing import ModelCase
@@ -128,7 +128,7 @@ def test_random_plans_on_different_stage_meshes_train_like_one_device(
     # The runtime's program copies (fxpar/runtime/fastcall.py) from the first call, boxed.
     gather_bytes = 0 if gather else 1 << 40
     with (
-        mock.patch("fxpar.pipeline.reshard.LOCAL_ALLGATHER_BYTES", gather_bytes),
+        mock.patch("fxpar.pipeline.crossings.LOCAL_ALLGATHER_BYTES", gather_bytes),
         mock.patch("fxpar.runtime.fastcall.COPY_AFTER_CALLS", 0),
     ):
         result = simulate_stage_meshes(

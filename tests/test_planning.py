@@ -205,7 +205,7 @@ def test_symbolic_programs_are_refused_up_front_with_what_to_do(entry: str) -> N
 
 
 def test_sharding_rules_refuse_symbolic_shapes_by_name() -> None:
-    """The rules themselves (reached by a user's own pass pipeline) name the op and the fix."""
+    """The rules themselves (reached by a user's own pass list) name the op and the fix."""
     program = symbolic_program()
     view = next(n for n in program.graph.nodes if n.target is torch.ops.aten.view.default)
     expected = r"aten\.view\.default has symbolic.*dynamic=False"

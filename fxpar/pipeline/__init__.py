@@ -8,7 +8,7 @@
 - :func:`pipeline_semantics` says how the micro-batches' losses make the step's, and where a
   pipelined step differs from one on the whole batch (:class:`PipelineSemantics`).
 - :class:`PipelineModel` also evaluates and infers (``eval()``, ``pipelined(*inputs)``), with
-  programs cut on first use over the same state (:mod:`fxpar.pipeline.steps`;
+  programs cut on first use over the same state (:mod:`fxpar.pipeline.stage_programs`;
   :class:`PassPlanner` plans them on a stage mesh with the state's layouts pinned).
 - :func:`plan_stages` chooses split points and devices per stage with the stage DP
   (``Pipeline(stages="auto")`` in :func:`fxpar.compile`).
@@ -33,7 +33,7 @@ from fxpar.pipeline.schedule import (
 )
 from fxpar.pipeline.semantics import PipelineSemantics, pipeline_semantics
 from fxpar.pipeline.split import SplitProgram, StageProgram, split_program
-from fxpar.pipeline.steps import PassPlanner
+from fxpar.pipeline.stage_programs import PassPlanner
 from fxpar.pipeline.timeline import bubble_fractions, ideal_bubble, plot_timeline
 
 __all__ = [

@@ -22,7 +22,7 @@ import torch.fx as fx
 
 from fxpar import ir
 from fxpar.ir.program import Program
-from fxpar.passes import default_pipeline
+from fxpar.passes import default_passes
 from fxpar.pipeline.options import PipelineError
 from fxpar.pipeline.partition import first_position, partition
 from fxpar.planning.cost import repeated_layers
@@ -115,7 +115,7 @@ def _ensure_costs(program: Program) -> None:
     """The pipeline's steps up to the costs: means become sums (as every stage plan and every
     split program has them) before the atoms take the graph's nodes, and every node is
     priced. Both steps leave a Program they already ran on as it is."""
-    default_pipeline().through("annotate-cost").run(program)
+    default_passes().through("annotate-cost").run(program)
 
 
 def region(node: fx.Node) -> ir.Region:

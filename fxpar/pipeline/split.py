@@ -113,7 +113,7 @@ class StageProgram:
     """The model's output tensors this unit returns, in the Program's output order (named
     after the nodes that compute them)."""
     communicator: Communicator | None = None
-    """Set on a unit lowered to one device of a stage mesh (:mod:`.sharded`): its module takes
+    """Set on a unit lowered to one device of a stage mesh (:mod:`.intra_op`): its module takes
     the communicator first, and every tensor above is this device's piece."""
 
     def run(
