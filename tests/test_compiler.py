@@ -225,7 +225,7 @@ def test_a_policy_solver_is_exact_on_a_tiny_problem() -> None:
     x = torch.randn(4, 8)
     program = fxpar.capture(model, (x,), lambda y: y.square().mean())
     # Coarsened, so that every plan of the problem can be listed.
-    plan = fxpar.planning.plan.plan_program(
+    plan = fxpar.passes.plan_program(
         program, fxpar.Cluster((2,)), solver=WholeParameters(), options=PlanOptions(coarsen=True)
     )
     problem = plan.problem

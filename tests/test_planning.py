@@ -113,7 +113,7 @@ def test_repeated_layers_are_solved_once_and_coarsening_shrinks_the_problem() ->
     tokens = torch.randint(0, 128, (8, 16))
     program = fxpar.capture(model, (tokens,), gpt_loss, example_targets=(tokens,))
     cluster = Cluster((4,))
-    prepared = fxpar.planning.plan.prepare_for_planning(program, cluster)
+    prepared = fxpar.passes.prepare_for_planning(program, cluster)
     full, full_layout = build_problem(
         prepared, cluster, PlanOptions(coarsen=False, dedup_layers=False)
     )

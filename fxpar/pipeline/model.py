@@ -154,7 +154,7 @@ class PipelineModel(Trainer):
         """``stage_cluster``: run an intra-op plan inside every stage, on a mesh of this shape
         (see the module docstring); ``planner(program, stage_cluster)`` makes the plan, the
         same on every rank (by default the ILP, solved on rank 0 and broadcast; e.g.
-        ``functools.partial(fxpar.planning.plan.plan_program, manual=fxpar.plans.tensor_parallel)``
+        ``functools.partial(fxpar.passes.plan_program, manual=fxpar.plans.tensor_parallel)``
         for Megatron). With ``Pipeline(stage_meshes=...)``, ``stage_cluster`` is one Cluster per
         stage (or None: default links), each mesh shape is planned once, and values crossing
         between stages on different meshes are resharded (:mod:`.crossings`). It plans the

@@ -88,7 +88,7 @@ if TYPE_CHECKING:
 Shape = tuple[int, ...]
 
 StagePlanner = Callable[[Program, Cluster], "Plan"]
-"""Plans a captured step on a stage mesh, e.g. ``fxpar.planning.plan.plan_program``."""
+"""Plans a captured step on a stage mesh, e.g. ``fxpar.passes.plan_program``."""
 
 
 @dataclass(frozen=True)

@@ -93,7 +93,7 @@ class PassPlanner:
 
     def keeping(self, state: Mapping[str, Spec], *, solve: bool) -> PassPlanner:
         """This planner with ``state``'s specs pinned (see
-        :func:`~fxpar.planning.plan.keeping_state`; ``solve``: the solver in place of a manual
+        :func:`~fxpar.passes.keeping_state`; ``solve``: the solver in place of a manual
         choice)."""
         return PassPlanner(keeping_state(self.passes, state, solve=solve))
 
