@@ -22,7 +22,14 @@ from fxpar.pipeline.auto import DegreeOutcome, StageChoice, evaluate_split, plan
 from fxpar.pipeline.executor import Event, StageTrace, StageWorker
 from fxpar.pipeline.model import PipelineModel
 from fxpar.pipeline.options import Pipeline, PipelineError
-from fxpar.pipeline.partition import Half, Partition, Unit, even_split_points, partition
+from fxpar.pipeline.partition import (
+    Half,
+    Partition,
+    StageOrderError,
+    Unit,
+    even_split_points,
+    partition,
+)
 from fxpar.pipeline.schedule import (
     Instruction,
     Op,
@@ -50,6 +57,7 @@ __all__ = [
     "PipelineSemantics",
     "SplitProgram",
     "StageChoice",
+    "StageOrderError",
     "StageProgram",
     "StageTrace",
     "StageWorker",
