@@ -151,7 +151,8 @@ def main() -> None:
     import fxpar
     from fxpar import plans
     from fxpar.errors import FxparError
-    from fxpar.planning.plan import plan_program, score
+    from fxpar.passes import plan_program
+    from fxpar.planning.plan import score
     from fxpar.planning.problem import PlanOptions
 
     def capture(name: str) -> fxpar.Program:

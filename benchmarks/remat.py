@@ -29,8 +29,7 @@ import torch.distributed as dist
 import fxpar
 from fxpar import plans
 from fxpar.models import GPT, GPTConfig, gpt_loss
-from fxpar.passes import ChosenStrategies, ManualPlan
-from fxpar.planning.plan import plan_program
+from fxpar.passes import ChosenStrategies, ManualPlan, plan_program
 from fxpar.planning.problem import PlanOptions
 from fxpar.runtime.launch import spawn
 from fxpar.testing.memory import peak_live_bytes

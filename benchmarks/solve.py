@@ -64,7 +64,7 @@ def main() -> None:
         return
 
     import fxpar
-    from fxpar.planning.plan import prepare_for_planning
+    from fxpar.passes import prepare_for_planning
     from fxpar.planning.problem import build_problem
     from fxpar.solvers.errors import InfeasiblePlanError
     from fxpar.solvers.ilp import ILPSolver, model_size
@@ -107,7 +107,7 @@ def main() -> None:
 def end_to_end(models: list[str], meshes: list[str], length: int) -> None:
     """What a user waits for: capture, then the whole planning pipeline."""
     import fxpar
-    from fxpar.planning.plan import plan_program
+    from fxpar.passes import plan_program
 
     print("model | mesh | capture s | plan s | solve s | status | step ms")
     print("----- | ---- | --------- | ------ | ------- | ------ | -------")

@@ -1,6 +1,6 @@
 """fxpar: an auto-parallelizing compiler for PyTorch training, built on torch.fx.
 
-The pipeline, as in DESIGN.md::
+The stages, as docs/architecture.md draws them::
 
     capture -> Program -> passes (annotate cost, ...) -> plan -> per-rank programs -> runtime
 
@@ -24,14 +24,14 @@ from typing import TYPE_CHECKING
 from fxpar import checkpoint, errors, ir, models, optim, pipeline
 from fxpar.cluster import Cluster
 from fxpar.compiler import compile, plan
-from fxpar.ir import work_report as report
+from fxpar.ir import work_report
 from fxpar.ir.capture import capture
 from fxpar.ir.precision import MixedPrecision
 from fxpar.ir.program import Program, Signature, StepResult
 from fxpar.ir.verify import verify
 from fxpar.lowering import lower
+from fxpar.passes import manual as plans
 from fxpar.pipeline import Pipeline, PipelineModel
-from fxpar.planning import manual as plans
 from fxpar.planning import plan_file as plan_io
 from fxpar.planning.plan import Plan
 from fxpar.planning.problem import PlanOptions
@@ -72,8 +72,8 @@ __all__ = [
     "plan",
     "plan_io",
     "plans",
-    "report",
     "verify",
+    "work_report",
 ]
 __version__ = "0.1.0"
 

@@ -31,9 +31,8 @@ from fxpar.errors import FxparError
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.models.corpus import batches, corpus_tokens
 from fxpar.models.shapes import GPT2_SHAPES, LLAMA_LAYERS, llama
-from fxpar.passes import PassManager, default_pipeline
+from fxpar.passes import PassManager, default_passes, plan_program
 from fxpar.pipeline import Pipeline, plan_stages
-from fxpar.planning.plan import plan_program
 from fxpar.planning.problem import PlanOptions
 from fxpar.runtime.calibration import Calibration, measure
 from fxpar.runtime.launch import spawn
@@ -194,14 +193,14 @@ def _pipeline(
     """The default pipeline choosing with a manual plan or a solver given by name;
     ``time_limit`` for the ILP (its default if None)."""
     if name in MANUAL_PLANS:
-        return default_pipeline(manual=MANUAL_PLANS[name], options=options)
+        return default_passes(manual=MANUAL_PLANS[name], options=options)
     if name == "ilp" and time_limit is not None:
-        return default_pipeline(solver=ILPSolver(time_limit=time_limit), options=options)
+        return default_passes(solver=ILPSolver(time_limit=time_limit), options=options)
     solvers = {"ilp": ILPSolver, "greedy": GreedySolver, "exhaustive": ExhaustiveSolver}
     if name not in solvers:
         choices = sorted([*solvers, *MANUAL_PLANS])
         raise FxparError(f"unknown solver {name!r}; choose from {choices}")
-    return default_pipeline(solver=solvers[name](), options=options)
+    return default_passes(solver=solvers[name](), options=options)
 
 
 # -- fxpar plan ------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ import itertools
 import json
 import math
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -234,6 +234,56 @@ class Cluster:
         if not 0 <= axis < self.ndim:
             raise FxparError(f"mesh axis {axis} out of range for a {self.ndim}-D mesh")
         return axis
+
+    def link(self, devices: int) -> tuple[float, float]:
+        """Bandwidth and latency among ``devices`` consecutive ranks: those of the innermost
+        mesh axis whose block of trailing axes they fit in evenly (ranks are row-major), or
+        the slowest link when no block does."""
+        block = 1
+        for axis in reversed(range(self.ndim)):
+            block *= self.mesh_shape[axis]
+            if block % devices == 0:
+                return self.bandwidth[axis], self.latency[axis]
+        return min(self.bandwidth), max(self.latency)
+
+    def submesh(self, shape: Sequence[int]) -> Cluster:
+        """The cluster one pipeline stage runs (and is priced) on: a mesh of ``shape`` on
+        consecutive ranks of this one. Each of its axes takes the links of the innermost axis
+        of this mesh holding as many consecutive ranks as that axis's block
+        (:meth:`link`); its axis names are this mesh's where ``shape`` is a trailing part of
+        it (the stages are the leading axes), else ``("devices",)`` or ``stage_axis<i>``.
+        A device's memory is multiplied by ``world / devices``, the number of stages when the
+        stages are alike: a plan made on the submesh covers every stage's layers, and a
+        device holds about its stage's share of them.
+
+        Raises:
+            FxparError: ``shape`` is empty, has an axis of no devices, or holds more devices
+                than the cluster.
+        """
+        shape = tuple(int(size) for size in shape)
+        devices = math.prod(shape)
+        if not shape or min(shape) < 1 or devices > self.world_size:
+            raise FxparError(
+                f"a stage mesh {shape} must be a non-empty shape of at most the cluster's "
+                f"{self.world_size} devices ({self.mesh_shape})"
+            )
+        world = self.world_size
+        share = world // devices if world % devices == 0 else world / devices
+        links = [self.link(math.prod(shape[axis:])) for axis in range(len(shape))]
+        if self.mesh_shape[self.ndim - len(shape) :] == shape and len(shape) < self.ndim:
+            names = self.axis_names[self.ndim - len(shape) :]
+        elif len(shape) == 1:
+            names = ("devices",)
+        else:
+            names = tuple(f"stage_axis{axis}" for axis in range(len(shape)))
+        return replace(
+            self,
+            mesh_shape=shape,
+            axis_names=names,
+            bandwidth=tuple(bandwidth for bandwidth, _ in links),
+            latency=tuple(latency for _, latency in links),
+            memory=self.memory * share,
+        )
 
     def check_process_group(self) -> None:
         """Raise :class:`~fxpar.errors.DistributedError` unless torch.distributed is

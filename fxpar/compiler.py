@@ -1,8 +1,8 @@
-"""``fxpar.plan`` and ``fxpar.compile``: the compiler, end to end, as in DESIGN.md::
+"""``fxpar.plan`` and ``fxpar.compile``: the compiler end to end, as docs/architecture.md draws it::
 
     capture(model)          one training step as a functional ATen graph on fake tensors
     passes(program)         canonicalize -> annotate cost -> annotate strategies -> choose
-                            strategies (THE pipeline, fxpar.passes.default_pipeline, or yours)
+                            strategies (THE pass list, fxpar.passes.default_passes, or yours)
     lower(plan)             one program per rank, with collectives
     ParallelModel           this rank's program, its pieces of the state, the optimizer
 
@@ -35,13 +35,13 @@ from fxpar.ir.capture import LossFn, capture
 from fxpar.ir.precision import MixedPrecision, check_policy
 from fxpar.ir.program import named_state
 from fxpar.optim import AdamW, Optimizer, check_optimizer
-from fxpar.passes import ManualPlan, PassManager, for_compile
+from fxpar.passes import ManualPlan, PassManager, for_compile, passes_for, plan_program
 from fxpar.pipeline import Pipeline, PipelineModel, plan_stages
 from fxpar.pipeline.auto import StagePlanner
+from fxpar.pipeline.intra_op import stage_devices
 from fxpar.pipeline.meshes import StageMeshes, stage_meshes
-from fxpar.pipeline.sharded import stage_devices
-from fxpar.pipeline.steps import PassPlanner
-from fxpar.planning.plan import Plan, pipeline_of, plan_program
+from fxpar.pipeline.stage_programs import PassPlanner
+from fxpar.planning.plan import Plan
 from fxpar.planning.problem import PlanOptions
 from fxpar.rules import RuleRegistry
 from fxpar.runtime.parallel import ParallelModel
@@ -69,8 +69,8 @@ def plan(
 ) -> Plan:
     """Capture ``model``'s training step and choose how to shard it over ``cluster``.
 
-    ``passes`` is the pass pipeline to run (:func:`fxpar.passes.default_pipeline` when None),
-    e.g. ``default_pipeline().insert_before("annotate-strategies", MyPass())``. Without it, the
+    ``passes`` is the pass list to run (:func:`fxpar.passes.default_passes` when None),
+    e.g. ``default_passes().insert_before("annotate-strategies", MyPass())``. Without it, the
     default pipeline is built from ``solver`` (the HiGHS ILP by default; ``ExhaustiveSolver()``,
     ``GreedySolver()`` or any object with ``solve(IntraOpProblem) -> IntraOpSolution``) or
     ``manual`` (a manual plan such as ``fxpar.plans.data_parallel``), ``options`` and
@@ -78,7 +78,7 @@ def plan(
     spec they must have, e.g. ``{"*.mlp.fc.weight": (Shard(0),)}``. ``mixed_precision``
     (:class:`fxpar.MixedPrecision`) is applied at capture: the plan computes in its dtypes.
     """
-    passes = pipeline_of(
+    passes = passes_for(
         passes, solver=solver, manual=manual, options=options, rules=rules, pins=pins
     )
     program = capture(
@@ -212,7 +212,7 @@ def compile(
     optimizer = check_optimizer(optimizer if optimizer is not None else AdamW())
     mixed_precision = check_policy(mixed_precision)
     intra_op = any(value is not None for value in (passes, solver, manual, pins, options, rules))
-    passes = pipeline_of(
+    passes = passes_for(
         passes, solver=solver, manual=manual, options=options, rules=rules, pins=pins
     )
     passes = for_compile(passes, optimizer_states=optimizer.state_copies)

@@ -6,7 +6,7 @@ step it is called for (a batch of other shapes, a loss evaluation, the forward a
 mode). Each is made the same way, once, and kept under its key::
 
     capture(model, inputs of the call's shapes, mode)      fake tensors, no weights read
-      -> passes (the compile's pass pipeline; after the first, every parameter and buffer
+      -> passes (the compile's pass list; after the first, every parameter and buffer
          pinned to the training plan's layout)
       -> lower                                               one program per rank
 
@@ -38,8 +38,8 @@ from fxpar.ir.capture import (
 from fxpar.ir.precision import MixedPrecision
 from fxpar.ir.program import Program
 from fxpar.lowering import lower
-from fxpar.passes import PassManager
-from fxpar.planning.plan import Plan, keeping_state, plan_program
+from fxpar.passes import PassManager, keeping_state, plan_program
+from fxpar.planning.plan import Plan
 from fxpar.runtime.lowered import CallInputs, LoweredStep, StepKey, forward_key, step_key
 from fxpar.sharding import Spec
 
@@ -94,7 +94,7 @@ class Driver:
             )  # fmt: skip
 
     def plan(self, program: Program, *, kind: StepKind = "train") -> Plan:
-        """Run the pass pipeline on ``program``; after the first step, with every parameter
+        """Run the pass list on ``program``; after the first step, with every parameter
         and buffer pinned to its layout (and, for steps without gradients, the solver
         choosing their activations in place of a manual plan written for training)."""
         passes = self.passes

@@ -9,6 +9,12 @@ extra communication. fxpar therefore runs ``torch.optim``'s own implementations 
 pieces; the classes here only describe the optimizer (frozen, comparable, picklable) and tell
 the planner how many copies of each parameter its state holds.
 
+A stage of a pipeline may hold no trainable parameter (one that only computes the loss, or
+frozen layers): ``build([])`` then returns the same torch optimizer over one empty parameter
+group, whose ``step`` updates nothing and whose state dict and hyperparameters (the learning
+rate a scheduler sets) look like every other rank's, instead of ``torch.optim``'s "empty
+parameter list" error.
+
 Optimizers that read across elements (norm-based ones such as LAMB or Adafactor) would need
 collectives and are not offered. Gradient clipping by the global norm needs one all-reduce and
 is :meth:`fxpar.ParallelModel.clip_grad_norm_`.
@@ -18,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -68,7 +74,7 @@ class SGD:
 
     def build(self, params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
         return torch.optim.SGD(
-            list(params),
+            _param_groups(params),
             lr=self.lr,
             momentum=self.momentum,
             dampening=self.dampening,
@@ -104,7 +110,7 @@ class AdamW:
 
     def build(self, params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
         return torch.optim.AdamW(
-            list(params),
+            _param_groups(params),
             lr=self.lr,
             betas=self.betas,
             eps=self.eps,
@@ -112,6 +118,13 @@ class AdamW:
             amsgrad=self.amsgrad,
             foreach=False,
         )
+
+
+def _param_groups(params: Sequence[torch.Tensor]) -> list[torch.Tensor] | list[dict[str, Any]]:
+    """``params`` as torch.optim takes them; none at all as one empty group, which torch.optim
+    accepts (it refuses an empty list) and whose step does nothing."""
+    tensors = list(params)
+    return tensors if tensors else [{"params": []}]
 
 
 def check_optimizer(optimizer: object) -> Optimizer:

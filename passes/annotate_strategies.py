@@ -13,6 +13,7 @@ from torch.distributed.tensor import Partial
 from fxpar import ir
 from fxpar.ir.program import Program, require_concrete_shapes
 from fxpar.passes.base import Pass
+from fxpar.planning.plan import RulesUsed
 from fxpar.rules import OpCall, RuleRegistry, default_rules, op_call
 from fxpar.sharding import Strategies, Strategy, all_specs
 
@@ -75,13 +76,6 @@ def _without_partial_inputs(candidates: tuple[Strategy, ...]) -> tuple[Strategy,
         for c in candidates
         if not any(isinstance(p, Partial) for spec in c.inputs if spec is not None for p in spec)
     )
-
-
-@dataclass(frozen=True)
-class RulesUsed:
-    """The rule registry that gave a Program's nodes their candidate strategies."""
-
-    rules: RuleRegistry
 
 
 _PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device, torch.layout,

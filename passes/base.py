@@ -56,7 +56,7 @@ class PassManager:
         names = [p.name for p in self.passes]
         duplicates = sorted({n for n in names if names.count(n) > 1})
         if duplicates:
-            raise FxparError(f"pass names must be unique in a pipeline, repeated: {duplicates}")
+            raise FxparError(f"pass names must be unique in a pass list, repeated: {duplicates}")
 
     @property
     def names(self) -> tuple[str, ...]:

@@ -1,7 +1,7 @@
 """Choose one strategy for every node: by a solver, or by a hand-written plan.
 
 Both passes are called ``choose-strategies``, so either can stand in the pipeline's slot for
-the choice (``default_pipeline().replace("choose-strategies", ApplyManualPlan(data_parallel))``).
+the choice (``default_passes().replace("choose-strategies", ApplyManualPlan(data_parallel))``).
 Both leave a :class:`~fxpar.sharding.Sharding` on every node that needs one and record the
 choice as a program-level :class:`ChosenStrategies`: the plain-data problem, the answer and how
 problem nodes map back to graph nodes, which :class:`fxpar.Plan` reads.
@@ -32,6 +32,7 @@ from fxpar.errors import FxparError
 from fxpar.ir.program import Program
 from fxpar.passes.base import Pass
 from fxpar.passes.remat import recompute_in_backward, saved_bytes_by_layer
+from fxpar.planning.plan import ChosenStrategies
 from fxpar.planning.plan_file import apply_plan, read_plan
 from fxpar.planning.problem import (
     Layout,
@@ -48,17 +49,6 @@ from fxpar.solvers.problem import IntraOpProblem, IntraOpSolution, IntraOpSolver
 
 ManualPlan = Callable[[Program, Cluster], Program]
 """A hand-written plan: annotates every node of a Program with its strategy for a cluster."""
-
-
-@dataclass(frozen=True)
-class ChosenStrategies:
-    """The choice a ``choose-strategies`` pass made, as plain data: the problem it was chosen
-    from, the answer, the map from problem nodes to graph nodes and the options used."""
-
-    problem: IntraOpProblem
-    solution: IntraOpSolution
-    layout: Layout
-    options: PlanOptions
 
 
 @dataclass(frozen=True)
@@ -80,7 +70,7 @@ class SolveStrategies(Pass):
             if callable(self.solver):
                 hint = (
                     f"; {getattr(self.solver, '__name__', self.solver)!r} looks like a manual "
-                    "plan: pass it as manual= (fxpar.plan, fxpar.compile, default_pipeline) or "
+                    "plan: pass it as manual= (fxpar.plan, fxpar.compile, default_passes) or "
                     "use ApplyManualPlan"
                 )
             raise FxparError(

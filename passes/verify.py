@@ -1,4 +1,4 @@
-"""A pass that runs the IR verifier, to place explicitly anywhere in a pipeline."""
+"""A pass that runs the IR verifier, to place explicitly anywhere in a pass list."""
 
 from __future__ import annotations
 

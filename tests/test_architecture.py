@@ -1,6 +1,7 @@
 """The layout keeps its promises (docs/architecture.md): the architecture document names exactly
-the modules the tree has, no module imports another in a cycle or from inside a function, and
-no module is much over 800 lines."""
+the modules the tree has, no module imports another in a cycle or from inside a function, the
+packages import one another only down the stages (a DAG, checked at package level too), and no
+module is much over 800 lines."""
 
 from __future__ import annotations
 
@@ -76,6 +77,64 @@ def test_no_module_imports_another_in_a_cycle() -> None:
     # through the package itself is one only if a submodule imports the package back.
     cycles = [c for c in nx.simple_cycles(graph) if len(c) > 1]
     assert cycles == [], f"import cycles: {cycles[:3]}"
+
+
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("fxpar.errors", "fxpar.cluster"),
+    ("fxpar.ir",),
+    ("fxpar.sharding", "fxpar.rules"),
+    ("fxpar.solvers",),
+    ("fxpar.planning",),
+    ("fxpar.passes",),
+    ("fxpar.lowering",),
+    ("fxpar.optim", "fxpar.checkpoint", "fxpar.runtime"),
+    ("fxpar.pipeline",),
+    ("fxpar.driver",),
+    ("fxpar.compiler",),
+    ("fxpar.models", "fxpar.testing", "fxpar.cli", "fxpar.__main__"),
+)
+"""The stages of docs/architecture.md, in order: a package may import its own layer's earlier
+packages and any earlier layer's, never a later one (``fxpar`` itself, the public API, imports
+everything)."""
+
+
+def _package(module: str) -> str:
+    """The package (or top-level module) of ``module``: ``fxpar.planning.cost`` is in
+    ``fxpar.planning``, ``fxpar.driver`` is its own."""
+    return ".".join(module.split(".")[:2])
+
+
+def _package_imports() -> dict[tuple[str, str], list[str]]:
+    """Every import between two packages, as (importer, imported): the module pairs."""
+    sources = _sources()
+    found: dict[tuple[str, str], list[str]] = {}
+    for name, path in sources.items():
+        if name == "fxpar":
+            continue
+        for imported in _imports(path, inside_functions=False, modules=set(sources)):
+            edge = (_package(name), _package(imported))
+            if imported in sources and edge[0] != edge[1]:
+                found.setdefault(edge, []).append(f"{name} -> {imported}")
+    return found
+
+
+def test_no_package_imports_another_in_a_cycle() -> None:
+    graph = nx.DiGraph(list(_package_imports()))
+    cycles = list(nx.simple_cycles(graph))
+    assert cycles == [], f"package cycles: {cycles[:3]}"
+
+
+def test_packages_import_only_down_the_stages() -> None:
+    order = [package for layer in LAYERS for package in layer]
+    packages = {_package(name) for name in _sources()} - {"fxpar"}
+    assert sorted(packages - set(order)) == [], "packages LAYERS does not place"
+    rank = {package: index for index, package in enumerate(order)}
+    upward = {
+        edge: modules[:3]
+        for edge, modules in _package_imports().items()
+        if rank[edge[1]] > rank[edge[0]]
+    }
+    assert upward == {}, "imports of a later stage"
 
 
 def test_no_import_hides_in_a_function() -> None:

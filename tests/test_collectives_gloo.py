@@ -10,13 +10,13 @@ import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-from fxpar.runtime.collectives import (
-    ProcessGroupCommunicator,
+from fxpar.lowering.collective_calls import (
     start_all_gather_bucket,
     start_all_reduce_bucket,
     start_reduce_scatter_bucket,
     wait_bucket,
 )
+from fxpar.runtime.communicators import ProcessGroupCommunicator
 from fxpar.runtime.launch import spawn
 
 pytestmark = pytest.mark.slow

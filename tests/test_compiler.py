@@ -1,4 +1,4 @@
-"""The compiler's spine: fxpar.plan and fxpar.compile run exactly the pass pipeline they are
+"""The compiler's spine: fxpar.plan and fxpar.compile run exactly the pass list they are
 given, so a user's pass changes the plan that is trained; solvers see what each choice stands
 for, so a policy about what to shard is a solver; manual plans are their own argument."""
 
@@ -19,7 +19,7 @@ from fxpar.passes import (
     ApplyManualPlan,
     Pass,
     SolveStrategies,
-    default_pipeline,
+    default_passes,
     for_compile,
 )
 from fxpar.planning.problem import PlanOptions
@@ -75,22 +75,22 @@ def _plan(**kwargs: object) -> fxpar.Plan:
 
 
 def test_the_default_pipeline_names_every_step_in_order() -> None:
-    assert default_pipeline().names == (
+    assert default_passes().names == (
         "canonicalize",
         "rematerialize",
         "annotate-cost",
         "annotate-strategies",
         "choose-strategies",
     )
-    assert isinstance(default_pipeline().passes[-1], SolveStrategies)
-    manual = default_pipeline(manual=fxpar.plans.data_parallel).passes[-1]
+    assert isinstance(default_passes().passes[-1], SolveStrategies)
+    manual = default_passes(manual=fxpar.plans.data_parallel).passes[-1]
     assert isinstance(manual, ApplyManualPlan) and manual.name == "choose-strategies"
 
 
 def test_a_user_pass_given_to_plan_changes_the_plan() -> None:
     default = _plan()
     assert _sharded_parameters(default), "the ILP shards some parameter of this model"
-    passes = default_pipeline().insert_before("choose-strategies", ReplicateParameters())
+    passes = default_passes().insert_before("choose-strategies", ReplicateParameters())
     mine = _plan(passes=passes)
     assert _sharded_parameters(mine) == []
     # The same cost model prices both: restricting the choice cannot make it cheaper.
@@ -99,11 +99,11 @@ def test_a_user_pass_given_to_plan_changes_the_plan() -> None:
 
 def test_passes_and_the_arguments_that_build_a_pipeline_exclude_each_other() -> None:
     with pytest.raises(FxparError, match="solver would be ignored"):
-        _plan(passes=default_pipeline(), solver=ILPSolver())
+        _plan(passes=default_passes(), solver=ILPSolver())
     with pytest.raises(FxparError, match="pins= would be ignored"):
-        _plan(passes=default_pipeline(), pins={"wte.weight": (Replicate(),)})
+        _plan(passes=default_passes(), pins={"wte.weight": (Replicate(),)})
     with pytest.raises(FxparError, match="not both"):
-        default_pipeline(solver=ILPSolver(), manual=fxpar.plans.data_parallel)
+        default_passes(solver=ILPSolver(), manual=fxpar.plans.data_parallel)
 
 
 def test_a_manual_plan_passed_as_a_solver_is_refused_with_the_way_out() -> None:
@@ -113,7 +113,7 @@ def test_a_manual_plan_passed_as_a_solver_is_refused_with_the_way_out() -> None:
 
 def test_a_manual_plan_in_the_pipeline_equals_the_manual_argument() -> None:
     by_argument = _plan(manual=fxpar.plans.tensor_parallel)
-    passes = default_pipeline().replace(
+    passes = default_passes().replace(
         "choose-strategies", ApplyManualPlan(fxpar.plans.tensor_parallel)
     )
     by_pass = _plan(passes=passes)
@@ -125,7 +125,7 @@ def test_a_manual_plan_sees_the_candidates_a_user_pass_left() -> None:
     """Inside the pipeline a manual plan does not annotate the candidates again, so an edit a
     user pass made before the choice holds: data parallelism fits parameters kept whole, and
     tensor parallelism, which splits them, is refused naming a parameter it split."""
-    whole = default_pipeline().insert_before("choose-strategies", ReplicateParameters())
+    whole = default_passes().insert_before("choose-strategies", ReplicateParameters())
     data = _plan(
         passes=whole.replace("choose-strategies", ApplyManualPlan(fxpar.plans.data_parallel))
     )
@@ -136,12 +136,12 @@ def test_a_manual_plan_sees_the_candidates_a_user_pass_left() -> None:
 
 
 def test_for_compile_solves_on_rank_zero_and_counts_the_optimizer_state() -> None:
-    choose = for_compile(default_pipeline(), optimizer_states=1).passes[-1]
+    choose = for_compile(default_passes(), optimizer_states=1).passes[-1]
     assert isinstance(choose, SolveStrategies)
     assert choose.on_rank_zero and choose.options.optimizer_states == 1
-    manual = for_compile(default_pipeline(manual=fxpar.plans.data_parallel), optimizer_states=0)
+    manual = for_compile(default_passes(manual=fxpar.plans.data_parallel), optimizer_states=0)
     assert manual.passes[-1].options.optimizer_states == 0  # type: ignore[attr-defined]
-    mine = default_pipeline().insert_after("annotate-cost", ReplicateParameters())
+    mine = default_passes().insert_after("annotate-cost", ReplicateParameters())
     assert for_compile(mine).names == mine.names
 
 
@@ -215,7 +215,7 @@ def test_a_policy_is_a_solver_over_plain_data() -> None:
     assert policy.solution.solver == "whole-parameters"
     assert policy.solution.objective >= free.solution.objective * (1 - 1e-9)
     # Same as the ReplicateParameters pass, which restricts the graph instead of the problem.
-    passes = default_pipeline().insert_before("choose-strategies", ReplicateParameters())
+    passes = default_passes().insert_before("choose-strategies", ReplicateParameters())
     by_pass = _plan(passes=passes)
     assert policy.solution.objective == pytest.approx(by_pass.solution.objective, rel=1e-6)
 
@@ -225,7 +225,7 @@ def test_a_policy_solver_is_exact_on_a_tiny_problem() -> None:
     x = torch.randn(4, 8)
     program = fxpar.capture(model, (x,), lambda y: y.square().mean())
     # Coarsened, so that every plan of the problem can be listed.
-    plan = fxpar.planning.plan.plan_program(
+    plan = fxpar.passes.plan_program(
         program, fxpar.Cluster((2,)), solver=WholeParameters(), options=PlanOptions(coarsen=True)
     )
     problem = plan.problem
@@ -256,7 +256,7 @@ def _all_choices(problem: IntraOpProblem) -> list[tuple[int, ...]]:
 def _train(rank: int, world_size: int, with_pass: bool) -> dict[str, object]:
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    passes = default_pipeline()
+    passes = default_passes()
     if with_pass:
         passes = passes.insert_before("choose-strategies", ReplicateParameters())
     tokens = _batch()

@@ -42,7 +42,7 @@ from docs_blocks import (
 
 import fxpar
 from fxpar import ir
-from fxpar.passes import default_pipeline
+from fxpar.passes import default_passes
 
 # Options appended to a documented ``fxpar`` command so that it runs in seconds (the last of a
 # repeated option wins): the demo's defaults train 300 steps on 4 processes.
@@ -299,7 +299,7 @@ def test_writing_a_pass_example_runs_in_the_default_pipeline(
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 4))
     program = fxpar.capture(model, (torch.randn(8, 16),), lambda y: y.square().mean())
     program.cluster = fxpar.Cluster((2,))  # the default pipeline plans for it
-    pipeline = default_pipeline(verify=True).insert_after("annotate-cost", mark(0.1))  # type: ignore[operator]
+    pipeline = default_passes(verify=True).insert_after("annotate-cost", mark(0.1))  # type: ignore[operator]
     program = pipeline.run(program)
     marked = [n for n in program.graph.nodes if ir.get(n, heavy)]  # type: ignore[arg-type]
     assert marked and all(n.target is not torch.ops.aten.t.default for n in marked)

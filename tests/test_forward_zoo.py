@@ -15,8 +15,7 @@ from test_manual_plans_zoo import ZOO
 
 import fxpar
 from fxpar import plans
-from fxpar.passes import default_pipeline
-from fxpar.planning.plan import keeping_state, plan_program
+from fxpar.passes import default_passes, keeping_state, plan_program
 from fxpar.testing import assert_equivalent
 from fxpar.testing.strategies import splitting_cluster
 
@@ -55,7 +54,7 @@ def test_forward_and_loss_programs_plan_around_the_trained_state(model: str) -> 
     torch.manual_seed(0)
     case = ZOO[model]()
     state = _state_specs(case)
-    passes = keeping_state(default_pipeline(), state, solve=True)
+    passes = keeping_state(default_passes(), state, solve=True)
 
     evaluation = fxpar.capture(
         case.model, case.inputs, case.loss_fn, example_targets=case.targets, step="loss"

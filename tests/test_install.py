@@ -56,10 +56,10 @@ import importlib
 for name in part_names.split(","):
     importlib.import_module(name)
 
-from fxpar.passes import default_pipeline
+from fxpar.passes import default_passes
 from fxpar.solvers import Edge, ExhaustiveSolver, ILPSolver, IntraOpProblem
 
-assert "annotate-cost" in default_pipeline().names, default_pipeline().names
+assert "annotate-cost" in default_passes().names, default_passes().names
 tiny = IntraOpProblem(
     node_costs=((1.0, 2.0), (3.0, 1.0)),
     node_memory=((0.0, 0.0), (0.0, 0.0)),

@@ -14,9 +14,8 @@ import fxpar
 from fxpar import ir, plans
 from fxpar.cluster import Cluster
 from fxpar.errors import FxparError, LoweringError
-from fxpar.lowering import CollectiveRecord, SPMDProgram, gather_groups, lower
+from fxpar.lowering import CollectiveRecord, SPMDProgram, collective_calls, gather_groups, lower
 from fxpar.models import GPT, GPTConfig, gpt_loss
-from fxpar.runtime import collectives
 from fxpar.sharding import Sharding
 from fxpar.testing import assert_equivalent
 
@@ -210,7 +209,7 @@ def test_fully_sharded_weights_gathered_in_the_forward_die_with_the_forward(
             ]
             for t in ("nll_loss_backward",)
         )
-        waits = graph.find_nodes(op="call_function", target=collectives.wait_bucket)
+        waits = graph.find_nodes(op="call_function", target=collective_calls.wait_bucket)
         forward_waits = [w for w in waits if order[w] < first_backward]
         assert forward_waits
         # Everything computed from a forward gather by views is used before the backward.
@@ -278,7 +277,7 @@ def test_tensor_parallel_backward_all_reduces_travel_behind_the_weight_gradients
     spmd = lowered("tensor_parallel", (2,))
     graph = spmd.for_rank(0).graph_module.graph
     order = {node: position for position, node in enumerate(graph.nodes)}
-    waits = graph.find_nodes(op="call_function", target=collectives.wait_all_reduce)
+    waits = graph.find_nodes(op="call_function", target=collective_calls.wait_all_reduce)
     assert waits
     overlapped = 0
     for wait in waits:
@@ -290,5 +289,5 @@ def test_tensor_parallel_backward_all_reduces_travel_behind_the_weight_gradients
     # The backward of each of the two blocks sums two input gradients behind matmuls.
     assert overlapped >= 4
     assert len(waits) + len(
-        graph.find_nodes(op="call_function", target=collectives.all_reduce)
+        graph.find_nodes(op="call_function", target=collective_calls.all_reduce)
     ) == sum(r.kind == "all_reduce" for r in spmd.collectives() if r.phase is not ir.Phase.OUTPUT)

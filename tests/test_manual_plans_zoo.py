@@ -26,8 +26,8 @@ from fxpar import ir, plans
 from fxpar.cluster import Cluster
 from fxpar.ir.program import named_state
 from fxpar.lowering import SPMDProgram
+from fxpar.passes import plan_program
 from fxpar.pipeline import partition, split_program
-from fxpar.planning.plan import plan_program
 from fxpar.rules import coverage
 from fxpar.sharding import Sharding, Spec
 from fxpar.testing import assert_equivalent, simulate

@@ -20,8 +20,7 @@ from fxpar import plans
 from fxpar.errors import FxparError
 from fxpar.ir.precision import kept_in_own_dtype
 from fxpar.models import GPT, GPTConfig, gpt_loss
-from fxpar.passes import default_pipeline
-from fxpar.planning.plan import plan_program
+from fxpar.passes import default_passes, plan_program
 from fxpar.planning.report import report_data
 from fxpar.runtime.launch import spawn
 from tests.zoo import CNN
@@ -267,7 +266,7 @@ def _collectives(
     """(kind, dtype of the tensor it moves) of each collective the lowering put in the
     2-device per-rank programs."""
     cluster = fxpar.Cluster((2,))
-    plan = plan_program(program, cluster, passes=default_pipeline(manual=manual))
+    plan = plan_program(program, cluster, passes=default_passes(manual=manual))
     spmd = fxpar.lower(plan.program, cluster)
     nodes = {node.name: node for node in plan.program.graph.nodes}
     return [

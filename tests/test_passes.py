@@ -13,7 +13,7 @@ import fxpar
 from fxpar import ir
 from fxpar.errors import FxparError, PassError, VerificationError
 from fxpar.ir.program import Program
-from fxpar.passes import AnnotateCost, Pass, PassManager, Verify, default_pipeline
+from fxpar.passes import AnnotateCost, Pass, PassManager, Verify, default_passes
 
 
 def small_program() -> Program:
@@ -62,7 +62,7 @@ class DropRegion(Pass):
 
 
 def test_user_pass_inserted_after_cost_sees_costs() -> None:
-    pipeline = default_pipeline(verify=True).insert_after("annotate-cost", CountMatmuls())
+    pipeline = default_passes(verify=True).insert_after("annotate-cost", CountMatmuls())
     assert pipeline.names[2:4] == ("annotate-cost", "count-matmuls")
     program = small_program()
     program.cluster = fxpar.Cluster((2,))
@@ -73,7 +73,7 @@ def test_user_pass_inserted_after_cost_sees_costs() -> None:
 
 
 def test_user_pass_inserted_before_cost_fails_and_is_named() -> None:
-    pipeline = default_pipeline().insert_before("annotate-cost", CountMatmuls())
+    pipeline = default_passes().insert_before("annotate-cost", CountMatmuls())
     with pytest.raises(PassError) as raised:
         pipeline.run(small_program())
     assert "pass 'count-matmuls' failed (after canonicalize, rematerialize)" in str(raised.value)
@@ -126,3 +126,11 @@ def test_passes_are_frozen_dataclasses_with_options() -> None:
     with pytest.raises(Exception, match="cannot assign"):
         CountMatmuls().ops = ()  # type: ignore[misc]
     assert CountMatmuls() == CountMatmuls()
+
+
+def test_the_old_name_of_the_default_pass_list_still_works_and_says_it_moved() -> None:
+    """``default_pipeline`` (before "pipeline" meant pipeline parallelism only) builds the same
+    pass list as ``default_passes``, with a DeprecationWarning naming the new name."""
+    with pytest.warns(DeprecationWarning, match="default_passes"):
+        old = fxpar.passes.default_pipeline(verify=True)
+    assert old.names == fxpar.passes.default_passes(verify=True).names

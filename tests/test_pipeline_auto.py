@@ -23,10 +23,10 @@ import fxpar
 from fxpar import plans
 from fxpar.cluster import Cluster
 from fxpar.models import GPT, GPTConfig, gpt_loss
+from fxpar.passes import plan_program
 from fxpar.pipeline import Pipeline, PipelineError, partition, split_program
 from fxpar.pipeline.auto import StageChoice, evaluate_split, plan_stages
 from fxpar.pipeline.options import ScheduleName
-from fxpar.planning.plan import plan_program
 from fxpar.solvers.stages import StageMemoryError
 
 BATCH = 16

@@ -36,10 +36,10 @@ from fxpar.cluster import Cluster
 from fxpar.errors import BatchError, FxparError
 from fxpar.ir.program import named_state
 from fxpar.models import GPT, GPTConfig, gpt_loss
+from fxpar.passes import plan_program
 from fxpar.passes.canonicalize import Canonicalize
 from fxpar.pipeline import Pipeline, PipelineError, PipelineModel, partition, split_program
-from fxpar.pipeline.steps import check_state
-from fxpar.planning.plan import plan_program
+from fxpar.pipeline.stage_programs import check_state
 from fxpar.runtime.launch import spawn
 from fxpar.testing.strategies import splitting_cluster
 

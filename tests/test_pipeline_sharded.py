@@ -37,8 +37,8 @@ from fxpar.ir.program import named_state
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.optim import SGD, AdamW
 from fxpar.pipeline import Pipeline, PipelineError, PipelineModel, partition, split_program
-from fxpar.pipeline.sharded import shard_stage, stage_devices
-from fxpar.runtime.collectives import OneDeviceCommunicator
+from fxpar.pipeline.intra_op import shard_stage, stage_devices
+from fxpar.runtime.communicators import OneDeviceCommunicator
 from fxpar.testing import ModelCase
 from fxpar.testing import strategies as fst
 from fxpar.testing.pipeline import simulate_pipeline

@@ -24,6 +24,7 @@ from fxpar import plans
 from fxpar.cluster import Cluster
 from fxpar.errors import FxparError
 from fxpar.models import GPT, GPTConfig, gpt_loss
+from fxpar.passes import plan_program
 from fxpar.pipeline import Pipeline, PipelineError
 from fxpar.pipeline.auto import (
     StageChoice,
@@ -34,7 +35,6 @@ from fxpar.pipeline.auto import (
 )
 from fxpar.pipeline.meshes import stage_meshes
 from fxpar.pipeline.stage_costs import StagePlanner, stage_mesh, submesh_shapes
-from fxpar.planning.plan import plan_program
 from fxpar.solvers.stages import (
     NoStagePlanError,
     StageCost,

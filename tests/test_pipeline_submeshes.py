@@ -1,12 +1,12 @@
 """Pipeline stages on meshes of different shapes (``Pipeline(stage_meshes=...)``).
 
-- the messages of :func:`fxpar.pipeline.reshard.transfers` give every receiving device exactly
+- the messages of :func:`fxpar.pipeline.crossings.transfers` give every receiving device exactly
   its piece, for random meshes, shapes and layouts on both sides (hypothesis), and each piece of
   a value crosses once per receiving replica group, not once per device;
 - the property: random models cut at random points into 2-3 stages on random meshes, each
   mesh shape under its own random plan, compute the single-device step (every device in a
   thread, :func:`fxpar.testing.pipeline.simulate_stage_meshes`);
-- :func:`~fxpar.pipeline.reshard.crossing` keeps a value as computed between identical sides,
+- :func:`~fxpar.pipeline.crossings.crossing` keeps a value as computed between identical sides,
   reduces ``Partial`` values before they leave, and spreads a large value over the replicas
   of the receiving stage (Alpa's local all-gather);
 - on 3 gloo ranks, 2-stage pipelines on meshes ``(1,)`` and ``(2,)`` (Megatron tensor
@@ -38,8 +38,9 @@ from fxpar.lowering import value_spec
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.optim import SGD, AdamW
 from fxpar.pipeline import Pipeline, PipelineError, PipelineModel, partition, split_program
-from fxpar.pipeline.meshes import coordinates, meshes_of, stage_meshes, submesh_cluster
-from fxpar.pipeline.reshard import StageSide, crossing, transfers
+from fxpar.pipeline.crossings import StageSide, crossing, transfers
+from fxpar.pipeline.intra_op import stage_devices
+from fxpar.pipeline.meshes import coordinates, meshes_of, stage_meshes
 from fxpar.runtime.launch import spawn
 from fxpar.sharding import all_specs, shard_tensor
 from fxpar.testing import ModelCase
@@ -127,7 +128,7 @@ def test_random_plans_on_different_stage_meshes_train_like_one_device(
     # The runtime's program copies (fxpar/runtime/fastcall.py) from the first call, boxed.
     gather_bytes = 0 if gather else 1 << 40
     with (
-        mock.patch("fxpar.pipeline.reshard.LOCAL_ALLGATHER_BYTES", gather_bytes),
+        mock.patch("fxpar.pipeline.crossings.LOCAL_ALLGATHER_BYTES", gather_bytes),
         mock.patch("fxpar.runtime.fastcall.COPY_AFTER_CALLS", 0),
     ):
         result = simulate_stage_meshes(
@@ -202,9 +203,9 @@ def test_stages_tile_a_two_dimensional_cluster_as_alpa_does() -> None:
 
 def test_a_submesh_takes_the_links_of_the_ranks_it_spans() -> None:
     cluster = Cluster.preset("h100", (2, 8))  # 8 GPUs per node: NVLink inside, IB across
-    inside = submesh_cluster(cluster, (2, 4))
+    inside = cluster.submesh((2, 4))
     assert inside.bandwidth == (cluster.bandwidth[1], cluster.bandwidth[1])
-    across = submesh_cluster(cluster, (2, 8))
+    across = cluster.submesh((2, 8))
     assert across.bandwidth == (cluster.bandwidth[0], cluster.bandwidth[1])
 
 
@@ -441,3 +442,23 @@ def test_plans_of_copies_of_a_program_do_not_share_annotations() -> None:
     assert len(value_spec(first)) == 1 and len(value_spec(second)) == 2
     with pytest.raises(LoweringError):
         value_spec(program.placeholders()["wte.weight"])  # the original stays unplanned
+
+
+def test_one_submesh_cuts_every_stage_cluster() -> None:
+    """Cluster.submesh is the one cut of a stage's cluster: the stage mesh of a (stages,
+    *stage_mesh) cluster keeps its axes' names and links, 1-D and other shapes take the links
+    of the ranks they span, and memory grows by the number of stages of that size."""
+    cluster = Cluster.preset("h100", (4, 2, 8))
+    stage = stage_devices(cluster, 4)
+    assert stage.mesh_shape == (2, 8) and stage.axis_names == cluster.axis_names[1:]
+    assert stage.bandwidth == cluster.bandwidth[1:] and stage.latency == cluster.latency[1:]
+    assert stage.memory == cluster.memory * 4
+    line = cluster.submesh((16,))
+    assert line.axis_names == ("devices",) and line.bandwidth == (cluster.bandwidth[1],)
+    assert line.memory == cluster.memory * 4
+    odd = Cluster((3,)).submesh((2,))  # stages on meshes of different sizes
+    assert odd.memory == Cluster((3,)).memory * 1.5
+    with pytest.raises(FxparError, match="stage mesh"):
+        cluster.submesh((128,))
+    with pytest.raises(FxparError, match="stage mesh"):
+        cluster.submesh(())

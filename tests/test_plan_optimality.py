@@ -24,7 +24,8 @@ from fxpar import plans
 from fxpar.cluster import Cluster
 from fxpar.errors import FxparError
 from fxpar.models import GPT, GPTConfig, gpt_loss
-from fxpar.planning.plan import plan_program, prepare_for_planning, score
+from fxpar.passes import plan_program, prepare_for_planning
+from fxpar.planning.plan import score
 from fxpar.planning.problem import PlanOptions, build_problem
 from fxpar.solvers import ilp_model
 from fxpar.solvers.exhaustive import ExhaustiveSolver

@@ -21,7 +21,8 @@ from fxpar import ir, plans
 from fxpar.cluster import Cluster
 from fxpar.errors import FxparError
 from fxpar.models import GPT, GPTConfig, gpt_loss
-from fxpar.planning.plan import Plan, load_plan, plan_program
+from fxpar.passes import load_plan, plan_program
+from fxpar.planning.plan import Plan
 from fxpar.planning.plan_file import PlanFileError, parse_spec
 from fxpar.planning.report import compact_spec, layer_namer, plan_collectives, report_data
 from fxpar.rules import RuleRegistry

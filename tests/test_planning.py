@@ -13,7 +13,8 @@ from fxpar.cluster import Cluster, GiB
 from fxpar.errors import FxparError, SymbolicShapeError
 from fxpar.lowering import lower
 from fxpar.models import GPT, GPTConfig, gpt_loss
-from fxpar.planning.plan import Plan, plan_program, score
+from fxpar.passes import plan_program
+from fxpar.planning.plan import Plan, score
 from fxpar.planning.problem import PlanOptions, build_problem
 from fxpar.rules import default_rules, op_call
 from fxpar.sharding import Sharding
@@ -112,7 +113,7 @@ def test_repeated_layers_are_solved_once_and_coarsening_shrinks_the_problem() ->
     tokens = torch.randint(0, 128, (8, 16))
     program = fxpar.capture(model, (tokens,), gpt_loss, example_targets=(tokens,))
     cluster = Cluster((4,))
-    prepared = fxpar.planning.plan.prepare_for_planning(program, cluster)
+    prepared = fxpar.passes.prepare_for_planning(program, cluster)
     full, full_layout = build_problem(
         prepared, cluster, PlanOptions(coarsen=False, dedup_layers=False)
     )
@@ -204,7 +205,7 @@ def test_symbolic_programs_are_refused_up_front_with_what_to_do(entry: str) -> N
 
 
 def test_sharding_rules_refuse_symbolic_shapes_by_name() -> None:
-    """The rules themselves (reached by a user's own pass pipeline) name the op and the fix."""
+    """The rules themselves (reached by a user's own pass list) name the op and the fix."""
     program = symbolic_program()
     view = next(n for n in program.graph.nodes if n.target is torch.ops.aten.view.default)
     expected = r"aten\.view\.default has symbolic.*dynamic=False"

@@ -10,7 +10,7 @@ from hypothesis.strategies import sampled_from
 
 from fxpar.cluster import Cluster
 from fxpar.ir.capture import StepKind, capture
-from fxpar.planning.plan import plan_program
+from fxpar.passes import plan_program
 from fxpar.solvers.ilp import ILPSolver
 from fxpar.testing import ModelCase, assert_equivalent, assert_plan_equivalent
 from fxpar.testing import strategies as fst

@@ -23,7 +23,7 @@ from fxpar.errors import CaptureError
 from fxpar.ir.rng import RandomState
 from fxpar.lowering import lower
 from fxpar.models import GPT, GPTConfig, gpt_loss
-from fxpar.planning.plan import plan_program
+from fxpar.passes import plan_program
 from fxpar.runtime.launch import spawn
 from fxpar.testing import ModelCase, assert_equivalent, assert_plan_equivalent
 from fxpar.testing.strategies import _SequenceModel, splitting_cluster

@@ -19,9 +19,8 @@ from fxpar.cluster import Cluster
 from fxpar.errors import CaptureError, FxparError
 from fxpar.ir.program import Program
 from fxpar.models import GPT, GPTConfig, gpt_loss
-from fxpar.passes import ChosenStrategies, Rematerialize, Rematerialized, Verify
+from fxpar.passes import ChosenStrategies, Rematerialize, Rematerialized, Verify, plan_program
 from fxpar.planning.cost import saved_for_backward
-from fxpar.planning.plan import plan_program
 from fxpar.planning.problem import PlanOptions
 from fxpar.runtime.launch import spawn
 from fxpar.testing.equivalence import assert_equivalent

@@ -1,5 +1,5 @@
 """Resharding: every pair of specs on 1-D and 2-D meshes converts exactly, with the collective
-the table in DESIGN.md names for each single-axis move."""
+the table in docs/sharding.md names for each single-axis move."""
 
 from __future__ import annotations
 

@@ -115,7 +115,7 @@ def _reports_completion(rank: int, world_size: int) -> dict[str, bool]:
 
 @pytest.mark.slow
 def test_gloo_work_reports_its_completion_where_fxpar_polls_it() -> None:
-    """The kinds fxpar polls (fxpar.runtime.collectives passes reports=True) report their
+    """The kinds fxpar polls (fxpar.runtime.communicators passes reports=True) report their
     completion without wait(); a kind that did not would be polled in vain. Those fxpar
     waits on without polling (reduce_scatter_single, send, recv) do not, as the module
     docstring says: if a torch release changes that, they can be polled too."""

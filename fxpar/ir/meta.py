@@ -55,7 +55,7 @@ def require(node: fx.Node, kind: type[A]) -> A:
     if found is None:
         raise AnnotationError(
             f"node {node.name!r} ({node.target}) has no {kind.__name__} annotation; "
-            f"run the pass that produces it first (see fxpar.passes.default_pipeline())"
+            f"run the pass that produces it first (see fxpar.passes.default_passes())"
         )
     return found
 

@@ -186,7 +186,7 @@ class Program:
         if found is None:
             raise AnnotationError(
                 f"the Program has no {kind.__name__} annotation; run the pass that produces it "
-                "first (see fxpar.passes.default_pipeline())"
+                "first (see fxpar.passes.default_passes())"
             )
         return found
 

@@ -5,7 +5,7 @@ annotation (``getitem`` follows its producer). For each rank, :func:`lower` walk
 
 - each tensor argument is resharded from its producer's spec to the spec the consumer's strategy
   requires, by the steps of :func:`fxpar.sharding.reshard.reshard_steps`: collectives become
-  calls to :mod:`fxpar.runtime.collectives` on the ``comm`` input, local slices become
+  calls to :mod:`fxpar.lowering.collective_calls` on the ``comm`` input, local slices become
   ``aten.slice``;
 - ops whose arguments spell out a shape (``view``, ``expand``, ...) get the local shape;
 - outputs leave in their required specs: the loss replicated (a forward's outputs as
@@ -32,6 +32,7 @@ from fxpar import ir
 from fxpar.cluster import Cluster, Coordinate
 from fxpar.errors import LoweringError
 from fxpar.ir.program import Program, StepResult
+from fxpar.lowering import collective_calls
 from fxpar.lowering.grouping import (
     BUCKET_BYTES,
     Bucketed,
@@ -43,7 +44,6 @@ from fxpar.lowering.grouping import (
     needs_strategy,
 )
 from fxpar.rules.registry import tensor_inputs
-from fxpar.runtime import collectives
 from fxpar.sharding import (
     Sharding,
     Spec,
@@ -489,7 +489,7 @@ class _RankLowering:
                     )
                 )  # fmt: skip
         for bucket, start in started:
-            done = self.graph.call_function(collectives.wait_bucket, (self.comm, start))
+            done = self.graph.call_function(collective_calls.wait_bucket, (self.comm, start))
             for position, member in enumerate(bucket):
                 results[member.index] = self.graph.call_function(operator.getitem, (done, position))
         return results
@@ -499,11 +499,11 @@ class _RankLowering:
         route = bucket[0].route
         if route.kind == "all_reduce":
             args: tuple[Any, ...] = (self.comm, values, route.axes)
-            return self.graph.call_function(collectives.start_all_reduce_bucket, args)
+            return self.graph.call_function(collective_calls.start_all_reduce_bucket, args)
         (axis,) = route.axes
         dims = tuple(member.route.dim for member in bucket)
         args = (self.comm, values, dims, axis, self.mesh[axis])
-        return self.graph.call_function(collectives.start_reduce_scatter_bucket, args)
+        return self.graph.call_function(collective_calls.start_reduce_scatter_bucket, args)
 
     def _route(self, result: object, spec: Spec) -> BucketRoute | None:
         """How ``result`` leaves in a bucket (a gradient summed over a data-parallel axis, or
@@ -598,7 +598,7 @@ class _RankLowering:
                     break  # the next group's casts come later: it starts when first needed
                 self.started[index] = self._start_gather(self.gathers.groups[index], consumer)
         done = self.graph.call_function(
-            collectives.wait_bucket, (self.comm, self.started[group.index])
+            collective_calls.wait_bucket, (self.comm, self.started[group.index])
         )
         for position, member in enumerate(group.members):
             value = self.graph.call_function(operator.getitem, (done, position))
@@ -616,7 +616,7 @@ class _RankLowering:
                     group.phase,
                 )
             )  # fmt: skip
-        return self.graph.call_function(collectives.start_all_gather_bucket, args)
+        return self.graph.call_function(collective_calls.start_all_gather_bucket, args)
 
     def _emit(
         self,
@@ -654,13 +654,13 @@ class _RankLowering:
             CollectiveRecord(step.kind, step.axis, int(nbytes), source.name, consumer.name, phase)
         )
         if step.kind == "all_gather":
-            call, args = collectives.all_gather, (self.comm, value, step.dim, step.axis)
+            call, args = collective_calls.all_gather, (self.comm, value, step.dim, step.axis)
         elif step.kind == "all_reduce":
             return self._all_reduce(value, step.axis), after
         elif step.kind == "reduce_scatter":
-            call, args = collectives.reduce_scatter, (self.comm, value, step.dim, step.axis)
+            call, args = collective_calls.reduce_scatter, (self.comm, value, step.dim, step.axis)
         else:
-            call = collectives.all_to_all
+            call = collective_calls.all_to_all
             args = (self.comm, value, step.to_dim, step.dim, step.axis)
         return self.graph.call_function(call, args), after
 
@@ -669,14 +669,16 @@ class _RankLowering:
         waited on here, where it is needed."""
         args = (self.comm, value, axis)
         if value.op == "placeholder":  # placeholders come first; nothing to overlap
-            return self.graph.call_function(collectives.all_reduce, args)
+            return self.graph.call_function(collective_calls.all_reduce, args)
         with self.graph.inserting_after(value):
-            started = self.graph.call_function(collectives.start_all_reduce, args)
-        return self.graph.call_function(collectives.wait_all_reduce, (started,))
+            started = self.graph.call_function(collective_calls.start_all_reduce, args)
+        return self.graph.call_function(collective_calls.wait_all_reduce, (started,))
 
 
 _ORDERED = frozenset({
-    *collectives.COLLECTIVE_FUNCTIONS, collectives.wait_all_reduce, collectives.wait_bucket,
+    *collective_calls.COLLECTIVE_FUNCTIONS,
+    collective_calls.wait_all_reduce,
+    collective_calls.wait_bucket,
 })  # fmt: skip
 """Calls that keep their place: every rank must issue its collectives in one order."""
 
@@ -688,7 +690,9 @@ def overlap_all_reduces(graph: fx.Graph) -> None:
     tensor-parallel layer's weight gradient while its input gradient is summed). A start with
     nothing left between it and its wait becomes one blocking all-reduce, which skips the
     hand-off to the communication thread and back."""
-    for start in list(graph.find_nodes(op="call_function", target=collectives.start_all_reduce)):
+    for start in list(
+        graph.find_nodes(op="call_function", target=collective_calls.start_all_reduce)
+    ):
         # Ops before the start that the summed value does not need go after it, in order.
         needed = set(start.all_input_nodes)
         node = start.prev
@@ -699,7 +703,7 @@ def overlap_all_reduces(graph: fx.Graph) -> None:
             else:
                 start.append(node)
             node = previous
-    for wait in list(graph.find_nodes(op="call_function", target=collectives.wait_all_reduce)):
+    for wait in list(graph.find_nodes(op="call_function", target=collective_calls.wait_all_reduce)):
         needs_sum = {wait}
         node = wait.next
         while node.op == "call_function" and node.target not in _ORDERED:
@@ -712,7 +716,7 @@ def overlap_all_reduces(graph: fx.Graph) -> None:
         (start,) = wait.all_input_nodes
         if start.next is wait:
             with graph.inserting_before(start):
-                blocking = graph.call_function(collectives.all_reduce, start.args)
+                blocking = graph.call_function(collective_calls.all_reduce, start.args)
             wait.replace_all_uses_with(blocking)
             graph.erase_node(wait)
             graph.erase_node(start)

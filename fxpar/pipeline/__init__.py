@@ -8,7 +8,7 @@
 - :func:`pipeline_semantics` says how the micro-batches' losses make the step's, and where a
   pipelined step differs from one on the whole batch (:class:`PipelineSemantics`).
 - :class:`PipelineModel` also evaluates and infers (``eval()``, ``pipelined(*inputs)``), with
-  programs cut on first use over the same state (:mod:`fxpar.pipeline.steps`;
+  programs cut on first use over the same state (:mod:`fxpar.pipeline.stage_programs`;
   :class:`PassPlanner` plans them on a stage mesh with the state's layouts pinned).
 - :func:`plan_stages` chooses split points and devices per stage with the stage DP
   (``Pipeline(stages="auto")`` in :func:`fxpar.compile`).
@@ -22,7 +22,14 @@ from fxpar.pipeline.auto import DegreeOutcome, StageChoice, evaluate_split, plan
 from fxpar.pipeline.executor import Event, StageTrace, StageWorker
 from fxpar.pipeline.model import PipelineModel
 from fxpar.pipeline.options import Pipeline, PipelineError
-from fxpar.pipeline.partition import Half, Partition, Unit, even_split_points, partition
+from fxpar.pipeline.partition import (
+    Half,
+    Partition,
+    StageOrderError,
+    Unit,
+    even_split_points,
+    partition,
+)
 from fxpar.pipeline.schedule import (
     Instruction,
     Op,
@@ -33,7 +40,7 @@ from fxpar.pipeline.schedule import (
 )
 from fxpar.pipeline.semantics import PipelineSemantics, pipeline_semantics
 from fxpar.pipeline.split import SplitProgram, StageProgram, split_program
-from fxpar.pipeline.steps import PassPlanner
+from fxpar.pipeline.stage_programs import PassPlanner
 from fxpar.pipeline.timeline import bubble_fractions, ideal_bubble, plot_timeline
 
 __all__ = [
@@ -50,6 +57,7 @@ __all__ = [
     "PipelineSemantics",
     "SplitProgram",
     "StageChoice",
+    "StageOrderError",
     "StageProgram",
     "StageTrace",
     "StageWorker",

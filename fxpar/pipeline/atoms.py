@@ -3,8 +3,13 @@
 A stage may begin at a *cut candidate*: a repeated layer (``blocks.3``; the numbered children of
 the container with the most, :func:`fxpar.planning.cost.repeated_layers`) or another module at the
 depth of that container (``wte``, ``ln_f``, ``head``, ``<loss>``; ``transformer.wte`` when the
-layers are ``transformer.h.i``), in forward order. The model's first such module is not a
-candidate (stage 0 starts with the model). :func:`~fxpar.pipeline.partition.partition` with every
+layers are ``transformer.h.i``), in data-flow order
+(:func:`~fxpar.pipeline.partition.forward_order`: ops computed from the model's state alone,
+such as mixed precision's parameter casts, run where they are first read, never in the order
+the modules registered their parameters). The model's first such module is not a candidate
+(stage 0 starts with the model), and neither is a module computed from the state alone and
+first read inside another one (a rotary embedding, read in the first layer's attention): its
+ops go with that consumer. :func:`~fxpar.pipeline.partition.partition` with every
 candidate as a split point checks them and assigns each node, backward nodes included (they follow
 their forward op), to an *atom*: the ops between two consecutive candidates.
 
@@ -22,9 +27,15 @@ import torch.fx as fx
 
 from fxpar import ir
 from fxpar.ir.program import Program
-from fxpar.passes import default_pipeline
+from fxpar.passes import default_passes
 from fxpar.pipeline.options import PipelineError
-from fxpar.pipeline.partition import first_position, partition
+from fxpar.pipeline.partition import (
+    ForwardOrder,
+    first_position,
+    forward_order,
+    partition,
+    within_module,
+)
 from fxpar.planning.cost import repeated_layers
 from fxpar.solvers.layers import DataEdge
 
@@ -63,8 +74,9 @@ class Atoms:
     @staticmethod
     def build(program: Program, extra_points: Sequence[str]) -> Atoms:
         _ensure_costs(program)
-        forward = [n for n in program.graph.nodes if region(n).phase is ir.Phase.FORWARD]
-        units = cut_candidates(forward)
+        order = forward_order(program)
+        forward = order.nodes
+        units, riders = cut_candidates(order)
         first = {name: first_position(forward, name) for name in extra_points}
         # A user's split point may begin where a candidate does (``blocks.1.ln_1``): keep the
         # user's name there, so the choice reports the stages as the user named them.
@@ -82,7 +94,7 @@ class Atoms:
         count = len(names)
         atom_of = {node: unit.stage for node, unit in parts.units.items()}
         modules: list[list[str]] = [[] for _ in range(count)]
-        for name, position in units:
+        for name, position in sorted([*units, *riders], key=lambda unit: unit[1]):
             atom = atom_of[forward[position]]
             if name not in modules[atom]:
                 modules[atom].append(name)
@@ -115,18 +127,26 @@ def _ensure_costs(program: Program) -> None:
     """The pipeline's steps up to the costs: means become sums (as every stage plan and every
     split program has them) before the atoms take the graph's nodes, and every node is
     priced. Both steps leave a Program they already ran on as it is."""
-    default_pipeline().through("annotate-cost").run(program)
+    default_passes().through("annotate-cost").run(program)
 
 
 def region(node: fx.Node) -> ir.Region:
     return ir.require(node, ir.Region)
 
 
-def cut_candidates(forward: Sequence[fx.Node]) -> list[tuple[str, int]]:
-    """Cut candidates ``(module name, first forward position)`` in forward order, the model's
-    first module included: the repeated layers, and other modules cut to the depth of their
-    container. Modules above that depth (the root, the container's parents) run between
-    candidates and go with the one before them."""
+def cut_candidates(order: ForwardOrder) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """Cut candidates ``(module name, first position in order)`` in data-flow order, the
+    model's first module included: the repeated layers, and other modules cut to the depth of
+    their container. Modules above that depth (the root, the container's parents, the parent
+    of other candidates such as a decoder beside the encoder's layers) run between candidates
+    and go with the one before them.
+
+    Second, the *riders*: modules at a candidate's depth that compute from the model's state
+    alone and are first read by another module (a rotary embedding, read in the first layer's
+    attention; a shared embedding whose mixed precision cast is first read by the encoder's
+    embedding). Their ops go with that reader; a stage beginning at one would hold nothing
+    that depends on the batch before its reader, or begin inside it."""
+    forward = order.nodes
     repeated = repeated_layers(region(node).module for node in forward)
     container = None if repeated is None else repeated[0]
     depth = len(container.split(".")) if container else 1
@@ -150,7 +170,29 @@ def cut_candidates(forward: Sequence[fx.Node]) -> list[tuple[str, int]]:
             "the captured step's forward ops belong to no named module, so there is nowhere to "
             "cut it into stages"
         )
-    return sorted(units.items(), key=lambda item: item[1])
+    # A parent's own code (model.decoder's, between its children): where the parent begins is
+    # where its first child does, so naming it would cut twice at one place.
+    parents = {name for name in units if any(other.startswith(name + ".") for other in units)}
+    ordered = sorted(
+        ((name, first_position(forward, name)) for name in units if name not in parents),
+        key=lambda unit: unit[1],
+    )
+    riders = [unit for unit in ordered if _rides(order, *unit)]
+    candidates = [unit for unit in ordered if unit not in riders]
+    if not candidates:
+        candidates, riders = ordered[:1], ordered[1:]
+    return candidates, riders
+
+
+def _rides(order: ForwardOrder, name: str, position: int) -> bool:
+    """``name`` begins with ops computed from the state alone, moved before a reader in
+    another module than itself or its parent (the parent's code between children, GPT's
+    ``wte(x) + wpe(positions)``, does not count: a stage may begin at ``wpe``)."""
+    node = order.nodes[position]
+    if not order.is_moved(node):
+        return False
+    reader = region(order.anchor[node]).module
+    return not (within_module(reader, name) or within_module(name, reader))
 
 
 def _placeholders(

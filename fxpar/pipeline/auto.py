@@ -62,6 +62,7 @@ from typing import Any
 from fxpar.cluster import Cluster
 from fxpar.errors import FxparError
 from fxpar.ir.program import Program
+from fxpar.passes.manual import require_concrete_shapes
 from fxpar.pipeline.atoms import Atoms
 from fxpar.pipeline.meshes import straddling
 from fxpar.pipeline.options import Pipeline, PipelineError
@@ -73,10 +74,8 @@ from fxpar.pipeline.stage_costs import (
     divisors,
     stage_mesh,
     submesh_shapes,
-    submesh_stage_cluster,
     uniform_stage_mesh,
 )
-from fxpar.planning.manual import require_concrete_shapes
 from fxpar.solvers.errors import format_bytes
 from fxpar.solvers.layers import cluster_layers
 from fxpar.solvers.stages import (
@@ -667,7 +666,7 @@ def _with_stage_meshes(
     ``stage_cluster`` when they are alike, else ``pipeline.stage_meshes``."""
     pipeline = dataclasses.replace(choice.pipeline, data_parallel=1)
     if len(set(meshes)) == 1:
-        mesh = submesh_stage_cluster(cluster, meshes[0])
+        mesh = cluster.submesh(meshes[0])
         return dataclasses.replace(
             choice, pipeline=dataclasses.replace(pipeline, stage_meshes=None), stage_cluster=mesh
         )

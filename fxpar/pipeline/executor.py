@@ -13,7 +13,7 @@ Every message carries one tensor per :class:`~fxpar.pipeline.split.Value` of the
 the channel's order, with a tag made of the micro-batch, the direction, the sending virtual
 stage and the index, so messages cannot be confused even if the transport reorders them. The
 receiver allocates from the shapes recorded at capture time: nothing but the data travels.
-Between stages on meshes of different shapes (:mod:`.reshard`) a value travels as the boxes each
+Between stages on meshes of different shapes (:mod:`.crossings`) a value travels as the boxes each
 receiving device needs, one message per sending device, with the value's tag. With the
 interleaved schedule a worker runs several model chunks, each with its own programs and
 channels; the last stage's chunk ``c`` sends to stage 0's chunk ``c + 1``.
@@ -32,8 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fxpar.pipeline.crossings import Crossing, Transfer
 from fxpar.pipeline.options import PipelineError
-from fxpar.pipeline.reshard import Crossing, Transfer
 from fxpar.pipeline.schedule import Instruction, Op
 from fxpar.pipeline.split import StageProgram, Value
 
@@ -104,7 +104,7 @@ class _Channel:
     ) -> None:
         """``sender``: the virtual stage that sends on this channel, of ``senders``.
         ``routes``: this rank's messages for each value, when the neighbouring stage runs
-        another mesh (:mod:`.reshard`); else every value goes whole to or from ``peer``."""
+        another mesh (:mod:`.crossings`); else every value goes whole to or from ``peer``."""
         if len(values) > _MAX_VALUES:
             raise PipelineError(
                 f"{len(values)} tensors cross one stage boundary; at most {_MAX_VALUES} are "

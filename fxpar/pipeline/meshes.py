@@ -25,7 +25,7 @@ from fxpar.cluster import Cluster, Coordinate
 from fxpar.errors import FxparError
 from fxpar.ir.program import Program
 from fxpar.pipeline.options import Pipeline, PipelineError
-from fxpar.pipeline.stage_costs import crossing_stages, submesh_stage_cluster
+from fxpar.pipeline.stage_costs import crossing_stages
 from fxpar.solvers.stages import place_submeshes
 
 Shape = tuple[int, ...]
@@ -147,7 +147,7 @@ def meshes_of(
         if shapes is None:
             return None
         whole = Cluster((pipeline.world_size,))
-        return StageMeshes(tuple(submesh_cluster(whole, shape) for shape in shapes))
+        return StageMeshes(tuple(whole.submesh(shape) for shape in shapes))
     meshes = stage_cluster if isinstance(stage_cluster, StageMeshes) else None
     clusters = meshes.clusters if meshes is not None else tuple(stage_cluster)  # type: ignore[arg-type]
     given = tuple(cluster.mesh_shape for cluster in clusters)
@@ -177,16 +177,6 @@ def uniform_meshes(cluster: Cluster, num_stages: int) -> StageMeshes:
     return StageMeshes((cluster,) * num_stages)
 
 
-def submesh_cluster(cluster: Cluster, shape: Sequence[int]) -> Cluster:
-    """A stage mesh of ``shape`` inside a pipeline on ``cluster``: the very Cluster the stage
-    DP prices a stage of that mesh on (:func:`~fxpar.pipeline.stage_costs.submesh_stage_cluster`),
-    so the plan a stage runs is the plan its cost came from. Each axis takes the links of the
-    innermost axis of ``cluster`` holding that many ranks, and the memory of one device times
-    ``world / devices`` (the plan covers every stage's layers; a stage of more devices holds
-    about a proportionally larger share)."""
-    return submesh_stage_cluster(cluster, tuple(shape))
-
-
 def stage_meshes(pipeline: Pipeline, cluster: Cluster) -> StageMeshes:
     """The stages of ``pipeline`` (which names its ``stage_meshes``) on ``cluster``, whose
     devices they must use exactly; on a 2-D cluster placed as Alpa tiles it, where the meshes
@@ -204,7 +194,7 @@ def stage_meshes(pipeline: Pipeline, cluster: Cluster) -> StageMeshes:
             f"the stage meshes {shapes} hold {pipeline.world_size} devices, but the cluster "
             f"{cluster.mesh_shape} has {cluster.world_size}: they must use it exactly"
         )
-    clusters = tuple(submesh_cluster(cluster, shape) for shape in shapes)
+    clusters = tuple(cluster.submesh(shape) for shape in shapes)
     return StageMeshes(clusters, _tiling(cluster.mesh_shape, shapes))
 
 
@@ -254,6 +244,5 @@ __all__ = [
     "plan_each",
     "stage_meshes",
     "straddling",
-    "submesh_cluster",
     "uniform_meshes",
 ]

@@ -1,6 +1,6 @@
 """``PipelineModel``: train a model as a synchronous pipeline on ``torch.distributed`` ranks.
 
-It reads like the runtime half of DESIGN.md's pipeline::
+It reads like the runtime half of the stages in docs/pipelines.md::
 
     capture at micro-batch size -> partition into stages -> split into forward/backward
     programs -> schedule (GPipe, 1F1B, interleaved) -> this rank's StageWorker -> reduce -> update
@@ -25,7 +25,7 @@ at micro-batch size is planned for that mesh first (tensor parallelism, an ILP p
 and each stage runs its share of the plan on ``stage_cluster.world_size`` devices: ranks
 ``s*T .. s*T + T-1`` for ``T`` devices per stage, rank ``s*T + t`` at coordinate ``t`` of the
 stage mesh, exchanging activations with the same coordinate of the neighbouring stages (see
-:mod:`.sharded`). Gradients are summed over micro-batches in the layout the backward made them
+:mod:`.intra_op`). Gradients are summed over micro-batches in the layout the backward made them
 in and converted to their parameters' layouts once per step.
 
 **Checkpoints.** :meth:`PipelineModel.save` writes this stage's pieces under the model's own
@@ -49,7 +49,7 @@ half of every stage's list (:func:`.schedule.forward_only`) and keeps nothing.
 switch the mode every call runs the model in, and ``pipelined(*inputs)`` returns the model's
 outputs for a batch, whole on every rank, through the forward half of the schedule. Each
 kind of program and mode is captured and cut at the training split's points on first use, over
-the same state, which is checked not to move (:mod:`.steps`).
+the same state, which is checked not to move (:mod:`.stage_programs`).
 """
 
 from __future__ import annotations
@@ -71,8 +71,9 @@ from fxpar.ir.capture import LossFn, batch_tensors, capture, with_batch_tensors
 from fxpar.ir.precision import MixedPrecision
 from fxpar.ir.program import Program, named_state, state_dict_aliases
 from fxpar.ir.rng import RandomState
+from fxpar.lowering.collective_calls import Communicator
 from fxpar.optim import AdamW, Optimizer, check_optimizer
-from fxpar.passes import default_pipeline, for_compile
+from fxpar.passes import default_passes, for_compile
 from fxpar.passes.canonicalize import Canonicalize
 from fxpar.pipeline.executor import StageResult, StageTrace, StageWorker
 from fxpar.pipeline.groups import (
@@ -83,14 +84,14 @@ from fxpar.pipeline.groups import (
     stage_device_mesh,
     tied_sums,
 )
+from fxpar.pipeline.intra_op import ShardedStage, local_batch, planned_specs
 from fxpar.pipeline.meshes import StageMeshes, meshes_of, plan_each
 from fxpar.pipeline.options import Pipeline, PipelineError
 from fxpar.pipeline.partition import even_split_points, partition
 from fxpar.pipeline.schedule import build_schedule, simulate
 from fxpar.pipeline.semantics import PipelineSemantics
-from fxpar.pipeline.sharded import ShardedStage, local_batch, planned_specs
 from fxpar.pipeline.split import SplitProgram, split_program
-from fxpar.pipeline.steps import (
+from fxpar.pipeline.stage_programs import (
     PassPlanner,
     StageCutter,
     StageLayout,
@@ -100,11 +101,7 @@ from fxpar.pipeline.steps import (
 from fxpar.planning.plan import Plan
 from fxpar.runtime import waiting
 from fxpar.runtime.batches import BatchSignature
-from fxpar.runtime.collectives import (
-    Communicator,
-    OneDeviceCommunicator,
-    ProcessGroupCommunicator,
-)
+from fxpar.runtime.communicators import OneDeviceCommunicator, ProcessGroupCommunicator
 from fxpar.runtime.fingerprint import check_same_model
 from fxpar.runtime.lowered import call_inputs, forward_key
 from fxpar.runtime.trainer import Trainer
@@ -157,13 +154,13 @@ class PipelineModel(Trainer):
         """``stage_cluster``: run an intra-op plan inside every stage, on a mesh of this shape
         (see the module docstring); ``planner(program, stage_cluster)`` makes the plan, the
         same on every rank (by default the ILP, solved on rank 0 and broadcast; e.g.
-        ``functools.partial(fxpar.planning.plan.plan_program, manual=fxpar.plans.tensor_parallel)``
+        ``functools.partial(fxpar.passes.plan_program, manual=fxpar.plans.tensor_parallel)``
         for Megatron). With ``Pipeline(stage_meshes=...)``, ``stage_cluster`` is one Cluster per
         stage (or None: default links), each mesh shape is planned once, and values crossing
-        between stages on different meshes are resharded (:mod:`.reshard`). It plans the
+        between stages on different meshes are resharded (:mod:`.crossings`). It plans the
         programs of eval mode and of the forward too, which must keep every parameter and
-        buffer in its layout: a :class:`~.steps.PassPlanner` (the default's kind) pins them,
-        any other planner's plans are checked and refused if they move one.
+        buffer in its layout: a :class:`~.stage_programs.PassPlanner` (the default's kind) pins
+        them, any other planner's plans are checked and refused if they move one.
         ``check_batches``: compare a digest of every batch across ranks before each step (one
         small all-gather), so that a rank fed another batch fails loudly instead of training
         on a mixture. ``init`` (a checkpoint to start from; each rank reads
@@ -215,7 +212,7 @@ class PipelineModel(Trainer):
         )  # fmt: skip
         # Means become sums over counts, so the loss's count can be the whole batch's.
         program = Canonicalize().run(program)
-        planner = planner or PassPlanner(for_compile(default_pipeline()))
+        planner = planner or PassPlanner(for_compile(default_passes()))
         points = pipeline.stages
         if isinstance(points, int):
             points = even_split_points(program, pipeline.num_chunks)
@@ -435,8 +432,8 @@ class PipelineModel(Trainer):
         The inputs are given whole on every rank, positionally or by keyword (as the model
         takes them), with dim 0 of every tensor the batch, divisible by ``microbatches *
         data_parallel``; other shapes than the example's are fine (each is captured and cut
-        on first use, :mod:`.steps`). Only the forward instructions of the schedule run, the
-        last stage's outputs of the micro-batches are concatenated along dim 0 and broadcast
+        on first use, :mod:`.stage_programs`). Only the forward instructions of the schedule run,
+        the last stage's outputs of the micro-batches are concatenated along dim 0 and broadcast
         to every rank. In train mode random ops draw from :attr:`random` and the buffers the
         forward writes (BatchNorm's statistics, per micro-batch) are stored, as eager PyTorch
         does; in eval mode nothing changes. A collective: call it on every rank.
@@ -477,7 +474,7 @@ class PipelineModel(Trainer):
         step's order once they bind, and (``check_batches``) the comparison with every rank's
         batch, started here, to finish before the stage's first message. A batch of new
         shapes is captured and cut at the training split points once the ranks agree, over
-        the same state (:mod:`.steps`), and kept for the next batch of those shapes."""
+        the same state (:mod:`.stage_programs`), and kept for the next batch of those shapes."""
         trained = self._cutter.trained.batch
         given = trained.given(batch, named)
         if given is None:  # let the example's signature say what is wrong, on every rank
@@ -629,7 +626,7 @@ class PipelineModel(Trainer):
 
 def _peer(meshes: StageMeshes | None, stage: int, per_stage: int, local: int) -> int:
     """The rank of the device at this rank's place in ``stage`` (its first, where ``stage``'s
-    mesh is another shape: messages then follow routes, see :mod:`.reshard`)."""
+    mesh is another shape: messages then follow routes, see :mod:`.crossings`)."""
     if meshes is None:
         return stage * per_stage + local
     if meshes.uniform:

@@ -1,12 +1,20 @@
 """Assign every node of a captured Program to a pipeline stage and to its forward or backward
 half.
 
-**Forward nodes go by position.** ``make_fx`` records forward ops in the order the model runs
-them, so a stage is a contiguous run of forward nodes: stage ``k`` begins at the first forward
-node of its split-point module. Position, not the module name alone, decides, so code of the
-root module between two layers (GPT's embedding sum, a residual add written in the parent's
-``forward``) lands in the stage that runs at that moment, and every forward edge points from a
-stage to itself or a later one.
+**Forward nodes go by position in data-flow order.** ``make_fx`` records forward ops in the
+order the model runs them, with one exception: ops computed from the model's state alone
+(parameters, buffers and constants, nothing of the batch) sit wherever the trace put them.
+Mixed precision casts every parameter before the first layer runs, in the order the modules
+registered them, and a rotary embedding's tables are computed once, before the layers that read
+them. :func:`forward_order` moves each such *state-only* op to just before its first forward
+consumer, so it runs in the stage that first reads it. In that order a stage is a contiguous
+run of forward nodes: stage ``k`` begins at the first forward node of its split-point module.
+Position, not the module name alone, decides, so code of the root module between two layers
+(GPT's embedding sum, a residual add written in the parent's ``forward``) lands in the stage
+that runs at that moment, and every forward edge points from a stage to itself or a later one.
+A split point whose module computes from the state alone and is first read inside another
+module (a rotary embedding, read in the first layer's attention) would begin a stage inside
+that module, and is refused.
 
 **Backward nodes follow the forward op they differentiate.** Capture tags each backward node
 with autograd's sequence number of its forward op (``Region.seq_nr``); failing that, with the
@@ -15,6 +23,10 @@ gradient accumulations, reductions for broadcasts) take the stage of their backw
 of their forward inputs when they have none. Last, each backward node is clamped to at most the
 stage of every backward node it reads, so gradients only ever flow from a stage to itself or an
 earlier one. ``getitem`` nodes always sit with the tuple they read, so only tensors cross stages.
+
+**Causality is checked.** The units run ``forward[0], ..., forward[K-1], backward[K-1], ...,
+backward[0]``; :func:`check_causal` refuses an assignment in which a unit reads a value that a
+later unit computes, naming the value and both stages (:class:`StageOrderError`).
 
 A choice here never changes what is computed, only where: values a stage needs from elsewhere
 are routed by :mod:`fxpar.pipeline.split`.
@@ -58,6 +70,61 @@ class Unit(NamedTuple):
         return f"{self.half.value}[{self.stage}]"
 
 
+class StageOrderError(PipelineError):
+    """A stage reads a value that a later stage computes.
+
+    Attributes:
+        value: the name of the node computing the value.
+        producer: the unit computing it.
+        reader: the unit reading it, which runs before ``producer``.
+    """
+
+    def __init__(self, message: str, value: str, producer: Unit, reader: Unit) -> None:
+        super().__init__(message)
+        self.value = value
+        self.producer = producer
+        self.reader = reader
+
+
+@dataclass(frozen=True)
+class ForwardOrder:
+    """The forward nodes of a Program in data-flow order (module docstring)."""
+
+    nodes: tuple[fx.Node, ...]
+    anchor: Mapping[fx.Node, fx.Node]
+    """For each node, the node reading the batch that it was moved before: its first forward
+    consumer that depends on the batch, or itself (a node that depends on the batch, or a
+    state-only node no forward op reads)."""
+
+    def is_moved(self, node: fx.Node) -> bool:
+        """``node`` computes from the model's state alone and was moved to its consumer."""
+        return self.anchor[node] is not node
+
+
+def forward_order(program: Program) -> ForwardOrder:
+    """The forward nodes of ``program``, each state-only node (one that reads, directly or
+    not, none of the batch or random inputs) moved to just before the first forward node that
+    reads it and depends on the batch. The order stays topological: a node is never moved
+    after a reader, and moved nodes keep their relative order."""
+    forward = [n for n in program.graph.nodes if _phase(n) is ir.Phase.FORWARD]
+    index = {node: position for position, node in enumerate(forward)}
+    placeholders = program.placeholders()
+    step_inputs = {placeholders[name] for name in program.signature.step_inputs}
+    depends_on_batch: set[fx.Node] = set()
+    for node in forward:
+        if any(a in step_inputs or a in depends_on_batch for a in node.all_input_nodes):
+            depends_on_batch.add(node)
+    anchor: dict[fx.Node, fx.Node] = {}
+    for node in reversed(forward):
+        if node in depends_on_batch:
+            anchor[node] = node
+            continue
+        readers = [anchor[user] for user in node.users if user in anchor]
+        anchor[node] = min(readers, key=index.__getitem__, default=node)
+    nodes = sorted(forward, key=lambda node: (index[anchor[node]], index[node]))
+    return ForwardOrder(tuple(nodes), anchor)
+
+
 @dataclass(frozen=True)
 class Partition:
     """Where every computing node of a Program runs."""
@@ -76,8 +143,18 @@ def partition(program: Program, split_points: Sequence[str]) -> Partition:
         PipelineError: a split point names no module that runs in forward, or the split points
             are not in the order the model runs them.
     """
-    forward = [n for n in program.graph.nodes if _phase(n) is ir.Phase.FORWARD]
+    order = forward_order(program)
+    forward = order.nodes
     starts = [first_position(forward, point) for point in split_points]
+    for point, start in zip(split_points, starts, strict=True):
+        inside = enclosing_module(order, start, point)
+        if inside is not None:
+            raise PipelineError(
+                f"split point {point!r} computes from the model's parameters and buffers alone "
+                f"(nothing of the batch), so it runs where {inside!r} first reads it, inside "
+                f"that module: a stage cannot begin there; begin it at a module that runs "
+                f"before or after {inside!r}"
+            )
     for (previous, before), (point, start) in zip(
         zip(split_points, starts, strict=True),
         zip(split_points[1:], starts[1:], strict=False),
@@ -96,7 +173,74 @@ def partition(program: Program, split_points: Sequence[str]) -> Partition:
         units[node] = Unit(Half.FORWARD, stage)
     _assign_backward(program, units)
     _keep_getitems_with_their_tuple(program, units)
-    return Partition(len(split_points) + 1, tuple(split_points), units)
+    result = Partition(len(split_points) + 1, tuple(split_points), units)
+    check_causal(program, result)
+    return result
+
+
+def check_causal(program: Program, partition: Partition) -> None:
+    """Refuse an assignment in which a unit reads a value computed by a unit that runs after
+    it (in the order ``forward[0..K-1]``, then ``backward[K-1..0]``).
+
+    Raises:
+        StageOrderError: naming the first such value, its stage and the stage reading it.
+    """
+    last = partition.num_stages - 1
+
+    def rank(unit: Unit) -> int:
+        return unit.stage if unit.half is Half.FORWARD else 2 * last + 1 - unit.stage
+
+    units = partition.units
+    for node in program.graph.nodes:
+        reader = units.get(node)
+        if reader is None:
+            continue
+        for value in node.all_input_nodes:
+            producer = units.get(value)
+            if producer is None or rank(producer) <= rank(reader):
+                continue
+            module = ir.require(value, ir.Region).module or "the model's own forward"
+            raise StageOrderError(
+                f"{reader} ({_stage_name(partition, reader.stage)}) reads {value.name!r} "
+                f"({value.target}, in {module}), which {producer} "
+                f"({_stage_name(partition, producer.stage)}) computes later: no stage may read "
+                "a value a later stage produces. List the split points in the order the "
+                "model's forward runs them, each at a module that runs after every value its "
+                "stage reads",
+                value.name,
+                producer,
+                reader,
+            )
+
+
+def _stage_name(partition: Partition, stage: int) -> str:
+    if stage == 0:
+        return "stage 0, from the model's start"
+    return f"stage {stage}, from {partition.split_points[stage - 1]!r}"
+
+
+def enclosing_module(order: ForwardOrder, position: int, module: str) -> str | None:
+    """The module that a stage beginning at ``module``, whose first node is at ``position``
+    of ``order``, would begin inside: when that node computes from the state alone and was
+    moved before a consumer in another module that already ran (a rotary embedding's tables,
+    first read in the middle of the first layer's attention). None when the stage begins
+    between modules."""
+    node = order.nodes[position]
+    if not order.is_moved(node):
+        return None
+    consumer = ir.require(order.anchor[node], ir.Region).module
+    if within_module(consumer, module) or within_module(module, consumer):
+        return None  # its own code, or its parent's code between children (GPT's wpe sum)
+    ran_before = any(
+        within_module(ir.require(n, ir.Region).module, consumer) for n in order.nodes[:position]
+    )
+    return consumer if ran_before else None
+
+
+def within_module(module: str, ancestor: str) -> bool:
+    """``module`` is ``ancestor`` or one of its submodules (every module is within the root,
+    ``""``)."""
+    return ancestor == "" or module == ancestor or module.startswith(ancestor + ".")
 
 
 def even_split_points(program: Program, num_stages: int) -> tuple[str, ...]:
@@ -109,7 +253,7 @@ def even_split_points(program: Program, num_stages: int) -> tuple[str, ...]:
     """
     if num_stages == 1:
         return ()
-    forward = [n for n in program.graph.nodes if _phase(n) is ir.Phase.FORWARD]
+    forward = forward_order(program).nodes
     repeated = repeated_layers(ir.require(node, ir.Region).module for node in forward)
     layers = [] if repeated is None else repeated[1]
     if len(layers) < num_stages:

@@ -53,11 +53,11 @@ from fxpar.errors import LoweringError
 from fxpar.ir.program import Program, StepResult
 from fxpar.ir.rng import RandomDraw, draw_all
 from fxpar.lowering import value_spec
+from fxpar.lowering.collective_calls import Communicator
 from fxpar.pipeline.options import PipelineError
 from fxpar.pipeline.partition import Half, Partition, Unit
 from fxpar.pipeline.semantics import LossDenominator, PipelineSemantics, pipeline_semantics
 from fxpar.runtime import fastcall
-from fxpar.runtime.collectives import Communicator
 from fxpar.sharding import Sharding, Spec, Strategy
 
 aten = torch.ops.aten
@@ -113,7 +113,7 @@ class StageProgram:
     """The model's output tensors this unit returns, in the Program's output order (named
     after the nodes that compute them)."""
     communicator: Communicator | None = None
-    """Set on a unit lowered to one device of a stage mesh (:mod:`.sharded`): its module takes
+    """Set on a unit lowered to one device of a stage mesh (:mod:`.intra_op`): its module takes
     the communicator first, and every tensor above is this device's piece."""
 
     def run(

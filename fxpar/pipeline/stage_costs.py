@@ -35,16 +35,16 @@ stage. Costs are cached per (atom range, stage mesh shape); data-parallel replic
 shape's number of devices ``d``.
 
 **Intra-op plans inside stages** (``stage_planner``, which :func:`fxpar.compile` passes when a
-solver, pins, options or rules are given with ``stages="auto"``). Then a stage runs an intra-op
-plan on its own stage mesh, and the costs come from that plan. A stage mesh is a shape: ``(d,)``,
-``d`` consecutive ranks with the links of the innermost mesh axis that holds them, or on a 2-D
-cluster ``(r, C)``, ``r`` whole rows of ``C`` devices, each axis with the links of the cluster
-axis it runs along (:func:`submesh_stage_cluster`). For every distinct shape, the whole step is
-planned once on that mesh (``stage_planner(program, stage_mesh)``, the ILP by default), and the
-plan is read the way the plan report reads it (:func:`fxpar.planning.report.walk`): per node,
+solver, pins, options or rules are given with ``stages="auto"``). Then a stage runs an intra-op plan
+on its own stage mesh, and the costs come from that plan. A stage mesh is a shape: ``(d,)``, ``d``
+consecutive ranks with the links of the innermost mesh axis that holds them, or on a 2-D cluster
+``(r, C)``, ``r`` whole rows of ``C`` devices, each axis with the links of the cluster axis it runs
+along (:meth:`Cluster.submesh <fxpar.cluster.Cluster.submesh>`). For every distinct shape, the whole
+step is planned once on that mesh (``stage_planner(program, stage_mesh)``, the ILP by default), and
+the plan is read the way the plan report reads it (:func:`fxpar.planning.report.walk`): per node,
 its roofline seconds under its strategy and the collectives it runs, with the bytes each device
-holds of every value. Layers ``[i, j)`` then cost, per micro-batch (``1/M`` of the planned
-step's work, assumed linear in the batch as above):
+holds of every value. Layers ``[i, j)`` then cost, per micro-batch (``1/M`` of the planned step's
+work, assumed linear in the batch as above):
 
     time   = (T_fwd + T_bwd + [remat] T_fwd + C) / M + C_grad / M + sends of local bytes
     static = (2 + optimizer_states) G_local + S_local   (+ [remat] A_saved_local / M)
@@ -61,7 +61,6 @@ resharding between stages on different meshes is not priced.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -89,7 +88,7 @@ if TYPE_CHECKING:
 Shape = tuple[int, ...]
 
 StagePlanner = Callable[[Program, Cluster], "Plan"]
-"""Plans a captured step on a stage mesh, e.g. ``fxpar.planning.plan.plan_program``."""
+"""Plans a captured step on a stage mesh, e.g. ``fxpar.passes.plan_program``."""
 
 
 @dataclass(frozen=True)
@@ -179,7 +178,7 @@ class StageCostModel:
     def _stage_cost(self, start: int, stop: int, shape: Shape) -> StageCost:
         devices = math.prod(shape)
         facts = self.facts(start, stop)
-        bandwidth, latency = link(self.cluster, devices)
+        bandwidth, latency = self.cluster.link(devices)
         reduce = collective_seconds(
             "all_reduce", facts.trainable_bytes, devices, bandwidth, latency
         )
@@ -252,7 +251,7 @@ class PlannedStageCostModel(StageCostModel):
         return self._plans[shape]
 
     def _plan(self, shape: Shape) -> PlannedStep:
-        mesh = submesh_stage_cluster(self.cluster, shape)
+        mesh = self.cluster.submesh(shape)
         program = self.atoms.program
         plan = self.planner(program, mesh)
         found = walk(plan.program, mesh)
@@ -304,57 +303,6 @@ class PlannedStep:
     local: dict[fx.Node, int]
     forward_crossing: tuple[int, ...]
     backward_crossing: tuple[int, ...]
-
-
-def stage_cluster(cluster: Cluster, devices: int) -> Cluster:
-    """The stage mesh ``(devices,)`` of a pipeline on ``cluster``: the links of the innermost
-    axis holding ``devices`` consecutive ranks, and the memory of one device times
-    ``world / devices`` (the plan covers every stage's weights; a device holds about its
-    stage's share, which is the number of stages when the stages are alike)."""
-    bandwidth, latency = link(cluster, devices)
-    return dataclasses.replace(
-        cluster,
-        mesh_shape=(devices,),
-        axis_names=("devices",),
-        bandwidth=(bandwidth,),
-        latency=(latency,),
-        memory=cluster.memory * _stage_share(cluster, devices),
-    )
-
-
-def submesh_stage_cluster(cluster: Cluster, shape: Sequence[int]) -> Cluster:
-    """The stage mesh of ``shape`` that a stage is priced on: :func:`stage_cluster` for a 1-D
-    shape; otherwise each axis takes the links of the innermost axis of ``cluster`` holding
-    that many consecutive ranks (as :func:`fxpar.pipeline.meshes.submesh_cluster` gives them),
-    with the memory of :func:`stage_cluster`."""
-    shape = tuple(shape)
-    if len(shape) == 1:
-        return stage_cluster(cluster, shape[0])
-    links = [link(cluster, math.prod(shape[axis:])) for axis in range(len(shape))]
-    return dataclasses.replace(
-        cluster,
-        mesh_shape=shape,
-        axis_names=tuple(f"stage_axis{axis}" for axis in range(len(shape))),
-        bandwidth=tuple(bandwidth for bandwidth, _ in links),
-        latency=tuple(latency for _, latency in links),
-        memory=cluster.memory * _stage_share(cluster, math.prod(shape)),
-    )
-
-
-def _stage_share(cluster: Cluster, devices: int) -> float:
-    """``world / devices``: the number of stages when every stage has ``devices`` devices
-    (exact in integers then, so the uniform case prices as it always did)."""
-    world = cluster.world_size
-    return world // devices if world % devices == 0 else world / devices
-
-
-def link(cluster: Cluster, devices: int) -> tuple[float, float]:
-    """Bandwidth and latency among ``devices`` consecutive ranks: the innermost mesh axis whose
-    block of trailing axes they fit in evenly (ranks are row-major)."""
-    axis, _ = _link_axis(cluster, devices)
-    if axis is None:
-        return min(cluster.bandwidth), max(cluster.latency)
-    return cluster.bandwidth[axis], cluster.latency[axis]
 
 
 def _link_axis(cluster: Cluster, devices: int) -> tuple[int | None, int]:

@@ -6,7 +6,7 @@
 - :mod:`fxpar.planning.problem`: the annotated graph to the solvers' plain-data problem
   (coarsening, repeated layers) and the answer back onto the graph;
 - :mod:`fxpar.planning.plan`: :class:`Plan` and :func:`plan_program`;
-- :mod:`fxpar.planning.manual`: hand-written plans (data, tensor and fully sharded parallelism);
+- :mod:`fxpar.passes.manual`: hand-written plans (data, tensor and fully sharded parallelism);
 - :mod:`fxpar.planning.plan_file`: plans saved as editable JSON and loaded back;
 - :mod:`fxpar.planning.report`: the plan report (time, memory, collectives per layer).
 """

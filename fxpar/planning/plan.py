@@ -1,22 +1,16 @@
-"""The Plan: a Program whose every node carries its chosen strategy, and the function that
-makes one from a captured Program by running the pass pipeline.
+"""The Plan: a Program whose every node carries its chosen strategy.
 
-:func:`plan_program` sets the Program's target cluster and runs THE pipeline
-(:func:`fxpar.passes.default_pipeline`, or the ``passes`` given): canonicalize → annotate cost →
-annotate strategies → choose strategies (a solver on the intra-op problem, a manual plan, or a
-plan file). :meth:`Plan.of` reads the recorded choice back.
-
-A Plan reads itself out (:meth:`Plan.report`, :meth:`Plan.to_dict`, :meth:`Plan.plot`, see
-:mod:`fxpar.planning.report`) and is saved as an editable JSON file and loaded back without
-solving (:meth:`Plan.save`, :func:`load_plan`, see :mod:`fxpar.planning.plan_file`).
+:func:`fxpar.passes.plan_program` makes one from a captured Program by running the pass
+pipeline, and :meth:`Plan.of` reads the recorded choice back. A Plan reads itself out
+(:meth:`Plan.report`, :meth:`Plan.to_dict`, :meth:`Plan.plot`, see
+:mod:`fxpar.planning.report`) and is saved as an editable JSON file (:meth:`Plan.save`, see
+:mod:`fxpar.planning.plan_file`) that :func:`fxpar.passes.load_plan` applies without solving.
 """
 
 from __future__ import annotations
 
-import glob
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,22 +19,31 @@ from fxpar.cluster import Cluster
 from fxpar.errors import FxparError
 from fxpar.ir.program import Program
 from fxpar.lowering import SPMDProgram, lower
-from fxpar.passes import (
-    ApplyPlanFile,
-    ChosenStrategies,
-    ManualPlan,
-    PassManager,
-    RulesUsed,
-    SolveStrategies,
-    default_pipeline,
-)
-from fxpar.planning.plan_file import plan_document, save_plan, saved_cluster
+from fxpar.planning.plan_file import plan_document, save_plan
 from fxpar.planning.problem import Layout, PlanOptions, assignment_of, build_problem, candidates
 from fxpar.planning.report import plot as plot_report
 from fxpar.planning.report import render_text, report_data
 from fxpar.rules import RuleRegistry
-from fxpar.sharding import Sharding, Spec
-from fxpar.solvers.problem import IntraOpProblem, IntraOpSolution, IntraOpSolver
+from fxpar.sharding import Sharding
+from fxpar.solvers.problem import IntraOpProblem, IntraOpSolution
+
+
+@dataclass(frozen=True)
+class RulesUsed:
+    """The rule registry that gave a Program's nodes their candidate strategies."""
+
+    rules: RuleRegistry
+
+
+@dataclass(frozen=True)
+class ChosenStrategies:
+    """The choice a ``choose-strategies`` pass made, as plain data: the problem it was chosen
+    from, the answer, the map from problem nodes to graph nodes and the options used."""
+
+    problem: IntraOpProblem
+    solution: IntraOpSolution
+    layout: Layout
+    options: PlanOptions
 
 
 @dataclass(frozen=True)
@@ -149,91 +152,6 @@ def _strategy_of(unit: Any, option: int) -> str:
     return str(candidates(unit.root)[unit.allowed[option]])
 
 
-def prepare_for_planning(
-    program: Program, cluster: Cluster, rules: RuleRegistry | None = None
-) -> Program:
-    """The default pipeline's steps before the choice (canonicalize, annotate cost, annotate
-    candidate strategies) on ``program`` for ``cluster``."""
-    program.cluster = cluster
-    return default_pipeline(rules=rules).through("annotate-strategies").run(program)
-
-
-def pipeline_of(
-    passes: PassManager | None,
-    *,
-    solver: IntraOpSolver | None = None,
-    manual: ManualPlan | None = None,
-    options: PlanOptions | None = None,
-    rules: RuleRegistry | None = None,
-    pins: Mapping[str, Spec] | None = None,
-) -> PassManager:
-    """``passes``, or the default pipeline built from the other arguments (which belong to
-    :func:`~fxpar.passes.default_pipeline` when ``passes`` is given); ``pins`` go into the
-    options (see :func:`fxpar.plan`)."""
-    if pins:
-        if passes is not None:
-            raise FxparError(
-                "passes= is the whole pipeline, so pins= would be ignored: give the pins to its "
-                "choose-strategies pass, e.g. default_pipeline(options=PlanOptions(pins=...))"
-            )
-        options = replace(options or PlanOptions(), pins=dict(pins))
-    if passes is None:
-        return default_pipeline(solver=solver, manual=manual, options=options, rules=rules)
-    given = [
-        name
-        for name, value in (
-            ("solver", solver), ("manual", manual), ("options", options), ("rules", rules),
-        )
-        if value is not None
-    ]  # fmt: skip
-    if given:
-        raise FxparError(
-            f"passes= is the whole pipeline, so {', '.join(given)} would be ignored: build the "
-            f"pipeline with them, e.g. default_pipeline({given[0]}=...).insert_before(...)"
-        )
-    return passes
-
-
-def keeping_state(
-    passes: PassManager, state: Mapping[str, Spec], *, solve: bool = False
-) -> PassManager:
-    """``passes`` with a solver's choice pinned to keep ``state``'s specs (names escaped, as
-    pins are patterns): how a program planned after the training step's keeps every parameter
-    and buffer where that plan put it. Other choose-strategies passes are left as they are,
-    unless ``solve`` asks for the default solver in their place (a manual plan or a plan file
-    is written for the training step, not for a forward or a loss evaluation)."""
-    choose = passes.get("choose-strategies")
-    if not isinstance(choose, SolveStrategies):
-        if not solve:
-            return passes
-        options = getattr(choose, "options", PlanOptions())
-        choose = SolveStrategies(options=options, on_rank_zero=True)
-    pins = {**choose.options.pins, **{glob.escape(name): spec for name, spec in state.items()}}
-    options = replace(choose.options, pins=pins)
-    return passes.replace("choose-strategies", replace(choose, options=options))
-
-
-def plan_program(
-    program: Program,
-    cluster: Cluster,
-    *,
-    passes: PassManager | None = None,
-    solver: IntraOpSolver | None = None,
-    manual: ManualPlan | None = None,
-    options: PlanOptions | None = None,
-    rules: RuleRegistry | None = None,
-    pins: Mapping[str, Spec] | None = None,
-) -> Plan:
-    """Run ``passes`` (the default pipeline when None; see :func:`pipeline_of` for the other
-    arguments) on a captured ``program`` for ``cluster`` and read the choice as a Plan."""
-    passes = pipeline_of(
-        passes, solver=solver, manual=manual, options=options, rules=rules, pins=pins
-    )
-    program.cluster = cluster
-    program = passes.run(program)
-    return Plan.of(program)
-
-
 def score(plan: Plan) -> float:
     """The estimated step time of ``plan``'s strategies under the exact (uncoarsened) cost
     model, comparable across solvers and manual plans."""
@@ -244,31 +162,4 @@ def score(plan: Plan) -> float:
     return problem.objective(choice)
 
 
-def load_plan(
-    path: str | Path,
-    program: Program,
-    cluster: Cluster | None = None,
-    rules: RuleRegistry | None = None,
-) -> Plan:
-    """The plan saved by :meth:`Plan.save` at ``path``, applied to ``program`` (a capture of the
-    same model with the same example shapes) and scored by the cost model, without solving.
-
-    The default pipeline runs with :class:`~fxpar.passes.ApplyPlanFile` as its choice.
-    ``cluster`` defaults to the one saved in the file; another cluster must have the same mesh
-    shape (the plan is then priced on it). ``rules`` must give the nodes the candidates they had
-    when the plan was made. Raises :class:`~fxpar.planning.plan_file.PlanFileError` naming the
-    node or input that does not fit."""
-    cluster = saved_cluster(path, cluster)
-    passes = default_pipeline(rules=rules).replace("choose-strategies", ApplyPlanFile(path))
-    return plan_program(program, cluster, passes=passes)
-
-
-__all__ = [
-    "Plan",
-    "PlanOptions",
-    "load_plan",
-    "pipeline_of",
-    "plan_program",
-    "prepare_for_planning",
-    "score",
-]
+__all__ = ["ChosenStrategies", "Plan", "PlanOptions", "RulesUsed", "score"]

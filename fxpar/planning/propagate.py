@@ -13,7 +13,7 @@ picks every op's strategy greedily in graph order, comparing candidates by
 These choices reproduce the textbook plans: data parallelism reduces each gradient once, and
 Megatron-LM's blocks reduce each row-parallel output where the residual stream needs it whole.
 The functions below choose on a Program whose nodes already carry their candidates
-(:mod:`fxpar.planning.manual` prepares them for users); the planner also runs them to give the
+(:mod:`fxpar.passes.manual` prepares them for users); the planner also runs them to give the
 solver hand-written plans to start from (:func:`starting_plans`).
 """
 

@@ -109,7 +109,7 @@ def _chosen(node: fx.Node) -> Sharding:
     if sharding is None:
         raise FxparError(
             f"node {node.name!r} ({node.target}) has no chosen strategy; report on a Plan "
-            "(fxpar.plan, fxpar.planning.plan.load_plan) or annotate every node with a Sharding"
+            "(fxpar.plan, fxpar.passes.load_plan) or annotate every node with a Sharding"
         )
     return sharding
 

@@ -285,7 +285,7 @@ def check_same_batch(
 
     ``defer``: start the comparison now but finish it later: ``defer`` receives the function
     that waits for it and raises, to call before the step's first collective (a
-    :class:`~fxpar.runtime.collectives.ProcessGroupCommunicator`'s ``defer``), so that the
+    :class:`~fxpar.runtime.communicators.ProcessGroupCommunicator`'s ``defer``), so that the
     comparison travels while the step computes up to there. Every rank then fails at the same
     point, before any collective of the step.
 

@@ -57,7 +57,7 @@ from torch.multiprocessing.spawn import ProcessException, ProcessExitedException
 from fxpar.errors import FxparError
 from fxpar.lowering import SPMDProgram
 from fxpar.runtime import fastcall
-from fxpar.runtime.collectives import ProcessGroupCommunicator
+from fxpar.runtime.communicators import ProcessGroupCommunicator
 
 logger = logging.getLogger(__name__)
 

@@ -45,7 +45,7 @@ from fxpar.runtime.batches import (
     gather_rows,
     global_rows,
 )
-from fxpar.runtime.collectives import OneDeviceCommunicator, ProcessGroupCommunicator
+from fxpar.runtime.communicators import OneDeviceCommunicator, ProcessGroupCommunicator
 from fxpar.runtime.fingerprint import check_same_model
 from fxpar.runtime.lowered import LoweredStep, StepSource, call_inputs
 from fxpar.runtime.trainer import Trainer

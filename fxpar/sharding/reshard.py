@@ -1,6 +1,6 @@
 """Resharding: turning a tensor's spec into another, one collective per mesh axis.
 
-Per axis, the table of DESIGN.md: S→R all-gather, P→R all-reduce, P→S reduce-scatter,
+Per axis, the table of docs/sharding.md: S→R all-gather, P→R all-reduce, P→S reduce-scatter,
 S(i)→S(j) all-to-all, R→S local slice, and R→P keeping the value on the axis's first device
 (zeros elsewhere). :func:`reshard_steps` orders these so that nested shards stay in order:
 

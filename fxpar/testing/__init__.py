@@ -11,7 +11,7 @@ from __future__ import annotations
 from fxpar.cluster import Cluster
 from fxpar.ir.capture import StepKind, capture
 from fxpar.lowering import SPMDProgram, lower
-from fxpar.planning.manual import random_plan
+from fxpar.passes.manual import random_plan
 from fxpar.rules import RuleRegistry
 from fxpar.testing.equivalence import (
     Divergence,

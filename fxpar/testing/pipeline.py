@@ -4,7 +4,7 @@ single-device training.
 
 Stages may run meshes of different shapes, each under its own plan
 (:func:`simulate_stage_meshes`): values then cross each boundary as the runtime sends them, by
-the messages of :mod:`fxpar.pipeline.reshard`, here copied between the devices' tensors.
+the messages of :mod:`fxpar.pipeline.crossings`, here copied between the devices' tensors.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import torch
 
 from fxpar.cluster import Cluster, Coordinate
 from fxpar.ir.program import StepResult
+from fxpar.pipeline.crossings import Crossing
+from fxpar.pipeline.intra_op import ShardedStage, local_batch, neighbour_sides, shard_stage
 from fxpar.pipeline.meshes import StageMeshes
-from fxpar.pipeline.reshard import Crossing
-from fxpar.pipeline.sharded import ShardedStage, local_batch, neighbour_sides, shard_stage
 from fxpar.pipeline.split import SplitProgram, StageOutputs, Value
 from fxpar.sharding import assemble
 from fxpar.testing.simulate import SimulatedMesh

@@ -21,7 +21,7 @@ from fxpar.cluster import Coordinate
 from fxpar.errors import FxparError
 from fxpar.ir.program import StepResult
 from fxpar.lowering import SPMDProgram
-from fxpar.runtime.collectives import Done, Pending
+from fxpar.lowering.collective_calls import Done, Pending
 
 R = TypeVar("R")
 

@@ -26,8 +26,9 @@ from collections.abc import Sequence
 from fxpar import ir
 from fxpar.cluster import Cluster
 from fxpar.ir.program import Program, require_concrete_shapes
-from fxpar.passes import RulesUsed, default_pipeline
+from fxpar.passes.default import default_passes
 from fxpar.planning import propagate as chosen
+from fxpar.planning.plan import RulesUsed
 from fxpar.planning.propagate import COLUMN, ROW, SpecChooser, propagate
 from fxpar.rules import RuleRegistry
 from fxpar.sharding import Sharding, Strategies
@@ -62,7 +63,7 @@ def prepare(program: Program, cluster: Cluster, rules: RuleRegistry | None = Non
     ):
         return program
     program.cluster = cluster
-    return default_pipeline(rules=rules).through("annotate-strategies").run(program)
+    return default_passes(rules=rules).through("annotate-strategies").run(program)
 
 
 def replicated(program: Program, cluster: Cluster, rules: RuleRegistry | None = None) -> Program:

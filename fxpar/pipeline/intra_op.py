@@ -18,7 +18,7 @@ What fixes the layout of each value at a unit's boundary:
   the way (a ``Partial`` value travels as its addends);
 - unless the neighbouring stage runs another mesh (``Pipeline(stage_meshes=...)``), whose plan
   may lay the value out otherwise: then each side uses a *wire layout* derived from its own
-  plan, and :mod:`.reshard` lists the messages between the two meshes (``crossings``);
+  plan, and :mod:`.crossings` lists the messages between the two meshes (``crossings``);
 - the loss and a forward program's outputs: replicated; a buffer update: its buffer's spec;
 - a gradient: the spec the backward computed it in (often ``Partial`` over a data-parallel
   axis). The runtime sums it over micro-batches in that layout, and :class:`GradientSync`
@@ -40,12 +40,12 @@ from fxpar import ir
 from fxpar.cluster import Cluster, Coordinate
 from fxpar.errors import LoweringError
 from fxpar.lowering import CollectiveRecord, conversion_program, lower_graph, value_spec
+from fxpar.lowering.collective_calls import Communicator
+from fxpar.pipeline.crossings import Crossing, StageSide, crossing
 from fxpar.pipeline.meshes import StageMeshes
 from fxpar.pipeline.options import PipelineError
-from fxpar.pipeline.reshard import Crossing, StageSide, crossing
 from fxpar.pipeline.split import SplitProgram, StageProgram, Value
 from fxpar.runtime import fastcall
-from fxpar.runtime.collectives import Communicator
 from fxpar.sharding import Spec, local_shape, replicated, shard_tensor
 
 
@@ -110,7 +110,7 @@ def shard_stage(
     """Lower stage ``stage`` of ``split`` (whose Program carries a plan for the stage mesh
     ``cluster``) for the device at ``coordinate``; its units run collectives on
     ``communicator``. ``sides``: this stage and its neighbours, by stage, when they run on
-    other meshes (see :mod:`.reshard`); without it every neighbour has this stage's mesh and
+    other meshes (see :mod:`.crossings`); without it every neighbour has this stage's mesh and
     plan."""
     specs = planned_specs(split, cluster.mesh_shape)
     denominator = split.semantics.denominator
@@ -156,7 +156,7 @@ def planned_specs(split: SplitProgram, mesh: tuple[int, ...]) -> dict[str, Spec]
 def neighbour_sides(
     meshes: StageMeshes, stage: int, split_of: Callable[[int], SplitProgram]
 ) -> dict[int, StageSide]:
-    """Stage ``stage`` and its neighbours as :mod:`.reshard` sees them: each one's mesh, its
+    """Stage ``stage`` and its neighbours as :mod:`.crossings` sees them: each one's mesh, its
     ranks, and the layout its own plan (in ``split_of(s)``) gives every value."""
     sides = {}
     for each in (stage - 1, stage, stage + 1):
@@ -324,11 +324,4 @@ def stage_devices(cluster: Cluster, num_stages: int) -> Cluster:
             f"({num_stages}, *stage_mesh), whose first axis is the stages; got "
             f"{cluster.mesh_shape}"
         )
-    return dataclasses.replace(
-        cluster,
-        mesh_shape=cluster.mesh_shape[1:],
-        axis_names=cluster.axis_names[1:],
-        bandwidth=cluster.bandwidth[1:],
-        latency=cluster.latency[1:],
-        memory=cluster.memory * num_stages,
-    )
+    return cluster.submesh(cluster.mesh_shape[1:])

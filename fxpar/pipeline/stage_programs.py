@@ -57,19 +57,19 @@ from fxpar.ir.capture import LossFn, batch_tensors, capture, model_in_mode, with
 from fxpar.ir.precision import MixedPrecision
 from fxpar.ir.program import Program
 from fxpar.lowering import value_spec
-from fxpar.passes import PassManager
+from fxpar.lowering.collective_calls import Communicator
+from fxpar.passes import PassManager, keeping_state, plan_program
 from fxpar.passes.canonicalize import Canonicalize
+from fxpar.pipeline.crossings import Crossing, StageSide
 from fxpar.pipeline.executor import StageWorker
+from fxpar.pipeline.intra_op import ShardedStage, neighbour_sides, shard_stage
 from fxpar.pipeline.meshes import Shape, StageMeshes, plan_each
 from fxpar.pipeline.options import Pipeline, PipelineError
 from fxpar.pipeline.partition import partition
-from fxpar.pipeline.reshard import Crossing, StageSide
 from fxpar.pipeline.schedule import StageSchedule, forward_only, simulate
-from fxpar.pipeline.sharded import ShardedStage, neighbour_sides, shard_stage
 from fxpar.pipeline.split import SplitProgram, StageProgram, split_program
-from fxpar.planning.plan import Plan, keeping_state, plan_program
+from fxpar.planning.plan import Plan
 from fxpar.runtime.batches import BatchSignature
-from fxpar.runtime.collectives import Communicator
 from fxpar.runtime.lowered import CallInputs
 from fxpar.sharding import Spec
 
@@ -82,7 +82,7 @@ model's forward alone."""
 
 @dataclass(frozen=True)
 class PassPlanner:
-    """A stage planner that runs a pass pipeline (:func:`~fxpar.planning.plan.plan_program`):
+    """A stage planner that runs a pass list (:func:`~fxpar.passes.plan_program`):
     what :func:`fxpar.compile` gives a pipeline, and the default. Unlike any callable, it can
     plan a later program with every parameter and buffer pinned to its spec."""
 
@@ -93,7 +93,7 @@ class PassPlanner:
 
     def keeping(self, state: Mapping[str, Spec], *, solve: bool) -> PassPlanner:
         """This planner with ``state``'s specs pinned (see
-        :func:`~fxpar.planning.plan.keeping_state`; ``solve``: the solver in place of a manual
+        :func:`~fxpar.passes.keeping_state`; ``solve``: the solver in place of a manual
         choice)."""
         return PassPlanner(keeping_state(self.passes, state, solve=solve))
 
