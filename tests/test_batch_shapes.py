@@ -4,6 +4,9 @@ in its layout, and the losses and weights equal single-device training on the sa
 
 from __future__ import annotations
 
+import logging
+import re
+
 import pytest
 import torch
 from conftest import train_eager
@@ -94,3 +97,27 @@ def _refused(rank: int, world_size: int) -> str:
 @pytest.mark.slow
 def test_a_plan_that_would_move_the_state_is_refused() -> None:
     assert spawn(_refused, 2, timeout_s=120) == ["refused", "refused"]
+
+
+def test_planning_a_new_shape_or_mode_says_so_once_with_its_time(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The driver logs one INFO line per step it plans after the first (kind, mode, shapes and
+    seconds), and none when a kept step runs again."""
+    torch.manual_seed(0)
+    tokens = _batches()[0]
+    parallel = fxpar.compile(
+        GPT(CONFIG), splitting_cluster((1,)), (tokens,), gpt_loss, example_targets=(tokens,)
+    )
+    short = tokens[:2]
+    with caplog.at_level(logging.INFO, logger="fxpar.driver"):
+        parallel.step(tokens, tokens)
+        parallel.step(short, short)
+        parallel.step(short, short)
+        parallel.eval().loss(tokens, tokens)
+    lines = [r.getMessage() for r in caplog.records if r.name == "fxpar.driver"]
+    assert len(lines) == 2, lines
+    assert re.fullmatch(
+        r"planned a train step \(train mode\) for .*\(2, 8\).* in \d+\.\d\d s", lines[0]
+    )
+    assert re.fullmatch(r"planned a loss step \(eval mode\) for .* in \d+\.\d\d s", lines[1])

@@ -70,8 +70,14 @@ def _clip(rank: int, world_size: int, plan: str, mesh: tuple[int, ...]) -> dict[
 
 def _one_call(rank: int, world_size: int, plan: str) -> dict[str, object]:
     parallel = _compile(world_size, plan)
-    losses = [parallel.step(t, t, max_grad_norm=MAX_NORM).item() for t in _batches(4)]
-    return {"losses": losses, "state": parallel.full_state_dict()}
+    losses, norms = [], []
+    for tokens in _batches(4):
+        losses.append(parallel.step(tokens, tokens, max_grad_norm=MAX_NORM).item())
+        assert parallel.grad_norm is not None
+        norms.append(parallel.grad_norm.item())
+    state = parallel.full_state_dict()
+    parallel.step(tokens, tokens)  # a step without clipping keeps no norm
+    return {"losses": losses, "norms": norms, "unclipped": parallel.grad_norm, "state": state}
 
 
 def _accumulate(rank: int, world_size: int, plan: str) -> dict[str, object]:
@@ -99,8 +105,11 @@ def test_clipping_by_the_global_norm_equals_torch(plan: str, mesh: tuple[int, ..
 
 @pytest.mark.parametrize("plan", ["tensor_parallel", "fully_sharded"])
 def test_the_one_call_step_clips_like_the_calls_one_by_one(plan: str) -> None:
+    """...and keeps the norm before clipping as ``grad_norm``, torch's ``clip_grad_norm_``'s."""
     reference = _single_device(4, MAX_NORM)
     for result in spawn(_one_call, 2, plan, timeout_s=120):
+        assert result["norms"] == pytest.approx(reference["norms"], rel=1e-5)
+        assert result["unclipped"] is None
         _assert_trains_like(result, reference)
 
 
