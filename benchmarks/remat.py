@@ -72,7 +72,7 @@ def _memory(world: int, manual: ManualPlan, precision: str, remat: str) -> tuple
     )  # fmt: skip
     flat = plan.program.flat_inputs(model, tokens, targets)
     peaks = run_ranks(
-        plan.lower(), flat, lambda module, comm, local: peak_live_bytes(module, [comm, *local])
+        fxpar.lower(plan), flat, lambda module, comm, local: peak_live_bytes(module, [comm, *local])
     )
     worst = max(peaks.values(), key=lambda peak: peak.peak_bytes)
     chosen = plan.program.require(ChosenStrategies)

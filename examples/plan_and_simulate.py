@@ -26,7 +26,7 @@ def main() -> float:
 
     plan = fxpar.plan(model, cluster, (tokens,), gpt_loss, example_targets=(targets,))
     print(plan.summary())
-    spmd = plan.lower()
+    spmd = fxpar.lower(plan)
     kinds = Counter((r.kind, r.phase.value) for r in spmd.collectives())
     print("collectives:", ", ".join(f"{n} {kind} ({phase})" for (kind, phase), n in kinds.items()))
     print(spmd.for_rank(0).code()[:1500], "...")

@@ -50,7 +50,7 @@ def lowered_step(plan: Plan, *, defer_gradients: bool = False) -> LoweredStep:
     """``plan`` lowered to every rank's program; with ``defer_gradients``, its gradients left
     where the backward made them when that is no larger
     (:func:`fxpar.lowering.deferred_gradient_specs`)."""
-    spmd = lower(plan.program, plan.cluster, defer_gradients=defer_gradients)
+    spmd = lower(plan, defer_gradients=defer_gradients)
     placeholders = plan.program.placeholders()
     specs = dict(zip(placeholders, spmd.input_specs, strict=True))
     metas = {name: ir.require(n, ir.ValueMeta).tensor for name, n in placeholders.items()}

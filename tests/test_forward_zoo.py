@@ -39,7 +39,7 @@ def _forward_inputs(model: str, inputs: Any) -> Any:
 def _state_specs(case: Any) -> dict[str, Any]:
     """Every parameter's and buffer's spec under a fully sharded training plan."""
     trained = plan_program(case.capture(), CLUSTER, manual=plans.fully_sharded)
-    spmd = trained.lower()
+    spmd = fxpar.lower(trained)
     signature = trained.program.signature
     names = set(signature.parameters + signature.buffers)
     return {
@@ -60,12 +60,12 @@ def test_forward_and_loss_programs_plan_around_the_trained_state(model: str) -> 
         case.model, case.inputs, case.loss_fn, example_targets=case.targets, step="loss"
     )
     planned = plan_program(evaluation, CLUSTER, passes=passes)
-    assert_equivalent(planned.lower(), case.flat_inputs(evaluation))
+    assert_equivalent(fxpar.lower(planned), case.flat_inputs(evaluation))
 
     inputs = _forward_inputs(model, case.inputs)
     forward = fxpar.capture(case.model, inputs, step="forward")
     planned = plan_program(forward, CLUSTER, passes=passes)
-    spmd = planned.lower()
+    spmd = fxpar.lower(planned)
     kept = dict(zip(forward.placeholders(), spmd.input_specs, strict=True))
     assert all(kept[name] == spec for name, spec in state.items() if name in kept)
     values = list(inputs.values()) if isinstance(inputs, dict) else list(inputs)

@@ -14,8 +14,9 @@ import fxpar
 from fxpar import ir, plans
 from fxpar.cluster import Cluster
 from fxpar.errors import FxparError, LoweringError
-from fxpar.lowering import CollectiveRecord, SPMDProgram, collective_calls, gather_groups, lower
+from fxpar.lowering import CollectiveRecord, SPMDProgram, collective_calls, lower
 from fxpar.models import GPT, GPTConfig, gpt_loss
+from fxpar.planning.grouping import gather_groups
 from fxpar.sharding import Sharding
 from fxpar.testing import assert_equivalent
 

@@ -172,7 +172,7 @@ def test_manual_plan_trains_like_one_device(model: str, plan: str) -> None:
     program = case.capture()
     cluster = Cluster((2, 2))
     planned = plan_program(program, cluster, manual=PLANS[plan])  # scored by the cost model too
-    spmd = planned.lower()
+    spmd = fxpar.lower(planned)
     assert_equivalent(spmd, case.flat_inputs(program))
     if plan != "data_parallel":  # the plan really splits weights, not only the batch
         parameters = set(program.signature.parameters)
@@ -255,7 +255,7 @@ def test_mixtral_split_inside_experts_trains_like_one_device(mesh: tuple[int, ..
     case, program = _mixtral(torch.float32)
     cluster = Cluster(mesh)
     planned = plan_program(program, cluster, manual=split_inside_experts)
-    spmd = planned.lower()
+    spmd = fxpar.lower(planned)
     assert_equivalent(spmd, case.flat_inputs(program))
     assert len(_expert_weights_split(program, spmd)) == 2
     grouped = [
@@ -276,7 +276,7 @@ def test_mixtral_with_expert_weights_pinned_split_trains_like_one_device(
     case, program = _mixtral(torch.float32)
     cluster = Cluster(mesh)
     pins = {pattern: _on_last_axis(cluster, p) for pattern, p in EXPERT_SPLITS.items()}
-    spmd = plan_program(program, cluster, pins=pins).lower()
+    spmd = fxpar.lower(plan_program(program, cluster, pins=pins))
     assert_equivalent(spmd, case.flat_inputs(program))
     assert len(_expert_weights_split(program, spmd)) == 2
 
@@ -289,7 +289,7 @@ def test_bf16_mixtral_split_inside_experts_trains_like_one_device() -> None:
     case, program = _mixtral(torch.bfloat16)
     cluster = Cluster((2, 2))
     planned = plan_program(program, cluster, manual=split_inside_experts)
-    spmd = planned.lower()
+    spmd = fxpar.lower(planned)
     assert len(_expert_weights_split(program, spmd)) == 2
     assert any(
         ir.require(n, Sharding).strategy.outputs[0] != (Replicate(), Replicate())

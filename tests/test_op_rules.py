@@ -381,4 +381,4 @@ def test_rope_planned_by_the_ilp_matches_one_device() -> None:
     assert complex_views and all(s.outputs[0] != (Replicate(),) for s in complex_views), (
         "the plan should shard the rotation, not run it whole"
     )
-    assert_equivalent(plan.lower(), plan.program.flat_inputs(model, x))
+    assert_equivalent(fxpar.lower(plan), plan.program.flat_inputs(model, x))

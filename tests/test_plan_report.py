@@ -67,7 +67,7 @@ def test_report_collectives_and_totals_agree_with_lowering_and_cost_model(
 ) -> None:
     fixture = request.getfixturevalue(which)
     plan: Plan = fixture[1] if isinstance(fixture, tuple) else fixture
-    lowered = plan.lower().collectives()
+    lowered = fxpar.lower(plan).collectives()
     assert lowered, "the test needs a plan with collectives"
     # The graph walk replays the lowering: the same records, in the same order.
     assert plan_collectives(plan.program, plan.cluster) == lowered
@@ -145,7 +145,7 @@ def test_saved_plan_loads_identical_and_trains_like_one_device(
     assert loaded.solution.objective == pytest.approx(plan.solution.objective, rel=1e-9)
     assert loaded.cluster == plan.cluster
     flat = loaded.program.flat_inputs(model, tokens, tokens)
-    assert_equivalent(loaded.lower(), flat)
+    assert_equivalent(fxpar.lower(loaded), flat)
 
 
 def test_edited_parameter_placement_is_respected(
@@ -165,7 +165,7 @@ def test_edited_parameter_placement_is_respected(
     # back into the edited placement), which the loaded plan's score includes.
     others = {k: v for k, v in strategies(loaded).items() if k != weight.name}
     assert others == {k: v for k, v in strategies(plan).items() if k != weight.name}
-    spmd = loaded.lower()
+    spmd = fxpar.lower(loaded)
     assert any(r.tensor == weight.name for r in spmd.collectives())
     assert loaded.solution.objective >= plan.solution.objective * (1 - 1e-9)  # ILP: optimal
     assert_equivalent(spmd, loaded.program.flat_inputs(model, tokens, tokens))

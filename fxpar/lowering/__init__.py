@@ -1,69 +1,41 @@
 """Lowering: a planned Program to one program per rank, with local shapes and collectives.
 
-:mod:`fxpar.lowering.spmd` rewrites a graph whose every node carries its chosen strategy into
-per-rank GraphModules (:func:`lower`, :func:`lower_graph`); :mod:`fxpar.lowering.grouping`
-decides which of their collectives travel together (buckets, per-layer gathers) and when.
+:mod:`fxpar.lowering.spmd` emits, for every rank, the code of the collective schedule
+(:mod:`fxpar.planning.collective_schedule`: which conversions, buckets and gather groups a
+planned graph needs, and where each starts and is waited for) around the graph's ops on local
+pieces (:func:`lower`, :func:`lower_graph`).
 """
 
 from __future__ import annotations
 
-from fxpar.lowering.grouping import (
-    BUCKET_BYTES,
-    FIRST_BUCKET_BYTES,
-    Bucketed,
-    Gathered,
-    GatherGroup,
-    Gathers,
-    ViewChain,
-    buckets,
-    casts_parameter,
-    cut_buckets,
-    gather_groups,
-    gather_sources,
-    needs_strategy,
-    reread_in_backward,
-)
 from fxpar.lowering.spmd import (
-    CollectiveRecord,
     LoweredGraph,
     RankProgram,
     SPMDProgram,
     conversion_program,
-    deferred_gradient_specs,
     localize_shape_arguments,
     lower,
     lower_graph,
+)
+from fxpar.planning.collective_schedule import (
+    CollectiveRecord,
+    deferred_gradient_specs,
     output_specs,
     value_spec,
 )
-from fxpar.sharding.reshard import BucketRoute, bucket_route
+from fxpar.planning.grouping import BUCKET_BYTES
 
 __all__ = [
     "BUCKET_BYTES",
-    "FIRST_BUCKET_BYTES",
-    "BucketRoute",
-    "Bucketed",
     "CollectiveRecord",
-    "GatherGroup",
-    "Gathered",
-    "Gathers",
     "LoweredGraph",
     "RankProgram",
     "SPMDProgram",
-    "ViewChain",
-    "bucket_route",
-    "buckets",
-    "casts_parameter",
     "conversion_program",
-    "cut_buckets",
     "deferred_gradient_specs",
-    "gather_groups",
-    "gather_sources",
     "localize_shape_arguments",
     "lower",
     "lower_graph",
-    "needs_strategy",
     "output_specs",
-    "reread_in_backward",
     "value_spec",
 ]

@@ -1,12 +1,15 @@
 """Lowering: a Program whose nodes carry chosen strategies becomes one program per rank.
 
 Every placeholder and compute node of the Program must carry a :class:`~fxpar.sharding.Sharding`
-annotation (``getitem`` follows its producer). For each rank, :func:`lower` walks the graph once:
+annotation (``getitem`` follows its producer). What every value must become, and which
+collectives do it, where they start and where they are waited for, is decided once for all ranks
+by the collective schedule (:mod:`fxpar.planning.collective_schedule`). For each rank,
+:func:`lower` walks the graph once and emits that schedule as code:
 
-- each tensor argument is resharded from its producer's spec to the spec the consumer's strategy
-  requires, by the steps of :func:`fxpar.sharding.reshard.reshard_steps`: collectives become
-  calls to :mod:`fxpar.lowering.collective_calls` on the ``comm`` input, local slices become
-  ``aten.slice``;
+- each conversion the schedule lists becomes its steps: collectives become calls to
+  :mod:`fxpar.lowering.collective_calls` on the ``comm`` input, local slices become ``aten.slice``;
+  grouped gathers and buckets become one call per group or bucket, started and waited for where
+  the schedule says;
 - ops whose arguments spell out a shape (``view``, ``expand``, ...) get the local shape;
 - outputs leave in their required specs: the loss replicated (a forward's outputs as
   computed, partial sums reduced), each gradient in its parameter's
@@ -26,49 +29,33 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Partial, Replicate
 
 from fxpar import ir
 from fxpar.cluster import Cluster, Coordinate
 from fxpar.errors import LoweringError
 from fxpar.ir.program import Program, StepResult
 from fxpar.lowering import collective_calls
-from fxpar.lowering.grouping import (
-    BUCKET_BYTES,
-    Bucketed,
-    GatherGroup,
-    Gathers,
-    ViewChain,
-    cut_buckets,
-    gather_groups,
-    needs_strategy,
+from fxpar.planning.collective_schedule import (
+    Action,
+    Bucket,
+    CollectiveRecord,
+    CollectiveSchedule,
+    ConversionKey,
+    Read,
+    Recompute,
+    Reshard,
+    StartGather,
+    WaitGather,
+    schedule_graph,
+    schedule_program,
+    value_spec,
 )
-from fxpar.rules.registry import tensor_inputs
-from fxpar.sharding import (
-    Sharding,
-    Spec,
-    assemble,
-    local_shape,
-    replicated,
-    shard_tensor,
-    spec_str,
-)
-from fxpar.sharding.reshard import BucketRoute, ReshardStep, bucket_route, reshard_steps
+from fxpar.planning.grouping import BUCKET_BYTES, GatherGroup, needs_strategy
+from fxpar.planning.plan import Plan
+from fxpar.sharding import Sharding, Spec, assemble, local_shape, shard_tensor
+from fxpar.sharding.reshard import ReshardStep
 
 aten = torch.ops.aten
-
-
-@dataclass(frozen=True)
-class CollectiveRecord:
-    """One collective in the per-rank programs: what, on which mesh axis, how many bytes each
-    device contributes, and where (the consumer's phase; OUTPUT for gradient synchronisation)."""
-
-    kind: str
-    axis: int
-    bytes: int
-    tensor: str
-    consumer: str
-    phase: ir.Phase
 
 
 @dataclass(frozen=True)
@@ -145,51 +132,48 @@ _VIEWS_AS_RESHAPE = {
 
 
 def lower(
-    program: Program,
-    cluster: Cluster,
+    program: Program | Plan,
+    cluster: Cluster | None = None,
     *,
     defer_gradients: bool = False,
     bucket_bytes: int = BUCKET_BYTES,
 ) -> SPMDProgram:
-    """One GraphModule per rank of ``cluster`` from ``program`` and its chosen strategies.
+    """One GraphModule per rank of ``cluster`` from ``program`` and its chosen strategies:
+    ``lower(plan)`` for a :class:`~fxpar.planning.plan.Plan` (on the cluster it was planned
+    for), or ``lower(program, cluster)`` for a Program whose nodes carry their shardings.
 
     ``defer_gradients``: leave each gradient in the layout the backward made it in (partial
     sums, typically) wherever that takes no more memory than its parameter's layout, instead
-    of converting it before the program returns (see :func:`deferred_gradient_specs`).
+    of converting it before the program returns (see
+    :func:`fxpar.planning.collective_schedule.deferred_gradient_specs`).
 
     ``bucket_bytes``: outputs that take only reductions (data parallelism's gradient sums,
     fully sharded gradients' reduce-scatters) are packed into buckets of at most this many
     bytes per device, one collective per bucket, route and dtype, started as soon as the
-    bucket's last value is computed (:func:`cut_buckets`); the parameters a layer needs
-    gathered are gathered together, the next layer's while this one computes
-    (:func:`gather_groups`). 0 gives every conversion its own collectives, where it is
-    needed."""
-    _check_lowerable(program.graph, cluster.ndim)
-    placeholders = [n for n in program.graph.nodes if n.op == "placeholder"]
-    input_specs = tuple(value_spec(n) for n in placeholders)
-    leaving = output_specs(program, cluster.ndim)
-    if defer_gradients:
-        leaving = deferred_gradient_specs(program, cluster.mesh_shape)
+    bucket's last value is computed; the parameters a layer needs gathered are gathered
+    together, the next layer's while this one computes
+    (:mod:`fxpar.planning.collective_schedule`). 0 gives every conversion its own
+    collectives, where it is needed."""
+    if isinstance(program, Plan):
+        program, cluster = program.program, cluster or program.cluster
+    if cluster is None:
+        raise LoweringError("lower(program, cluster) needs the cluster to lower a Program for")
+    # Every rank runs the same collectives: the schedule is made once, for all of them.
+    schedule = schedule_program(
+        program, cluster.mesh_shape, defer_gradients=defer_gradients, bucket_bytes=bucket_bytes
+    )
+    input_specs = tuple(value_spec(node) for node in program.placeholders().values())
     ranks = []
-    records: tuple[CollectiveRecord, ...] = ()
-    # Which gathers travel together depends on global specs only: found once for every rank.
-    by_placeholder = dict(zip(placeholders, input_specs, strict=True))
-    gathers = _gathers(program.graph, by_placeholder, cluster.mesh_shape, bucket_bytes)
     for rank, coordinate in enumerate(cluster.coordinates()):
-        lowered = _lower_checked(
-            program.graph_module, cluster.mesh_shape, coordinate, input_specs, leaving,
-            bucket_bytes=bucket_bytes, gathers=gathers,
-        )  # fmt: skip
-        if rank == 0:
-            records = lowered.records
+        lowered = _emit(program.graph_module, schedule, coordinate)
         ranks.append(RankProgram(rank, coordinate, lowered.graph_module, lowered.values))
     return SPMDProgram(
         program=program,
         cluster=cluster,
         ranks=tuple(ranks),
         input_specs=input_specs,
-        output_specs=leaving,
-        records=records,
+        output_specs=schedule.leaving.specs,
+        records=schedule.records,
     )
 
 
@@ -221,130 +205,24 @@ def lower_graph(
     :func:`lower` calls it with a Program's own specs; pipeline stages call it with the specs
     of the values crossing their boundaries.
     """
-    _check_lowerable(graph_module.graph, len(mesh_shape))
-    return _lower_checked(
-        graph_module, mesh_shape, coordinate, input_specs, output_specs, class_name,
-        bucket_bytes=bucket_bytes,
-    )  # fmt: skip
+    schedule = schedule_graph(
+        graph_module.graph, mesh_shape, input_specs, output_specs, bucket_bytes=bucket_bytes
+    )
+    return _emit(graph_module, schedule, coordinate, class_name)
 
 
-def _lower_checked(
+def _emit(
     graph_module: fx.GraphModule,
-    mesh_shape: tuple[int, ...],
+    schedule: CollectiveSchedule,
     coordinate: Coordinate,
-    input_specs: Sequence[Spec],
-    output_specs: Sequence[Spec],
     class_name: str = "RankStep",
-    *,
-    bucket_bytes: int = BUCKET_BYTES,
-    gathers: Gathers | None = None,
 ) -> LoweredGraph:
-    """:func:`lower_graph` on a graph :func:`_check_lowerable` accepted (``gathers``: its
-    :func:`_gathers`, when the caller has them)."""
-    placeholders = [n for n in graph_module.graph.nodes if n.op == "placeholder"]
-    if len(input_specs) != len(placeholders):
-        raise LoweringError(
-            f"{len(placeholders)} placeholders but {len(input_specs)} input specs were given"
-        )
-    lowering = _RankLowering(graph_module, mesh_shape, coordinate, bucket_bytes)
-    specs = dict(zip(placeholders, input_specs, strict=True))
-    if gathers is None:
-        gathers = _gathers(graph_module.graph, specs, mesh_shape, bucket_bytes)
-    module = lowering.run(specs, output_specs, class_name, gathers)
+    """The program of the device at ``coordinate``: ``schedule`` (of ``graph_module``'s
+    graph) emitted as code."""
+    lowering = _RankLowering(graph_module, schedule, coordinate)
+    module = lowering.run(class_name)
     values = {node.name: (local.name, specs) for node, (local, specs) in lowering.env.items()}
-    return LoweredGraph(module, values, tuple(lowering.records))
-
-
-def _gathers(
-    graph: fx.Graph, specs: Mapping[fx.Node, Spec], mesh: tuple[int, ...], bucket_bytes: int
-) -> Gathers:
-    """The gather groups of ``graph`` (none when ``bucket_bytes`` turns grouping off)."""
-    return gather_groups(graph, specs, mesh) if bucket_bytes else Gathers([], {}, {}, dict(specs))
-
-
-def _check_lowerable(graph: fx.Graph, mesh_ndim: int) -> None:
-    for node in graph.nodes:
-        value = ir.get(node, ir.ValueMeta)
-        if value is not None and any(t.is_symbolic for t in value.tensors):
-            raise LoweringError(
-                f"node {node.name!r} has a symbolic shape ({', '.join(map(str, value.tensors))})"
-                "; capture with dynamic=False to lower to per-rank programs"
-            )
-    for node in graph.nodes:
-        if needs_strategy(node):
-            sharding = ir.get(node, Sharding)
-            if sharding is None:
-                raise LoweringError(
-                    f"node {node.name!r} ({node.target}) has no chosen strategy; pick a plan "
-                    "(fxpar.plans) or annotate every node with fxpar.sharding.Sharding"
-                )
-            for spec in (*sharding.strategy.outputs, *sharding.strategy.inputs):
-                if spec is not None and len(spec) != mesh_ndim:
-                    raise LoweringError(
-                        f"node {node.name!r}: spec {spec_str(spec)} has {len(spec)} placements "
-                        f"but the mesh has {mesh_ndim} axes"
-                    )
-
-
-def value_spec(node: fx.Node) -> Spec:
-    """The chosen spec of a single-tensor value: a placeholder's or an op's (first) output
-    spec, or, for a ``getitem``, the spec of that output of its producer.
-
-    Raises:
-        LoweringError: the node (or its producer) has no chosen strategy.
-    """
-    index = 0
-    if node.op == "call_function" and node.target is operator.getitem:
-        source, position = node.args
-        assert isinstance(source, fx.Node) and isinstance(position, int)
-        node, index = source, position
-    sharding = ir.get(node, Sharding)
-    spec = sharding.strategy.outputs[index] if sharding is not None else None
-    if spec is None:
-        raise LoweringError(
-            f"node {node.name!r} ({node.target}) has no chosen strategy for output {index}; "
-            "pick a plan (fxpar.plans) or annotate every node with fxpar.sharding.Sharding"
-        )
-    return spec
-
-
-def output_specs(program: Program, mesh_ndim: int) -> tuple[Spec, ...]:
-    """The specs the step's outputs leave in: the loss (or a forward's outputs) as computed
-    but with partial sums reduced, each gradient and buffer update in its parameter's or
-    buffer's layout."""
-    placeholders = program.placeholders()
-    signature = program.signature
-    results = program.graph.output_node().args[0]
-    assert isinstance(results, (tuple, list))
-    state = signature.gradients + signature.buffer_updates
-    leading = [_settled(result, mesh_ndim) for result in results[: len(signature.outputs)]]
-    return (*leading, *(value_spec(placeholders[n]) for n in state))
-
-
-def deferred_gradient_specs(program: Program, mesh_shape: tuple[int, ...]) -> tuple[Spec, ...]:
-    """:func:`output_specs`, but with each gradient in the spec the backward produced it in
-    where that piece is no larger than the piece of the parameter's spec.
-
-    Gradients are linear in the loss, so such pieces can be summed over several backward
-    passes and converted once (:func:`conversion_program`): gradient accumulation then
-    communicates once per update instead of once per micro-batch, as DDP's ``no_sync`` does.
-    A gradient whose conversion makes it smaller (the reduce-scatter of a fully sharded plan)
-    is converted in every pass, so accumulation never holds more than one piece of it."""
-    leaving = list(output_specs(program, len(mesh_shape)))
-    results = program.graph.output_node().args[0]
-    assert isinstance(results, (tuple, list))
-    first = len(program.signature.outputs)
-    for index in range(first, first + len(program.signature.gradients)):
-        result = results[index]
-        if not isinstance(result, fx.Node) or result.op == "get_attr":
-            continue
-        produced = value_spec(result)
-        shape = ir.require(result, ir.ValueMeta).tensor.shape
-        if ir.product(local_shape(shape, produced, mesh_shape)) <= ir.product(
-            local_shape(shape, leaving[index], mesh_shape)
-        ):
-            leaving[index] = produced
-    return tuple(leaving)
+    return LoweredGraph(module, values, schedule.records)
 
 
 def conversion_program(
@@ -371,15 +249,6 @@ def conversion_program(
     return lower_graph(module, mesh_shape, coordinate, sources, targets, class_name=class_name)
 
 
-def _settled(result: object, mesh_ndim: int) -> Spec:
-    """The spec a step's leading output leaves in: its producer's, with every partial sum
-    reduced (replicated) so that each device holds final values."""
-    if not isinstance(result, fx.Node) or result.op == "get_attr":
-        return replicated(mesh_ndim)
-    spec = value_spec(result)
-    return tuple(Replicate() if isinstance(p, Partial) else p for p in spec)
-
-
 def localize_shape_arguments(
     node: fx.Node, args: tuple[Any, ...], specs: tuple[Spec | None, ...], mesh: tuple[int, ...]
 ) -> tuple[Any, ...]:
@@ -398,52 +267,39 @@ def localize_shape_arguments(
 
 
 class _RankLowering:
+    """One rank's program: the source graph's ops on local pieces, with the schedule's
+    conversions emitted where it puts them."""
+
     def __init__(
-        self,
-        graph_module: fx.GraphModule,
-        mesh: tuple[int, ...],
-        coordinate: Coordinate,
-        bucket_bytes: int = BUCKET_BYTES,
+        self, graph_module: fx.GraphModule, schedule: CollectiveSchedule, coordinate: Coordinate
     ) -> None:
-        self.bucket_bytes = bucket_bytes
         self.source = graph_module
-        self.mesh = mesh
+        self.schedule = schedule
+        self.mesh = schedule.mesh
         self.coordinate = coordinate
         self.graph = fx.Graph()
         self.comm = self.graph.placeholder("comm")
         # Each original node maps to its local node and the spec of each of its outputs.
         self.env: dict[fx.Node, tuple[fx.Node, tuple[Spec | None, ...]]] = {}
-        self.converted: dict[tuple[fx.Node, Spec, ir.Phase | None], fx.Node] = {}
-        self.records: list[CollectiveRecord] = []
-
-    def run(
-        self,
-        input_specs: Mapping[fx.Node, Spec],
-        leaving: Sequence[Spec],
-        class_name: str,
-        gathers: Gathers,
-    ) -> fx.GraphModule:
-        self.gathers = gathers
+        self.converted: dict[ConversionKey, fx.Node] = {}
         self.started: dict[int, fx.Node] = {}
+        """The start of each gather group, by index."""
         self.recomputed: dict[fx.Node, fx.Node] = {}
+        """The local value of each view the backward computes again."""
+
+    def run(self, class_name: str) -> fx.GraphModule:
+        specs = self.schedule.specs
         for node in self.source.graph.nodes:
             if node.op == "placeholder":
-                local = self.graph.placeholder(node.name)
-                self.env[node] = (local, (input_specs[node],))
+                self.env[node] = (self.graph.placeholder(node.name), specs[node])
             elif node.op == "output":
-                if len(node.args[0]) != len(leaving):
-                    raise LoweringError(
-                        f"the graph returns {len(node.args[0])} values but {len(leaving)} "
-                        "output specs were given"
-                    )
-                self.graph.output(tuple(self._outputs(node, leaving)))
+                self.graph.output(tuple(self._outputs(node)))
             elif node.op == "get_attr":
-                self.env[node] = (self.graph.get_attr(node.target), (replicated(len(self.mesh)),))
+                self.env[node] = (self.graph.get_attr(node.target), specs[node])
             elif node.target is operator.getitem:
                 source, index = node.args
-                local_source, specs = self.env[source]
-                local = self.graph.call_function(operator.getitem, (local_source, index))
-                self.env[node] = (local, (specs[index],))
+                local = self.graph.call_function(operator.getitem, (self.env[source][0], index))
+                self.env[node] = (local, specs[node])
             elif needs_strategy(node):
                 self._lower_op(node)
             else:
@@ -451,92 +307,27 @@ class _RankLowering:
         overlap_all_reduces(self.graph)
         return fx.GraphModule(self.source, self.graph, class_name=class_name)
 
-    def _outputs(self, output: fx.Node, leaving: Sequence[Spec]) -> list[Any]:
-        """The output node's values converted to ``leaving``. Those that take only reductions
-        (:func:`bucket_route`) travel in buckets: each bucket's collective starts right after
-        its last value is computed and is waited on here, so it overlaps the rest of the
-        backward."""
-        results: list[Any] = []
-        members: list[Bucketed] = []
-        values = output.args[0]
-        assert isinstance(values, (tuple, list))
-        for index, (result, spec) in enumerate(zip(values, leaving, strict=True)):
-            route = self._route(result, spec) if self.bucket_bytes else None
-            if route is None:
-                results.append(self._convert(result, spec, output, ir.Phase.OUTPUT))
-                continue
-            assert isinstance(result, fx.Node)
-            current = self.env[result][1][0]
-            assert current is not None
-            members.append(Bucketed.of(index, result, current, route, self.mesh))
-            results.append(None)
-        order = {node: position for position, node in enumerate(self.source.graph.nodes)}
-        previous: tuple[fx.Node, fx.Node] | None = None  # (last value, start) of the last bucket
-        started = []
-        for bucket in cut_buckets(members, order, self.bucket_bytes):
-            last = bucket[-1].source
-            anchor = previous[1] if previous and previous[0] is last else self.env[last][0]
-            with self.graph.inserting_after(anchor):
-                start = self._start_bucket(bucket)
-            previous = (last, start)
-            started.append((bucket, start))
-            route = bucket[0].route
-            for axis in route.axes:
-                self.records.append(
-                    CollectiveRecord(
-                        route.kind, axis, sum(m.nbytes for m in bucket), last.name, output.name,
-                        ir.Phase.OUTPUT,
-                    )
-                )  # fmt: skip
-        for bucket, start in started:
-            done = self.graph.call_function(collective_calls.wait_bucket, (self.comm, start))
-            for position, member in enumerate(bucket):
-                results[member.index] = self.graph.call_function(operator.getitem, (done, position))
-        return results
-
-    def _start_bucket(self, bucket: Sequence[Bucketed]) -> fx.Node:
-        values = [self.env[member.source][0] for member in bucket]
-        route = bucket[0].route
-        if route.kind == "all_reduce":
-            args: tuple[Any, ...] = (self.comm, values, route.axes)
-            return self.graph.call_function(collective_calls.start_all_reduce_bucket, args)
-        (axis,) = route.axes
-        dims = tuple(member.route.dim for member in bucket)
-        args = (self.comm, values, dims, axis, self.mesh[axis])
-        return self.graph.call_function(collective_calls.start_reduce_scatter_bucket, args)
-
-    def _route(self, result: object, spec: Spec) -> BucketRoute | None:
-        """How ``result`` leaves in a bucket (a gradient summed over a data-parallel axis, or
-        reduce-scattered to its fully sharded parameter), else None."""
-        if not isinstance(result, fx.Node) or result not in self.env:
-            return None
-        current = self.env[result][1][0]
-        if current is None or (result, spec, None) in self.converted:
-            return None
-        return bucket_route(current, spec, self.mesh)
+    def _value(self, read: Read) -> fx.Node:
+        """The local node holding what ``read`` reads."""
+        if read.recomputed:
+            return self.recomputed[read.source]
+        if read.key is not None:
+            return self.converted[read.key]
+        return self.env[read.source][0]
 
     def _lower_op(self, node: fx.Node) -> None:
-        strategy = ir.require(node, Sharding).strategy
-        arguments = tensor_inputs(node)
-        if len(arguments) != len(strategy.inputs):
-            raise LoweringError(
-                f"node {node.name!r}: strategy {strategy} has {len(strategy.inputs)} input "
-                f"specs but the op has {len(arguments)} tensor inputs"
-            )
-        phase = ir.require(node, ir.Region).phase
-        required = iter(strategy.inputs)
+        inputs = self.schedule.inputs[node]
+        for action in inputs.actions:
+            self._act(action)
+        reads = iter(inputs.reads)
 
         def replace(arg: fx.Node) -> fx.Node:
             value = ir.require(arg, ir.ValueMeta)
             if value.multiple or value.outputs[0] is None:
                 return self.env[arg][0]
-            want = next(required)
-            chain = self.gathers.chains.get((arg, want)) if phase is ir.Phase.BACKWARD else None
-            if chain is not None:
-                return self._recompute(chain, node)
-            return self._convert(arg, want, consumer=node, phase=phase)
+            return self._value(next(reads))
 
-        self.env[node] = (self._emit_op(node, replace), strategy.outputs)
+        self.env[node] = (self._emit_op(node, replace), self.schedule.specs[node])
 
     def _emit_op(self, node: fx.Node, replace: Callable[[fx.Node], fx.Node]) -> fx.Node:
         """The local call of ``node`` on the local values ``replace`` gives for its inputs."""
@@ -548,92 +339,92 @@ class _RankLowering:
         target: Any = _VIEWS_AS_RESHAPE.get(node.target, node.target)  # type: ignore[call-overload]
         return self.graph.call_function(target, args, dict(kwargs))
 
-    def _recompute(self, chain: ViewChain, consumer: fx.Node) -> fx.Node:
-        """The last view of ``chain`` computed again from the backward's own gather of its
-        placeholder (once per view), so that the forward's gathered copy dies with the
-        forward."""
-        last = chain.views[-1]
-        if last not in self.recomputed:
-            value = self._convert(chain.source, chain.spec, consumer, ir.Phase.BACKWARD)
-            for view in chain.views:
-                value = self._emit_op(view, _Constant(value))
-            self.recomputed[last] = value
-        return self.recomputed[last]
+    def _outputs(self, output: fx.Node) -> list[Any]:
+        """The output node's values as the schedule makes them leave: converted one by one,
+        or from buckets, each started right after its last value is computed and waited on
+        here, so it overlaps the rest of the backward."""
+        leaving = self.schedule.leaving
+        for action in leaving.actions:
+            self._act(action)
+        values = output.args[0]
+        assert isinstance(values, (tuple, list))
+        results: list[Any] = [
+            value if not isinstance(value, fx.Node) or read is None else self._value(read)
+            for value, read in zip(values, leaving.reads, strict=True)
+        ]
+        previous: tuple[fx.Node, fx.Node] | None = None  # (last value, start) of the last bucket
+        started = []
+        for bucket in leaving.buckets:
+            last = bucket.starts_after
+            # Buckets after the same value start in the schedule's order.
+            anchor = previous[1] if previous and previous[0] is last else self.env[last][0]
+            with self.graph.inserting_after(anchor):
+                start = self._start_bucket(bucket)
+            previous = (last, start)
+            started.append((bucket, start))
+        for bucket, start in started:
+            done = self.graph.call_function(collective_calls.wait_bucket, (self.comm, start))
+            for position, member in enumerate(bucket.members):
+                results[member.index] = self.graph.call_function(operator.getitem, (done, position))
+        return results
 
-    def _convert(self, source: object, spec: Spec, consumer: fx.Node, phase: ir.Phase) -> Any:
-        """The local value of ``source`` laid out as ``spec``, inserting the steps to get there
-        (once per source and spec, however many consumers need it)."""
-        if not isinstance(source, fx.Node):
-            return source
-        local, specs = self.env[source]
-        current = specs[0]
-        assert current is not None
-        # A parameter (or its cast to the compute dtype) laid out differently from its use is
-        # converted again in each phase (ZeRO-3: gathered before the forward and again before
-        # the backward), so that the gathered copy need not live from one to the other. Other
-        # values convert once.
-        key = (source, spec, phase if source in self.gathers.sources else None)
-        if current == spec:
-            return local
-        if key in self.converted:
-            return self.converted[key]
-        group = self.gathers.group_of.get(key)  # type: ignore[arg-type]
-        if group is not None:
-            self._gather(group, consumer)
-            return self.converted[key]
-        meta = ir.require(source, ir.ValueMeta).tensor
-        value = local
-        for step in reshard_steps(current, spec, self.mesh):
-            value, current = self._emit(step, value, current, meta, consumer, phase, source)
-        self.converted[key] = value
-        return value
+    def _start_bucket(self, bucket: Bucket) -> fx.Node:
+        values = [self.env[member.source][0] for member in bucket.members]
+        route = bucket.route
+        if route.kind == "all_reduce":
+            args: tuple[Any, ...] = (self.comm, values, route.axes)
+            return self.graph.call_function(collective_calls.start_all_reduce_bucket, args)
+        (axis,) = route.axes
+        dims = tuple(member.route.dim for member in bucket.members)
+        args = (self.comm, values, dims, axis, self.mesh[axis])
+        return self.graph.call_function(collective_calls.start_reduce_scatter_bucket, args)
 
-    def _gather(self, group: GatherGroup, consumer: fx.Node) -> None:
-        """Wait for ``group``'s gather (starting it, and the next group's, if not yet
-        started) and take its values."""
-        for index in (group.index, group.index + 1):
-            if index < len(self.gathers.groups) and index not in self.started:
-                members = self.gathers.groups[index].members
-                if index > group.index and any(m.source not in self.env for m in members):
-                    break  # the next group's casts come later: it starts when first needed
-                self.started[index] = self._start_gather(self.gathers.groups[index], consumer)
-        done = self.graph.call_function(
-            collective_calls.wait_bucket, (self.comm, self.started[group.index])
-        )
-        for position, member in enumerate(group.members):
-            value = self.graph.call_function(operator.getitem, (done, position))
-            self.converted[(member.source, member.spec, group.phase)] = value
+    def _act(self, action: Action) -> None:
+        """Emit one action of the schedule."""
+        if isinstance(action, Reshard):
+            value = self.env[action.source][0]
+            spec = action.have
+            meta = ir.require(action.source, ir.ValueMeta).tensor
+            for step, early in zip(action.steps, action.started_early, strict=True):
+                value, spec = self._step(step, value, spec, meta, early)
+            self.converted[action.key] = value
+        elif isinstance(action, StartGather):
+            self.started[action.group.index] = self._start_gather(action.group)
+        elif isinstance(action, WaitGather):
+            group = action.group
+            start = self.started[group.index]
+            done = self.graph.call_function(collective_calls.wait_bucket, (self.comm, start))
+            for position, member in enumerate(group.members):
+                value = self.graph.call_function(operator.getitem, (done, position))
+                self.converted[(member.source, member.spec, group.phase)] = value
+        else:
+            self._recompute(action)
 
-    def _start_gather(self, group: GatherGroup, consumer: fx.Node) -> fx.Node:
+    def _recompute(self, action: Recompute) -> None:
+        """The views of a chain computed again from the backward's own gather of their
+        parameter, so that the forward's gathered copy dies with the forward."""
+        value = self._value(action.read)
+        for view in action.chain.views:
+            value = self._emit_op(view, _Constant(value))
+        self.recomputed[action.chain.views[-1]] = value
+
+    def _start_gather(self, group: GatherGroup) -> fx.Node:
         values = [self.env[member.source][0] for member in group.members]
         dims = tuple(member.dim for member in group.members)
         sizes = tuple(self.mesh[axis] for axis in group.axes)
         args = (self.comm, values, dims, group.axes, sizes)
-        for axis, nbytes in group.sends(self.mesh):
-            self.records.append(
-                CollectiveRecord(
-                    "all_gather", axis, nbytes, group.members[0].source.name, consumer.name,
-                    group.phase,
-                )
-            )  # fmt: skip
         return self.graph.call_function(collective_calls.start_all_gather_bucket, args)
 
-    def _emit(
-        self,
-        step: ReshardStep,
-        value: fx.Node,
-        spec: Spec,
-        meta: ir.TensorMeta,
-        consumer: fx.Node,
-        phase: ir.Phase,
-        source: fx.Node,
+    def _step(
+        self, step: ReshardStep, value: fx.Node, spec: Spec, meta: ir.TensorMeta, early: bool
     ) -> tuple[fx.Node, Spec]:
-        shape = local_shape(meta.shape, spec, self.mesh)
+        """One step of a conversion on the local ``value`` laid out as ``spec``."""
         after = step.apply(spec)
         call: Callable[..., Any]
         args: tuple[Any, ...]
         if step.kind == "slice":
             assert step.dim is not None
+            shape = local_shape(meta.shape, spec, self.mesh)
             piece = shape[step.dim] // self.mesh[step.axis]
             start = self.coordinate[step.axis] * piece
             node = self.graph.call_function(
@@ -649,14 +440,10 @@ class _RankLowering:
             if self.coordinate[step.axis] == 0:
                 return value, after
             return self.graph.call_function(aten.zeros_like.default, (value,)), after
-        nbytes = ir.product((*shape, meta.dtype.itemsize))
-        self.records.append(
-            CollectiveRecord(step.kind, step.axis, int(nbytes), source.name, consumer.name, phase)
-        )
         if step.kind == "all_gather":
             call, args = collective_calls.all_gather, (self.comm, value, step.dim, step.axis)
         elif step.kind == "all_reduce":
-            return self._all_reduce(value, step.axis), after
+            return self._all_reduce(value, step.axis, early), after
         elif step.kind == "reduce_scatter":
             call, args = collective_calls.reduce_scatter, (self.comm, value, step.dim, step.axis)
         else:
@@ -664,11 +451,11 @@ class _RankLowering:
             args = (self.comm, value, step.to_dim, step.dim, step.axis)
         return self.graph.call_function(call, args), after
 
-    def _all_reduce(self, value: fx.Node, axis: int) -> fx.Node:
-        """The sum of ``value`` over ``axis``, started right after ``value`` is computed and
-        waited on here, where it is needed."""
+    def _all_reduce(self, value: fx.Node, axis: int, early: bool) -> fx.Node:
+        """The sum of ``value`` over ``axis``: started right after ``value`` is computed and
+        waited on here when ``early``, else one blocking call here."""
         args = (self.comm, value, axis)
-        if value.op == "placeholder":  # placeholders come first; nothing to overlap
+        if not early:
             return self.graph.call_function(collective_calls.all_reduce, args)
         with self.graph.inserting_after(value):
             started = self.graph.call_function(collective_calls.start_all_reduce, args)

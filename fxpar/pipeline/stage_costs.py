@@ -41,10 +41,11 @@ consecutive ranks with the links of the innermost mesh axis that holds them, or 
 ``(r, C)``, ``r`` whole rows of ``C`` devices, each axis with the links of the cluster axis it runs
 along (:meth:`Cluster.submesh <fxpar.cluster.Cluster.submesh>`). For every distinct shape, the whole
 step is planned once on that mesh (``stage_planner(program, stage_mesh)``, the ILP by default), and
-the plan is read the way the plan report reads it (:func:`fxpar.planning.report.walk`): per node,
-its roofline seconds under its strategy and the collectives it runs, with the bytes each device
-holds of every value. Layers ``[i, j)`` then cost, per micro-batch (``1/M`` of the planned step's
-work, assumed linear in the batch as above):
+the plan is read the way the plan report reads it (:func:`fxpar.planning.report.price_schedule`: the
+plan's collective schedule, priced): per node, its roofline seconds under its strategy and the
+collectives the schedule runs for it, with the bytes each device holds of every value. Layers ``[i,
+j)`` then cost, per micro-batch (``1/M`` of the planned step's work, assumed linear in the batch as
+above):
 
     time   = (T_fwd + T_bwd + [remat] T_fwd + C) / M + C_grad / M + sends of local bytes
     static = (2 + optimizer_states) G_local + S_local   (+ [remat] A_saved_local / M)
@@ -79,7 +80,7 @@ from fxpar.planning.cost import (
     saved_for_backward,
     value_bytes,
 )
-from fxpar.planning.report import walk
+from fxpar.planning.report import price_schedule
 from fxpar.solvers.stages import StageCost
 
 if TYPE_CHECKING:
@@ -254,7 +255,7 @@ class PlannedStageCostModel(StageCostModel):
         mesh = self.cluster.submesh(shape)
         program = self.atoms.program
         plan = self.planner(program, mesh)
-        found = walk(plan.program, mesh)
+        found = price_schedule(plan.program, mesh)
         by_name = {node.name: node for node in program.graph.nodes}
         compute = {node.name: seconds for node, seconds in found.compute.items()}
         values: dict[str, int] = {}

@@ -8,5 +8,9 @@
 - :mod:`fxpar.planning.plan`: :class:`Plan` and :func:`plan_program`;
 - :mod:`fxpar.passes.manual`: hand-written plans (data, tensor and fully sharded parallelism);
 - :mod:`fxpar.planning.plan_file`: plans saved as editable JSON and loaded back;
+- :mod:`fxpar.planning.grouping`: which collectives travel together (gradient buckets,
+  per-layer gathers, views recomputed from the backward's gather);
+- :mod:`fxpar.planning.collective_schedule`: every conversion of a planned graph decided once
+  as data, which the lowering emits and the report and the stage DP count;
 - :mod:`fxpar.planning.report`: the plan report (time, memory, collectives per layer).
 """

@@ -92,7 +92,7 @@ def output_seconds(src: Spec, dst: Spec, meta: ir.TensorMeta, cluster: Cluster) 
     into ``dst``, its output layout. As :func:`reshard_seconds`, except for a result that takes
     only reductions (all-reduces, or one reduce-scatter: :func:`bucket_route`): the lowering
     sends those together, in buckets of up to 25 MiB per route
-    (:data:`fxpar.lowering.BUCKET_BYTES`), so each pays the time of its bytes but not a
+    (:data:`fxpar.planning.grouping.BUCKET_BYTES`), so each pays the time of its bytes but not a
     collective's latency (the one latency per bucket is left out)."""
     route = bucket_route(src, dst, cluster.mesh_shape)
     if route is None:
@@ -110,7 +110,7 @@ def regathered_seconds(src: Spec, dst: Spec, meta: ir.TensorMeta, cluster: Clust
     backward reads too (``t(weight)``): as :func:`reshard_seconds`, twice when it takes
     all-gathers only (:func:`gather_route`), since the backward gathers the parameter again
     and recomputes the view rather than keep the forward's gathered copy
-    (:class:`fxpar.lowering.ViewChain`)."""
+    (:class:`fxpar.planning.grouping.ViewChain`)."""
     seconds = reshard_seconds(src, dst, meta, cluster)
     return 2 * seconds if gather_route(src, dst, cluster.mesh_shape) is not None else seconds
 

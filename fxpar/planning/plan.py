@@ -18,7 +18,6 @@ from fxpar import ir
 from fxpar.cluster import Cluster
 from fxpar.errors import FxparError
 from fxpar.ir.program import Program
-from fxpar.lowering import SPMDProgram, lower
 from fxpar.planning.plan_file import plan_document, save_plan
 from fxpar.planning.problem import Layout, PlanOptions, assignment_of, build_problem, candidates
 from fxpar.planning.report import plot as plot_report
@@ -74,10 +73,6 @@ class Plan:
             options=chosen.options,
             rules=used.rules if used is not None else None,
         )
-
-    def lower(self) -> SPMDProgram:
-        """The per-rank programs of this plan."""
-        return lower(self.program, self.cluster)
 
     @property
     def stats(self) -> dict[str, int]:

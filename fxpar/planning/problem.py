@@ -42,7 +42,6 @@ from fxpar import ir
 from fxpar.cluster import Cluster
 from fxpar.errors import FxparError
 from fxpar.ir.program import Program
-from fxpar.lowering.grouping import casts_parameter, reread_in_backward
 from fxpar.planning.cost import (
     compute_seconds,
     local_bytes,
@@ -54,6 +53,7 @@ from fxpar.planning.cost import (
     saved_bytes,
     saved_outputs,
 )
+from fxpar.planning.grouping import casts_parameter, reread_in_backward
 from fxpar.rules.registry import tensor_inputs
 from fxpar.sharding import Sharding, Spec, Strategies, Strategy, replicated, spec_str
 from fxpar.solvers.problem import Edge, IntraOpProblem

@@ -4,15 +4,14 @@
 strings and numbers, JSON-ready); :func:`render_text` turns that into the table of ``Plan.report()``
 and :func:`plot` into the picture of ``Plan.plot(path)``. docs/plan_report.md explains the columns.
 
-Nothing here lowers the plan. One walk over the graph, in the lowering's order, replays what
-:func:`fxpar.lowering.lower` does at every edge (:func:`plan_collectives`): the producer's spec is
-resharded into the spec the consumer's strategy reads by
-:func:`fxpar.sharding.reshard.reshard_steps`, a value converted once per target spec is reused (a
-parameter once per phase), and the outputs leave in their required specs. So the collectives listed
-are exactly those of ``plan.lower().collectives()``, at the cost of one graph walk instead of one
-lowering per rank. The same walk prices every edge as the cost model does, per consumer and without
-reuse, which is the header's communication time: compute plus that is the solver's objective. The
-difference between the two communication figures is what the lowering saves by reusing conversions.
+Nothing here lowers the plan or decides a collective. The collectives listed are those of the
+plan's collective schedule (:mod:`fxpar.planning.collective_schedule`), the one the lowering emits
+as code for every rank, so they are exactly those of ``fxpar.lower(plan).collectives()``
+(:func:`plan_collectives`), found without building a program per rank. :func:`price_schedule`
+prices them by the cost model, and prices every edge as the cost model does, per consumer and
+without reuse, which is the header's communication time: compute plus that is the solver's
+objective. The difference between the two communication figures is what the schedule saves by
+reusing conversions.
 
 Every op's compute time and every value's bytes come from the cost and memory model
 (:mod:`fxpar.planning.cost`) that the problem builder uses, so the layers' memory adds up to the
@@ -28,7 +27,6 @@ depth just below the layer container (``wte``, ``transformer.ln_f``, ``model.emb
 from __future__ import annotations
 
 import math
-import operator
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -42,24 +40,16 @@ from fxpar import ir
 from fxpar.cluster import Cluster
 from fxpar.errors import FxparError
 from fxpar.ir.program import Program
-from fxpar.lowering import (
-    BUCKET_BYTES,
-    Bucketed,
-    CollectiveRecord,
-    GatherGroup,
-    casts_parameter,
-    cut_buckets,
-    gather_groups,
-    needs_strategy,
-    output_specs,
-    reread_in_backward,
-    value_spec,
-)
 from fxpar.planning import cost
+from fxpar.planning.collective_schedule import (
+    CollectiveRecord,
+    CollectiveSchedule,
+    schedule_program,
+)
+from fxpar.planning.grouping import casts_parameter, reread_in_backward
 from fxpar.rules import coverage
 from fxpar.rules.registry import tensor_inputs
-from fxpar.sharding import Sharding, Spec, piece_bytes, replicated
-from fxpar.sharding.reshard import bucket_route, reshard_steps
+from fxpar.sharding import Sharding, Spec
 
 if TYPE_CHECKING:
     from fxpar.planning.plan import Plan
@@ -86,152 +76,86 @@ def compact_spec(spec: Spec | None) -> str:
     return "".join(tokens)
 
 
-# -- the walk: collectives as lowered, communication as priced ----------------------------------
+# -- the schedule, priced ---------------------------------------------------------------------
 
 
-@dataclass
-class Walk:
-    """What one pass over a planned graph finds (see the module docstring)."""
+@dataclass(frozen=True)
+class PricedSchedule:
+    """A planned Program's collective schedule with the cost model's prices (see the module
+    docstring)."""
 
-    records: list[CollectiveRecord] = field(default_factory=list)
-    record_seconds: list[float] = field(default_factory=list)
-    """Alpha-beta seconds of each record, by :func:`fxpar.planning.cost.collective_seconds`."""
-    compute: dict[fx.Node, float] = field(default_factory=dict)
+    schedule: CollectiveSchedule
+    record_seconds: tuple[float, ...]
+    """Alpha-beta seconds of each of ``schedule.records``, by
+    :func:`fxpar.planning.cost.collective_seconds`."""
+    compute: dict[fx.Node, float]
     """Roofline seconds of each op under its chosen strategy."""
-    edge_seconds: float = 0.0
+    edge_seconds: float
     """Resharding seconds summed per consumer, as the cost model charges them."""
-    specs: dict[fx.Node, tuple[Spec | None, ...]] = field(default_factory=dict)
-    """The layout of every value: what each node produces under its strategy."""
+
+    @property
+    def records(self) -> tuple[CollectiveRecord, ...]:
+        return self.schedule.records
+
+    @property
+    def specs(self) -> dict[fx.Node, tuple[Spec | None, ...]]:
+        """The layout of every value: what each node produces under its strategy."""
+        return self.schedule.specs
 
 
-def _chosen(node: fx.Node) -> Sharding:
-    sharding = ir.get(node, Sharding)
-    if sharding is None:
-        raise FxparError(
-            f"node {node.name!r} ({node.target}) has no chosen strategy; report on a Plan "
-            "(fxpar.plan, fxpar.passes.load_plan) or annotate every node with a Sharding"
-        )
-    return sharding
-
-
-def walk(program: Program, cluster: Cluster) -> Walk:
-    """Replay the lowering's conversions on ``program``'s chosen strategies (no per-rank
-    graphs are built)."""
+def price_schedule(program: Program, cluster: Cluster) -> PricedSchedule:
+    """The collective schedule of ``program``'s chosen strategies on ``cluster``, priced."""
     mesh = cluster.mesh_shape
-    found = Walk()
-    converted: set[tuple[fx.Node, Spec, ir.Phase | None]] = set()
-    # The lowering's grouped gathers of placeholders (fxpar.lowering.gather_groups), each
-    # started at its first use or while the group before it is waited on.
-    placeholders = {node: value_spec(node) for node in program.placeholders().values()}
-    gathers = gather_groups(program.graph, placeholders, mesh)
-    groups = gathers.groups
-    started: set[int] = set()
-
-    def gather(group: GatherGroup, consumer: fx.Node) -> None:
-        for index in (group.index, group.index + 1):
-            if index < len(groups) and index not in started:
-                started.add(index)
-                for axis, nbytes in groups[index].sends(mesh):
-                    record("all_gather", axis, nbytes, groups[index].members[0].source,
-                           consumer, groups[index].phase)  # fmt: skip
-        converted.update((member.source, member.spec, group.phase) for member in group.members)
-
-    def record(
-        kind: str, axis: int, nbytes: int, source: fx.Node, consumer: fx.Node, phase: ir.Phase
-    ) -> None:
-        found.records.append(
-            CollectiveRecord(kind, axis, nbytes, source.name, consumer.name, phase)
-        )
-        found.record_seconds.append(
-            cost.collective_seconds(
-                kind, nbytes, mesh[axis], cluster.bandwidth[axis], cluster.latency[axis]
-            )
-        )
-
-    def convert(
-        source: fx.Node, want: Spec, consumer: fx.Node, phase: ir.Phase, priced: bool = False
-    ) -> None:
-        """Replay one conversion; add its cost-model time unless the caller ``priced`` it."""
-        current = found.specs[source][0]
-        assert current is not None
-        meta = ir.require(source, ir.ValueMeta).tensor
-        if not priced:
-            # As the problem prices it: a parameter a forward view reads for the backward too
-            # is gathered twice (fxpar.lowering.ViewChain).
-            parameter = source.op == "placeholder" or casts_parameter(source)
-            regathered = parameter and reread_in_backward(consumer)
-            price = cost.regathered_seconds if regathered else cost.reshard_seconds
-            found.edge_seconds += price(current, want, meta, cluster)
-        # The lowering's reuse rule (fxpar.lowering._RankLowering._convert).
-        key = (source, want, phase if source in gathers.sources else None)
-        if current == want or key in converted:
-            return
-        group = gathers.group_of.get(key)  # type: ignore[arg-type]
-        if group is not None:
-            gather(group, consumer)
-            return
-        converted.add(key)
-        spec = current
-        for step in reshard_steps(current, want, mesh):
-            if step.is_collective:
-                record(step.kind, step.axis, piece_bytes(meta, spec, mesh), source, consumer, phase)
-            spec = step.apply(spec)
-
+    schedule = schedule_program(program, mesh)
+    links = list(zip(cluster.bandwidth, cluster.latency, strict=True))
+    record_seconds = tuple(
+        cost.collective_seconds(record.kind, record.bytes, mesh[record.axis], *links[record.axis])
+        for record in schedule.records
+    )
+    specs = schedule.specs
+    compute: dict[fx.Node, float] = {}
+    edge_seconds = 0.0
     for node in program.graph.nodes:
-        if node.op == "placeholder":
-            found.specs[node] = _chosen(node).strategy.outputs
-        elif node.op == "get_attr":
-            found.specs[node] = (replicated(cluster.ndim),)
-        elif node.op == "output":
+        if node.op == "output":
             results = node.args[0]
             assert isinstance(results, (tuple, list))
-            # The lowering's buckets (fxpar.lowering._RankLowering._outputs): outputs that
-            # take only reductions travel together, per route and dtype.
-            members = []
-            leaving = output_specs(program, cluster.ndim)
-            for index, (result, spec) in enumerate(zip(results, leaving, strict=True)):
+            for result, spec in zip(results, schedule.leaving.specs, strict=True):
                 if not isinstance(result, fx.Node):
                     continue
-                current = found.specs[result][0]
+                current = specs[result][0]
                 assert current is not None
                 meta = ir.require(result, ir.ValueMeta).tensor
                 # Priced as the cost model prices a result: in a bucket if only reductions.
-                found.edge_seconds += cost.output_seconds(current, spec, meta, cluster)
-                route = bucket_route(current, spec, mesh)
-                if route is None or (result, spec, None) in converted:
-                    convert(result, spec, node, ir.Phase.OUTPUT, priced=True)
-                    continue
-                members.append(Bucketed.of(index, result, current, route, mesh))
-            order = {n: position for position, n in enumerate(program.graph.nodes)}
-            for bucket in cut_buckets(members, order, BUCKET_BYTES):
-                nbytes = sum(member.nbytes for member in bucket)
-                route = bucket[0].route
-                for axis in route.axes:
-                    record(route.kind, axis, nbytes, bucket[-1].source, node, ir.Phase.OUTPUT)
-        elif node.target is operator.getitem:
-            source, index = node.args
-            assert isinstance(source, fx.Node) and isinstance(index, int)
-            found.specs[node] = (found.specs[source][index],)
-        elif needs_strategy(node):
-            strategy = _chosen(node).strategy
-            phase = ir.require(node, ir.Region).phase
-            for source, want in zip(tensor_inputs(node), strategy.inputs, strict=True):
-                chain = gathers.chains.get((source, want)) if phase is ir.Phase.BACKWARD else None
-                if chain is not None:  # the view is recomputed from the backward's own gather
-                    convert(chain.source, chain.spec, node, phase, priced=True)
-                else:
-                    convert(source, want, node, phase)
-            found.specs[node] = strategy.outputs
-            work = ir.get(node, ir.Cost)
-            if work is not None:
-                found.compute[node] = cost.compute_seconds(work, strategy, cluster)
-    return found
+                edge_seconds += cost.output_seconds(current, spec, meta, cluster)
+            continue
+        if node not in schedule.inputs:
+            continue
+        strategy = ir.require(node, Sharding).strategy
+        phase = ir.require(node, ir.Region).phase
+        for source, want in zip(tensor_inputs(node), strategy.inputs, strict=True):
+            if want is None or (
+                phase is ir.Phase.BACKWARD and (source, want) in schedule.gathers.chains
+            ):
+                continue  # a recomputed view: its gathers are priced at the forward's view
+            current = specs[source][0]
+            assert current is not None
+            meta = ir.require(source, ir.ValueMeta).tensor
+            # As the problem prices it: a parameter a forward view reads for the backward too
+            # is gathered twice (fxpar.planning.grouping.ViewChain).
+            parameter = source.op == "placeholder" or casts_parameter(source)
+            regathered = parameter and reread_in_backward(node)
+            price = cost.regathered_seconds if regathered else cost.reshard_seconds
+            edge_seconds += price(current, want, meta, cluster)
+        work = ir.get(node, ir.Cost)
+        if work is not None:
+            compute[node] = cost.compute_seconds(work, strategy, cluster)
+    return PricedSchedule(schedule, record_seconds, compute, edge_seconds)
 
 
 def plan_collectives(program: Program, cluster: Cluster) -> list[CollectiveRecord]:
-    """The collectives ``lower(program, cluster).collectives()`` would list, in the same order,
+    """The collectives ``lower(program, cluster).collectives()`` lists, in the same order,
     without lowering."""
-    return walk(program, cluster).records
+    return list(schedule_program(program, cluster.mesh_shape).records)
 
 
 # -- layers -------------------------------------------------------------------------------------
@@ -283,7 +207,7 @@ def report_data(plan: Plan) -> dict[str, Any]:
     order), ``devices`` (memory per rank) and ``no_rule`` (ops without a sharding rule, which
     run replicated, with their node counts). Every number is per device."""
     program, cluster = plan.program, plan.cluster
-    found = walk(program, cluster)
+    found = price_schedule(program, cluster)
     names = {node: name for name, node in program.placeholders().items()}
     inputs = set(program.signature.inputs)
     # Random inputs sit in the layer of the module that draws them, counted like activations.
@@ -383,13 +307,13 @@ def report_data(plan: Plan) -> dict[str, Any]:
         {"rank": rank, "coordinate": list(coordinate), "memory": dict(memory_total)}
         for rank, coordinate in enumerate(cluster.coordinates())
     ]
-    # DESIGN.md: an op without a sharding rule runs replicated, and the plan report says so.
+    # An op without a sharding rule runs replicated, and the plan report says so.
     fallback = coverage(program, plan.rules).fallback
     unruled = {op: count for op, (count, _) in sorted(fallback.items())}
     return {"header": header, "layers": layer_rows, "devices": devices, "no_rule": unruled}
 
 
-def _layer_row(layer: _Layer, found: Walk, cluster: Cluster) -> dict[str, Any]:
+def _layer_row(layer: _Layer, found: PricedSchedule, cluster: Cluster) -> dict[str, Any]:
     output: dict[str, Any] | None = None
     if layer.output is not None:
         meta = ir.require(layer.output, ir.ValueMeta).outputs[0]
@@ -720,12 +644,12 @@ def plot(data: Mapping[str, Any], path: str | Path) -> Path:
 
 __all__ = [
     "MEMORY_KINDS",
-    "Walk",
+    "PricedSchedule",
     "compact_spec",
     "layer_namer",
     "plan_collectives",
     "plot",
+    "price_schedule",
     "render_text",
     "report_data",
-    "walk",
 ]

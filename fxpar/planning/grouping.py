@@ -1,4 +1,4 @@
-"""Which collectives of a per-rank program travel together, and when they start.
+"""Which collectives of a planned graph travel together, and when they start.
 
 - :func:`cut_buckets`: results of the step that take only reductions (data parallelism's
   gradient sums, fully sharded gradients' reduce-scatters) go in flat buckets, in the order the
@@ -14,7 +14,8 @@ made where the parameter is stored (:func:`gather_sources`): that cast's pieces 
 travels, in the compute dtype, grouped and re-gathered per phase as the placeholder would be.
 
 All of it depends on the graph's global shapes and chosen specs only, so every rank makes the
-same choices and runs the same collectives; the plan report replays them.
+same choices and runs the same collectives. :mod:`fxpar.planning.collective_schedule` puts these
+choices into the one schedule that the lowering emits and the plan report and stage DP count.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ class GatherGroup:
 
 
 GatherKey = tuple[fx.Node, Spec, ir.Phase]
-"""A conversion of a placeholder: to which spec, in which phase (the lowering's reuse key)."""
+"""A conversion of a placeholder: to which spec, in which phase (the schedule's reuse key)."""
 
 
 @dataclass(frozen=True)
@@ -303,8 +304,7 @@ def cut_buckets(
     computes them (``order``: each source node's position), at most ``limit`` bytes each
     (:data:`FIRST_BUCKET_BYTES` for a route's first; a larger value alone). Buckets come in the
     order they can start (by their last value). The cut depends on global shapes and specs
-    only, so every rank makes the same buckets and runs the same collectives; the plan report
-    replays it."""
+    only, so every rank makes the same buckets and runs the same collectives."""
     groups: dict[tuple[object, ...], list[Bucketed]] = {}
     for member in members:
         groups.setdefault((*member.route.key, member.dtype), []).append(member)
