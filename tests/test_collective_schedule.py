@@ -21,14 +21,13 @@ import fxpar
 from fxpar import ir, plans
 from fxpar.cluster import Cluster
 from fxpar.errors import FxparError
-from fxpar.lowering import SPMDProgram
+from fxpar.lowering import SPMDProgram, collective_calls
 from fxpar.models import GPT, GPTConfig, gpt_loss
-from fxpar.passes import default_pipeline
-from fxpar.planning.manual import random_plan
-from fxpar.planning.plan import Plan, plan_program
+from fxpar.passes import default_passes, plan_program
+from fxpar.passes.manual import random_plan
+from fxpar.planning.plan import Plan
 from fxpar.planning.problem import PlanOptions, build_problem
 from fxpar.planning.report import plan_collectives, report_data
-from fxpar.runtime import collectives
 from fxpar.solvers.ilp import ILPSolver
 from fxpar.solvers.problem import IntraOpSolution
 from fxpar.testing import ModelCase
@@ -75,7 +74,7 @@ def random_planned(
     as "a choice the problem cannot represent"), and the report reads the problem and the
     solution only for its header."""
     program.cluster = cluster
-    program = default_pipeline(options=options).through("annotate-strategies").run(program)
+    program = default_passes(options=options).through("annotate-strategies").run(program)
     program = random_plan(program, cluster, seed)
     exact = PlanOptions(coarsen=False, dedup_layers=False)
     problem, layout = build_problem(program, cluster, exact)
@@ -100,17 +99,17 @@ def called(module: fx.GraphModule) -> Counter[Key]:
     found: Counter[Key] = Counter()
     for node in module.graph.nodes:
         target, args = node.target, node.args
-        if target in (collectives.all_gather, collectives.reduce_scatter):
+        if target in (collective_calls.all_gather, collective_calls.reduce_scatter):
             found[target.__name__, args[3]] += 1
-        elif target in (collectives.all_reduce, collectives.start_all_reduce):
+        elif target in (collective_calls.all_reduce, collective_calls.start_all_reduce):
             found["all_reduce", args[2]] += 1
-        elif target is collectives.all_to_all:
+        elif target is collective_calls.all_to_all:
             found["all_to_all", args[4]] += 1
-        elif target is collectives.start_all_reduce_bucket:
+        elif target is collective_calls.start_all_reduce_bucket:
             found.update(("all_reduce", axis) for axis in args[2])
-        elif target is collectives.start_reduce_scatter_bucket:
+        elif target is collective_calls.start_reduce_scatter_bucket:
             found["reduce_scatter", args[3]] += 1
-        elif target is collectives.start_all_gather_bucket:
+        elif target is collective_calls.start_all_gather_bucket:
             found.update(("all_gather", axis) for axis in args[3])
     return found
 
@@ -145,19 +144,19 @@ class Recording:
         self._record("all_to_all", tensor, axis)
         return self.inner.all_to_all(tensor, split_dim, concat_dim, axis)
 
-    def start_all_reduce(self, flat: torch.Tensor, axis: int) -> collectives.Pending:
+    def start_all_reduce(self, flat: torch.Tensor, axis: int) -> collective_calls.Pending:
         self._record("all_reduce", flat, axis)
         return self.inner.start_all_reduce(flat, axis)
 
     def start_reduce_scatter(
         self, output: torch.Tensor, flat: torch.Tensor, axis: int
-    ) -> collectives.Pending:
+    ) -> collective_calls.Pending:
         self._record("reduce_scatter", flat, axis)
         return self.inner.start_reduce_scatter(output, flat, axis)
 
     def start_all_gather(
         self, output: torch.Tensor, flat: torch.Tensor, axis: int
-    ) -> collectives.Pending:
+    ) -> collective_calls.Pending:
         self._record("all_gather", flat, axis)
         return self.inner.start_all_gather(output, flat, axis)
 

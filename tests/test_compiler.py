@@ -74,7 +74,7 @@ def _plan(**kwargs: object) -> fxpar.Plan:
     )  # fmt: skip
 
 
-def test_the_default_pipeline_names_every_step_in_order() -> None:
+def test_the_default_pass_list_names_every_step_in_order() -> None:
     assert default_passes().names == (
         "canonicalize",
         "rematerialize",

@@ -289,7 +289,7 @@ def doc_namespace(doc_runs: dict[Path, DocRun], name: str, *names: str) -> dict[
     return run.namespace
 
 
-def test_writing_a_pass_example_runs_in_the_default_pipeline(
+def test_writing_a_pass_example_runs_in_the_default_pass_list(
     doc_runs: dict[Path, DocRun],
 ) -> None:
     """The pass of docs/passes.md marks the heavy nodes and nothing else in the default
