@@ -33,10 +33,10 @@ from fxpar.driver import Driver
 from fxpar.errors import DistributedError, FxparError
 from fxpar.ir.capture import LossFn, capture
 from fxpar.ir.precision import MixedPrecision, check_policy
-from fxpar.ir.program import named_state
+from fxpar.ir.program import Program, named_state
 from fxpar.optim import AdamW, Optimizer, check_optimizer
 from fxpar.passes import ManualPlan, PassManager, for_compile, passes_for, plan_program
-from fxpar.pipeline import Pipeline, PipelineModel, plan_stages
+from fxpar.pipeline import Pipeline, PipelineModel, capture_microbatch, plan_stages
 from fxpar.pipeline.auto import StagePlanner
 from fxpar.pipeline.intra_op import stage_devices
 from fxpar.pipeline.meshes import StageMeshes, stage_meshes
@@ -198,7 +198,10 @@ def compile(
             (``K`` stages first) each stage runs its share of an intra-op plan on its stage
             mesh, chosen by ``solver`` (the ILP by default; ``pins``, ``options`` and
             ``rules`` apply); otherwise each stage runs data-parallel on
-            ``pipeline.data_parallel`` devices.
+            ``pipeline.data_parallel`` devices. With ``stages="auto"`` and stage plans, the
+            step is captured once at one micro-batch's shapes, the stage DP prices every
+            stage mesh under its plan of that program, and the pipeline runs those very
+            plans (``pipelined.stage_choice.plans``).
         init: a checkpoint of the model's weights under its own ``state_dict`` names to start
             from instead of the model's: a ``safetensors`` file, a directory holding
             ``model.safetensors`` or ``model.safetensors.index.json`` and its shards (what
@@ -278,14 +281,17 @@ def _compile_pipeline(
     )
     if intra_op or stages_first:
         choice = None
+        program: Program | None = None
         if pipeline.stages == "auto":
-            program = capture(
-                model, example_inputs, loss_fn, example_targets=example_targets,
+            # Priced on the very program the pipeline runs, one micro-batch's step, whose
+            # plans it then runs: the plan that runs is the plan that was priced.
+            program = capture_microbatch(
+                model, pipeline, example_inputs, loss_fn, example_targets=example_targets,
                 mixed_precision=mixed_precision,
             )  # fmt: skip
             choice = plan_stages(
                 program, cluster, pipeline, optimizer_states=optimizer.state_copies,
-                stage_planner=planner,
+                stage_planner=planner, microbatch=True,
             )  # fmt: skip
             logger.info("stages chosen by the stage DP:\n%s", choice.report())
             pipeline = choice.pipeline
@@ -299,6 +305,7 @@ def _compile_pipeline(
             model, pipeline, example_inputs, loss_fn, example_targets=example_targets,
             optimizer=optimizer, stage_cluster=stage_cluster, planner=planner,
             check_batches=check_batches, init=init, mixed_precision=mixed_precision,
+            program=program, plans=choice.plans if choice is not None else None,
         )  # fmt: skip
         pipelined.stage_choice = choice
         return pipelined

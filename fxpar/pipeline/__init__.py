@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from fxpar.pipeline.auto import DegreeOutcome, StageChoice, evaluate_split, plan_stages
 from fxpar.pipeline.executor import Event, StageTrace, StageWorker
-from fxpar.pipeline.model import PipelineModel
+from fxpar.pipeline.model import PipelineModel, capture_microbatch
 from fxpar.pipeline.options import Pipeline, PipelineError
 from fxpar.pipeline.partition import (
     Half,
@@ -64,6 +64,7 @@ __all__ = [
     "Unit",
     "bubble_fractions",
     "build_schedule",
+    "capture_microbatch",
     "evaluate_split",
     "even_split_points",
     "ideal_bubble",

@@ -44,6 +44,13 @@ pipeline on a tie, the problem of each shape alone with ``D / devices`` stages
 ``pipeline`` names them (``Pipeline(stage_meshes=...)``, stage ``s`` on the ranks after stage
 ``s - 1``'s); when they are alike, the choice keeps the one stage mesh in ``stage_cluster``.
 
+**The plan that runs is the plan priced.** Each shape is planned on its own copy of the
+program, and the choice keeps the plans of the meshes it chose (``choice.plans``). Given a
+program captured at one micro-batch's shapes (``microbatch=True``), the very program a
+:class:`~fxpar.pipeline.PipelineModel` runs, costs are read per micro-batch as they are and
+those plans are the ones the pipeline runs (:func:`fxpar.compile` hands them over), instead of
+plans made again on a second capture.
+
 The costs assume a stage's ranks sit inside the links its shape names; the runtime lays stages
 out stage-major on consecutive ranks, which on a 2-D cluster can put a piece across two rows
 (``(1, 1)`` then ``(1, 2)`` on rows of 2): the report names such stages.
@@ -55,8 +62,8 @@ import dataclasses
 import itertools
 import logging
 import math
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from fxpar.cluster import Cluster
@@ -76,6 +83,7 @@ from fxpar.pipeline.stage_costs import (
     submesh_shapes,
     uniform_stage_mesh,
 )
+from fxpar.planning.plan import Plan
 from fxpar.solvers.errors import format_bytes
 from fxpar.solvers.layers import cluster_layers
 from fxpar.solvers.stages import (
@@ -164,6 +172,12 @@ class StageChoice:
     crossing: tuple[int, ...] = ()
     """Stages whose consecutive ranks cross a boundary of the links their mesh was priced
     with (module docstring)."""
+    plans: Mapping[Shape, Plan] = field(default_factory=dict, compare=False, repr=False)
+    """The intra-op plan each stage mesh shape of the choice was priced under (its keys are
+    :attr:`stage_mesh_shapes`), made on the program the choice was made for; empty for
+    data-parallel replicas. With a program captured at one micro-batch's shapes
+    (``microbatch=True``) these are the plans a :class:`~fxpar.pipeline.PipelineModel` runs
+    when given them (``plans=``), as :func:`fxpar.compile` does."""
 
     @property
     def split_points(self) -> tuple[str, ...]:
@@ -343,17 +357,20 @@ def plan_stages(
     optimizer_states: int = 2,
     layers: int | None = None,
     stage_planner: StagePlanner | None = None,
+    microbatch: bool = False,
 ) -> StageChoice:
     """The split points and the devices of every stage of least estimated step time (module
     docstring).
 
-    ``program`` is the training step captured on the global batch; ``pipeline`` gives the
+    ``program`` is the training step captured on the global batch, or, with ``microbatch``,
+    at one micro-batch's shapes (the program the pipeline runs); ``pipeline`` gives the
     micro-batches, schedule and remat (its ``stages`` and ``data_parallel`` are what this
     chooses). ``optimizer_states`` counts tensors the optimizer keeps per parameter (2 for
     AdamW, 0 for SGD without momentum); ``layers`` caps the layers the DP sees (default
     :data:`DEFAULT_MAX_LAYERS`). ``stage_planner``: stages run an intra-op plan on a mesh of
     their own, made by ``stage_planner``, instead of data-parallel replicas, and the stage DP
-    chooses each stage's mesh among several shapes (module docstring, "Submeshes").
+    chooses each stage's mesh among several shapes (module docstring, "Submeshes"), and
+    ``choice.plans`` keeps the plan of each mesh chosen.
 
     Raises:
         StageMemoryError: no split fits ``cluster.memory``; ``least_memory`` is what the most
@@ -363,7 +380,7 @@ def plan_stages(
             could be planned.
     """
     model, starts, layer_names = _layers(
-        program, cluster, pipeline, optimizer_states, layers, stage_planner
+        program, cluster, pipeline, optimizer_states, layers, stage_planner, microbatch
     )
     if isinstance(model, PlannedStageCostModel):
         return _plan_submeshes(model, starts, layer_names)
@@ -378,12 +395,15 @@ def stage_problem(
     stage_planner: StagePlanner,
     optimizer_states: int = 2,
     layers: int | None = None,
+    microbatch: bool = False,
 ) -> StageProblem:
     """The stage problem over every stage mesh shape that :func:`plan_stages` solves with
     ``stage_planner`` (module docstring), as plain data: to inspect its cost table or solve it
     another way. Its submesh shapes are the DP's (``(1, 4)`` on a 2-D cluster), not yet
     squeezed into stage meshes."""
-    model, starts, _ = _layers(program, cluster, pipeline, optimizer_states, layers, stage_planner)
+    model, starts, _ = _layers(
+        program, cluster, pipeline, optimizer_states, layers, stage_planner, microbatch
+    )
     assert isinstance(model, PlannedStageCostModel)
     problem, _ = _submesh_problem(model, starts)
     return problem
@@ -445,6 +465,7 @@ def evaluate_split(
     *,
     optimizer_states: int = 2,
     stage_planner: StagePlanner | None = None,
+    microbatch: bool = False,
 ) -> StageChoice:
     """Score ``pipeline``'s split points (module names) and ``data_parallel`` with the costs of
     :func:`plan_stages`. ``pipeline.world_size`` must equal the cluster's. With
@@ -491,10 +512,10 @@ def evaluate_split(
         )
     partition(program, pipeline.stages)  # its errors name a bad or misordered split point
     model = _cost_model(
-        program, cluster, pipeline, optimizer_states, stage_planner, pipeline.stages
+        program, cluster, pipeline, optimizer_states, stage_planner, pipeline.stages, microbatch
     )
     atoms = model.atoms
-    reason = _batch_obstacle(atoms, pipeline, pipeline.data_parallel)
+    reason = _batch_obstacle(model, pipeline.data_parallel)
     if reason:
         raise PipelineError(f"{pipeline.data_parallel} devices per stage: {reason}")
     starts = tuple(range(atoms.count))
@@ -511,9 +532,10 @@ def evaluate_split(
     shapes = tuple(dict.fromkeys((math.prod(mesh),) for mesh in meshes))
     problem = _problem(model, starts, (world,), shapes, lambda a, b, shape: mesh_of[(a, b)])
     plan = evaluate_stages(problem, boundaries, [(math.prod(mesh),) for mesh in meshes])
-    return _with_stage_meshes(
+    choice = _with_stage_meshes(
         _choice(atoms, starts, layer_names, plan, pipeline, cluster), cluster, meshes
     )
+    return _with_plans(choice, model, meshes)
 
 
 def _layers(
@@ -523,13 +545,14 @@ def _layers(
     optimizer_states: int,
     layers: int | None,
     stage_planner: StagePlanner | None,
+    microbatch: bool,
 ) -> tuple[StageCostModel, tuple[int, ...], tuple[tuple[str, ...], ...]]:
     """The cost model, the first atom of every layer the DP sees and the layers' modules."""
     max_layers = DEFAULT_MAX_LAYERS if layers is None else layers
     if max_layers < 1:
         raise PipelineError(f"layers must be a positive number of layers, got {layers}")
     require_concrete_shapes(program, "choosing pipeline stages")
-    model = _cost_model(program, cluster, pipeline, optimizer_states, stage_planner, ())
+    model = _cost_model(program, cluster, pipeline, optimizer_states, stage_planner, (), microbatch)
     atoms = model.atoms
     starts = _cluster_atoms(model, min(max_layers, atoms.count))
     layer_names = tuple(
@@ -550,7 +573,7 @@ def _plan_replicas(
     memory_errors: list[StageMemoryError] = []
     for d in divisors(world):
         stages = world // d
-        reason = _degree_obstacle(atoms, pipeline, d, stages, len(starts))
+        reason = _degree_obstacle(model, d, stages, len(starts))
         if reason:
             outcomes.append(DegreeOutcome(d, stages, None, reason))
             continue
@@ -580,7 +603,7 @@ def _plan_submeshes(
 ) -> StageChoice:
     """Every stage on a mesh of its own, the best mix of meshes (module docstring)."""
     atoms, pipeline, cluster = model.atoms, model.pipeline, model.cluster
-    reason = _batch_obstacle(atoms, pipeline, 1)
+    reason = _batch_obstacle(model, 1)
     if reason:
         raise PipelineError(f"no pipeline runs this step on {cluster.world_size} devices: {reason}")
     problem, tried = _submesh_problem(model, starts)
@@ -598,7 +621,7 @@ def _plan_submeshes(
         if outcome.stage_mesh is not None
     )
     return dataclasses.replace(
-        choice,
+        _with_plans(choice, model, meshes),
         degrees=degrees,
         submeshes=tried,
         mixed_step_time=search.mixed.objective if search.mixed is not None else None,
@@ -646,6 +669,7 @@ def _cost_model(
     optimizer_states: int,
     stage_planner: StagePlanner | None,
     extra_points: Sequence[str],
+    microbatch: bool,
 ) -> StageCostModel:
     if pipeline.schedule == "interleaved":
         raise PipelineError(
@@ -655,8 +679,33 @@ def _cost_model(
         )
     atoms = Atoms.build(program, extra_points)
     if stage_planner is None:
-        return StageCostModel(atoms, cluster, pipeline, optimizer_states)
-    return PlannedStageCostModel(atoms, cluster, pipeline, optimizer_states, stage_planner)
+        return StageCostModel(atoms, cluster, pipeline, optimizer_states, microbatch=microbatch)
+    return PlannedStageCostModel(
+        atoms, cluster, pipeline, optimizer_states, _KeptPlans(stage_planner),
+        microbatch=microbatch,
+    )  # fmt: skip
+
+
+class _KeptPlans:
+    """A stage planner that plans a copy of the program for each stage mesh (planning
+    annotates a graph in place, so one program cannot hold the plans of several meshes) and
+    keeps every plan by its mesh's shape, for the choice to carry."""
+
+    def __init__(self, planner: StagePlanner) -> None:
+        self.planner = planner
+        self.plans: dict[Shape, Plan] = {}
+
+    def __call__(self, program: Program, mesh: Cluster) -> Plan:
+        plan = self.planner(program.copy(), mesh)
+        self.plans[mesh.mesh_shape] = plan
+        return plan
+
+
+def _with_plans(choice: StageChoice, model: StageCostModel, meshes: Sequence[Shape]) -> StageChoice:
+    """``choice`` carrying the plan each of its stage meshes was priced under."""
+    assert isinstance(model, PlannedStageCostModel) and isinstance(model.planner, _KeptPlans)
+    kept = model.planner.plans
+    return dataclasses.replace(choice, plans={shape: kept[shape] for shape in set(meshes)})
 
 
 def _with_stage_meshes(
@@ -738,22 +787,22 @@ def _no_pipeline_error(
     return PipelineError(f"no pipeline runs this step on {world} devices: {tried}")
 
 
-def _batch_obstacle(atoms: Atoms, pipeline: Pipeline, devices: int) -> str:
-    pieces = pipeline.microbatches * devices
-    if atoms.batch_size is not None and atoms.batch_size % pieces:
-        return (
-            f"the batch of {atoms.batch_size} does not split into {pipeline.microbatches} "
-            f"micro-batches x {devices} replicas"
-        )
-    return ""
+def _batch_obstacle(model: StageCostModel, devices: int) -> str:
+    batch_size = model.atoms.batch_size
+    if batch_size is None or batch_size % (model.pieces * devices) == 0:
+        return ""
+    if model.pieces == 1:
+        return f"the micro-batch of {batch_size} does not split over {devices} replicas"
+    return (
+        f"the batch of {batch_size} does not split into {model.pieces} micro-batches x "
+        f"{devices} replicas"
+    )
 
 
-def _degree_obstacle(
-    atoms: Atoms, pipeline: Pipeline, devices: int, stages: int, num_layers: int
-) -> str:
+def _degree_obstacle(model: StageCostModel, devices: int, stages: int, num_layers: int) -> str:
     if stages > num_layers:
         return f"{stages} stages need {stages - 1} cut points, the model has {num_layers - 1}"
-    return _batch_obstacle(atoms, pipeline, devices)
+    return _batch_obstacle(model, devices)
 
 
 def _choice(

@@ -150,6 +150,8 @@ class PipelineModel(Trainer):
         check_batches: bool = True,
         init: str | os.PathLike[str] | None = None,
         mixed_precision: MixedPrecision | None = None,
+        program: Program | None = None,
+        plans: Mapping[tuple[int, ...], Plan] | None = None,
     ) -> None:
         """``stage_cluster``: run an intra-op plan inside every stage, on a mesh of this shape
         (see the module docstring); ``planner(program, stage_cluster)`` makes the plan, the
@@ -161,6 +163,13 @@ class PipelineModel(Trainer):
         programs of eval mode and of the forward too, which must keep every parameter and
         buffer in its layout: a :class:`~.stage_programs.PassPlanner` (the default's kind) pins
         them, any other planner's plans are checked and refused if they move one.
+        ``program``: the training step already captured at one micro-batch's shapes
+        (:func:`capture_microbatch`); captured here when None. ``plans``: the plan to run on
+        each stage mesh shape, made on ``program`` (``StageChoice.plans`` of
+        :func:`~fxpar.pipeline.auto.plan_stages` with ``microbatch=True``, which
+        :func:`fxpar.compile` hands over for ``stages="auto"``), run as they are instead of
+        planning again, so the plan that runs is the plan that was priced; planned here with
+        ``planner`` when None.
         ``check_batches``: compare a digest of every batch across ranks before each step (one
         small all-gather), so that a rank fed another batch fails loudly instead of training
         on a mixture. ``init`` (a checkpoint to start from; each rank reads
@@ -198,20 +207,14 @@ class PipelineModel(Trainer):
         self._local_index = local
         self.replica = 0 if meshes else local
         self.coordinate: Coordinate = meshes.coordinate(self.rank) if meshes else ()
-        replicas = pipeline.data_parallel
 
-        pieces = pipeline.microbatches * replicas
-        inputs = batch_tensors(example_inputs)
-        self._batch_size = _batch_size([*inputs, *example_targets], pieces)
-        piece = self._batch_size // pieces
-        micro_inputs = with_batch_tensors(example_inputs, [t[:piece] for t in inputs])
-        micro_targets = [t[:piece] for t in example_targets]
-        program = capture(
-            model, micro_inputs, loss_fn, example_targets=micro_targets,
-            mixed_precision=mixed_precision,
-        )  # fmt: skip
-        # Means become sums over counts, so the loss's count can be the whole batch's.
-        program = Canonicalize().run(program)
+        self._batch_size, micro_inputs, micro_targets = _microbatch(
+            pipeline, example_inputs, example_targets
+        )
+        if program is None:
+            program = _capture_canonical(
+                model, micro_inputs, loss_fn, micro_targets, mixed_precision
+            )
         planner = planner or PassPlanner(for_compile(default_passes()))
         points = pipeline.stages
         if isinstance(points, int):
@@ -220,8 +223,16 @@ class PipelineModel(Trainer):
         """The intra-op plan of each stage mesh shape (with stage meshes)."""
         splits: dict[tuple[int, ...], Program] = {(): program}
         if meshes is not None:
-            self.plans = plan_each(program, meshes, planner)
+            if plans is None:
+                self.plans = plan_each(program, meshes, planner)
+            else:
+                self.plans = _given_plans(plans, meshes, program)
             splits = {shape: plan.program for shape, plan in self.plans.items()}
+        elif plans is not None:
+            raise PipelineError(
+                f"plans were given for stage meshes {sorted(plans)}, but {pipeline} runs "
+                "data-parallel replicas: give the stage meshes too (stage_cluster=)"
+            )
         cut = {
             shape: split_program(each, partition(each, points), remat=pipeline.remat)
             for shape, each in splits.items()
@@ -637,6 +648,91 @@ def _peer(meshes: StageMeshes | None, stage: int, per_stage: int, local: int) ->
 def _whole_batch(meta: ir.TensorMeta, batch_size: int) -> ir.TensorMeta:
     """A batch tensor's meta at the whole batch's size, from its meta at one piece's."""
     return ir.TensorMeta((batch_size, *meta.shape[1:]), meta.dtype)
+
+
+def capture_microbatch(
+    model: nn.Module,
+    pipeline: Pipeline,
+    example_inputs: Sequence[Any] | Mapping[str, Any],
+    loss_fn: LossFn | None = None,
+    *,
+    example_targets: Sequence[torch.Tensor] = (),
+    mixed_precision: MixedPrecision | None = None,
+) -> Program:
+    """The training step a :class:`PipelineModel` of ``pipeline`` runs: captured at one
+    micro-batch's shapes (one replica's piece of it, with ``data_parallel``) of the global
+    example batch, and canonicalized. Price stages on it
+    (:func:`~fxpar.pipeline.auto.plan_stages` with ``microbatch=True``) and hand it and the
+    choice's plans to the PipelineModel (``program=``, ``plans=``) to run what was priced."""
+    _, micro_inputs, micro_targets = _microbatch(pipeline, example_inputs, example_targets)
+    return _capture_canonical(model, micro_inputs, loss_fn, micro_targets, mixed_precision)
+
+
+def _microbatch(
+    pipeline: Pipeline,
+    example_inputs: Sequence[Any] | Mapping[str, Any],
+    example_targets: Sequence[torch.Tensor],
+) -> tuple[int, Sequence[Any] | Mapping[str, Any], list[torch.Tensor]]:
+    """The global batch size and the example cut to one piece: the first micro-batch's share
+    of replica 0."""
+    pieces = pipeline.microbatches * pipeline.data_parallel
+    inputs = batch_tensors(example_inputs)
+    batch_size = _batch_size([*inputs, *example_targets], pieces)
+    piece = batch_size // pieces
+    micro_inputs = with_batch_tensors(example_inputs, [t[:piece] for t in inputs])
+    return batch_size, micro_inputs, [t[:piece] for t in example_targets]
+
+
+def _capture_canonical(
+    model: nn.Module,
+    micro_inputs: Sequence[Any] | Mapping[str, Any],
+    loss_fn: LossFn | None,
+    micro_targets: Sequence[torch.Tensor],
+    mixed_precision: MixedPrecision | None,
+) -> Program:
+    program = capture(
+        model, micro_inputs, loss_fn, example_targets=micro_targets,
+        mixed_precision=mixed_precision,
+    )  # fmt: skip
+    # Means become sums over counts, so the loss's count can be the whole batch's.
+    return Canonicalize().run(program)
+
+
+def _given_plans(
+    plans: Mapping[tuple[int, ...], Plan], meshes: StageMeshes, program: Program
+) -> dict[tuple[int, ...], Plan]:
+    """``plans``, one for each stage mesh shape, checked to be made for those meshes and for
+    the shapes of ``program``'s inputs (the micro-batch the pipeline runs)."""
+    shapes = tuple(meshes.by_shape())
+    if set(plans) != set(shapes):
+        raise PipelineError(
+            f"plans were given for stage meshes {sorted(plans)}, but the stages run on "
+            f"{sorted(shapes)}: give one plan per stage mesh shape"
+        )
+    expected = _input_shapes(program)
+    for shape in shapes:
+        plan = plans[shape]
+        if plan.cluster.mesh_shape != shape:
+            raise PipelineError(
+                f"the plan given for stage mesh {shape} was made for a mesh "
+                f"{plan.cluster.mesh_shape}"
+            )
+        found = _input_shapes(plan.program)
+        if found != expected:
+            raise PipelineError(
+                f"the plan given for stage mesh {shape} was made for inputs of shapes {found}, "
+                f"but this pipeline's micro-batch has {expected}: plan the program of "
+                "capture_microbatch"
+            )
+    return {shape: plans[shape] for shape in shapes}
+
+
+def _input_shapes(program: Program) -> dict[str, tuple[Any, ...]]:
+    placeholders = program.placeholders()
+    return {
+        name: tuple(ir.require(placeholders[name], ir.ValueMeta).tensor.shape)
+        for name in program.signature.inputs
+    }
 
 
 def _batch_size(tensors: Sequence[torch.Tensor], pieces: int) -> int:

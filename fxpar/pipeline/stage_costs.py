@@ -9,7 +9,10 @@ the plan report count.
 **Costs of layers ``[i, j)`` on ``d`` devices** (the stage time and memory of
 :class:`~fxpar.solvers.stages.StageCost`). ``program`` is the step on the *global* batch; the
 runtime cuts it into ``M`` micro-batches and each of the stage's ``d`` replicas takes ``1/d`` of
-each, so work and activations scale by ``1 / (M d)`` (assumed linear in the batch):
+each, so work and activations scale by ``1 / (M d)`` (assumed linear in the batch). A program
+captured at one micro-batch's shapes (``microbatch=True``, what :func:`fxpar.compile` prices, the
+very program its pipeline runs) is already ``1/M`` of the step: read ``M`` as 1 below, except in
+the once-a-step gradient terms, which stay ``/ M``:
 
     time   = (T_fwd + T_bwd + [remat] T_fwd) / (M d)                     compute
            + allreduce(G, d) / M                                          gradients, once a step
@@ -114,11 +117,20 @@ class StageCostModel:
     stages are ``prod(shape)`` data-parallel replicas."""
 
     def __init__(
-        self, atoms: Atoms, cluster: Cluster, pipeline: Pipeline, optimizer_states: int
+        self,
+        atoms: Atoms,
+        cluster: Cluster,
+        pipeline: Pipeline,
+        optimizer_states: int,
+        *,
+        microbatch: bool = False,
     ) -> None:
         if optimizer_states < 0:
             raise PipelineError(f"optimizer_states must be >= 0, got {optimizer_states}")
         self.atoms = atoms
+        self.pieces = 1 if microbatch else pipeline.microbatches
+        """How many micro-batches the program's batch holds: ``M`` for the global batch, 1
+        for a program captured at one micro-batch's shapes (``microbatch``)."""
         self.cluster = cluster
         self.pipeline = pipeline
         self.optimizer_states = optimizer_states
@@ -186,7 +198,7 @@ class StageCostModel:
         atoms = self.atoms
         return self._price(
             start, stop, facts, atoms.forward_crossing, atoms.backward_crossing,
-            share=self.pipeline.microbatches * devices, per_step=reduce,
+            share=self.pieces * devices, per_step=reduce,
         )  # fmt: skip
 
     def _price(
@@ -238,8 +250,10 @@ class PlannedStageCostModel(StageCostModel):
         pipeline: Pipeline,
         optimizer_states: int,
         planner: StagePlanner,
+        *,
+        microbatch: bool = False,
     ) -> None:
-        super().__init__(atoms, cluster, pipeline, optimizer_states)
+        super().__init__(atoms, cluster, pipeline, optimizer_states, microbatch=microbatch)
         self.planner = planner
         self._plans: dict[Shape, PlannedStep] = {}
 
@@ -283,10 +297,10 @@ class PlannedStageCostModel(StageCostModel):
             start, stop, lambda n: step.compute.get(n.name, 0.0), lambda n: step.local.get(n, 0)
         )
         names = [node.name for atom in range(start, stop) for node in self.atoms.nodes[atom]]
-        # The plan is per device already: a micro-batch is 1/M of the planned step.
+        # The plan is per device already: a micro-batch is 1/pieces of the planned step.
         return self._price(
             start, stop, facts, step.forward_crossing, step.backward_crossing,
-            share=self.pipeline.microbatches,
+            share=self.pieces,
             per_step=sum(step.sync.get(name, 0.0) for name in names),
             per_microbatch=sum(step.comm.get(name, 0.0) for name in names),
         )  # fmt: skip
