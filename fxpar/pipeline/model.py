@@ -109,7 +109,7 @@ from fxpar.runtime.weights import Piece, initial_pieces
 from fxpar.sharding import Spec, assemble
 
 if TYPE_CHECKING:
-    from fxpar.pipeline.auto import StageChoice
+    from fxpar.pipeline.stage_choice import StageChoice
 
 logger = logging.getLogger(__name__)
 
