@@ -35,14 +35,9 @@ from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.optim import SGD
 from fxpar.passes import plan_program
 from fxpar.pipeline import Pipeline, PipelineError, PipelineModel, capture_microbatch
-from fxpar.pipeline.auto import (
-    StageChoice,
-    _format_seconds,
-    evaluate_split,
-    plan_stages,
-    stage_problem,
-)
+from fxpar.pipeline.auto import StageChoice, evaluate_split, plan_stages, stage_problem
 from fxpar.pipeline.split import SplitProgram
+from fxpar.pipeline.stage_choice import format_seconds
 from fxpar.pipeline.stage_costs import StagePlanner
 from fxpar.planning.plan import Plan
 from fxpar.runtime.launch import spawn
@@ -168,7 +163,7 @@ def test_reported_estimate_is_the_stage_dps(mesh: tuple[int, ...], planner: Stag
     assert scored.memory == pytest.approx(choice.memory, rel=1e-12)
     assert choice.to_dict()["step_time"] == choice.step_time
     first_line = choice.report().splitlines()[0]
-    assert _format_seconds(choice.step_time) in first_line and "(estimated)" in first_line
+    assert format_seconds(choice.step_time) in first_line and "(estimated)" in first_line
 
 
 # ---- the pipeline runs what was priced

@@ -147,7 +147,7 @@ class StageChoice:
             )
         lines = [
             f"pipeline: {layout}, {pipeline.microbatches} micro-batches, {pipeline.schedule}, "
-            f"remat {'on' if pipeline.remat else 'off'}: {_format_seconds(self.step_time)} per "
+            f"remat {'on' if pipeline.remat else 'off'}: {format_seconds(self.step_time)} per "
             f"step (estimated), memory limit {format_bytes(self.memory_limit)} per device",
             f"split points: {', '.join(self.split_points) or '(none)'}",
         ]
@@ -168,7 +168,7 @@ class StageChoice:
             row = [str(index), _module_span(modules), f"{count} ({ranks})"]
             if meshes is not None:
                 row.append(str(meshes[index]))
-            row += [_format_seconds(stage.time), format_bytes(stage.memory), str(stage.in_flight)]
+            row += [format_seconds(stage.time), format_bytes(stage.memory), str(stage.in_flight)]
             rows.append(row)
             offset += count
         widths = [max(len(row[c]) for row in (header, *rows)) for c in range(len(header))]
@@ -186,7 +186,7 @@ class StageChoice:
             tried = []
             for outcome in self.degrees:
                 result = (
-                    _format_seconds(outcome.step_time)
+                    format_seconds(outcome.step_time)
                     if outcome.step_time is not None
                     else outcome.reason
                 )
@@ -196,7 +196,7 @@ class StageChoice:
             lines.append("devices per stage tried: " + "; ".join(tried))
         if self.submeshes:
             mixed = (
-                _format_seconds(self.mixed_step_time)
+                format_seconds(self.mixed_step_time)
                 if self.mixed_step_time is not None
                 else self.mixed_reason
             )
@@ -264,7 +264,8 @@ def _module_span(modules: Sequence[str]) -> str:
     return f"{modules[0]} .. {modules[-1]} ({len(modules)} modules)"
 
 
-def _format_seconds(seconds: float) -> str:
+def format_seconds(seconds: float) -> str:
+    """``seconds`` in s, ms or us, three significant digits (the report's times)."""
     if seconds >= 1:
         return f"{seconds:.3g} s"
     if seconds >= 1e-3:
@@ -272,4 +273,4 @@ def _format_seconds(seconds: float) -> str:
     return f"{seconds * 1e6:.3g} us"
 
 
-__all__ = ["DegreeOutcome", "StageChoice", "SubmeshOutcome", "flatten"]
+__all__ = ["DegreeOutcome", "StageChoice", "SubmeshOutcome", "flatten", "format_seconds"]
