@@ -18,15 +18,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.fx as fx
 from torch import nn
 
 from fxpar import ir
-from fxpar.cluster import Cluster
+from fxpar.cluster import Cluster, Coordinate
 from fxpar.ir.capture import (
     LossFn,
     StepKind,
@@ -37,7 +38,7 @@ from fxpar.ir.capture import (
 )
 from fxpar.ir.precision import MixedPrecision
 from fxpar.ir.program import Program
-from fxpar.lowering import lower
+from fxpar.lowering import conversion_program, lower
 from fxpar.passes import PassManager, keeping_state, plan_program
 from fxpar.planning.plan import Plan
 from fxpar.runtime.lowered import CallInputs, LoweredStep, StepKey, forward_key, step_key
@@ -77,6 +78,7 @@ class Driver:
     mixed_precision: MixedPrecision | None = None
     _steps: dict[StepKey, LoweredStep] = field(default_factory=dict, repr=False)
     _deferred: dict[int, LoweredStep] = field(default_factory=dict, repr=False)
+    _conversions: dict[Hashable, fx.GraphModule] = field(default_factory=dict, repr=False)
     _state: dict[str, Spec] | None = field(default=None, repr=False)
     """Every parameter's and buffer's spec in the training plan (after the first step)."""
 
@@ -163,6 +165,26 @@ class Driver:
         if key not in self._deferred:
             self._deferred[key] = lowered_step(step.plan, defer_gradients=True)
         return self._deferred[key]
+
+    def conversion(
+        self,
+        metas: Sequence[ir.TensorMeta],
+        sources: Sequence[Spec],
+        targets: Sequence[Spec],
+        coordinate: Coordinate,
+    ) -> fx.GraphModule:
+        """The program converting pieces of ``metas`` from ``sources`` to ``targets`` on the
+        device at ``coordinate`` (what :meth:`ParallelModel.no_sync
+        <fxpar.runtime.trainer.Trainer.no_sync>`'s gradients take), lowered once per
+        conversion."""
+        key = (tuple(metas), tuple(sources), tuple(targets), coordinate)
+        if key not in self._conversions:
+            lowered = conversion_program(
+                metas, sources, targets, self.cluster.mesh_shape, coordinate,
+                class_name="GradientSync",
+            )  # fmt: skip
+            self._conversions[key] = lowered.graph_module
+        return self._conversions[key]
 
     def _make(self, key: StepKey, traced: Callable[[], Program], *, kind: StepKind) -> LoweredStep:
         """Capture, plan and lower the step ``key`` names, check that no state moves, and

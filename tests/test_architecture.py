@@ -156,3 +156,23 @@ def test_no_module_is_much_over_800_lines() -> None:
         if (lines := len(path.read_text().splitlines())) > MAX_LINES
     }
     assert long == {}
+
+
+def test_the_runtime_never_captures_plans_or_lowers() -> None:
+    """The runtime receives lowered programs from the driver (fxpar/driver.py): no module of
+    fxpar/runtime/ imports capture, the pass list or a lowering function."""
+    makers = {"capture", "plan_program", "lower", "lower_graph", "conversion_program", "Driver"}
+    found = {}
+    for name, path in _sources().items():
+        if not name.startswith("fxpar.runtime"):
+            continue
+        tree = ast.parse(path.read_text())
+        imported = {
+            alias.name
+            for node in ast.walk(tree)
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fxpar")
+            for alias in node.names
+        }
+        if imported & makers:
+            found[name] = sorted(imported & makers)
+    assert found == {}

@@ -22,6 +22,7 @@ import torch
 import torch.fx as fx
 
 from fxpar import ir
+from fxpar.cluster import Coordinate
 from fxpar.errors import FxparError
 from fxpar.ir.capture import StepKind, batch_tensors
 from fxpar.ir.program import Signature
@@ -66,6 +67,18 @@ class StepSource(Protocol):
     def deferred(self, step: LoweredStep) -> LoweredStep:
         """``step`` lowered with its gradients left where the backward made them, where that
         is no larger (:func:`fxpar.lowering.deferred_gradient_specs`)."""
+        ...
+
+    def conversion(
+        self,
+        metas: Sequence[ir.TensorMeta],
+        sources: Sequence[Spec],
+        targets: Sequence[Spec],
+        coordinate: Coordinate,
+    ) -> fx.GraphModule:
+        """The program of the device at ``coordinate`` that takes its pieces of tensors of
+        ``metas`` laid out as ``sources`` (after the communicator) and returns them laid out
+        as ``targets``: collectives and local slices only."""
         ...
 
 

@@ -35,7 +35,6 @@ from fxpar.errors import BatchError, FxparError
 from fxpar.ir.capture import StepKind
 from fxpar.ir.program import named_state, state_dict_aliases
 from fxpar.ir.rng import RandomState
-from fxpar.lowering import conversion_program
 from fxpar.optim import Optimizer
 from fxpar.runtime import fastcall
 from fxpar.runtime.batches import (
@@ -84,12 +83,13 @@ class ParallelModel(Trainer):
         device_mesh: Any,
         *,
         check_batches: bool = True,
-        steps: StepSource | None = None,
+        steps: StepSource,
         batch: str = "global",
         init: str | os.PathLike[str] | None = None,
     ) -> None:
         """``step``: the lowered training step to start with; ``steps``: where the steps of
-        other kinds, modes and shapes come from (the driver; None: only ``step`` runs)."""
+        other kinds, modes and shapes, and the programs that convert gradients kept by
+        :meth:`no_sync`, come from (the driver, :class:`fxpar.driver.Driver`)."""
         if batch not in ("global", "local"):
             raise FxparError(f"batch must be 'global' or 'local', got {batch!r}")
         plan = step.plan
@@ -108,7 +108,6 @@ class ParallelModel(Trainer):
             else OneDeviceCommunicator()
         )
         self.training = model.training
-        self._first_mode = self.training
         self._adopt(step)
         self.signature = plan.program.signature
         names = self.signature.parameters + self.signature.buffers
@@ -133,7 +132,6 @@ class ParallelModel(Trainer):
         self._syncing = True
         self._unsynced: dict[tuple[str, Spec], torch.Tensor] = {}
         """Gradients summed unreduced inside no_sync, by parameter and the spec they are in."""
-        self._conversions: dict[tuple[tuple[str, Spec], ...], fx.GraphModule] = {}
         self.optimizer = optimizer.build(self.trainable)
         self.random = RandomState.from_rank_zero(distributed=device_mesh is not None)
         """The generator the step's random ops draw from, the same on every rank."""
@@ -217,8 +215,6 @@ class ParallelModel(Trainer):
 
     def _deferred(self, step: LoweredStep) -> LoweredStep:
         """``step`` lowered with its gradients left where the backward made them."""
-        if self._source is None:
-            return step
         return self._source.deferred(step)
 
     def _sync_gradients(self) -> None:
@@ -227,19 +223,15 @@ class ParallelModel(Trainer):
         if not self._unsynced:
             return
         keys = tuple(sorted(self._unsynced, key=lambda k: (self._gradient_index[k[0]], str(k[1]))))
-        if keys not in self._conversions:
-            program = conversion_program(
-                [self._state_metas[name] for name, _ in keys],
-                [spec for _, spec in keys],
-                [self._state_specs[name] for name, _ in keys],
-                self.cluster.mesh_shape,
-                self.coordinate,
-                class_name="GradientSync",
-            )
-            self._conversions[keys] = program.graph_module
+        program = self._source.conversion(
+            [self._state_metas[name] for name, _ in keys],
+            [spec for _, spec in keys],
+            [self._state_specs[name] for name, _ in keys],
+            self.coordinate,
+        )
         with torch.no_grad():
             converted = fastcall.run(
-                self._conversions[keys], self._communicator, *(self._unsynced[key] for key in keys)
+                program, self._communicator, *(self._unsynced[key] for key in keys)
             )
         self._unsynced.clear()
         for (name, _), gradient in zip(keys, converted, strict=True):
@@ -302,7 +294,7 @@ class ParallelModel(Trainer):
         own = OwnRows.of(rows, batch=self.batch, gather=gather, inputs=tensors, rank=self.rank,
                          world=self._world)  # fmt: skip
         metas = self._global_metas(metas)
-        step = self._source_or_fail("forward").forward(self.training, call, metas)
+        step = self._source.forward(self.training, call, metas)
         outputs = self._run(step, self._pieces(step, tensors))
         leading = len(step.signature.outputs)
         for name, value in zip(step.signature.buffer_updates, outputs[leading:], strict=True):
@@ -353,7 +345,7 @@ class ParallelModel(Trainer):
         if self.batch == "local":
             current = current.with_rows(self._world, local=True)
         given = current.given(batch, named)
-        if given is None or (self._source is None and given != current.metas):
+        if given is None:
             current.take(batch, named, check_ranks=self._same_batch, rank=self.rank)
             raise AssertionError("take refuses a batch that given refused")  # pragma: no cover
         signature = BatchSignature(current.names, given)
@@ -364,10 +356,8 @@ class ParallelModel(Trainer):
             defer=self._communicator.defer,
         )  # fmt: skip
         metas = self._global_metas(given)
-        if self._source is None and (kind, self.training) == ("train", self._first_mode):
-            return self._step, self._pieces(self._step, tensors)
         # Every rank plans a new shape only once all agree on the batch.
-        step = self._source_or_fail(kind).step(
+        step = self._source.step(
             kind, self.training, metas, before_planning=self._communicator.settle
         )
         return step, self._pieces(step, tensors)
@@ -434,15 +424,6 @@ class ParallelModel(Trainer):
         if all(isinstance(p, Replicate) for p in spec):
             return local
         return checkpoint.dtensor(local, self._device_mesh, spec, meta.shape).full_tensor()
-
-    def _source_or_fail(self, kind: str) -> StepSource:
-        if self._source is None:
-            raise FxparError(
-                f"this model was built without a driver, so it runs only the step it was "
-                f"compiled for, not a {kind} step in {'train' if self.training else 'eval'} "
-                "mode: build it with fxpar.compile"
-            )
-        return self._source
 
     # -- state --------------------------------------------------------------------------------
 
