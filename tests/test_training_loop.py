@@ -75,7 +75,7 @@ def _one_call(rank: int, world_size: int, plan: str) -> dict[str, object]:
         losses.append(parallel.step(tokens, tokens, max_grad_norm=MAX_NORM).item())
         assert parallel.grad_norm is not None
         norms.append(parallel.grad_norm.item())
-    state = parallel.full_state_dict()
+    state = {name: value.clone() for name, value in parallel.full_state_dict().items()}
     parallel.step(tokens, tokens)  # a step without clipping keeps no norm
     return {"losses": losses, "norms": norms, "unclipped": parallel.grad_norm, "state": state}
 

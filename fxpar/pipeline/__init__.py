@@ -27,6 +27,7 @@ from fxpar.pipeline.partition import (
     Partition,
     StageOrderError,
     Unit,
+    check_causal,
     even_split_points,
     partition,
 )
@@ -65,6 +66,7 @@ __all__ = [
     "bubble_fractions",
     "build_schedule",
     "capture_microbatch",
+    "check_causal",
     "evaluate_split",
     "even_split_points",
     "ideal_bubble",

@@ -79,7 +79,7 @@ class StageOrderError(PipelineError):
         reader: the unit reading it, which runs before ``producer``.
     """
 
-    def __init__(self, message: str, value: str, producer: Unit, reader: Unit) -> None:
+    def __init__(self, message: str, *, value: str, producer: Unit, reader: Unit) -> None:
         super().__init__(message)
         self.value = value
         self.producer = producer
@@ -207,9 +207,9 @@ def check_causal(program: Program, partition: Partition) -> None:
                 "a value a later stage produces. List the split points in the order the "
                 "model's forward runs them, each at a module that runs after every value its "
                 "stage reads",
-                value.name,
-                producer,
-                reader,
+                value=value.name,
+                producer=producer,
+                reader=reader,
             )
 
 
