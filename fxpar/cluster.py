@@ -235,16 +235,23 @@ class Cluster:
             raise FxparError(f"mesh axis {axis} out of range for a {self.ndim}-D mesh")
         return axis
 
-    def link(self, devices: int) -> tuple[float, float]:
-        """Bandwidth and latency among ``devices`` consecutive ranks: those of the innermost
-        mesh axis whose block of trailing axes they fit in evenly (ranks are row-major), or
-        the slowest link when no block does."""
+    def link_axis(self, devices: int) -> tuple[int | None, int]:
+        """The innermost mesh axis whose block of trailing axes holds ``devices`` consecutive
+        ranks evenly (ranks are row-major; None when no block does), and that block's ranks."""
         block = 1
         for axis in reversed(range(self.ndim)):
             block *= self.mesh_shape[axis]
             if block % devices == 0:
-                return self.bandwidth[axis], self.latency[axis]
-        return min(self.bandwidth), max(self.latency)
+                return axis, block
+        return None, block
+
+    def link(self, devices: int) -> tuple[float, float]:
+        """Bandwidth and latency among ``devices`` consecutive ranks: those of
+        :meth:`link_axis`, or the slowest link when no block holds them evenly."""
+        axis, _ = self.link_axis(devices)
+        if axis is None:
+            return min(self.bandwidth), max(self.latency)
+        return self.bandwidth[axis], self.latency[axis]
 
     def submesh(self, shape: Sequence[int]) -> Cluster:
         """The cluster one pipeline stage runs (and is priced) on: a mesh of ``shape`` on

@@ -320,17 +320,6 @@ class PlannedStep:
     backward_crossing: tuple[int, ...]
 
 
-def _link_axis(cluster: Cluster, devices: int) -> tuple[int | None, int]:
-    """The axis :func:`link` takes for ``devices`` consecutive ranks (None: no block of
-    trailing axes holds them evenly) and the ranks of that axis's block."""
-    block = 1
-    for axis in reversed(range(cluster.ndim)):
-        block *= cluster.mesh_shape[axis]
-        if block % devices == 0:
-            return axis, block
-    return None, block
-
-
 def submesh_shapes(cluster: Cluster) -> tuple[Shape, tuple[Shape, ...]]:
     """The mesh the stage DP tiles and the submesh shapes a stage may take on it:
 
@@ -367,12 +356,13 @@ def uniform_stage_mesh(cluster: Cluster, devices: int) -> Shape:
 
 def crossing_stages(cluster: Cluster, meshes: Sequence[Shape]) -> tuple[int, ...]:
     """The stages whose consecutive ranks (stage-major, as the runtime lays them out) leave
-    the block of ranks whose links :func:`link` priced them with."""
+    the block of ranks whose links :meth:`Cluster.link <fxpar.cluster.Cluster.link>` priced
+    them with."""
     crossing = []
     offset = 0
     for index, mesh in enumerate(meshes):
         devices = math.prod(mesh)
-        _, block = _link_axis(cluster, devices)
+        _, block = cluster.link_axis(devices)
         if offset // block != (offset + devices - 1) // block:
             crossing.append(index)
         offset += devices
