@@ -320,10 +320,14 @@ class Cluster:
     def device_mesh(self):
         """The DeviceMesh for this cluster; needs an initialized default process group whose
         world size equals the mesh's (see :meth:`check_process_group`)."""
+        import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
         self.check_process_group()
-        return init_device_mesh(self.device_type, self.mesh_shape, mesh_dim_names=self.axis_names)
+        # Over gloo a GPU's tensors travel through host memory, so the mesh (and the DTensors
+        # of checkpoints and gathered outputs) is a CPU one (fxpar.runtime.devices).
+        device_type = "cpu" if dist.get_backend() == "gloo" else self.device_type
+        return init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=self.axis_names)
 
     def __str__(self) -> str:
         axes = ", ".join(

@@ -44,6 +44,7 @@ from fxpar.pipeline.stage_programs import PassPlanner
 from fxpar.planning.plan import Plan
 from fxpar.planning.problem import PlanOptions
 from fxpar.rules import RuleRegistry
+from fxpar.runtime.devices import check_device_type, rank_device
 from fxpar.runtime.parallel import ParallelModel
 from fxpar.runtime.weights import check_sources
 from fxpar.sharding import Spec
@@ -221,6 +222,12 @@ def compile(
     passes = for_compile(passes, optimizer_states=optimizer.state_copies)
     if pipeline is None:
         device_mesh = _device_mesh(cluster)
+    elif cluster.device_type != "cpu":
+        raise DistributedError(
+            f"pipelines run on CPU processes (gloo) in this release; the cluster says "
+            f"{cluster.device_type!r}. fxpar.compile without pipeline= runs on GPUs, and "
+            "fxpar.plan / fxpar.pipeline.auto.plan_stages price pipelines for any cluster"
+        )
     check_sources(model, list(named_state(model)), init)
     if batch not in ("global", "local"):
         raise FxparError(f"batch must be 'global' or 'local', got {batch!r}")
@@ -238,7 +245,7 @@ def compile(
         )  # fmt: skip
     driver = Driver(
         model, example_inputs, loss_fn, cluster, passes, example_targets=example_targets,
-        mixed_precision=mixed_precision,
+        mixed_precision=mixed_precision, device=rank_device(cluster.device_type),
     )  # fmt: skip
     step = driver.training_step()  # capture -> passes -> lower
     return ParallelModel(
@@ -335,15 +342,10 @@ def _compile_pipeline(
 
 
 def _device_mesh(cluster: Cluster) -> Any:
+    check_device_type(cluster.device_type)
     if cluster.world_size == 1 and not dist.is_initialized():
         return None
     cluster.check_process_group()
-    if cluster.device_type != "cpu":
-        raise DistributedError(
-            f"fxpar.compile runs per-rank programs on CPU processes (gloo) in this release; the "
-            f"cluster says {cluster.device_type!r}. Plan for GPUs with fxpar.plan, or pass "
-            "device_type='cpu' to run"
-        )
     return cluster.device_mesh()
 
 

@@ -36,6 +36,7 @@ from fxpar.ir.capture import (
     model_in_mode,
     with_batch_tensors,
 )
+from fxpar.ir.placement import as_device, place
 from fxpar.ir.precision import MixedPrecision
 from fxpar.ir.program import Program
 from fxpar.lowering import conversion_program, lower
@@ -47,15 +48,17 @@ from fxpar.sharding import Spec
 logger = logging.getLogger(__name__)
 
 
-def lowered_step(plan: Plan, *, defer_gradients: bool = False) -> LoweredStep:
-    """``plan`` lowered to every rank's program; with ``defer_gradients``, its gradients left
-    where the backward made them when that is no larger
-    (:func:`fxpar.lowering.deferred_gradient_specs`)."""
+def lowered_step(
+    plan: Plan, *, defer_gradients: bool = False, device: torch.device | str = "cpu"
+) -> LoweredStep:
+    """``plan`` lowered to every rank's program, to run on ``device``; with
+    ``defer_gradients``, its gradients left where the backward made them when that is no
+    larger (:func:`fxpar.lowering.deferred_gradient_specs`)."""
     spmd = lower(plan, defer_gradients=defer_gradients)
     placeholders = plan.program.placeholders()
     specs = dict(zip(placeholders, spmd.input_specs, strict=True))
     metas = {name: ir.require(n, ir.ValueMeta).tensor for name, n in placeholders.items()}
-    return LoweredStep(plan, spmd, specs, metas)
+    return LoweredStep(plan, spmd, specs, metas, as_device(device))
 
 
 @dataclass
@@ -76,6 +79,8 @@ class Driver:
     passes: PassManager
     example_targets: Sequence[torch.Tensor] = ()
     mixed_precision: MixedPrecision | None = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    """Where this process runs the programs (:func:`fxpar.runtime.devices.rank_device`)."""
     _steps: dict[StepKey, LoweredStep] = field(default_factory=dict, repr=False)
     _deferred: dict[int, LoweredStep] = field(default_factory=dict, repr=False)
     _conversions: dict[Hashable, fx.GraphModule] = field(default_factory=dict, repr=False)
@@ -106,7 +111,7 @@ class Driver:
 
     def lower(self, plan: Plan) -> LoweredStep:
         """``plan`` lowered to one program per rank."""
-        return lowered_step(plan)
+        return lowered_step(plan, device=self.device)
 
     # -- the steps a compiled model asks for --------------------------------------------------
 
@@ -163,7 +168,7 @@ class Driver:
         backward under ``no_sync`` runs)."""
         key = id(step)  # steps are kept for the driver's life, so their ids stay theirs
         if key not in self._deferred:
-            self._deferred[key] = lowered_step(step.plan, defer_gradients=True)
+            self._deferred[key] = lowered_step(step.plan, defer_gradients=True, device=self.device)
         return self._deferred[key]
 
     def conversion(
@@ -183,7 +188,7 @@ class Driver:
                 metas, sources, targets, self.cluster.mesh_shape, coordinate,
                 class_name="GradientSync",
             )  # fmt: skip
-            self._conversions[key] = lowered.graph_module
+            self._conversions[key] = place(lowered.graph_module, self.device)
         return self._conversions[key]
 
     def _make(self, key: StepKey, traced: Callable[[], Program], *, kind: StepKind) -> LoweredStep:

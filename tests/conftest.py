@@ -24,6 +24,21 @@ settings.register_profile(
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+TEST_DEVICE = torch.device(os.environ.get("FXPAR_TEST_DEVICE", "cpu"))
+"""Where the simulated ranks and their references run in the tests that take it:
+``FXPAR_TEST_DEVICE=cuda`` runs the property tests and the zoo on a GPU."""
+if TEST_DEVICE.type == "cuda":
+    # The simulated ranks and their one-device reference compare in float32 to 1e-4:
+    # TensorFloat-32 convolutions (cuDNN's default) round to 1e-3.
+    torch.backends.cudnn.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+
+def on_test_device(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` on :data:`TEST_DEVICE`."""
+    return [tensor.to(TEST_DEVICE) for tensor in tensors]
+
+
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)

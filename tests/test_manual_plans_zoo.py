@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import microbatch_program
+from conftest import microbatch_program, on_test_device
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard
 from zoo import CNN
@@ -71,7 +71,7 @@ class Case:
 
     def flat_inputs(self, program: fxpar.Program) -> list[torch.Tensor]:
         values: Any = self.inputs.values() if isinstance(self.inputs, dict) else self.inputs
-        return program.flat_inputs(self.model, *values, *self.targets)
+        return on_test_device(program.flat_inputs(self.model, *values, *self.targets))
 
 
 def _tokens(length: int = 8) -> torch.Tensor:

@@ -5,6 +5,7 @@ rtol 1e-4)."""
 
 from __future__ import annotations
 
+from conftest import TEST_DEVICE, on_test_device
 from hypothesis import given, settings
 from hypothesis.strategies import sampled_from
 
@@ -20,7 +21,7 @@ from fxpar.testing import strategies as fst
 @settings(max_examples=200)
 @given(case=fst.models(), cluster=fst.clusters(), seed=fst.plan_seeds())
 def test_random_plans_train_like_one_device(case: ModelCase, cluster: Cluster, seed: int) -> None:
-    assert_plan_equivalent(case, cluster, seed)
+    assert_plan_equivalent(case, cluster, seed, device=TEST_DEVICE)
 
 
 @settings(max_examples=30)
@@ -28,7 +29,7 @@ def test_random_plans_train_like_one_device(case: ModelCase, cluster: Cluster, s
 def test_ilp_plans_train_like_one_device(case: ModelCase, cluster: Cluster) -> None:
     """Whatever the solver picks from the cost model, the plan lowers and trains exactly."""
     program = capture(case.model, case.inputs, case.loss_fn, example_targets=case.targets)
-    flat = program.flat_inputs(case.model, *case.inputs, *case.targets)
+    flat = on_test_device(program.flat_inputs(case.model, *case.inputs, *case.targets))
     chosen = plan_program(program, cluster, solver=ILPSolver(time_limit=10.0))
     assert chosen.solution.status in ("optimal", "time_limit")
     assert_equivalent(fxpar.lower(chosen), flat)
@@ -47,4 +48,4 @@ def test_random_plans_evaluate_and_infer_like_one_device(
     """Forward-only Programs too: a loss evaluation's loss, and a forward's outputs (which
     leave in whatever layout the plan made them, partial sums reduced), reassemble to what
     one device computes."""
-    assert_plan_equivalent(case, cluster, seed, step=step)
+    assert_plan_equivalent(case, cluster, seed, step=step, device=TEST_DEVICE)

@@ -27,6 +27,7 @@ from torch import nn
 from fxpar import ir
 from fxpar.cluster import Cluster
 from fxpar.errors import AnnotationError, FxparError, SymbolicShapeError
+from fxpar.ir.placement import device_of, place
 from fxpar.ir.rng import RandomDraw, draw_all
 
 
@@ -235,7 +236,7 @@ class Program:
                 f"buffers, {len(self.signature.inputs)} batch tensors, "
                 f"{len(self.signature.random)} random inputs), got {len(flat_inputs)}"
             )
-        return tuple(self.graph_module(*flat_inputs))
+        return tuple(place(self.graph_module, device_of(flat_inputs))(*flat_inputs))
 
     def flat_inputs(
         self,

@@ -169,7 +169,12 @@ class RandomState:
         would draw after the same ``torch.manual_seed`` and model construction."""
         state = torch.get_rng_state()
         if distributed:
-            dist.broadcast(state, src=0)
+            if dist.get_backend() == "nccl":  # NCCL moves GPU tensors only
+                moved = state.to(torch.device("cuda", torch.cuda.current_device()))
+                dist.broadcast(moved, src=0)
+                state = moved.cpu()
+            else:
+                dist.broadcast(state, src=0)
         return RandomState(state)
 
     def draw(self, draws: Sequence[RandomDraw]) -> list[torch.Tensor]:

@@ -31,6 +31,7 @@ from torch.distributed.tensor import Shard
 from fxpar import ir
 from fxpar.errors import BatchError, FxparError
 from fxpar.runtime import waiting
+from fxpar.runtime.devices import for_collective
 from fxpar.sharding import Spec
 
 _DIGEST_BYTES = 32
@@ -183,7 +184,7 @@ def gather_rows(tensor: torch.Tensor, ranks: int, *, distributed: bool) -> torch
     default process group: call it on every rank)."""
     if not distributed or ranks == 1:
         return tensor
-    tensor = tensor.contiguous()
+    tensor = for_collective(tensor.contiguous())
     everyone = [torch.empty_like(tensor) for _ in range(ranks)]
     dist.all_gather(everyone, tensor)
     return torch.cat(everyone)
@@ -328,14 +329,15 @@ def _start_gather(
     all-gather (a status row travels first); the returned function waits for them."""
     status = torch.zeros((1, _DIGEST_BYTES), dtype=torch.uint8)
     status[0, 0] = int(rejected)
-    mine = torch.cat([status, digests])
+    mine = for_collective(torch.cat([status, digests]))
     world = dist.get_world_size()
     output = mine.new_empty((world * mine.shape[0], _DIGEST_BYTES))
     work = dist.all_gather_single(output, mine, async_op=True)
 
     def arrived() -> list[tuple[torch.Tensor, bool]]:
         waiting.wait(work, poll=waiting.pollable(output))
-        return [(theirs[1:], bool(theirs[0, 0])) for theirs in output.chunk(world)]
+        rows = output.cpu()
+        return [(theirs[1:], bool(theirs[0, 0])) for theirs in rows.chunk(world)]
 
     return arrived
 

@@ -21,7 +21,10 @@ What it times (:class:`CalibrationOptions` sets the sizes and repeats):
   ``flops``) and a copy of ``copy_bytes`` (it reads and writes them: ``2·copy_bytes`` over its
   time gives ``memory_bandwidth``), the two roofline terms of
   :func:`fxpar.planning.cost.roofline_seconds`. Every rank computes at once, so on a machine
-  shared by several ranks each device's share of it is what is measured.
+  shared by several ranks each device's share of it is what is measured. On a CUDA cluster
+  they run on this rank's GPU (:func:`fxpar.runtime.devices.rank_device`), each run waited
+  for, with the GPU's defaults (:meth:`CalibrationOptions.for_device`: bfloat16, 8192-square
+  matrices, a 1 GiB copy).
 
 Each operation runs ``warmup`` times untimed, then ``repeats`` times. A collective starts each
 run after a barrier of its own process group; local work runs back to back, every rank at once,
@@ -53,6 +56,7 @@ from fxpar.cluster import Cluster
 from fxpar.errors import DistributedError, FxparError
 from fxpar.planning.cost import collective_seconds, roofline_seconds
 from fxpar.runtime import waiting
+from fxpar.runtime.devices import for_collective, rank_device, synchronize
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +85,18 @@ class CalibrationOptions:
     the transfer itself or the transfer plus a scheduler slice (milliseconds) for a peer that
     was not running; the median flips between the two from one calibration to the next, while
     the lower quartile holds unless most runs stall."""
+
+    @staticmethod
+    def for_device(device_type: str) -> CalibrationOptions:
+        """The defaults for ``device_type``'s devices: on a GPU, a bfloat16 product of 8192-
+        square matrices and a copy of 1 GiB (small ones time the launch, not the device),
+        and all-reduces up to 64 MiB."""
+        if device_type == "cuda":
+            return CalibrationOptions(
+                large_bytes=64 * 2**20, check_bytes=4 * 2**20, matmul_size=8192,
+                copy_bytes=2**30, dtype=torch.bfloat16, warmup=3, repeats=20,
+            )  # fmt: skip
+        return CalibrationOptions()
 
     def __post_init__(self) -> None:
         itemsize = self.dtype.itemsize
@@ -200,13 +216,8 @@ def measure(
     options: CalibrationOptions | None = None,
 ) -> Calibration:
     """:func:`calibrate`, keeping what was timed and the cluster it was given."""
-    options = options or CalibrationOptions()
-    if cluster.device_type != "cpu":
-        # Timing GPU work needs the tensors on the device and a synchronize around each run.
-        raise FxparError(
-            f"calibrate times CPU processes (gloo) only, not device_type "
-            f"{cluster.device_type!r}; use a preset's numbers for GPUs"
-        )
+    options = options or CalibrationOptions.for_device(cluster.device_type)
+    device = rank_device(cluster.device_type)
     cluster.check_process_group()
     if device_mesh is None:
         device_mesh = cluster.device_mesh()
@@ -220,7 +231,8 @@ def measure(
     kept = []
     for timing in planned:
         group = None if timing.axis is None else device_mesh.get_group(timing.axis)
-        kept.append(_typical_seconds(_runner(timing, group, options), group, options))
+        run = _runner(timing, group, options, device)
+        kept.append(_typical_seconds(run, group, options, device))
     slowest = torch.tensor(kept, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     timings = tuple(
@@ -293,28 +305,38 @@ def _planned_timings(cluster: Cluster, options: CalibrationOptions) -> list[Timi
 
 
 def _runner(
-    timing: Timing, group: ProcessGroup | None, options: CalibrationOptions
+    timing: Timing,
+    group: ProcessGroup | None,
+    options: CalibrationOptions,
+    device: torch.device,
 ) -> Callable[[], object]:
-    """A function that runs ``timing``'s operation once, its tensors made beforehand."""
+    """A function that runs ``timing``'s operation once on ``device``, its tensors made
+    beforehand."""
     dtype = options.dtype
     if timing.operation == ALL_REDUCE:
         # Zeros stay zeros however often they are summed: no overflow, no denormals.
-        buffer = torch.zeros(timing.nbytes // dtype.itemsize, dtype=dtype)
+        zeros = torch.zeros(timing.nbytes // dtype.itemsize, dtype=dtype, device=device)
+        # Where the backend reads it (host memory for gloo, as the runtime stages it).
+        buffer = for_collective(zeros, group)
         # Waited on as the runtime waits (polling small transfers), so the latency fitted is
         # the one the programs see.
         return lambda: waiting.all_reduce(buffer, group)
     if timing.operation == MATMUL:
         size = options.matmul_size
-        left, right = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
-        product = torch.empty(size, size, dtype=dtype)
+        left = torch.randn(size, size, dtype=dtype, device=device)
+        right = torch.randn(size, size, dtype=dtype, device=device)
+        product = torch.empty(size, size, dtype=dtype, device=device)
         return lambda: torch.mm(left, right, out=product)
-    source = torch.ones(timing.nbytes // 2 // dtype.itemsize, dtype=dtype)
+    source = torch.ones(timing.nbytes // 2 // dtype.itemsize, dtype=dtype, device=device)
     target = torch.empty_like(source)
     return lambda: target.copy_(source)
 
 
 def _typical_seconds(
-    run: Callable[[], object], group: ProcessGroup | None, options: CalibrationOptions
+    run: Callable[[], object],
+    group: ProcessGroup | None,
+    options: CalibrationOptions,
+    device: torch.device,
 ) -> float:
     """This rank's time of ``run``: the ``quantile`` of its repeats.
 
@@ -323,9 +345,11 @@ def _typical_seconds(
     fewer cores than processes some then wait a whole scheduler slice. Local work (``group``
     None) runs back to back after one barrier of the world, so that every rank computes at once
     throughout, as in a step: started together each time, ranks sharing a core would take
-    turns and each time a matmul with the core to itself."""
+    turns and each time a matmul with the core to itself. On a GPU each run is waited for
+    (it is queued, not run, when the call returns)."""
     for _ in range(options.warmup):
         run()
+    synchronize(device)
     dist.barrier(group=group)
     samples = []
     for _ in range(options.repeats):
@@ -333,6 +357,7 @@ def _typical_seconds(
             dist.barrier(group=group)
         start = time.perf_counter()
         run()
+        synchronize(device)
         samples.append(time.perf_counter() - start)
     return sorted(samples)[round(options.quantile * (len(samples) - 1))]
 

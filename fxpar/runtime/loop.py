@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from fxpar.optim import check_clip_arguments
 from fxpar.runtime.batches import split_batch
+from fxpar.runtime.devices import for_collective
 
 
 class Trainable(Protocol):
@@ -108,7 +109,10 @@ def clip_grad_norm_(
         else:
             total = total + local.pow(norm_type).sum() * weight
     if distributed:
+        device = total.device
+        total = for_collective(total)
         dist.all_reduce(total, op=dist.ReduceOp.MAX if infinite else dist.ReduceOp.SUM)
+        total = total.to(device)
     norm = (total if infinite else total.pow(1.0 / norm_type)).to(dtype)
     coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for piece, _ in pieces:

@@ -15,7 +15,7 @@ The runtime never plans or lowers: it holds a :class:`LoweredStep` and asks a
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -25,6 +25,7 @@ from fxpar import ir
 from fxpar.cluster import Coordinate
 from fxpar.errors import FxparError
 from fxpar.ir.capture import StepKind, batch_tensors
+from fxpar.ir.placement import place
 from fxpar.ir.program import Signature
 from fxpar.lowering import SPMDProgram
 from fxpar.planning.plan import Plan
@@ -91,6 +92,9 @@ class LoweredStep:
     spmd: SPMDProgram
     specs: dict[str, Spec]
     metas: dict[str, ir.TensorMeta]
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    """Where the programs run: :meth:`program` gives each placed there
+    (:func:`fxpar.ir.placement.place`)."""
 
     @property
     def signature(self) -> Signature:
@@ -103,7 +107,8 @@ class LoweredStep:
         return BatchSignature(names, tuple(self.metas[name] for name in names))
 
     def program(self, rank: int) -> fx.GraphModule:
-        return self.spmd.ranks[rank].graph_module
+        """Rank ``rank``'s program, placed on :attr:`device`."""
+        return place(self.spmd.ranks[rank].graph_module, self.device)
 
     @property
     def leading_specs(self) -> tuple[Spec, ...]:

@@ -45,6 +45,7 @@ from fxpar.runtime.batches import (
     global_rows,
 )
 from fxpar.runtime.communicators import OneDeviceCommunicator, ProcessGroupCommunicator
+from fxpar.runtime.devices import HostStaged, stages_through_host
 from fxpar.runtime.fingerprint import check_same_model
 from fxpar.runtime.lowered import LoweredStep, StepSource, call_inputs
 from fxpar.runtime.trainer import Trainer
@@ -102,11 +103,15 @@ class ParallelModel(Trainer):
         self._source = steps
         self.rank = dist.get_rank() if device_mesh is not None else 0
         self.coordinate: Coordinate = self.cluster.coordinate(self.rank)
-        self._communicator = (
-            ProcessGroupCommunicator(device_mesh)
-            if device_mesh is not None
-            else OneDeviceCommunicator()
-        )
+        self.device = step.device
+        """Where this rank's state lives and its programs run (see fxpar.runtime.devices)."""
+        self._communicator: Any = OneDeviceCommunicator()
+        if device_mesh is not None:
+            self._communicator = ProcessGroupCommunicator(device_mesh)
+            if stages_through_host(self.device):
+                self._communicator = HostStaged(self._communicator, self.device)
+        self._mesh_copies = device_mesh is not None and device_mesh.device_type != self.device.type
+        """Whether the DTensors of checkpoints hold host copies of the pieces (GPU over gloo)."""
         self.training = model.training
         self._adopt(step)
         self.signature = plan.program.signature
@@ -122,6 +127,7 @@ class ParallelModel(Trainer):
             name: Piece(self._state_specs[name], mesh_shape, self.coordinate) for name in names
         }
         local = initial_pieces(model, names, pieces, init, distributed=device_mesh is not None)
+        local = {name: tensor.to(self.device) for name, tensor in local.items()}
         self.parameters = {name: local[name] for name in self.signature.parameters}
         self.buffers = {name: local[name] for name in self.signature.buffers}
         self._trainable = list(self.signature.gradients)
@@ -322,7 +328,7 @@ class ParallelModel(Trainer):
         draws = self.random.draw(signature.random)
         inputs += batch
         inputs += [
-            self._piece(step, draw.name, tensor)
+            self._piece(step, draw.name, tensor).to(self.device)
             for draw, tensor in zip(signature.random, draws, strict=True)
         ]
         with torch.no_grad():
@@ -404,10 +410,11 @@ class ParallelModel(Trainer):
             spec = step.specs[name]
             if self.batch == "local":
                 if all(isinstance(p, Shard) and p.dim == 0 for p in spec):
-                    pieces.append(tensor)
+                    pieces.append(tensor.to(self.device))
                     continue
                 tensor = gather_rows(tensor, self._world, distributed=self._device_mesh is not None)
-            pieces.append(self._piece(step, name, tensor))
+            # Cut where the batch is; only this rank's piece moves to its device.
+            pieces.append(self._piece(step, name, tensor).to(self.device))
         return pieces
 
     def _piece(self, step: LoweredStep, name: str, full: torch.Tensor) -> torch.Tensor:
@@ -423,7 +430,8 @@ class ParallelModel(Trainer):
             return checkpoint.dtensor(local, self._device_mesh, spec, meta.shape)
         if all(isinstance(p, Replicate) for p in spec):
             return local
-        return checkpoint.dtensor(local, self._device_mesh, spec, meta.shape).full_tensor()
+        whole = checkpoint.dtensor(local, self._device_mesh, spec, meta.shape).full_tensor()
+        return whole.to(local.device)
 
     # -- state --------------------------------------------------------------------------------
 
@@ -442,7 +450,7 @@ class ParallelModel(Trainer):
         assert local is not None
         if self._device_mesh is None:
             return local.clone()
-        return self._as_dtensor(name, local).full_tensor()
+        return self._as_dtensor(name, local).full_tensor().to(local.device)
 
     # -- layouts ------------------------------------------------------------------------------
 

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from fxpar import checkpoint
 from fxpar.ir.program import Signature
@@ -65,6 +66,8 @@ class Trainer:
     _gradient_dtype: torch.dtype
     _syncing: bool = True
     _distributed: bool
+    _mesh_copies: bool = False
+    """Whether the DTensors of checkpoints hold copies of the pieces, not the pieces."""
     """Whether the state is sharded over processes (DTensors in checkpoints, collectives)."""
 
     # -- what a subclass implements ---------------------------------------------------------
@@ -244,10 +247,13 @@ class Trainer:
         self.steps = checkpoint.restore_progress(wanted, self.steps, self.random)
         extra = checkpoint.restore_objects(wanted, self.optimizer, path)
         # Loads land in place in the local pieces (DTensors share their storage), except for
-        # the plain tensors of one process, loaded into copies and copied back here.
-        if not self._distributed:
+        # the plain tensors of one process and the host copies of a GPU's pieces (over
+        # gloo), loaded into copies and copied back here.
+        if not self._distributed or self._mesh_copies:
             for key, value in wanted.items():
                 kind, _, rest = key.partition("/")
+                if isinstance(value, DTensor):
+                    value = value.to_local()
                 if kind == "model":
                     self._held(rest).copy_(value)
                 elif kind == "optimizer":

@@ -36,6 +36,7 @@ from fxpar.cluster import Coordinate
 from fxpar.errors import CheckpointError, FxparError
 from fxpar.ir.program import named_state
 from fxpar.runtime.deferred import recording_of
+from fxpar.runtime.devices import for_collective
 from fxpar.sharding import Spec
 
 _INDEX = "model.safetensors.index.json"
@@ -98,7 +99,9 @@ def initial_pieces(
         else:
             whole = tensor.detach().clone()
             if distributed:
-                dist.broadcast(whole, src=0)
+                moved = for_collective(whole)  # the CPU for gloo, the GPU for NCCL
+                dist.broadcast(moved, src=0)
+                whole = moved.to(whole.device)
             if piece is not None:
                 local[name] = piece.of(whole)
     return local

@@ -8,6 +8,8 @@ gradients and buffer updates with one device.
 
 from __future__ import annotations
 
+import torch
+
 from fxpar.cluster import Cluster
 from fxpar.ir.capture import StepKind, capture
 from fxpar.lowering import SPMDProgram, lower
@@ -47,16 +49,19 @@ def assert_plan_equivalent(
     rtol: float = 1e-4,
     atol: float = 1e-6,
     step: StepKind = "train",
+    device: torch.device | str = "cpu",
 ) -> SPMDProgram:
     """Capture ``case``, choose a random valid plan on ``cluster``, lower it and check that the
     simulated ranks train exactly like one device. Returns the lowered programs.
 
     ``step``: check a loss evaluation (``"loss"``) or the model's forward alone
-    (``"forward"``, without the loss function and targets) instead of a training step."""
+    (``"forward"``, without the loss function and targets) instead of a training step.
+    ``device``: where the ranks and the one-device reference run (``"cuda"`` on a GPU; the
+    programs are placed there, :func:`fxpar.ir.placement.place`)."""
     forward = step == "forward"
     loss_fn, targets = (None, ()) if forward else (case.loss_fn, case.targets)
     program = capture(case.model, case.inputs, loss_fn, example_targets=targets, step=step)
-    flat = program.flat_inputs(case.model, *case.inputs, *targets)
+    flat = [t.to(device) for t in program.flat_inputs(case.model, *case.inputs, *targets)]
     spmd = lower(random_plan(program, cluster, seed, rules), cluster)
     assert_equivalent(spmd, flat, rtol=rtol, atol=atol)
     return spmd

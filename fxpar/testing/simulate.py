@@ -19,6 +19,7 @@ import torch.fx as fx
 
 from fxpar.cluster import Coordinate
 from fxpar.errors import FxparError
+from fxpar.ir.placement import device_of, place
 from fxpar.ir.program import StepResult
 from fxpar.lowering import SPMDProgram
 from fxpar.lowering.collective_calls import Done, Pending
@@ -178,10 +179,11 @@ def run_ranks(
     """Call ``body(rank_module, comm, local_inputs)`` for every rank, each in its own thread
     with simulated collectives; the results by coordinate. The first rank error is raised."""
     cluster = spmd.cluster
+    device = device_of(flat_inputs)  # the programs run where their inputs are
 
     def run(coordinate: Coordinate, comm: SimulatedCommunicator) -> R:
-        program = spmd.ranks[cluster.rank(coordinate)]
-        return body(program.graph_module, comm, spmd.local_inputs(flat_inputs, coordinate))
+        program = place(spmd.ranks[cluster.rank(coordinate)].graph_module, device)
+        return body(program, comm, spmd.local_inputs(flat_inputs, coordinate))
 
     return SimulatedMesh(cluster.mesh_shape, timeout=timeout).run(run)
 
@@ -207,5 +209,5 @@ def record_values(module: fx.GraphModule, inputs: Sequence[object]) -> dict[str,
             return values[node.name]
 
     with torch.no_grad():
-        Recorder(module).run(*inputs)
+        Recorder(place(module, device_of(inputs))).run(*inputs)
     return values

@@ -1,0 +1,27 @@
+#!/bin/bash
+# The GPU checks of docs/gpu.md in one run, on a machine with one CUDA GPU; logs go to $OUT.
+#   OUT=/tmp/gpu-check bash benchmarks/gpu_check.sh
+# Steps: install fxpar (no network: --no-index, carried wheels in .whl/ if any), calibrate the
+# GPU, the Llama benchmark (benchmarks/gpu.py, alone on the GPU), then, side by side, the CUDA
+# tests, the property tests and the zoo on CUDA (FXPAR_TEST_DEVICE=cuda).
+set -u
+OUT=${OUT:-/tmp/gpu-check}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 HYPOTHESIS_PROFILE=ci
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . $(ls .whl/*.whl 2>/dev/null) > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+step() {  # step NAME SECONDS COMMAND...: run, log to $OUT/NAME.log, print its tail
+    local name=$1 limit=$2 start=$SECONDS
+    shift 2
+    timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+    echo "=== $name: rc=$? in $((SECONDS - start)) s"
+    tail -n "${TAIL:-14}" "$OUT/$name.log"
+}
+step calibrate 90 python3 -m fxpar calibrate --world 1 --cluster h100 --output "$OUT/cluster.json"
+step bench "${BENCH_SECONDS:-200}" python3 benchmarks/gpu.py --cluster-file "$OUT/cluster.json" ${BENCH_ARGS:-}
+TESTS=${TEST_SECONDS:-200}
+TAIL=6 step cuda_tests "$TESTS" python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -rs &
+FXPAR_TEST_DEVICE=cuda TAIL=6 step property "$TESTS" python3 -m pytest -q -x -p no:cacheprovider tests/test_property.py &
+FXPAR_TEST_DEVICE=cuda TAIL=6 step zoo "$TESTS" python3 -m pytest -q -p no:cacheprovider tests/test_manual_plans_zoo.py -k "trains_like_one_device and not mixtral and not qwen2_moe and not bart" &
+wait
