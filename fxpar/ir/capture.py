@@ -79,6 +79,11 @@ _STEP_KINDS: tuple[StepKind, ...] = ("train", "loss", "forward")
 
 # Keys of the ``custom`` node metadata that torch.fx copies onto every node traced while a
 # ``torch.fx.traceback.annotate`` block is open. Capture turns them into Region annotations.
+TRACING_DEVICE = torch.device("cpu")
+"""Where the fake tensors claim to live, whatever device the model and batch are on: the graph,
+its plan and its per-rank programs are the same for every device (and a GPU plan is made
+without a GPU); :func:`fxpar.ir.placement.place` puts a program where it runs."""
+
 _PHASE = "fxpar.phase"
 _MODULE = "fxpar.module"
 _GRAD_OF = "fxpar.grad_of"
@@ -150,7 +155,7 @@ def capture(
     batch = _Batch.of(example_inputs, tuple(example_targets))
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
-    device = _tracing_device([*params.values(), *buffers.values(), *batch.tensors])
+    device = TRACING_DEVICE
     fake_mode = FakeTensorMode(shape_env=ShapeEnv(duck_shape=False) if dynamic else None)
     fake_state = [
         _fake_state_tensor(fake_mode, tensor, device)
@@ -567,14 +572,6 @@ def _module_regions(model: nn.Module, stack: list[tuple[str, str]]) -> Iterator[
             pass
 
 
-def _tracing_device(tensors: Sequence[torch.Tensor]) -> torch.device:
-    """Where the fake tensors claim to live: the model's real device, or the CPU for meta models."""
-    for tensor in tensors:
-        if tensor.device.type != "meta":
-            return tensor.device
-    return torch.device("cpu")
-
-
 def _fake_state_tensor(
     fake_mode: FakeTensorMode, tensor: torch.Tensor, device: torch.device
 ) -> torch.Tensor:
@@ -603,7 +600,7 @@ def _unaliased(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 def _fake_batch_tensor(
     fake_mode: FakeTensorMode, tensor: torch.Tensor, device: torch.device, dynamic: bool
 ) -> torch.Tensor:
-    if tensor.device.type == "meta":
+    if tensor.device != device:  # its values are never read: only its shape and dtype count
         tensor = torch.zeros(tensor.shape, dtype=tensor.dtype, device=device)
     if not dynamic:
         return fake_mode.from_tensor(tensor, static_shapes=True)

@@ -205,10 +205,13 @@ def attention_backward(
     route = _route(query, whole_key, attn_mask, is_causal)
     if route == "flash":
         length_q, length_k = query.shape[-2], whole_key.shape[-2]
-        empty = torch.empty(0, dtype=torch.int64, device=query.device)
+        # Dense (not variable-length) batches pass no cumulative lengths; without dropout the
+        # random seed and offset are never read.
+        seed = torch.zeros(2, dtype=torch.uint64, device=query.device)
+        offset = torch.zeros((), dtype=torch.uint64, device=query.device)
         grads = aten._scaled_dot_product_flash_attention_backward.default(
-            grad_out, query, whole_key, whole_value, out, logsumexp.contiguous(), empty, empty,
-            length_q, length_k, 0.0, is_causal, empty, empty, scale=scale,
+            grad_out, query, whole_key, whole_value, out, logsumexp.contiguous(), None, None,
+            length_q, length_k, 0.0, is_causal, seed, offset, scale=scale,
         )  # fmt: skip
     elif route == "efficient":
         padded = -(-query.shape[-2] // 32) * 32

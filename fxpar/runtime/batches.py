@@ -31,6 +31,7 @@ from torch.distributed.tensor import Shard
 from fxpar import ir
 from fxpar.errors import BatchError, FxparError
 from fxpar.runtime import waiting
+from fxpar.runtime.communicators import all_gather_single
 from fxpar.runtime.devices import for_collective
 from fxpar.sharding import Spec
 
@@ -332,7 +333,7 @@ def _start_gather(
     mine = for_collective(torch.cat([status, digests]))
     world = dist.get_world_size()
     output = mine.new_empty((world * mine.shape[0], _DIGEST_BYTES))
-    work = dist.all_gather_single(output, mine, async_op=True)
+    work = all_gather_single(output, mine, async_op=True)
 
     def arrived() -> list[tuple[torch.Tensor, bool]]:
         waiting.wait(work, poll=waiting.pollable(output))

@@ -18,6 +18,12 @@ import torch.distributed as dist
 from fxpar.lowering.collective_calls import Done, Pending
 from fxpar.runtime import waiting
 
+# torch 2.13 names the tensor collectives ``all_gather_single`` and ``reduce_scatter_single``;
+# earlier releases (the GPU machines' 2.11, say) ``all_gather_into_tensor`` and
+# ``reduce_scatter_tensor``, with the same arguments.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class OneDeviceCommunicator:
     """The communicator of a one-device mesh: every collective over an axis of size 1 is the
@@ -88,7 +94,7 @@ class ProcessGroupCommunicator:
         self.settle()
         front = tensor.movedim(dim, 0).contiguous()
         output = front.new_empty((self._size(axis) * front.shape[0], *front.shape[1:]))
-        work = dist.all_gather_single(output, front, group=self._groups[axis], async_op=True)
+        work = all_gather_single(output, front, group=self._groups[axis], async_op=True)
         _handle(work, output, reports=True).wait()
         return output.movedim(0, dim).contiguous()
 
@@ -106,12 +112,12 @@ class ProcessGroupCommunicator:
 
     def start_reduce_scatter(self, output: torch.Tensor, flat: torch.Tensor, axis: int) -> Pending:
         self.settle()
-        work = dist.reduce_scatter_single(output, flat, group=self._groups[axis], async_op=True)
+        work = reduce_scatter_single(output, flat, group=self._groups[axis], async_op=True)
         return _handle(work, output, reports=False)
 
     def start_all_gather(self, output: torch.Tensor, flat: torch.Tensor, axis: int) -> Pending:
         self.settle()
-        work = dist.all_gather_single(output, flat, group=self._groups[axis], async_op=True)
+        work = all_gather_single(output, flat, group=self._groups[axis], async_op=True)
         return _handle(work, output, reports=True)
 
     def reduce_scatter(self, tensor: torch.Tensor, dim: int, axis: int) -> torch.Tensor:
