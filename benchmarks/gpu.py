@@ -11,8 +11,8 @@ AdamW (lr 1e-4), from the same seeded weights, three ways in one process:
 - fxpar: ``fxpar.compile`` on a one-device ``h100`` cluster with ``fxpar.MixedPrecision(bf16)``
   and ``fxpar.optim.AdamW`` (the same torch optimizer over the float32 master weights).
 
-Each takes ``--warmup`` steps (compilation, fxpar's planning; fxpar at least 17, after which
-its programs run their fast copies), then ``--steps`` timed steps,
+Each takes ``--warmup`` steps (compilation, fxpar's planning; at least 17, since from its 17th
+call an fxpar program runs its fast copy), then ``--steps`` timed steps,
 each ended by a ``torch.cuda.synchronize``; the table gives the median step, tokens per second,
 model FLOPs utilisation (6 x parameters x tokens plus the attention's 12 x layers x width x
 length per token, over the step and the GPU's dense bf16 peak, 989 TFLOP/s for an H100 or
@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -97,9 +98,11 @@ def torch_variant(args: argparse.Namespace, ids: torch.Tensor, compiled: bool) -
 
     reset_peak()
     started = time.perf_counter()
-    times, loss = time_steps(step, args.warmup, args.steps)
-    return {"times": times, "loss": loss, "peak": peak(),
-            "setup": time.perf_counter() - started - sum(times)}  # fmt: skip
+    times, loss = time_steps(step, warmup_steps(args), args.steps)
+    result = {"times": times, "loss": loss, "peak": peak(),
+              "setup": time.perf_counter() - started - sum(times)}  # fmt: skip
+    profile(args, "compile" if compiled else "eager", step)
+    return result
 
 
 def fxpar_variant(args: argparse.Namespace, ids: torch.Tensor) -> dict:
@@ -115,14 +118,46 @@ def fxpar_variant(args: argparse.Namespace, ids: torch.Tensor) -> dict:
     del model
     gc.collect()
     reset_peak()
-    # From its 17th call a program runs its fast copy (fxpar.runtime.fastcall): warm up past it.
-    warmup = max(args.warmup, fastcall.COPY_AFTER_CALLS + 1)
-    times, loss = time_steps(lambda: parallel.step(input_ids=ids, labels=ids), warmup, args.steps)
+    step = lambda: parallel.step(input_ids=ids, labels=ids)  # noqa: E731
+    times, loss = time_steps(step, warmup_steps(args), args.steps)
     estimates = {"h100 preset": score(parallel.plan)}
     if args.calibrated is not None:
         estimates["calibrated"] = score(dataclasses.replace(parallel.plan, cluster=args.calibrated))
-    return {"times": times, "loss": loss, "peak": peak(),
-            "setup": compile_seconds, "estimates": estimates}  # fmt: skip
+    result = {"times": times, "loss": loss, "peak": peak(),
+              "setup": compile_seconds, "estimates": estimates}  # fmt: skip
+    profile(args, "fxpar", step)
+    return result
+
+
+def warmup_steps(args: argparse.Namespace) -> int:
+    """Every variant takes as many steps (so the losses compare): at least 17, since from its
+    17th call an fxpar program runs its fast copy (fxpar.runtime.fastcall)."""
+    return max(args.warmup, fastcall.COPY_AFTER_CALLS + 1)
+
+
+def profile(args: argparse.Namespace, name: str, step: Callable[[], torch.Tensor]) -> None:
+    """With ``--profile DIR``: one more step under torch.profiler; its kernels by GPU time go
+    to DIR/NAME.txt, and the GPU's busy time beside the step's is printed."""
+    if not args.profile:
+        return
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if GPU else [])
+    synchronize()
+    with profiler(activities=activities) as traced:
+        started = time.perf_counter()
+        step()
+        synchronize()
+        wall = time.perf_counter() - started
+    events = traced.key_averages()
+    busy = sum(event.self_device_time_total for event in events) / 1e6
+    table = events.table(sort_by="self_device_time_total" if GPU else "self_cpu_time_total",
+                         row_limit=40)  # fmt: skip
+    path = os.path.join(args.profile, f"{name}.txt")
+    with open(path, "w") as file:
+        file.write(table)
+    print(f"  {name} profiled: step {wall * 1e3:.1f} ms, GPU busy {busy * 1e3:.1f} ms -> {path}")
 
 
 def model_flops(args: argparse.Namespace, parameters: int) -> float:
@@ -140,6 +175,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--variants", default="eager,compile,fxpar")
     parser.add_argument("--cluster-file", help="fxpar calibrate's output, for a second estimate")
+    parser.add_argument("--profile", help="a folder: profile one more step of each variant there")
     args = parser.parse_args()
     args.device = "cuda" if GPU else "cpu"
     if not GPU:
