@@ -9,6 +9,13 @@ sums (a Partial value). So before sharding:
 - ``nll_loss_backward(g, ..., reduction=mean, total_weight)`` becomes the ``sum`` backward of
   ``g / total_weight``.
 
+And one rewrite for speed: an attention mask that depends on no input and is exactly the
+causal mask (what Hugging Face models build under tracing, from ``arange`` and ``le``) becomes
+the attention kernel's own ``is_causal=True``, so no mask of ``batch x length x length`` is
+built or read each step, and on a GPU the attention runs the flash kernel, which takes no mask
+(:mod:`fxpar.ir.placement`). The mask is evaluated once, on the CPU, to check it; masked
+scores (``-inf`` or the dtype's lowest value) weigh exactly 0 either way.
+
 The Program computes the same values; the new nodes carry the annotations of the ones they
 replace.
 """
@@ -37,8 +44,11 @@ class Canonicalize(Pass):
 
     def run(self, program: Program) -> Program:
         graph = program.graph
+        masks: dict[fx.Node, bool] = {}  # each mask node checked once
         for node in list(graph.nodes):
-            if node.target in (aten.mean.dim, aten.mean.default):
+            if node.target in _CPU_ATTENTION and node.kwargs.get("attn_mask") is not None:
+                _fold_causal_mask(node, masks)
+            elif node.target in (aten.mean.dim, aten.mean.default):
                 _mean_to_sum(graph, node)
             elif node.target is aten.nll_loss_forward.default and _reduction(node, 3) == _MEAN:
                 _nll_forward_to_sum(graph, node)
@@ -47,6 +57,80 @@ class Canonicalize(Pass):
         graph.eliminate_dead_code()
         program.recompile()
         return program
+
+
+_CPU_ATTENTION: dict[Any, int] = {
+    aten._scaled_dot_product_flash_attention_for_cpu.default: 4,  # where is_causal sits
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: 7,
+}
+_LARGEST_MASK = 2**27
+"""Masks of more elements are not evaluated to check (the one-off cost of folding)."""
+
+
+def _fold_causal_mask(node: fx.Node, masks: dict[fx.Node, bool]) -> None:
+    """Drop ``node``'s attention mask for ``is_causal=True`` where the mask is a constant
+    that equals the causal mask (module docstring)."""
+    mask = node.kwargs["attn_mask"]
+    causal_at = _CPU_ATTENTION[node.target]
+    query, key = node.args[causal_at - 4 : causal_at - 2]
+    assert isinstance(mask, fx.Node) and isinstance(query, fx.Node) and isinstance(key, fx.Node)
+    length = query.meta["val"].shape[-2]
+    if key.meta["val"].shape[-2] != length:
+        return
+    if mask not in masks:
+        masks[mask] = _is_causal_mask(mask, length)
+    if not masks[mask]:
+        return
+    args = list(node.args)
+    if len(args) <= causal_at:  # the forward's dropout_p and is_causal have defaults
+        args += [0.0] * (causal_at - len(args)) + [False]
+    args[causal_at] = True
+    node.args = tuple(args)
+    node.kwargs = {name: value for name, value in node.kwargs.items() if name != "attn_mask"}
+
+
+def _is_causal_mask(mask: fx.Node, length: int) -> bool:
+    """Whether ``mask`` depends on no input and equals the causal mask of ``length`` queries
+    and keys, broadcast (``True``/0 on and below the diagonal, ``False``/``-inf`` above)."""
+    value = _constant_value(mask)
+    if value is None or value.shape[-2:] != (length, length):
+        return False
+    allowed = torch.ones(length, length, dtype=torch.bool).tril()
+    if value.dtype == torch.bool:
+        return bool((value == allowed).all())
+    lowest = torch.finfo(value.dtype).min
+    hidden = value.masked_select(~allowed.expand(value.shape))
+    kept = value.masked_select(allowed.expand(value.shape))
+    return bool((kept == 0).all()) and bool(((hidden == -math.inf) | (hidden == lowest)).all())
+
+
+def _constant_value(node: fx.Node) -> torch.Tensor | None:
+    """The value of ``node`` computed on the CPU, if it and everything it reads are calls
+    that depend on no input of the graph (and it is small enough to check); else None."""
+    meta = node.meta.get("val")
+    if not isinstance(meta, torch.Tensor) or meta.numel() > _LARGEST_MASK:
+        return None
+    needed: list[fx.Node] = []
+    stack, seen = [node], set()
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        if current.op != "call_function" or not isinstance(current.target, torch._ops.OpOverload):
+            return None
+        if torch.Tag.nondeterministic_seeded in current.target.tags:
+            return None
+        needed.append(current)
+        stack.extend(current.all_input_nodes)
+    order = {n: i for i, n in enumerate(node.graph.nodes)}
+    values: dict[fx.Node, Any] = {}
+    for current in sorted(needed, key=order.__getitem__):
+        args, kwargs = fx.node.map_arg((current.args, current.kwargs), values.__getitem__)
+        target: Any = current.target
+        values[current] = target(*args, **kwargs)
+    value = values[node]
+    return value if isinstance(value, torch.Tensor) else None
 
 
 def _reduction(node: fx.Node, index: int) -> Any:

@@ -134,3 +134,57 @@ def test_the_old_name_of_the_default_pass_list_still_works_and_says_it_moved() -
     with pytest.warns(DeprecationWarning, match="default_passes"):
         old = fxpar.passes.default_pipeline(verify=True)
     assert old.names == fxpar.passes.default_passes(verify=True).names
+
+
+class _MaskedAttention(nn.Module):
+    """Attention under a mask built from the sequence length (as Hugging Face models build
+    theirs under tracing), or read from the batch."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(16, 48)
+        self.kind = kind
+
+    def forward(self, x: torch.Tensor, given: torch.Tensor) -> torch.Tensor:
+        batch, length, _ = x.shape
+        q, k, v = self.qkv(x).view(batch, length, 3, 2, 8).permute(2, 0, 3, 1, 4)
+        rows, cols = torch.arange(length)[:, None], torch.arange(length)[None, :]
+        allowed = cols <= rows
+        if self.kind == "window":
+            allowed = allowed & (rows - cols < 3)
+        mask: torch.Tensor = torch.where(allowed, 0.0, float("-inf")).expand(batch, 1, -1, -1)
+        if self.kind == "lowest":
+            mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)
+        elif self.kind == "bool":
+            mask = allowed
+        elif self.kind == "given":
+            mask = given
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask).sum()
+
+
+@pytest.mark.parametrize(
+    ("kind", "folded"),
+    [("causal", True), ("lowest", True), ("bool", True), ("window", False), ("given", False)],
+)
+def test_a_constant_causal_mask_becomes_the_kernels_is_causal(kind: str, folded: bool) -> None:
+    """Canonicalize drops an attention mask that depends on no input and is the causal mask
+    (-inf or the lowest value above the diagonal, or False there) for ``is_causal=True``, in
+    the forward and the backward, and the step computes the same; other masks stay."""
+    from fxpar.passes.canonicalize import Canonicalize
+
+    model = _MaskedAttention(kind)
+    x = torch.randn(2, 6, 16)
+    given = torch.ones(6, 6, dtype=torch.bool).tril()
+    program = fxpar.capture(model, (x, given), lambda out: out)
+    before = program.run(model, x, given)
+    Canonicalize().run(program)
+    attention = [n for n in program.graph.nodes if "scaled_dot_product" in str(n.target)]
+    assert len(attention) == 2  # the forward and its backward
+    for node in attention:
+        assert ("attn_mask" not in node.kwargs) == folded
+        causal_at = 7 if "backward" in str(node.target) else 4
+        assert (len(node.args) > causal_at and node.args[causal_at] is True) == folded
+    after = program.run(model, x, given)
+    torch.testing.assert_close(after.loss, before.loss, rtol=0, atol=0)
+    for name, gradient in before.gradients.items():
+        torch.testing.assert_close(after.gradients[name], gradient, rtol=1e-6, atol=1e-7)
