@@ -281,9 +281,9 @@ def test_one_gpu_trains_an_hf_llama_like_eager(precision: str) -> None:
         assert loss.item() == pytest.approx(expected.item(), rel=tolerance)
 
 
-def _two_ranks_on_one_gpu(rank: int, world_size: int, precision: str) -> dict[str, object]:
+def _two_ranks(rank: int, world_size: int, precision: str, device: str) -> dict[str, object]:
     torch.backends.cuda.matmul.allow_tf32 = False
-    cluster = dataclasses.replace(splitting_cluster((world_size,)), device_type="cuda")
+    cluster = dataclasses.replace(splitting_cluster((world_size,)), device_type=device)
     batches = _gpt_batches()
     results: dict[str, object] = {}
     mixed = fxpar.MixedPrecision(torch.bfloat16) if precision == "bf16" else None
@@ -298,17 +298,26 @@ def _two_ranks_on_one_gpu(rank: int, world_size: int, precision: str) -> dict[st
             GPT(CONFIG), cluster, (batches[0][0],), gpt_loss, example_targets=(batches[0][1],),
             optimizer=fxpar.optim.AdamW(lr=1e-2), manual=manual, mixed_precision=mixed,
         )  # fmt: skip
-        assert compiled.device.type == "cuda"
-        losses = [compiled.step(tokens, targets).item() for tokens, targets in batches]
+        assert compiled.device.type == device
+        losses = []
+        for index, (tokens, targets) in enumerate(batches):
+            print(f"rank {rank}: {name} step {index}", flush=True)  # shown if a rank fails
+            losses.append(compiled.step(tokens, targets).item())
         state = compiled.full_state_dict()
         results[name] = (losses, {k: v.cpu() for k, v in state.items()})
     return results
 
 
-@cuda
 @pytest.mark.slow
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_two_processes_sharing_the_gpu_train_like_one_device(precision: str) -> None:
+@pytest.mark.parametrize(
+    ("precision", "device"),
+    [
+        pytest.param("fp32", "cuda", marks=cuda),
+        pytest.param("bf16", "cuda", marks=cuda),
+        ("fp32", "cpu"),  # the same on CPU processes: a failure here is not the GPU's
+    ],
+)
+def test_two_processes_sharing_the_gpu_train_like_one_device(precision: str, device: str) -> None:
     """Data, tensor and fully sharded parallel and the ILP's plan on 2 gloo processes whose
     tensors live on the one GPU (collectives staged through host memory) give eager PyTorch's
     losses and weights on that GPU."""
@@ -316,14 +325,14 @@ def test_two_processes_sharing_the_gpu_train_like_one_device(precision: str) -> 
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)
-    reference = GPT(CONFIG).cuda()
-    batches = _gpt_batches("cuda")
+    reference = GPT(CONFIG).to(device)
+    batches = _gpt_batches(device)
     if precision == "bf16":
         expected = []
         optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
         for tokens, targets in batches:
             optimizer.zero_grad()
-            with torch.autocast("cuda", torch.bfloat16):
+            with torch.autocast(device, torch.bfloat16):
                 loss = gpt_loss(reference(tokens), targets)
             loss.backward()
             optimizer.step()
@@ -331,7 +340,7 @@ def test_two_processes_sharing_the_gpu_train_like_one_device(precision: str) -> 
     else:
         expected = _eager_losses(reference, batches, len(batches))
     weights = {k: v.cpu() for k, v in reference.state_dict().items()}
-    ranks = spawn(_two_ranks_on_one_gpu, 2, precision)
+    ranks = spawn(_two_ranks, 2, precision, device)
     for name, (losses, state) in ranks[0].items():
         tolerance = 3e-2 if precision == "bf16" else 1e-4
         assert losses == pytest.approx(expected, rel=tolerance), name

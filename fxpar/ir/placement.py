@@ -13,8 +13,9 @@ made on a machine without a GPU. What ties a graph to the CPU is small and local
 :func:`place` gives the copy of a GraphModule that runs on another device: every device a
 call names becomes that device, attributes move there, and the CPU-only attention kernels
 become :func:`attention` and :func:`attention_backward`, which compute the same values with
-the device's own kernels (CUDA's flash attention for 16-bit inputs without a mask, its
-memory-efficient attention otherwise, and the plain formula where neither applies) and hand
+the device's own kernels (for 16-bit inputs without a mask, cuDNN's attention where eager
+PyTorch takes it and CUDA's flash attention otherwise; its memory-efficient attention for the
+rest, and the plain formula where none applies) and hand
 back tensors of exactly the shapes and strides the CPU kernels give, so every view the
 program takes of them holds. A program already on its device is returned as it is.
 """
@@ -169,7 +170,9 @@ def attention(
     groups = query.shape[-3] // key.shape[-3]
     key, value = _repeat_heads(key, groups), _repeat_heads(value, groups)
     route = _route(query, key, attn_mask, is_causal)
-    if route == "flash":
+    if route == "cudnn":
+        output, logsumexp = _cudnn_forward(query, key, value, is_causal, scale)
+    elif route == "flash":
         output, logsumexp, *_ = aten._scaled_dot_product_flash_attention.default(
             query, key, value, 0.0, is_causal, False, scale=scale
         )
@@ -203,7 +206,11 @@ def attention_backward(
     groups = query.shape[-3] // key.shape[-3]
     whole_key, whole_value = _repeat_heads(key, groups), _repeat_heads(value, groups)
     route = _route(query, whole_key, attn_mask, is_causal)
-    if route == "flash":
+    if route == "cudnn":
+        grads = _cudnn_backward(
+            grad_out, query, whole_key, whole_value, out, logsumexp, is_causal, scale
+        )
+    elif route == "flash":
         length_q, length_k = query.shape[-2], whole_key.shape[-2]
         # Dense (not variable-length) batches pass no cumulative lengths; without dropout the
         # random seed and offset are never read.
@@ -256,10 +263,80 @@ def _route(
     if head % 8 or (causal and query.shape[-2] != key.shape[-2]):
         return "math"
     if attn_mask is None and query.dtype in (torch.float16, torch.bfloat16) and head <= 256:
-        return "flash"
+        return "cudnn" if _eager_takes_cudnn(query, key, causal) else "flash"
     if head <= 512 and (attn_mask is None or key.shape[-2] % 16 == 0):
         return "efficient"
     return "math"
+
+
+def _cudnn_forward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    is_causal: bool,
+    scale: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cuDNN's attention: the output and the log-sum-exp as (batch, heads, queries)."""
+    output, logsumexp, *_ = aten._scaled_dot_product_cudnn_attention.default(
+        query, key, value, None, True, 0.0, is_causal, False, scale=scale
+    )
+    return output, logsumexp.squeeze(-1)
+
+
+def _cudnn_backward(
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    logsumexp: torch.Tensor,
+    is_causal: bool,
+    scale: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # Without dropout the random seed and offset are never read.
+    unused = torch.zeros((), dtype=torch.int64, device=query.device)
+    grads = aten._scaled_dot_product_cudnn_attention_backward.default(
+        grad_out, query, key, value, out, logsumexp.unsqueeze(-1).contiguous(), unused, unused,
+        None, None, None, query.shape[-2], key.shape[-2], 0.0, is_causal, scale=scale,
+    )  # fmt: skip
+    return grads[0], grads[1], grads[2]
+
+
+def _eager_takes_cudnn(query: torch.Tensor, key: torch.Tensor, causal: bool) -> bool:
+    """Whether eager PyTorch's attention would run cuDNN's kernel on these inputs (the fastest
+    on recent GPUs), and cuDNN's kernels here give flash attention's values."""
+    try:
+        from torch.nn.attention import SDPBackend
+
+        choice: Any = torch._fused_sdp_choice(query, key, key, None, 0.0, causal)
+        cudnn: Any = SDPBackend.CUDNN_ATTENTION
+        return int(choice) == int(cudnn) and _cudnn_agrees(query.device)
+    except (AttributeError, RuntimeError, TypeError):
+        return False
+
+
+@functools.cache
+def _cudnn_agrees(device: torch.device) -> bool:
+    """Once per device: cuDNN's attention and its backward on a small causal case give what
+    flash attention gives (any error, or another answer, and cuDNN is not used)."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    q, k, v, grad = (
+        torch.randn(1, 2, 64, 64, device=device, generator=generator, dtype=torch.bfloat16)
+        for _ in range(4)
+    )
+    try:
+        out, lse = _cudnn_forward(q, k, v, True, None)
+        grads = _cudnn_backward(grad, q, k, v, out, lse, True, None)
+        want, want_lse, *_ = aten._scaled_dot_product_flash_attention.default(q, k, v, 0.0, True)
+        seed = torch.zeros(2, dtype=torch.uint64, device=device)
+        offset = torch.zeros((), dtype=torch.uint64, device=device)
+        want_grads = aten._scaled_dot_product_flash_attention_backward.default(
+            grad, q, k, v, want, want_lse, None, None, 64, 64, 0.0, True, seed, offset
+        )
+    except RuntimeError:
+        return False
+    pairs = [(out, want), (lse, want_lse), *zip(grads, want_grads, strict=True)]
+    return all(torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2) for a, b in pairs)
 
 
 def _bias(mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor | None:
