@@ -136,8 +136,8 @@ def warmup_steps(args: argparse.Namespace) -> int:
 
 
 def profile(args: argparse.Namespace, name: str, step: Callable[[], torch.Tensor]) -> None:
-    """With ``--profile DIR``: one more step under torch.profiler; its kernels by GPU time go
-    to DIR/NAME.txt, and the GPU's busy time beside the step's is printed."""
+    """With ``--profile DIR``: one more step under torch.profiler; its ops and kernels by GPU
+    time go to DIR/NAME.txt."""
     if not args.profile:
         return
     from torch.profiler import ProfilerActivity
@@ -151,13 +151,12 @@ def profile(args: argparse.Namespace, name: str, step: Callable[[], torch.Tensor
         synchronize()
         wall = time.perf_counter() - started
     events = traced.key_averages()
-    busy = sum(event.self_device_time_total for event in events) / 1e6
     table = events.table(sort_by="self_device_time_total" if GPU else "self_cpu_time_total",
                          row_limit=40)  # fmt: skip
     path = os.path.join(args.profile, f"{name}.txt")
     with open(path, "w") as file:
         file.write(table)
-    print(f"  {name} profiled: step {wall * 1e3:.1f} ms, GPU busy {busy * 1e3:.1f} ms -> {path}")
+    print(f"  {name} profiled: step {wall * 1e3:.1f} ms -> {path}")
 
 
 def model_flops(args: argparse.Namespace, parameters: int) -> float:

@@ -341,12 +341,16 @@ def test_two_processes_sharing_the_gpu_train_like_one_device(precision: str, dev
         expected = _eager_losses(reference, batches, len(batches))
     weights = {k: v.cpu() for k, v in reference.state_dict().items()}
     ranks = spawn(_two_ranks, 2, precision, device)
+    # AdamW turns rounding noise in a near-zero gradient into an update of up to lr: on a
+    # GPU (cuBLAS sums in other orders than one device's) one weight in 4096 was seen 1.9e-5
+    # off after 4 steps at lr 1e-2, so weights compare to 1e-2 * lr (1e-3 * lr on the CPU).
+    floor = 1e-4 if device == "cuda" else 1e-5
     for name, (losses, state) in ranks[0].items():
         tolerance = 3e-2 if precision == "bf16" else 1e-4
         assert losses == pytest.approx(expected, rel=tolerance), name
         if precision == "fp32":
             for key, value in state.items():
-                torch.testing.assert_close(value, weights[key], rtol=1e-4, atol=1e-5)
+                torch.testing.assert_close(value, weights[key], rtol=1e-4, atol=floor)
     assert ranks[0] is not None and math.isfinite(ranks[1]["ilp"][0][-1])  # type: ignore[index]
 
 

@@ -45,7 +45,8 @@ class SolvedOnRankZero:
             raise DistributedError(
                 f"rank 0 planned a problem of {size} decisions, this rank "
                 f"({dist.get_rank()}) one of {len(problem.node_costs)}: the ranks captured "
-                "different models or example inputs; call fxpar.compile with the same arguments "
-                "on every rank"
+                "different models or example inputs (call fxpar.compile with the same arguments "
+                "on every rank), or built the problem differently from the same program (a "
+                "planner bug: please report it with both ranks' plan reports)"
             )
         return solution
