@@ -314,10 +314,10 @@ def calibrate_command(args: argparse.Namespace) -> int:
     given = fxpar.Cluster.preset(args.cluster, mesh)
     # The processes share the machine's cores, as `fxpar demo`'s do; each gets its share.
     threads = args.threads or max(1, (os.cpu_count() or 1) // args.world)
-    where = "on the GPU" if given.device_type == "cuda" else ""
+    where = " on the GPU" if given.device_type == "cuda" else ""
     print(
-        f"calibrating a {given} on {args.world} local gloo processes {where}, {threads} "
-        f"torch thread{'s' if threads > 1 else ''} each".replace("  ", " "),
+        f"calibrating a {given} on {args.world} local gloo processes{where}, {threads} "
+        f"torch thread{'s' if threads > 1 else ''} each",
         flush=True,
     )
     start = time.perf_counter()

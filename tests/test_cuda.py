@@ -214,12 +214,15 @@ def test_cuda_attention_kernels_agree_with_the_cpu_kernels(
             torch.testing.assert_close(found.cpu(), expected, rtol=tolerance, atol=tolerance)
 
 
-def _eager_losses(model: torch.nn.Module, batches: list, steps: int) -> list[float]:
+def _eager_losses(model: torch.nn.Module, batches: list, *, bf16: bool = False) -> list[float]:
+    """Eager AdamW (lr 1e-2) on ``batches``, under bf16 autocast with ``bf16``."""
+    device = next(model.parameters()).device.type
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
-    for tokens, targets in batches[:steps]:
+    for tokens, targets in batches:
         optimizer.zero_grad()
-        loss = gpt_loss(model(tokens), targets)
+        with torch.autocast(device, torch.bfloat16, enabled=bf16):
+            loss = gpt_loss(model(tokens), targets)
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
@@ -242,7 +245,7 @@ def test_one_gpu_trains_like_eager_pytorch_on_it() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     batches = _gpt_batches("cuda")
     torch.manual_seed(0)
-    expected = _eager_losses(GPT(CONFIG).cuda(), batches, 4)
+    expected = _eager_losses(GPT(CONFIG).cuda(), batches)
     torch.manual_seed(0)
     compiled = fxpar.compile(
         GPT(CONFIG), Cluster.preset("h100", (1,)), (batches[0][0],), gpt_loss,
@@ -326,19 +329,7 @@ def test_two_processes_sharing_the_gpu_train_like_one_device(precision: str, dev
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)
     reference = GPT(CONFIG).to(device)
-    batches = _gpt_batches(device)
-    if precision == "bf16":
-        expected = []
-        optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-        for tokens, targets in batches:
-            optimizer.zero_grad()
-            with torch.autocast(device, torch.bfloat16):
-                loss = gpt_loss(reference(tokens), targets)
-            loss.backward()
-            optimizer.step()
-            expected.append(loss.item())
-    else:
-        expected = _eager_losses(reference, batches, len(batches))
+    expected = _eager_losses(reference, _gpt_batches(device), bf16=precision == "bf16")
     weights = {k: v.cpu() for k, v in reference.state_dict().items()}
     ranks = spawn(_two_ranks, 2, precision, device)
     # AdamW turns rounding noise in a near-zero gradient into an update of up to lr: on a
