@@ -29,9 +29,16 @@ loaded into SGD), is unexpected too.
 **Complete.** Besides the tensors, rank 0 writes ``optimizer_groups`` (the optimizer's
 hyperparameters per parameter group: the learning rate a scheduler set, ``initial_lr``, betas,
 ...) and, when the caller gives one, ``extra``: any picklable object of the user's (an LR
-scheduler's ``state_dict()``, the data loader's position), returned by the load. Both are
-pickled, so load only checkpoints you trust, as with ``torch.load(weights_only=False)``.
-Checkpoints written before these entries existed load as they are.
+scheduler's ``state_dict()``, the data loader's position), returned by the load.
+
+**Safe to load.** Loading never runs code from the files. Both entries are written with
+``torch.save`` and read back with ``torch.load(weights_only=True)``, whose unpickler builds
+tensors, numbers, strings, lists, tuples and dicts and nothing else; an entry holding other
+objects (an instance of a class of yours, a function) is refused with a
+:class:`~fxpar.errors.CheckpointError` before anything in it is built, unless the load says
+``trusted=True``. Checkpoints shared or downloaded are then as safe to load as their tensors.
+Checkpoints written before these entries existed load as they are; those whose entries are
+plain pickles (fxpar before this format) need ``trusted=True``.
 
 **Resumable runs.** A run that saves periodically keeps one checkpoint per step under a root
 directory, ``<root>/step-<N>``: :func:`save_step` writes them, :func:`resume` loads the newest
@@ -191,7 +198,9 @@ class Checkpointable(Protocol):
 
     def save(self, path: str | os.PathLike[str], *, extra: object = None) -> None: ...
 
-    def load(self, path: str | os.PathLike[str], *, strict: bool = True) -> Any: ...
+    def load(
+        self, path: str | os.PathLike[str], *, strict: bool = True, trusted: bool = False
+    ) -> Any: ...
 
 
 def step_directory(root: str | os.PathLike[str], step: int) -> Path:
@@ -216,7 +225,9 @@ def save_step(
     return path
 
 
-def resume(model: Checkpointable, root: str | os.PathLike[str]) -> tuple[int, Any] | None:
+def resume(
+    model: Checkpointable, root: str | os.PathLike[str], *, trusted: bool = False
+) -> tuple[int, Any] | None:
     """Load the newest committed checkpoint that :func:`save_step` wrote under ``root``
     (:func:`latest`) into ``model`` and return ``(step, extra)``: the step it was saved as and
     the ``extra`` saved with it (None if none). Returns None, loading nothing, when ``root``
@@ -224,13 +235,16 @@ def resume(model: Checkpointable, root: str | os.PathLike[str]) -> tuple[int, An
     be the same directory on every rank (a shared file system), as for ``load``. A collective
     when it loads: call it on every rank.
 
+    ``trusted``: as for ``load``, let ``extra`` hold objects other than plain data.
+
     Raises:
-        CheckpointError: the checkpoint found is another model's (see ``load``).
+        CheckpointError: the checkpoint found is another model's, or its ``extra`` holds
+            objects other than plain data without ``trusted`` (see ``load``).
     """
     found = latest(root)
     if found is None:
         return None
-    extra = model.load(found)
+    extra = model.load(found, trusted=trusted)
     return int(found.name.removeprefix(STEP_PREFIX)), extra
 
 
@@ -380,10 +394,10 @@ def object_entries(
     if rank != 0:
         return {}
     groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-    entries = {GROUPS: io.BytesIO(pickle.dumps(groups))}
+    entries = {GROUPS: _serialized(groups)}
     if extra is not None:
         try:
-            entries[EXTRA] = io.BytesIO(pickle.dumps(extra))
+            entries[EXTRA] = _serialized(extra)
         except Exception as error:
             raise CheckpointError(
                 f"extra= must be picklable to be saved: {type(error).__name__}: {error}; pass "
@@ -393,12 +407,17 @@ def object_entries(
 
 
 def restore_objects(
-    loaded: Mapping[str, Any], optimizer: torch.optim.Optimizer, path: str | os.PathLike[str]
+    loaded: Mapping[str, Any],
+    optimizer: torch.optim.Optimizer,
+    path: str | os.PathLike[str],
+    *,
+    trusted: bool = False,
 ) -> Any:
     """Set ``optimizer``'s hyperparameters from a load's entries and return the user's
-    ``extra`` (None when the checkpoint has none)."""
+    ``extra`` (None when the checkpoint has none). Without ``trusted``, entries holding
+    anything but plain data are refused (module docstring)."""
     if GROUPS in loaded:
-        groups = _unpickled(loaded[GROUPS])
+        groups = _deserialized(loaded[GROUPS], path, "optimizer hyperparameters", trusted)
         if len(groups) != len(optimizer.param_groups):
             raise CheckpointError(
                 f"the checkpoint at {path} has {len(groups)} optimizer parameter groups, this "
@@ -406,12 +425,43 @@ def restore_objects(
             )
         for group, saved in zip(optimizer.param_groups, groups, strict=True):
             group.update(saved)
-    return _unpickled(loaded[EXTRA]) if EXTRA in loaded else None
+    if EXTRA not in loaded:
+        return None
+    return _deserialized(loaded[EXTRA], path, "extra", trusted)
 
 
-def _unpickled(stream: io.BytesIO) -> Any:
+def _serialized(value: object) -> io.BytesIO:
+    stream = io.BytesIO()
+    torch.save(value, stream)
     stream.seek(0)
-    return pickle.loads(stream.read())
+    return stream
+
+
+def _deserialized(
+    stream: io.BytesIO, path: str | os.PathLike[str], what: str, trusted: bool
+) -> Any:
+    """An entry written by :func:`_serialized`, built by torch's weights-only unpickler unless
+    ``trusted`` (or by a general one for a plain pickle of an older fxpar, when ``trusted``)."""
+    stream.seek(0)
+    data = stream.read()
+    if not data.startswith(b"PK"):  # not torch.save's zip archive: a plain pickle
+        if not trusted:
+            raise CheckpointError(
+                f"the {what} of the checkpoint at {path} is a plain pickle (written by an older "
+                "fxpar), which runs code when it is loaded; load it with trusted=True if you "
+                "trust where it came from"
+            )
+        return pickle.loads(data)
+    try:
+        return torch.load(io.BytesIO(data), weights_only=not trusted)
+    except pickle.UnpicklingError as error:
+        reason = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+        raise CheckpointError(
+            f"the {what} of the checkpoint at {path} holds objects other than plain data "
+            f"(tensors, numbers, strings, lists, tuples, dicts), which loading would build by "
+            f"running code from the file ({reason}); save state_dict()s and plain values, or "
+            "load with trusted=True if you trust where it came from"
+        ) from None
 
 
 def optimizer_entries(

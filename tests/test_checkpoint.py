@@ -179,3 +179,78 @@ def test_a_resumed_run_with_dropout_draws_what_an_uninterrupted_one_draws(tmp_pa
     assert resumed.steps == 2
     again = [resumed.step(tokens, tokens) for tokens in batches[2:]]
     assert torch.equal(torch.stack(again), torch.stack(losses[2:]))
+
+
+def _plant(path: str) -> str:
+    """What a crafted checkpoint would run on loading: here, it only creates a file."""
+    Path(path).write_text("ran")
+    return path
+
+
+class _Planted:
+    """An object whose unpickling calls :func:`_plant`."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (_plant, (self.path,))
+
+
+def test_loading_runs_no_code_from_the_checkpoint(tmp_path: Path) -> None:
+    """An ``extra`` that would run code when unpickled is refused with a CheckpointError,
+    and nothing runs; ``trusted=True`` builds it (the refusal is what kept it from running)."""
+    marker = tmp_path / "marker"
+    parallel = _compile(GPT(_config()))
+    parallel.save(tmp_path / "ckpt", extra={"evil": _Planted(str(marker)), "step": 3})
+    assert not marker.exists()
+    with pytest.raises(CheckpointError, match="objects other than plain data"):
+        parallel.load(tmp_path / "ckpt")
+    fxpar.checkpoint.save_step(parallel, tmp_path / "run", 4, extra=_Planted(str(marker)))
+    with pytest.raises(CheckpointError, match="objects other than plain data"):
+        fxpar.checkpoint.resume(parallel, tmp_path / "run")
+    assert not marker.exists()
+    extra = parallel.load(tmp_path / "ckpt", trusted=True)
+    assert marker.read_text() == "ran" and extra == {"evil": str(marker), "step": 3}
+
+
+def test_schedulers_and_plain_state_round_trip_without_trust(tmp_path: Path) -> None:
+    parallel = _compile(GPT(_config()))
+    schedulers = [
+        torch.optim.lr_scheduler.StepLR(parallel.optimizer, step_size=2, gamma=0.5),
+        torch.optim.lr_scheduler.CosineAnnealingLR(parallel.optimizer, T_max=10),
+    ]
+    for tokens in _batches(3):
+        parallel.step(tokens, tokens)
+        for scheduler in schedulers:
+            scheduler.step()
+    extra = {
+        "schedulers": [s.state_dict() for s in schedulers],
+        "position": (7, "shard-3"),
+        "counts": torch.arange(4),
+    }
+    parallel.save(tmp_path / "ckpt", extra=extra)
+    resumed = _compile(GPT(_config()))
+    loaded = resumed.load(tmp_path / "ckpt")
+    assert loaded["schedulers"] == extra["schedulers"] and loaded["position"] == (7, "shard-3")
+    assert torch.equal(loaded["counts"], extra["counts"])
+    assert resumed.optimizer.param_groups[0]["lr"] == parallel.optimizer.param_groups[0]["lr"]
+
+
+def test_plain_pickles_of_older_checkpoints_need_trust(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Entries an older fxpar wrote with pickle.dumps load only with ``trusted=True``."""
+    import io
+    import pickle
+
+    parallel = _compile(GPT(_config()))
+    with monkeypatch.context() as patched:
+        patched.setattr(
+            fxpar.checkpoint, "_serialized", lambda value: io.BytesIO(pickle.dumps(value))
+        )
+        parallel.save(tmp_path / "old", extra={"step": 5})
+    with pytest.raises(CheckpointError, match="plain pickle"):
+        parallel.load(tmp_path / "old")
+    assert fxpar.checkpoint.resume(parallel, tmp_path) is None  # not a step directory
+    assert parallel.load(tmp_path / "old", trusted=True) == {"step": 5}

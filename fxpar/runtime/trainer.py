@@ -226,17 +226,22 @@ class Trainer:
         )
         checkpoint.save(state, path, distributed=self._distributed)
 
-    def load(self, path: str | os.PathLike[str], *, strict: bool = True) -> Any:
+    def load(
+        self, path: str | os.PathLike[str], *, strict: bool = True, trusted: bool = False
+    ) -> Any:
         """Read a checkpoint written by :meth:`save` (by this kind of model or the other),
         under this model's mesh, plan and stages, which may differ from those it was saved
         with: each rank reads only the pieces it holds. With ``strict`` (the default) the
         checkpoint must hold exactly this model's entries; ``strict=False`` loads those both
-        have. Returns the ``extra`` given to :meth:`save` (None if none). A collective: call
-        it on every rank.
+        have. Returns the ``extra`` given to :meth:`save` (None if none). Loading runs no
+        code from the files: ``extra`` and the hyperparameters may hold tensors, numbers,
+        strings, lists, tuples and dicts, and anything else is refused unless ``trusted``
+        (see :mod:`fxpar.checkpoint`). A collective: call it on every rank.
 
         Raises:
             CheckpointError: no committed checkpoint at ``path``, a damaged one, another
-                model's (with ``strict``), or an entry of another shape.
+                model's (with ``strict``), an entry of another shape, or, without
+                ``trusted``, an ``extra`` holding objects other than plain data.
         """
         state = self._checkpoint_state(include_missing=True)
         state.update(checkpoint.object_entries(self.optimizer, None, rank=self.rank, loading=True))
@@ -245,7 +250,7 @@ class Trainer:
             state, path, distributed=self._distributed, expected=expected, strict=strict
         )
         self.steps = checkpoint.restore_progress(wanted, self.steps, self.random)
-        extra = checkpoint.restore_objects(wanted, self.optimizer, path)
+        extra = checkpoint.restore_objects(wanted, self.optimizer, path, trusted=trusted)
         # Loads land in place in the local pieces (DTensors share their storage), except for
         # the plain tensors of one process and the host copies of a GPU's pieces (over
         # gloo), loaded into copies and copied back here.
