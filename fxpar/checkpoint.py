@@ -10,13 +10,20 @@ the pieces its own layout needs, and a stage reads only the entries it holds.
 
 **Atomic.** The directory ``path`` holds versions, each a complete
 ``torch.distributed.checkpoint`` directory, and a commit record, ``fxpar-checkpoint.json``,
-naming the current version and listing its files with their sizes. A save writes a new version
+naming the current version and listing its files with their sizes and BLAKE2b digests. A save
+writes a new version
 beside the current one; only once every rank has finished writing does rank 0 replace the
 record (write to a temporary file, then ``os.replace``, which is atomic), and only then are
 older versions deleted. A save that dies part way (a rank killed, a full disk) leaves the
 record, and so the previous checkpoint, as it was. A load reads only the committed version, and
 refuses a directory without a record (an interrupted first save, or not an fxpar checkpoint) or
-whose files differ from the record's list.
+whose files differ from the record's list: a file missing, of another size, or whose bytes no
+longer hash to the digest committed (a flipped bit inside tensor data would otherwise load a
+different model without a word). Every rank digests its share of the files, on save and on
+load, so the check costs one read of the checkpoint spread over the ranks. Every failure of
+``torch.distributed.checkpoint`` or of the file system reaches the caller as a
+:class:`~fxpar.errors.CheckpointError` naming the checkpoint (DCP's own ``CheckpointException``
+derives from ``BaseException`` and would pass through ``except Exception``).
 
 **Strict.** A load compares the checkpoint's entries with the whole model's (every parameter
 and buffer, ``steps`` and ``random``): an entry the model lacks, or a model entry the checkpoint
@@ -49,6 +56,8 @@ named as step checkpoints.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import io
 import json
 import logging
@@ -57,7 +66,7 @@ import pickle
 import shutil
 import uuid
 import warnings
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -79,7 +88,9 @@ logger = logging.getLogger(__name__)
 
 RECORD = "fxpar-checkpoint.json"
 """The commit record's file name, inside the checkpoint directory."""
-_FORMAT = 1
+_FORMAT = 2
+"""Format 2 records each file's size and digest; format 1 (sizes only) loads too."""
+_DIGEST_CHUNK = 16 * 2**20
 
 
 def save(state: Mapping[str, Any], path: str | os.PathLike[str], *, distributed: bool) -> None:
@@ -92,14 +103,16 @@ def save(state: Mapping[str, Any], path: str | os.PathLike[str], *, distributed:
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
     version = _agree(f"v-{uuid.uuid4().hex[:16]}", distributed)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _typed_errors(f"writing the checkpoint at {path}"):
         # A one-device model saves without a process group, which is what torch warns of.
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         dcp.save(dict(state), checkpoint_id=os.fspath(root / version))
     # Every rank has written its files (a rank that died made the collective above fail).
     _settle(distributed)
+    with _typed_errors(f"digesting the checkpoint at {path}"):
+        digests = _digests(root / version, _share(root / version, distributed), distributed)
     if rank == 0:
-        _commit(root, version)
+        _commit(root, version, digests)
     _settle(distributed)
 
 
@@ -125,9 +138,12 @@ def load(
     from torch.distributed.checkpoint import FileSystemReader
 
     version = committed_version(path)
+    _check_digests(path, version, distributed)
     try:
         metadata = FileSystemReader(os.fspath(version)).read_metadata()
-    except Exception as error:
+    except BaseException as error:
+        if not isinstance(error, Exception) and isinstance(error, _PASSING):
+            raise
         raise CheckpointError(f"cannot read the checkpoint at {path}: {error}") from error
     saved = metadata.state_dict_metadata
     if strict:
@@ -140,7 +156,7 @@ def load(
                 "in this model"
             )
     wanted = {key: value for key, value in state.items() if key in saved}
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _typed_errors(f"reading the checkpoint at {path}"):
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
         dcp.load(wanted, checkpoint_id=os.fspath(version))
     _settle(distributed)
@@ -160,8 +176,8 @@ def committed_version(path: str | os.PathLike[str]) -> Path:
     try:
         record = json.loads(record_path.read_text())
         version, files = record["version"], record["files"]
-        if record.get("format") != _FORMAT:
-            raise ValueError(f"format {record.get('format')!r}, expected {_FORMAT}")
+        if record.get("format") not in (1, _FORMAT):
+            raise ValueError(f"format {record.get('format')!r}, expected 1 or {_FORMAT}")
     except FileNotFoundError:
         found = "nothing" if not root.exists() else f"{sorted(p.name for p in root.iterdir())}"
         raise CheckpointError(
@@ -173,7 +189,8 @@ def committed_version(path: str | os.PathLike[str]) -> Path:
         raise CheckpointError(f"cannot read the commit record {record_path}: {error}") from error
     directory = root / version
     damaged = []
-    for name, size in files.items():
+    for name, entry in files.items():
+        size = entry[0] if isinstance(entry, list) else entry  # format 2: [size, digest]
         file = directory / name
         if not file.is_file():
             damaged.append(f"{name} is missing")
@@ -335,14 +352,11 @@ def _listed(keys: Sequence[str]) -> str:
     return shown + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
 
 
-def _commit(root: Path, version: str) -> None:
-    """Point the record at ``version`` (atomically), then delete every other version."""
+def _commit(root: Path, version: str, digests: Mapping[str, str]) -> None:
+    """Point the record at ``version`` (atomically), with each file's size and ``digests``,
+    then delete every other version."""
     directory = root / version
-    files = {
-        str(file.relative_to(directory)): file.stat().st_size
-        for file in sorted(directory.rglob("*"))
-        if file.is_file()
-    }
+    files = {name: [(directory / name).stat().st_size, digests[name]] for name in digests}
     record = {"format": _FORMAT, "version": version, "files": files}
     temporary = root / f".{RECORD}.{version}.tmp"
     with open(temporary, "w") as stream:
@@ -353,6 +367,72 @@ def _commit(root: Path, version: str) -> None:
     for entry in root.iterdir():
         if entry.is_dir() and entry.name.startswith("v-") and entry.name != version:
             shutil.rmtree(entry, ignore_errors=True)
+
+
+_PASSING = (KeyboardInterrupt, SystemExit, GeneratorExit)
+"""What a typed error lets through: the user's interrupt and the process's exit."""
+
+
+@contextlib.contextmanager
+def _typed_errors(doing: str) -> Iterator[None]:
+    """Re-raise any failure inside the block (DCP's ``CheckpointException`` is a
+    ``BaseException``) as a :class:`~fxpar.errors.CheckpointError` saying what was being
+    done; interrupts and exits pass as they are."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except BaseException as error:
+        if isinstance(error, _PASSING):
+            raise
+        text = " ".join(str(error).split())
+        raise CheckpointError(f"{doing} failed: {type(error).__name__}: {text[:600]}") from error
+
+
+def _share(directory: Path, distributed: bool) -> list[str]:
+    """The files of ``directory`` this rank digests: every ``world``-th, from its rank."""
+    names = sorted(str(f.relative_to(directory)) for f in directory.rglob("*") if f.is_file())
+    if not distributed:
+        return names
+    return names[dist.get_rank() :: dist.get_world_size()]
+
+
+def _digest(file: Path) -> str:
+    digest = hashlib.blake2b(digest_size=16)
+    with open(file, "rb") as stream:
+        while chunk := stream.read(_DIGEST_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _digests(directory: Path, names: Sequence[str], distributed: bool) -> dict[str, str]:
+    """Every file's digest, each rank hashing ``names`` (its share): on every rank."""
+    mine = {name: _digest(directory / name) for name in names}
+    if not distributed:
+        return mine
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return {name: value for part in everyone for name, value in part.items()}
+
+
+def _check_digests(path: str | os.PathLike[str], directory: Path, distributed: bool) -> None:
+    """Raise :class:`~fxpar.errors.CheckpointError` on every rank if a file of the committed
+    version no longer hashes to its committed digest (each rank hashes its share)."""
+    record = json.loads((Path(path) / RECORD).read_text())
+    committed = {
+        name: entry[1] for name, entry in record["files"].items() if isinstance(entry, list)
+    }
+    found = _digests(directory, _share(directory, distributed), distributed)
+    changed = sorted(
+        name for name, digest in found.items() if name in committed and committed[name] != digest
+    )
+    if changed:
+        raise CheckpointError(
+            f"the checkpoint at {path} is damaged: {', '.join(changed[:3])} no longer "
+            f"match{'es' if len(changed) == 1 else ''} the digest committed with "
+            f"{'it' if len(changed) == 1 else 'them'} ({len(changed)} files changed since the "
+            "save, same sizes); restore it, or load another checkpoint"
+        )
 
 
 def _agree(proposal: str, distributed: bool) -> str:

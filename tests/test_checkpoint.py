@@ -115,6 +115,46 @@ def test_a_damaged_or_uncommitted_checkpoint_is_refused(tmp_path: Path) -> None:
         parallel.load(tmp_path / "checkpoint")
 
 
+def test_a_flipped_byte_inside_tensor_data_is_refused(tmp_path: Path) -> None:
+    """Same sizes, other bytes: the commit record's digests catch what its sizes cannot, and
+    the error is a CheckpointError naming the file (not DCP's BaseException, nor a model
+    that loads with other weights)."""
+    parallel = _compile(GPT(_config()))
+    parallel.step(*_batches(1) * 2)
+    parallel.save(tmp_path / "checkpoint")
+    (piece,) = fxpar.checkpoint.committed_version(tmp_path / "checkpoint").glob("*.distcp")
+    data = bytearray(piece.read_bytes())
+    data[len(data) // 2] ^= 0x10  # inside some tensor's bytes
+    piece.write_bytes(bytes(data))
+    before = {name: tensor.clone() for name, tensor in parallel.parameters.items()}
+    with pytest.raises(CheckpointError, match=r"damaged: __0_0.distcp no longer matches"):
+        parallel.load(tmp_path / "checkpoint")
+    assert all(torch.equal(parallel.parameters[n], t) for n, t in before.items())
+
+
+def test_failures_inside_torch_distributed_checkpoint_are_checkpoint_errors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DCP raises CheckpointException, a BaseException that ``except Exception`` misses:
+    saves and loads raise a CheckpointError saying what failed instead."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    parallel = _compile(GPT(_config()))
+    parallel.save(tmp_path / "good")
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise CheckpointException("planning", {0: (OSError("disk quota exceeded"), None)})
+
+    monkeypatch.setattr(torch.distributed.checkpoint, "save", refuse)
+    monkeypatch.setattr(torch.distributed.checkpoint, "load", refuse)
+    with pytest.raises(CheckpointError, match=r"writing the checkpoint at .* failed"):
+        parallel.save(tmp_path / "bad")
+    with pytest.raises(CheckpointError, match=r"reading the checkpoint at .* failed"):
+        parallel.load(tmp_path / "good")
+    monkeypatch.undo()
+    parallel.load(tmp_path / "good")  # the failed save left the good one as it was
+
+
 def test_a_new_save_replaces_the_old_version(tmp_path: Path) -> None:
     parallel = _compile(GPT(_config()))
     tokens = _batches(1)[0]
