@@ -22,8 +22,9 @@ longer hash to the digest committed (a flipped bit inside tensor data would othe
 different model without a word). Every rank digests its share of the files, on save and on
 load, so the check costs one read of the checkpoint spread over the ranks. SHA-256, because it
 is the fastest of hashlib's digests where CPUs have instructions for it (1.3 GiB/s on the
-development machine, BLAKE2b 0.44 GiB/s): see benchmarks/README.md, "checkpoint.py". Every failure of
-``torch.distributed.checkpoint`` or of the file system reaches the caller as a
+development machine, BLAKE2b 0.44 GiB/s): see benchmarks/README.md, "checkpoint.py".
+
+Every failure of ``torch.distributed.checkpoint`` or of the file system reaches the caller as a
 :class:`~fxpar.errors.CheckpointError` naming the checkpoint (DCP's own ``CheckpointException``
 derives from ``BaseException`` and would pass through ``except Exception``).
 
