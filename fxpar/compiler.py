@@ -109,6 +109,7 @@ def compile(
     pipeline: None = None,
     init: str | os.PathLike[str] | None = None,
     mixed_precision: MixedPrecision | None = None,
+    max_kept_steps: int = 32,
 ) -> ParallelModel: ...
 
 
@@ -132,6 +133,7 @@ def compile(
     pipeline: Pipeline,
     init: str | os.PathLike[str] | None = None,
     mixed_precision: None = None,
+    max_kept_steps: int = 32,
 ) -> PipelineModel: ...
 
 
@@ -154,6 +156,7 @@ def compile(
     pipeline: Pipeline | None = None,
     init: str | os.PathLike[str] | None = None,
     mixed_precision: MixedPrecision | None = None,
+    max_kept_steps: int = 32,
 ) -> ParallelModel | PipelineModel:
     """Plan ``model``'s training step for ``cluster`` and build this process's share of it.
 
@@ -212,7 +215,17 @@ def compile(
         mixed_precision: compute in ``param_dtype`` with float32 master weights and optimizer
             state, gradients reduced in ``reduce_dtype`` (:class:`fxpar.MixedPrecision`,
             docs/training.md), pipelines too.
+        max_kept_steps: the most planned steps of other shapes and modes kept besides the
+            one compiled for; past it the one used least recently is dropped, and planned
+            again if it comes back, so a long run over ever new shapes stays bounded (a
+            pipeline keeps each of its steps).
     """
+    if (
+        isinstance(max_kept_steps, bool)
+        or not isinstance(max_kept_steps, int)
+        or max_kept_steps < 0
+    ):
+        raise FxparError(f"max_kept_steps must be a whole number >= 0, got {max_kept_steps!r}")
     optimizer = check_optimizer(optimizer if optimizer is not None else AdamW())
     mixed_precision = check_policy(mixed_precision)
     intra_op = any(value is not None for value in (passes, solver, manual, pins, options, rules))
@@ -246,6 +259,7 @@ def compile(
     driver = Driver(
         model, example_inputs, loss_fn, cluster, passes, example_targets=example_targets,
         mixed_precision=mixed_precision, device=rank_device(cluster.device_type),
+        max_steps=max_kept_steps,
     )  # fmt: skip
     step = driver.training_step()  # capture -> passes -> lower
     return ParallelModel(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,8 +82,15 @@ class Driver:
     mixed_precision: MixedPrecision | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     """Where this process runs the programs (:func:`fxpar.runtime.devices.rank_device`)."""
-    _steps: dict[StepKey, LoweredStep] = field(default_factory=dict, repr=False)
-    _deferred: dict[int, LoweredStep] = field(default_factory=dict, repr=False)
+    max_steps: int = 32
+    """The most steps kept besides the training step compiled for: past it the one used
+    least recently is dropped (with its ``no_sync`` twin), and planned again if it comes back,
+    so a run over ever new shapes holds a bounded number of programs."""
+    _steps: OrderedDict[StepKey, LoweredStep] = field(default_factory=OrderedDict, repr=False)
+    _deferred: dict[int, tuple[LoweredStep, LoweredStep]] = field(default_factory=dict, repr=False)
+    """Each kept step's ``no_sync`` lowering, by the step's id (with the step, which keeps the
+    id its own while the entry lives)."""
+    _compiled_key: StepKey | None = field(default=None, repr=False)
     _conversions: dict[Hashable, fx.GraphModule] = field(default_factory=dict, repr=False)
     _state: dict[str, Spec] | None = field(default=None, repr=False)
     """Every parameter's and buffer's spec in the training plan (after the first step)."""
@@ -123,7 +131,8 @@ class Driver:
         step = self.lower(self.plan(program))
         names = step.signature.parameters + step.signature.buffers
         self._state = {name: step.specs[name] for name in names}
-        self._steps[step_key("train", training, step.batch.metas)] = step
+        self._compiled_key = step_key("train", training, step.batch.metas)
+        self._steps[self._compiled_key] = step
         return step
 
     def step(
@@ -138,7 +147,7 @@ class Driver:
         then loss targets), made on first sight."""
         key = step_key(kind, training, metas)
         if key in self._steps:
-            return self._steps[key]
+            return self._kept(key)
         before_planning()
         shaped = [_meta_tensor(meta) for meta in metas]
         count = len(batch_tensors(self.example_inputs))
@@ -155,7 +164,7 @@ class Driver:
         sight."""
         key = forward_key(training, inputs, metas)
         if key in self._steps:
-            return self._steps[key]
+            return self._kept(key)
         shaped = with_batch_tensors(inputs, [_meta_tensor(meta) for meta in metas])
 
         def traced() -> Program:
@@ -166,10 +175,11 @@ class Driver:
     def deferred(self, step: LoweredStep) -> LoweredStep:
         """``step`` lowered with its gradients left where the backward made them (what a
         backward under ``no_sync`` runs)."""
-        key = id(step)  # steps are kept for the driver's life, so their ids stay theirs
-        if key not in self._deferred:
-            self._deferred[key] = lowered_step(step.plan, defer_gradients=True, device=self.device)
-        return self._deferred[key]
+        kept = self._deferred.get(id(step))
+        if kept is None or kept[0] is not step:
+            deferred = lowered_step(step.plan, defer_gradients=True, device=self.device)
+            kept = self._deferred[id(step)] = (step, deferred)
+        return kept[1]
 
     def conversion(
         self,
@@ -204,7 +214,26 @@ class Driver:
             key[0], mode, key[2], time.perf_counter() - started,
         )  # fmt: skip
         self._steps[key] = step
+        self._bound()
         return step
+
+    @property
+    def kept(self) -> int:
+        """How many lowered steps the driver holds."""
+        return len(self._steps)
+
+    def _kept(self, key: StepKey) -> LoweredStep:
+        self._steps.move_to_end(key)
+        return self._steps[key]
+
+    def _bound(self) -> None:
+        """Drop the least recently used steps (never the one compiled for) past
+        :attr:`max_steps`."""
+        while len(self._steps) > self.max_steps + 1:
+            key = next(k for k in self._steps if k != self._compiled_key)
+            dropped = self._steps.pop(key)
+            self._deferred.pop(id(dropped), None)
+            logger.debug("dropped a kept %s step, the one used least recently", key[0])
 
 
 def _meta_tensor(meta: ir.TensorMeta) -> torch.Tensor:

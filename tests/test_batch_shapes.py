@@ -121,3 +121,34 @@ def test_planning_a_new_shape_or_mode_says_so_once_with_its_time(
         r"planned a train step \(train mode\) for .*\(2, 8\).* in \d+\.\d\d s", lines[0]
     )
     assert re.fullmatch(r"planned a loss step \(eval mode\) for .* in \d+\.\d\d s", lines[1])
+
+
+def test_the_steps_kept_are_bounded_and_a_dropped_one_is_planned_again() -> None:
+    """With ``max_kept_steps=1`` the driver holds the compiled step and one other: a third
+    shape drops the one used least recently, which is planned again when it comes back, and
+    training still equals one device's."""
+    torch.manual_seed(0)
+    tokens = _batches()[0]
+    parallel = fxpar.compile(
+        GPT(CONFIG), splitting_cluster((1,)), (tokens,), gpt_loss, example_targets=(tokens,),
+        optimizer=fxpar.optim.SGD(lr=0.2), max_kept_steps=1,
+    )  # fmt: skip
+    driver = parallel._source
+    losses, plans = [], []
+    for batch in _batches():  # shapes (4, 8), (2, 8), (4, 16), (4, 8), (2, 8)
+        losses.append(parallel.step(batch, batch).item())
+        plans.append(parallel.plan)
+        assert driver.kept <= 2  # type: ignore[attr-defined]
+    assert plans[3] is plans[0]  # the compiled step is never dropped
+    assert plans[4] is not plans[1]  # (2, 8) was dropped for (4, 16), and planned again
+    assert losses == pytest.approx(_single_device()["losses"], rel=1e-5)
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True])
+def test_max_kept_steps_must_be_a_whole_number(bad: object) -> None:
+    tokens = _batches()[0]
+    with pytest.raises(FxparError, match="max_kept_steps must be a whole number"):
+        fxpar.compile(
+            GPT(CONFIG), fxpar.Cluster((1,)), (tokens,), gpt_loss, example_targets=(tokens,),
+            max_kept_steps=bad,  # type: ignore[arg-type]
+        )  # fmt: skip

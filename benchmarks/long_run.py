@@ -1,0 +1,91 @@
+"""A long run: does anything grow? Memory, open files, threads and kept programs over 10,000 steps.
+
+fxpar's GPT (2 layers, width 32) trains ``--steps`` SGD steps under the ILP's plan on ``--world``
+gloo processes; every ``--phase`` steps the sequence length changes, cycling through
+``--lengths`` lengths, so the driver plans new steps and, with ``--keep`` below the number of
+lengths, drops and re-plans old ones (``fxpar.compile(max_kept_steps=...)``). Every
+``--every`` steps rank 0 records its resident memory (``VmRSS``), open file descriptors,
+threads and the steps its driver keeps; the table shows them, and the last row's growth over
+the first sample taken after every length has been seen once.
+
+    python benchmarks/long_run.py                     # 10,000 steps on 2 processes
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+import fxpar
+from fxpar.models import GPT, GPTConfig, gpt_loss
+from fxpar.runtime.launch import spawn
+
+CONFIG = GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size=64, bias=False)
+
+
+def _resident_mib() -> float:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _run(rank: int, world: int, args: argparse.Namespace) -> list[tuple[int, ...] | tuple]:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    lengths = [8 + 4 * i for i in range(args.lengths)]
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, CONFIG.vocab_size, (4, lengths[0]), generator=generator)
+    parallel = fxpar.compile(
+        GPT(CONFIG), fxpar.Cluster((world,)), (tokens,), gpt_loss, example_targets=(tokens,),
+        optimizer=fxpar.optim.SGD(lr=0.05), max_kept_steps=args.keep,
+    )  # fmt: skip
+    samples = []
+    start = time.perf_counter()
+    for step in range(args.steps):
+        length = lengths[(step // args.phase) % len(lengths)]
+        batch = torch.randint(0, CONFIG.vocab_size, (4, length), generator=generator)
+        loss = parallel.step(batch, batch)
+        if step % args.every == args.every - 1:
+            samples.append((
+                step + 1, round(time.perf_counter() - start, 1), round(_resident_mib(), 1),
+                len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task")),
+                parallel._source.kept, round(loss.item(), 3),
+            ))  # fmt: skip
+    return samples
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10_000)
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--lengths", type=int, default=8)
+    parser.add_argument("--phase", type=int, default=250)
+    parser.add_argument("--keep", type=int, default=4)
+    parser.add_argument("--every", type=int, default=1000)
+    args = parser.parse_args()
+    samples = spawn(_run, args.world, args, timeout_s=3600)[0]
+    print(
+        f"{args.steps} steps on {args.world} gloo processes, {args.lengths} sequence lengths "
+        f"changing every {args.phase} steps, max_kept_steps={args.keep} (rank 0):"
+    )
+    print("| step | seconds | resident MiB | open fds | threads | kept steps | loss |")
+    print("|---|---|---|---|---|---|---|")
+    for sample in samples:
+        print("| " + " | ".join(str(value) for value in sample) + " |")
+    seen = args.lengths * args.phase
+    settled = next((s for s in samples if s[0] >= seen), samples[0])
+    last = samples[-1]
+    print(
+        f"from step {settled[0]} (every length seen) to {last[0]}: resident "
+        f"{last[2] - settled[2]:+.1f} MiB, fds {last[3] - settled[3]:+d}, threads "
+        f"{last[4] - settled[4]:+d}"
+    )
+
+
+if __name__ == "__main__":
+    main()
