@@ -152,3 +152,29 @@ def test_max_kept_steps_must_be_a_whole_number(bad: object) -> None:
             GPT(CONFIG), fxpar.Cluster((1,)), (tokens,), gpt_loss, example_targets=(tokens,),
             max_kept_steps=bad,  # type: ignore[arg-type]
         )  # fmt: skip
+
+
+def test_dropped_steps_are_freed() -> None:
+    """Steps the driver drops leave nothing behind: re-planning shapes over and over holds no
+    more graph nodes after than before (a placed-program cache once kept every one alive)."""
+    import gc
+
+    import torch.fx as fx
+
+    torch.manual_seed(0)
+    tokens = _batches()[0]
+    parallel = fxpar.compile(
+        GPT(CONFIG), fxpar.Cluster((1,)), (tokens,), gpt_loss, example_targets=(tokens,),
+        optimizer=fxpar.optim.SGD(lr=0.1), max_kept_steps=1,
+    )  # fmt: skip
+    shapes = [(4, 4), (4, 6), (4, 12)]
+
+    def replan(count: int) -> int:
+        for index in range(count):
+            batch = tokens.new_zeros(shapes[index % len(shapes)])
+            parallel.step(batch, batch)
+        gc.collect()
+        return sum(isinstance(o, fx.Node) for o in gc.get_objects())
+
+    before = replan(3)
+    assert replan(9) <= before

@@ -34,7 +34,7 @@ import torch.fx as fx
 aten = torch.ops.aten
 
 _placed: weakref.WeakKeyDictionary[
-    fx.GraphModule, dict[torch.device, tuple[str, fx.GraphModule]]
+    fx.GraphModule, dict[torch.device, tuple[str, fx.GraphModule | None]]
 ] = weakref.WeakKeyDictionary()
 """Each module's placed copies by device, with the code each was made from (a pass that
 changes the module in place makes a new copy on the next call)."""
@@ -51,8 +51,11 @@ def place(graph_module: fx.GraphModule, device: torch.device | str) -> fx.GraphM
     copies = _placed.setdefault(graph_module, {})
     made = copies.get(device)
     if made is None or made[0] is not graph_module.code:
-        made = copies[device] = (graph_module.code, _place(graph_module, device))
-    return made[1]
+        placed = _place(graph_module, device)
+        # A program already on its device is kept as None: a value that held the module
+        # itself would keep its weak key alive, and every dropped program with it.
+        made = copies[device] = (graph_module.code, None if placed is graph_module else placed)
+    return graph_module if made[1] is None else made[1]
 
 
 def device_of(tensors: Any) -> torch.device:
