@@ -169,16 +169,14 @@ def attention(
     Random dropout never reaches a program (capture draws random numbers ahead, see
     :mod:`fxpar.ir.rng`), so ``dropout_p`` is 0."""
     _check_no_dropout(dropout_p)
-    expected = _cpu_forward_meta(query, key, value, is_causal, attn_mask, scale)
+    expected = _cpu_layouts("forward", query, key, value, is_causal, attn_mask, scale)
     groups = query.shape[-3] // key.shape[-3]
     key, value = _repeat_heads(key, groups), _repeat_heads(value, groups)
     route = _route(query, key, attn_mask, is_causal)
     if route == "cudnn":
         output, logsumexp = _cudnn_forward(query, key, value, is_causal, scale)
     elif route == "flash":
-        output, logsumexp, *_ = aten._scaled_dot_product_flash_attention.default(
-            query, key, value, 0.0, is_causal, False, scale=scale
-        )
+        output, logsumexp = _flash_forward(query, key, value, is_causal, scale)
     elif route == "efficient":
         output, logsumexp, _, _ = aten._scaled_dot_product_efficient_attention.default(
             query, key, value, _bias(attn_mask, query, key), True, 0.0, is_causal, scale=scale
@@ -205,7 +203,7 @@ def attention_backward(
     """``aten._scaled_dot_product_flash_attention_for_cpu_backward`` on any device: the
     gradients of the query, key and value, of the CPU kernel's shapes and strides."""
     _check_no_dropout(dropout_p)
-    expected = _cpu_backward_meta(query, key, value, is_causal, attn_mask, scale)
+    expected = _cpu_layouts("backward", query, key, value, is_causal, attn_mask, scale)
     groups = query.shape[-3] // key.shape[-3]
     whole_key, whole_value = _repeat_heads(key, groups), _repeat_heads(value, groups)
     route = _route(query, whole_key, attn_mask, is_causal)
@@ -214,15 +212,9 @@ def attention_backward(
             grad_out, query, whole_key, whole_value, out, logsumexp, is_causal, scale
         )
     elif route == "flash":
-        length_q, length_k = query.shape[-2], whole_key.shape[-2]
-        # Dense (not variable-length) batches pass no cumulative lengths; without dropout the
-        # random seed and offset are never read.
-        seed = torch.zeros(2, dtype=torch.uint64, device=query.device)
-        offset = torch.zeros((), dtype=torch.uint64, device=query.device)
-        grads = aten._scaled_dot_product_flash_attention_backward.default(
-            grad_out, query, whole_key, whole_value, out, logsumexp.contiguous(), None, None,
-            length_q, length_k, 0.0, is_causal, seed, offset, scale=scale,
-        )  # fmt: skip
+        grads = _flash_backward(
+            grad_out, query, whole_key, whole_value, out, logsumexp, is_causal, scale
+        )
     elif route == "efficient":
         padded = -(-query.shape[-2] // 32) * 32
         logsumexp = torch.nn.functional.pad(logsumexp, (0, padded - logsumexp.shape[-1]))
@@ -270,6 +262,41 @@ def _route(
     if head <= 512 and (attn_mask is None or key.shape[-2] % 16 == 0):
         return "efficient"
     return "math"
+
+
+def _flash_forward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    is_causal: bool,
+    scale: float | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """CUDA's flash attention: the output and the log-sum-exp as (batch, heads, queries)."""
+    output, logsumexp, *_ = aten._scaled_dot_product_flash_attention.default(
+        query, key, value, 0.0, is_causal, False, scale=scale
+    )
+    return output, logsumexp
+
+
+def _flash_backward(
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    logsumexp: torch.Tensor,
+    is_causal: bool,
+    scale: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # Dense (not variable-length) batches pass no cumulative lengths; without dropout the
+    # random seed and offset are never read.
+    seed = torch.zeros(2, dtype=torch.uint64, device=query.device)
+    offset = torch.zeros((), dtype=torch.uint64, device=query.device)
+    grads = aten._scaled_dot_product_flash_attention_backward.default(
+        grad_out, query, key, value, out, logsumexp.contiguous(), None, None,
+        query.shape[-2], key.shape[-2], 0.0, is_causal, seed, offset, scale=scale,
+    )  # fmt: skip
+    return grads[0], grads[1], grads[2]
 
 
 def _cudnn_forward(
@@ -330,12 +357,8 @@ def _cudnn_agrees(device: torch.device) -> bool:
     try:
         out, lse = _cudnn_forward(q, k, v, True, None)
         grads = _cudnn_backward(grad, q, k, v, out, lse, True, None)
-        want, want_lse, *_ = aten._scaled_dot_product_flash_attention.default(q, k, v, 0.0, True)
-        seed = torch.zeros(2, dtype=torch.uint64, device=device)
-        offset = torch.zeros((), dtype=torch.uint64, device=device)
-        want_grads = aten._scaled_dot_product_flash_attention_backward.default(
-            grad, q, k, v, want, want_lse, None, None, 64, 64, 0.0, True, seed, offset
-        )
+        want, want_lse = _flash_forward(q, k, v, True, None)
+        want_grads = _flash_backward(grad, q, k, v, want, want_lse, True, None)
     except RuntimeError:
         return False
     pairs = [(out, want), (lse, want_lse), *zip(grads, want_grads, strict=True)]
@@ -428,25 +451,8 @@ def _math_attention_backward(
     return grad_query.to(query.dtype), grad_key.to(key.dtype), grad_value.to(value.dtype)
 
 
-def _meta_of(tensor: torch.Tensor | None) -> torch.Tensor | None:
-    if tensor is None:
-        return None
-    return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device="meta")
-
-
-def _cpu_forward_meta(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    is_causal: bool,
-    mask: torch.Tensor | None,
-    scale: float | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the CPU kernel's outputs look like for these inputs (its meta function)."""
-    return _cpu_metas("forward", _key(query), _key(key), _key(value), is_causal, _key(mask), scale)  # type: ignore[return-value]
-
-
-def _cpu_backward_meta(
+def _cpu_layouts(
+    which: str,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -454,7 +460,9 @@ def _cpu_backward_meta(
     mask: torch.Tensor | None,
     scale: float | None,
 ) -> tuple[torch.Tensor, ...]:
-    return _cpu_metas("backward", _key(query), _key(key), _key(value), is_causal, _key(mask), scale)
+    """What the CPU kernel's ``which`` (``"forward"`` or ``"backward"``) outputs look like
+    for these inputs: meta tensors from its meta function, kept by the inputs' layouts."""
+    return _cpu_metas(which, _key(query), _key(key), _key(value), is_causal, _key(mask), scale)
 
 
 def _key(tensor: torch.Tensor | None) -> tuple[Any, ...] | None:
