@@ -40,24 +40,15 @@ import transformers
 
 import fxpar
 from fxpar.planning.plan import score
-from fxpar.runtime import fastcall
+from fxpar.runtime import devices, fastcall
 
 PEAK_BF16 = 989e12
 GPU = torch.cuda.is_available()
-
-
-def synchronize() -> None:
-    if GPU:
-        torch.cuda.synchronize()
-
-
-def reset_peak() -> None:
-    if GPU:
-        torch.cuda.reset_peak_memory_stats()
+DEVICE = torch.device("cuda" if GPU else "cpu")
 
 
 def peak() -> int:
-    return torch.cuda.max_memory_allocated() if GPU else 0
+    return devices.peak_memory(DEVICE) or 0
 
 
 def llama(args: argparse.Namespace) -> transformers.LlamaForCausalLM:
@@ -73,12 +64,12 @@ def llama(args: argparse.Namespace) -> transformers.LlamaForCausalLM:
 def time_steps(step: Callable[[], torch.Tensor], warmup: int, steps: int) -> tuple[list, float]:
     for _ in range(warmup):
         step()
-    synchronize()
+    devices.synchronize(DEVICE)
     times, loss = [], 0.0
     for _ in range(steps):
         start = time.perf_counter()
         loss = step().item()  # .item() waits for the step
-        synchronize()
+        devices.synchronize(DEVICE)
         times.append(time.perf_counter() - start)
     return times, loss
 
@@ -96,7 +87,7 @@ def torch_variant(args: argparse.Namespace, ids: torch.Tensor, compiled: bool) -
         optimizer.step()
         return loss.detach()
 
-    reset_peak()
+    devices.reset_peak_memory(DEVICE)
     started = time.perf_counter()
     times, loss = time_steps(step, warmup_steps(args), args.steps)
     result = {"times": times, "loss": loss, "peak": peak(),
@@ -117,7 +108,7 @@ def fxpar_variant(args: argparse.Namespace, ids: torch.Tensor) -> dict:
     compile_seconds = time.perf_counter() - started
     del model
     gc.collect()
-    reset_peak()
+    devices.reset_peak_memory(DEVICE)
     step = lambda: parallel.step(input_ids=ids, labels=ids)  # noqa: E731
     times, loss = time_steps(step, warmup_steps(args), args.steps)
     estimates = {"h100 preset": score(parallel.plan)}
@@ -144,11 +135,11 @@ def profile(args: argparse.Namespace, name: str, step: Callable[[], torch.Tensor
     from torch.profiler import profile as profiler
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if GPU else [])
-    synchronize()
+    devices.synchronize(DEVICE)
     with profiler(activities=activities) as traced:
         started = time.perf_counter()
         step()
-        synchronize()
+        devices.synchronize(DEVICE)
         wall = time.perf_counter() - started
     events = traced.key_averages()
     table = events.table(sort_by="self_device_time_total" if GPU else "self_cpu_time_total",

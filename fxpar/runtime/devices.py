@@ -87,14 +87,6 @@ def stages_through_host(device: torch.device, group: Any = None) -> bool:
     return dist.get_backend(group) == "gloo"
 
 
-def mesh_device_type(device_type: str) -> str:
-    """The device type of the DeviceMesh (and so of the DTensors of checkpoints and gathered
-    outputs): the cluster's where the backend moves its tensors, the CPU over gloo."""
-    if device_type == "cuda" and dist.is_initialized() and dist.get_backend() != "gloo":
-        return "cuda"
-    return "cpu"
-
-
 def for_collective(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
     """``tensor`` where the backend of ``group`` reads it: on the CPU for gloo, on the
     current GPU for NCCL (a copy where it is elsewhere)."""
@@ -191,7 +183,6 @@ __all__ = [
     "default_backend",
     "for_collective",
     "local_rank",
-    "mesh_device_type",
     "peak_memory",
     "rank_device",
     "reset_peak_memory",
