@@ -140,13 +140,13 @@ def load(
     from torch.distributed import checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
-    version = committed_version(path)
-    _check_digests(path, version, distributed)
+    version, digests = _committed(path)
+    _check_digests(path, version, digests, distributed)
     try:
         metadata = FileSystemReader(os.fspath(version)).read_metadata()
+    except _PASSING:
+        raise
     except BaseException as error:
-        if not isinstance(error, Exception) and isinstance(error, _PASSING):
-            raise
         raise CheckpointError(f"cannot read the checkpoint at {path}: {error}") from error
     saved = metadata.state_dict_metadata
     if strict:
@@ -174,6 +174,12 @@ def committed_version(path: str | os.PathLike[str]) -> Path:
         CheckpointError: no record (nothing saved there, an interrupted first save, or not an
             fxpar checkpoint), or files missing or changed since the commit.
     """
+    return _committed(path)[0]
+
+
+def _committed(path: str | os.PathLike[str]) -> tuple[Path, dict[str, str]]:
+    """:func:`committed_version`, and the digest the record committed for each file (none
+    in a format 1 record)."""
     root = Path(path)
     record_path = root / RECORD
     try:
@@ -205,7 +211,8 @@ def committed_version(path: str | os.PathLike[str]) -> Path:
             f"({len(damaged)} files differ from its commit record); restore it, or load "
             "another checkpoint"
         )
-    return directory
+    digests = {name: entry[1] for name, entry in files.items() if isinstance(entry, list)}
+    return directory, digests
 
 
 STEP_PREFIX = "step-"
@@ -418,13 +425,17 @@ def _digests(directory: Path, names: Sequence[str], distributed: bool) -> dict[s
     return {name: value for part in everyone for name, value in part.items()}
 
 
-def _check_digests(path: str | os.PathLike[str], directory: Path, distributed: bool) -> None:
+def _check_digests(
+    path: str | os.PathLike[str],
+    directory: Path,
+    committed: Mapping[str, str],
+    distributed: bool,
+) -> None:
     """Raise :class:`~fxpar.errors.CheckpointError` on every rank if a file of the committed
-    version no longer hashes to its committed digest (each rank hashes its share)."""
-    record = json.loads((Path(path) / RECORD).read_text())
-    committed = {
-        name: entry[1] for name, entry in record["files"].items() if isinstance(entry, list)
-    }
+    version no longer hashes to its ``committed`` digest (each rank hashes its share). A
+    format 1 record commits none: nothing to hash."""
+    if not committed:
+        return
     found = _digests(directory, _share(directory, distributed), distributed)
     changed = sorted(
         name for name, digest in found.items() if name in committed and committed[name] != digest
