@@ -138,7 +138,7 @@ def test_named_plans_and_the_ilp_with_dropout_train_like_the_program() -> None:
 
 def test_random_state_leaves_the_users_generator_alone() -> None:
     torch.manual_seed(3)
-    state = RandomState.from_rank_zero(distributed=False)
+    state = RandomState(torch.get_rng_state())
     program = fxpar.capture(MLP(dropout=0.5), (torch.randn(8, 16),), lambda out: out.sum())
     before = torch.get_rng_state()
     first = state.draw(program.signature.random)

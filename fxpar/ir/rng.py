@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.fx as fx
 
 aten = torch.ops.aten
@@ -157,25 +156,14 @@ class RandomState:
     """fxpar's random number generator state, the same on every rank (see the module docstring).
 
     Drawing swaps it into torch's default CPU generator for the duration and back out, so the
-    user's own generator is neither read nor advanced by a step.
+    user's own generator is neither read nor advanced by a step. A compiled model starts it
+    from rank 0's ``torch.get_rng_state()``, broadcast to every rank
+    (:func:`fxpar.runtime.devices.broadcast_from_rank_zero`): the step draws what one device
+    would draw after the same ``torch.manual_seed`` and model construction.
     """
 
     def __init__(self, state: torch.Tensor) -> None:
         self.state = state.clone()
-
-    @staticmethod
-    def from_rank_zero(distributed: bool) -> RandomState:
-        """A copy of rank 0's default generator, on every rank: the step draws what one device
-        would draw after the same ``torch.manual_seed`` and model construction."""
-        state = torch.get_rng_state()
-        if distributed:
-            if dist.get_backend() == "nccl":  # NCCL moves GPU tensors only
-                moved = state.to(torch.device("cuda", torch.cuda.current_device()))
-                dist.broadcast(moved, src=0)
-                state = moved.cpu()
-            else:
-                dist.broadcast(state, src=0)
-        return RandomState(state)
 
     def draw(self, draws: Sequence[RandomDraw]) -> list[torch.Tensor]:
         """Draw ``draws`` in order, advancing this state."""

@@ -102,6 +102,7 @@ from fxpar.planning.plan import Plan
 from fxpar.runtime import waiting
 from fxpar.runtime.batches import BatchSignature
 from fxpar.runtime.communicators import OneDeviceCommunicator, ProcessGroupCommunicator
+from fxpar.runtime.devices import broadcast_from_rank_zero
 from fxpar.runtime.fingerprint import check_same_model
 from fxpar.runtime.lowered import call_inputs, forward_key
 from fxpar.runtime.trainer import Trainer
@@ -308,7 +309,9 @@ class PipelineModel(Trainer):
             torch.float32,
         )
         self.optimizer = self.optimizer_spec.build([self.parameters[n] for n in self._trainable])
-        self.random = RandomState.from_rank_zero(distributed)
+        self.random = RandomState(
+            broadcast_from_rank_zero(torch.get_rng_state(), distributed=distributed)
+        )
         """The generator the step's random ops draw from, the same on every rank."""
         self.gradients: dict[str, torch.Tensor] = {}
         self._syncing = True

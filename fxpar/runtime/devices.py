@@ -97,6 +97,16 @@ def for_collective(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
     return tensor.to(torch.device("cuda", torch.cuda.current_device()))
 
 
+def broadcast_from_rank_zero(tensor: torch.Tensor, *, distributed: bool) -> torch.Tensor:
+    """Rank 0's ``tensor``, on every rank and on ``tensor``'s device (it travels where the
+    backend reads it, :func:`for_collective`); ``tensor`` itself without ``distributed``."""
+    if not distributed:
+        return tensor
+    moved = for_collective(tensor)
+    dist.broadcast(moved, src=0)
+    return moved.to(tensor.device)
+
+
 def peak_memory(device: torch.device) -> int | None:
     """The most bytes this process has held on ``device`` since the last
     :func:`reset_peak_memory` (``torch.cuda.max_memory_allocated``); None on the CPU, where
@@ -179,6 +189,7 @@ class _CopyBack:
 __all__ = [
     "DEVICE_TYPES",
     "HostStaged",
+    "broadcast_from_rank_zero",
     "check_device_type",
     "default_backend",
     "for_collective",

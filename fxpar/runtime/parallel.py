@@ -45,7 +45,7 @@ from fxpar.runtime.batches import (
     global_rows,
 )
 from fxpar.runtime.communicators import OneDeviceCommunicator, ProcessGroupCommunicator
-from fxpar.runtime.devices import HostStaged, stages_through_host
+from fxpar.runtime.devices import HostStaged, broadcast_from_rank_zero, stages_through_host
 from fxpar.runtime.fingerprint import check_same_model
 from fxpar.runtime.lowered import LoweredStep, StepSource, call_inputs
 from fxpar.runtime.trainer import Trainer
@@ -139,7 +139,10 @@ class ParallelModel(Trainer):
         self._unsynced: dict[tuple[str, Spec], torch.Tensor] = {}
         """Gradients summed unreduced inside no_sync, by parameter and the spec they are in."""
         self.optimizer = optimizer.build(self.trainable)
-        self.random = RandomState.from_rank_zero(distributed=device_mesh is not None)
+        rank_zero = broadcast_from_rank_zero(
+            torch.get_rng_state(), distributed=device_mesh is not None
+        )
+        self.random = RandomState(rank_zero)
         """The generator the step's random ops draw from, the same on every rank."""
         self.steps = 0
 

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import Shard
@@ -36,7 +35,7 @@ from fxpar.cluster import Coordinate
 from fxpar.errors import CheckpointError, FxparError
 from fxpar.ir.program import named_state
 from fxpar.runtime.deferred import recording_of
-from fxpar.runtime.devices import for_collective
+from fxpar.runtime.devices import broadcast_from_rank_zero
 from fxpar.sharding import Spec
 
 _INDEX = "model.safetensors.index.json"
@@ -97,11 +96,7 @@ def initial_pieces(
                 assert recording is not None
                 local[name] = piece.of(_cast(recording.materialize(name), tensor))
         else:
-            whole = tensor.detach().clone()
-            if distributed:
-                moved = for_collective(whole)  # the CPU for gloo, the GPU for NCCL
-                dist.broadcast(moved, src=0)
-                whole = moved.to(whole.device)
+            whole = broadcast_from_rank_zero(tensor.detach().clone(), distributed=distributed)
             if piece is not None:
                 local[name] = piece.of(whole)
     return local
