@@ -32,11 +32,22 @@ from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.models.corpus import batches, corpus_tokens
 from fxpar.models.shapes import GPT2_SHAPES, LLAMA_LAYERS, llama
 from fxpar.passes import PassManager, default_passes, plan_program
-from fxpar.pipeline import Pipeline, plan_stages
+from fxpar.pipeline import (
+    PassPlanner,
+    Pipeline,
+    PipelineSearch,
+    StageChoice,
+    capture_microbatch,
+    search_pipelines,
+)
+from fxpar.pipeline.options import ScheduleName
+from fxpar.pipeline.stage_choice import format_seconds
+from fxpar.planning.plan import Plan
 from fxpar.planning.problem import PlanOptions
 from fxpar.runtime.calibration import Calibration, measure
 from fxpar.runtime.launch import spawn
 from fxpar.solvers import ExhaustiveSolver, GreedySolver, ILPSolver
+from fxpar.solvers.errors import InfeasiblePlanError
 
 MANUAL_PLANS: dict[str, Callable[..., fxpar.Program]] = {
     "data_parallel": plans.data_parallel,
@@ -270,6 +281,7 @@ def plan_command(args: argparse.Namespace) -> int:
     target = build_target(args.model, args.batch, args.length)
     params = sum(p.numel() for p in target.model.parameters())
     print(f"planning {args.model} ({params / 1e9:.2f}B parameters, on meta) for {cluster}")
+    counts = _microbatch_counts(args.microbatches)
     start = time.perf_counter()
     policy = (
         fxpar.MixedPrecision(torch.bfloat16, reduce_dtype=torch.float32)
@@ -281,24 +293,107 @@ def plan_command(args: argparse.Namespace) -> int:
         example_targets=target.example_targets, mixed_precision=policy,
     )  # fmt: skip
     captured = time.perf_counter() - start
-    options = PlanOptions(remat=args.recompute)
-    plan = plan_program(program, cluster, passes=_pipeline(args.solver, args.time_limit, options))
-    print(
-        f"captured in {captured:.1f} s, planned in {time.perf_counter() - start - captured:.1f} s\n"
-    )
-    print(plan.report())
-    if args.microbatches:
-        pipeline = Pipeline(
-            microbatches=args.microbatches, schedule=args.schedule, remat=args.remat
+    passes = _pipeline(args.solver, args.time_limit, PlanOptions(remat=args.recompute))
+    plan: Plan | None = None
+    try:
+        plan = plan_program(program, cluster, passes=passes)
+    except InfeasiblePlanError as error:
+        if not counts:
+            raise
+        # A pipeline exists for what one plan of the whole batch cannot hold: look for one.
+        print(f"no intra-op plan of the whole batch fits: {error}\n")
+    else:
+        print(
+            f"captured in {captured:.1f} s, planned in "
+            f"{time.perf_counter() - start - captured:.1f} s\n"
         )
-        flat = plan_cluster(args, (cluster.world_size,))
-        choice = plan_stages(program, flat, pipeline)
-        print(f"\nas a pipeline on the {flat.world_size} devices (stage DP):\n{choice.report()}")
-    if args.save:
+        print(plan.report())
+    best: StageChoice | None = None
+    for count in counts:
+        search = _joint_plan(args, target, cluster, policy, passes, count)
+        if search.choice is not None and (best is None or search.choice.step_time < best.step_time):
+            best = search.choice
+    if counts:
+        print(_verdict(plan, best))
+        if plan is None and best is None:
+            return 2
+    if args.save and plan is not None:
         print(f"\nplan written to {plan.save(args.save)}")
-    if args.plot:
+    if args.plot and plan is not None:
         print(f"picture written to {plan.plot(args.plot)}")
     return 0
+
+
+def _microbatch_counts(spec: str) -> tuple[int, ...]:
+    """``--microbatches``: a count or counts separated by commas; ``0`` (the default) none."""
+    try:
+        counts = tuple(int(part) for part in spec.split(",") if part.strip())
+    except ValueError:
+        raise FxparError(f"--microbatches takes counts like 8 or 4,8,16, got {spec!r}") from None
+    if any(count < 0 for count in counts):
+        raise FxparError(f"--microbatches takes positive counts, got {spec!r}")
+    return tuple(count for count in counts if count)
+
+
+def _joint_plan(
+    args: argparse.Namespace,
+    target: Target,
+    cluster: fxpar.Cluster,
+    policy: fxpar.MixedPrecision | None,
+    passes: PassManager,
+    count: int,
+) -> PipelineSearch:
+    """Alpa's joint plan for ``count`` micro-batches: the step captured at one micro-batch's
+    shapes, every stage mesh planned by ``passes``, and the stage DP choosing the stages,
+    their meshes, and (``auto``) the schedule and remat. Prints it."""
+    # On a tie the first wins: 1F1B keeps fewer micro-batches in flight, remat off computes less.
+    schedules: tuple[ScheduleName, ...] = (
+        ("1f1b", "gpipe") if args.schedule == "auto" else (args.schedule,)
+    )
+    remats = (False, True) if args.remat == "auto" else (args.remat == "on",)
+    pipelines = [
+        Pipeline(stages="auto", microbatches=count, schedule=schedule, remat=remat)
+        for schedule in schedules
+        for remat in remats
+    ]
+    start = time.perf_counter()
+    program = capture_microbatch(
+        target.model, pipelines[0], target.example_inputs, target.loss_fn,
+        example_targets=target.example_targets, mixed_precision=policy,
+    )  # fmt: skip
+    captured = time.perf_counter() - start
+    search = search_pipelines(
+        program, cluster, pipelines, stage_planner=PassPlanner(passes), microbatch=True
+    )
+    print(
+        f"\nas a pipeline of {count} micro-batches on {cluster} (stage DP over stage meshes, "
+        f"each planned by {args.solver}; captured in {captured:.1f} s, chosen in "
+        f"{time.perf_counter() - start - captured:.1f} s):\n{search.report()}"
+    )
+    if search.choice is not None:
+        print(_stage_plans(search.choice))
+    return search
+
+
+def _stage_plans(choice: StageChoice) -> str:
+    """What each stage mesh's intra-op plan does, one line per mesh."""
+    return "\n".join(
+        f"plan on stage mesh {shape}: {plan.layout_summary()}"
+        for shape, plan in sorted(choice.plans.items())
+    )
+
+
+def _verdict(plan: Plan | None, best: StageChoice | None) -> str:
+    """Which is faster: the whole batch on one intra-op plan, or the best pipeline."""
+    alone = format_seconds(plan.solution.objective) if plan is not None else "no plan fits"
+    piped = format_seconds(best.step_time) if best is not None else "no pipeline fits"
+    if plan is None and best is None:
+        winner = "neither fits: use more devices, bf16, remat or a smaller batch"
+    elif best is None or (plan is not None and plan.solution.objective <= best.step_time):
+        winner = "the intra-op plan alone"
+    else:
+        winner = "the pipeline"
+    return f"\nintra-op plan alone: {alone} per step; best pipeline: {piped}; chosen: {winner}"
 
 
 # -- fxpar calibrate -------------------------------------------------------------------------
@@ -371,10 +466,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                              help="device memory instead of the preset's")  # fmt: skip
     plan_parser.add_argument("--solver", default="ilp")
     plan_parser.add_argument("--time-limit", type=float, default=60.0)
-    plan_parser.add_argument("--microbatches", type=int, default=0,
-                             help="also choose pipeline stages for M micro-batches")  # fmt: skip
-    plan_parser.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b"))
-    plan_parser.add_argument("--remat", action="store_true", help="pipeline with remat")
+    plan_parser.add_argument("--microbatches", default="0",
+                             help="also plan a pipeline (stages, their meshes and plans) for M "
+                                  "micro-batches; counts separated by commas try each")  # fmt: skip
+    plan_parser.add_argument("--schedule", default="auto", choices=("auto", "gpipe", "1f1b"),
+                             help="pipeline schedule; auto: the faster that fits")  # fmt: skip
+    plan_parser.add_argument("--remat", default="auto", choices=("auto", "off", "on"),
+                             help="pipeline remat; auto: whichever is faster and fits")  # fmt: skip
     plan_parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
                              help="bf16: MixedPrecision(bf16, reduce_dtype=fp32)")  # fmt: skip
     plan_parser.add_argument("--recompute", default="none", choices=("none", "all", "auto"),

@@ -51,7 +51,10 @@ def test_plan_command_prints_and_saves_the_report(tmp_path, capsys) -> None:  # 
     assert main([*argv, "--solver", "tensor_parallel", "--microbatches", "2"]) == 0
     out = capsys.readouterr().out
     assert "plan: tensor_parallel" in out
-    assert "as a pipeline on the 4 devices (stage DP)" in out and "split points:" in out
+    assert "as a pipeline of 2 micro-batches on mesh of 4 devices" in out
+    assert "split points:" in out and "settings tried: 1f1b, remat off: " in out
+    assert "plan on stage mesh (2,): axis0 (2): tensor parallel" in out
+    assert re.search(r"intra-op plan alone: \S+ \S+ per step; best pipeline: \S+ \S+; chosen", out)
     assert "precision" not in out and "recomputed" not in out
     assert main([*argv, "--precision", "bf16", "--recompute", "all"]) == 0
     out = capsys.readouterr().out
@@ -100,3 +103,22 @@ def test_group_of() -> None:
     assert group_of("blocks.3.attn.qkv", 2) == "blocks.3"
     assert group_of("", 2) == "<root>"
     assert group_of(ir.LOSS_REGION, 1) == ir.LOSS_REGION
+
+
+def test_plan_command_finds_a_pipeline_where_no_plan_of_the_batch_fits(capsys) -> None:  # type: ignore[no-untyped-def]
+    """A memory limit below the most frugal plan of the whole batch, above what one
+    micro-batch's stages need: the command says so, prints the joint plan and succeeds; below
+    both, it fails with both reasons."""
+    argv = ["plan", "--model", "test_cli:tiny_target", "--mesh", "2x2", "--cluster", "cpu"]
+    assert main([*argv, "--memory-gib", "0.00015", "--microbatches", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "no intra-op plan of the whole batch fits" in out
+    assert "pipeline: 1 stage(s) x 4 device(s), 2 micro-batches, 1f1b" in out
+    assert "gpipe, remat off: no pipeline of this step fits" in out  # 1F1B holds fewer
+    assert "intra-op plan alone: no plan fits per step; best pipeline:" in out
+    assert "chosen: the pipeline" in out
+    assert main([*argv, "--memory-gib", "0.00005", "--microbatches", "2"]) == 2
+    out = capsys.readouterr().out
+    assert "no pipeline runs this step" in out and "chosen: neither fits" in out
+    assert main([*argv, "--microbatches", "2,x"]) == 2
+    assert "--microbatches takes counts like 8 or 4,8,16" in capsys.readouterr().err

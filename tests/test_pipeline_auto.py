@@ -25,7 +25,7 @@ from fxpar.cluster import Cluster
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.passes import plan_program
 from fxpar.pipeline import Pipeline, PipelineError, partition, split_program
-from fxpar.pipeline.auto import StageChoice, evaluate_split, plan_stages
+from fxpar.pipeline.auto import StageChoice, evaluate_split, plan_stages, search_pipelines
 from fxpar.pipeline.options import ScheduleName
 from fxpar.solvers.stages import StageMemoryError
 
@@ -294,3 +294,83 @@ def test_choice_with_intra_op_stages_is_the_brute_force_optimum() -> None:
     four = evaluate_split(program, cluster, Pipeline(stages=(), microbatches=4),
                           stage_planner=planner)  # fmt: skip
     assert four.memory[0] < one.memory[0]
+
+
+def test_search_over_schedules_and_remat_plans_each_mesh_once_and_keeps_the_best() -> None:
+    """search_pipelines tries every setting on plans made once per stage mesh; each setting's
+    outcome is what plan_stages gives for it alone, and the best of them is the choice."""
+    _, _, _, program = _gpt(4)
+    calls: list[tuple[int, ...]] = []
+
+    def planner(program: fxpar.Program, cluster: Cluster) -> fxpar.Plan:
+        calls.append(cluster.mesh_shape)
+        return plan_program(program, cluster, manual=plans.tensor_parallel)
+
+    settings = [
+        Pipeline(stages="auto", microbatches=4, schedule=schedule, remat=remat)
+        for schedule in ("1f1b", "gpipe")
+        for remat in (False, True)
+    ]
+    search = search_pipelines(program, CLUSTER, settings, stage_planner=planner)
+    assert sorted(calls) == [(1,), (2,), (4,)]  # one plan per shape for all four settings
+    assert [o.pipeline for o in search.outcomes] == settings
+    for outcome in search.outcomes:
+        alone = plan_stages(program, CLUSTER, outcome.pipeline, stage_planner=planner)
+        assert outcome.choice is not None
+        assert outcome.choice.step_time == pytest.approx(alone.step_time, rel=1e-12)
+        assert outcome.choice.split_points == alone.split_points
+    assert search.choice is not None
+    assert search.choice.step_time == min(o.choice.step_time for o in search.outcomes if o.choice)
+    assert "settings tried: 1f1b, remat off: " in search.report()
+    # Between what the most frugal pipeline of each needs, only remat fits, and is chosen.
+    starved = search_pipelines(program, Cluster((4,), bandwidth=(1e9,), memory=1.0), settings,
+                               stage_planner=planner)  # fmt: skip
+    assert starved.choice is None and "no pipeline runs this step" in starved.report()
+    need = {(o.pipeline.schedule, o.pipeline.remat): o.least_memory for o in starved.outcomes}
+    assert all(least is not None for least in need.values())
+    assert need["1f1b", True] < need["1f1b", False] <= need["gpipe", False]
+    memory = (need["1f1b", True] + need["1f1b", False]) / 2
+    limited = search_pipelines(program, Cluster((4,), bandwidth=(1e9,), memory=memory), settings,
+                               stage_planner=planner)  # fmt: skip
+    assert limited.choice is not None and limited.choice.pipeline.remat
+    assert max(limited.choice.memory) <= memory
+    with pytest.raises(PipelineError, match="same micro-batches"):
+        search_pipelines(program, CLUSTER, [settings[0], Pipeline(microbatches=2)])
+    with pytest.raises(PipelineError, match="interleaved"):
+        search_pipelines(program, CLUSTER, [Pipeline(microbatches=4, schedule="interleaved",
+                                                      virtual_stages=2)])  # fmt: skip
+
+
+def test_a_stage_mesh_too_small_for_the_whole_step_is_priced_at_its_most_frugal_plan() -> None:
+    """A single device cannot hold the whole step within its share of memory, but a stage
+    holds only its layers: the (1,) mesh is still planned (at its most frugal plan) and
+    priced, and every stage the DP keeps fits the limit."""
+    _, _, _, program = _gpt(4)
+    roomy = plan_stages(program, CLUSTER, Pipeline(microbatches=4), stage_planner=plan_program)
+    whole = plan_program(program, CLUSTER.submesh((1,))).problem.least_memory()
+    # Below what the whole step needs on one device with 4 devices' memory, above a stage's.
+    memory = whole / 4 * 0.9
+    tight = Cluster((4,), bandwidth=(1e9,), memory=memory)
+    with pytest.raises(fxpar.errors.FxparError, match="no sharding plan fits"):
+        plan_program(program, tight.submesh((1,)))
+    choice = plan_stages(program, tight, Pipeline(microbatches=4), stage_planner=plan_program)
+    assert all(outcome.reason == "" for outcome in choice.submeshes)
+    assert max(choice.memory) <= memory
+    assert choice.step_time >= roomy.step_time
+
+
+@pytest.mark.parametrize(
+    ("manual", "mesh", "summary"),
+    [
+        (plans.data_parallel, (2,), "axis0 (2): data parallel"),
+        (plans.fully_sharded, (2,), "axis0 (2): fully sharded"),
+        (plans.tensor_parallel, (2,), "axis0 (2): tensor parallel (weights 9"),
+        (plans.tensor_parallel, (2, 2), "axis0 (2): data parallel; axis1 (2): tensor parallel"),
+        (plans.data_parallel, (1, 2), "axis1 (2): data parallel"),
+    ],
+)
+def test_layout_summary_names_what_each_axis_splits(manual, mesh, summary) -> None:  # type: ignore[no-untyped-def]
+    _, _, _, program = _gpt(2)
+    plan = plan_program(program, Cluster(mesh), manual=manual)
+    assert plan.layout_summary().startswith(summary)
+    assert plan_program(program, Cluster((1,))).layout_summary() == "one device"

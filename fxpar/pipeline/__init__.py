@@ -11,14 +11,22 @@
   programs cut on first use over the same state (:mod:`fxpar.pipeline.stage_programs`;
   :class:`PassPlanner` plans them on a stage mesh with the state's layouts pinned).
 - :func:`plan_stages` chooses split points and devices per stage with the stage DP
-  (``Pipeline(stages="auto")`` in :func:`fxpar.compile`).
+  (``Pipeline(stages="auto")`` in :func:`fxpar.compile`); :func:`search_pipelines` also
+  chooses the schedule and remat among settings, on plans made once.
 
 See docs/pipelines.md.
 """
 
 from __future__ import annotations
 
-from fxpar.pipeline.auto import DegreeOutcome, StageChoice, evaluate_split, plan_stages
+from fxpar.pipeline.auto import (
+    DegreeOutcome,
+    PipelineSearch,
+    StageChoice,
+    evaluate_split,
+    plan_stages,
+    search_pipelines,
+)
 from fxpar.pipeline.executor import Event, StageTrace, StageWorker
 from fxpar.pipeline.model import PipelineModel, capture_microbatch
 from fxpar.pipeline.options import Pipeline, PipelineError
@@ -55,6 +63,7 @@ __all__ = [
     "Pipeline",
     "PipelineError",
     "PipelineModel",
+    "PipelineSearch",
     "PipelineSemantics",
     "SplitProgram",
     "StageChoice",
@@ -76,6 +85,7 @@ __all__ = [
     "pipeline_semantics",
     "plan_stages",
     "plot_timeline",
+    "search_pipelines",
     "simulate",
     "split_program",
 ]

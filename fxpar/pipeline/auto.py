@@ -73,7 +73,13 @@ from fxpar.pipeline.atoms import Atoms
 from fxpar.pipeline.meshes import straddling
 from fxpar.pipeline.options import Pipeline, PipelineError
 from fxpar.pipeline.partition import partition
-from fxpar.pipeline.stage_choice import DegreeOutcome, StageChoice, SubmeshOutcome, flatten
+from fxpar.pipeline.stage_choice import (
+    DegreeOutcome,
+    StageChoice,
+    SubmeshOutcome,
+    flatten,
+    format_seconds,
+)
 from fxpar.pipeline.stage_costs import (
     PlannedStageCostModel,
     StageCostModel,
@@ -155,6 +161,91 @@ def plan_stages(
     if isinstance(model, PlannedStageCostModel):
         return _plan_submeshes(model, starts, layer_names)
     return _plan_replicas(model, starts, layer_names)
+
+
+@dataclass(frozen=True)
+class PipelineOutcome:
+    """What one schedule and remat setting gave :func:`search_pipelines`: its choice, or why
+    no pipeline ran that way."""
+
+    pipeline: Pipeline
+    choice: StageChoice | None
+    reason: str = ""
+    least_memory: float | None = None
+    """Bytes per device the most frugal pipeline of this setting needs, when none fits."""
+
+    def describe(self) -> str:
+        pipeline = self.pipeline
+        setting = f"{pipeline.schedule}, remat {'on' if pipeline.remat else 'off'}"
+        if self.choice is None:
+            return f"{setting}: {self.reason}"
+        return f"{setting}: {format_seconds(self.choice.step_time)}"
+
+
+@dataclass(frozen=True)
+class PipelineSearch:
+    """The best pipeline :func:`search_pipelines` found (None when none runs) and the outcome
+    of every setting it tried."""
+
+    choice: StageChoice | None
+    outcomes: tuple[PipelineOutcome, ...]
+
+    def report(self) -> str:
+        """The best choice's report, then every setting tried."""
+        tried = "settings tried: " + "; ".join(o.describe() for o in self.outcomes)
+        if self.choice is None:
+            return f"no pipeline runs this step: {tried}"
+        return f"{self.choice.report()}\n{tried}"
+
+
+def search_pipelines(
+    program: Program,
+    cluster: Cluster,
+    pipelines: Sequence[Pipeline],
+    *,
+    optimizer_states: int = 2,
+    layers: int | None = None,
+    stage_planner: StagePlanner | None = None,
+    microbatch: bool = False,
+) -> PipelineSearch:
+    """:func:`plan_stages` for each of ``pipelines`` (the same micro-batches; other schedules
+    or remat settings), the least step time winning: a schedule and remat are choices of the
+    stage DP too. Each range's costs and each stage mesh's plan are made once and shared by
+    every setting, which only prices them anew (its in-flight micro-batches, recomputation
+    and activation memory). A setting whose pipeline does not run (memory, the batch) is
+    kept with its reason; nothing raises for it."""
+    if not pipelines:
+        raise PipelineError("search_pipelines needs at least one pipeline setting")
+    counts = {pipeline.microbatches for pipeline in pipelines}
+    if len(counts) > 1:
+        raise PipelineError(
+            f"every setting of one search has the same micro-batches, got {sorted(counts)}: "
+            "capture and search each count on its own"
+        )
+    for pipeline in pipelines:
+        _check_schedule(pipeline)
+    model, starts, layer_names = _layers(
+        program, cluster, pipelines[0], optimizer_states, layers, stage_planner, microbatch
+    )
+    outcomes: list[PipelineOutcome] = []
+    best: StageChoice | None = None
+    for pipeline in pipelines:
+        variant = model.with_pipeline(pipeline)
+        try:
+            if isinstance(variant, PlannedStageCostModel):
+                choice = _plan_submeshes(variant, starts, layer_names)
+            else:
+                choice = _plan_replicas(variant, starts, layer_names)
+        except StageMemoryError as error:
+            outcomes.append(PipelineOutcome(pipeline, None, str(error), error.least_memory))
+            continue
+        except (PipelineError, NoStagePlanError) as error:
+            outcomes.append(PipelineOutcome(pipeline, None, str(error)))
+            continue
+        outcomes.append(PipelineOutcome(pipeline, choice))
+        if best is None or choice.step_time < best.step_time:
+            best = choice
+    return PipelineSearch(best, tuple(outcomes))
 
 
 def stage_problem(
@@ -441,12 +532,7 @@ def _cost_model(
     extra_points: Sequence[str],
     microbatch: bool,
 ) -> StageCostModel:
-    if pipeline.schedule == "interleaved":
-        raise PipelineError(
-            "the stage DP prices one model chunk per stage (GPipe or 1F1B), not the "
-            "interleaved schedule: choose its split points yourself (K * virtual_stages - 1 "
-            "module names), or plan stages for schedule='1f1b'"
-        )
+    _check_schedule(pipeline)
     atoms = Atoms.build(program, extra_points)
     if stage_planner is None:
         return StageCostModel(atoms, cluster, pipeline, optimizer_states, microbatch=microbatch)
@@ -454,6 +540,15 @@ def _cost_model(
         atoms, cluster, pipeline, optimizer_states, _KeptPlans(stage_planner),
         microbatch=microbatch,
     )  # fmt: skip
+
+
+def _check_schedule(pipeline: Pipeline) -> None:
+    if pipeline.schedule == "interleaved":
+        raise PipelineError(
+            "the stage DP prices one model chunk per stage (GPipe or 1F1B), not the "
+            "interleaved schedule: choose its split points yourself (K * virtual_stages - 1 "
+            "module names), or plan stages for schedule='1f1b'"
+        )
 
 
 class _KeptPlans:
@@ -604,12 +699,15 @@ def _choice(
 __all__ = [
     "DEFAULT_MAX_LAYERS",
     "DegreeOutcome",
+    "PipelineOutcome",
+    "PipelineSearch",
     "StageChoice",
     "StagePlanner",
     "SubmeshOutcome",
     "SubmeshSearch",
     "evaluate_split",
     "plan_stages",
+    "search_pipelines",
     "search_submeshes",
     "stage_problem",
 ]

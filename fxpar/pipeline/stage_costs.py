@@ -65,6 +65,9 @@ resharding between stages on different meshes is not priced.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -84,6 +87,7 @@ from fxpar.planning.cost import (
     value_bytes,
 )
 from fxpar.planning.report import price_schedule
+from fxpar.solvers.errors import InfeasiblePlanError, format_bytes
 from fxpar.solvers.stages import StageCost
 
 if TYPE_CHECKING:
@@ -91,8 +95,20 @@ if TYPE_CHECKING:
 
 Shape = tuple[int, ...]
 
+logger = logging.getLogger(__name__)
+
+FRUGAL_ROOM = 1.05
+"""A stage mesh on which no plan of the whole step fits its share of memory is planned with
+this multiple of the most frugal plan's memory per device."""
+
 StagePlanner = Callable[[Program, Cluster], "Plan"]
 """Plans a captured step on a stage mesh, e.g. ``fxpar.passes.plan_program``."""
+
+
+@dataclass(frozen=True)
+class _AtomValues:
+    read: frozenset[fx.Node]
+    saved: frozenset[fx.Node]
 
 
 @dataclass(frozen=True)
@@ -137,6 +153,22 @@ class StageCostModel:
         self.phases = {node: region(node).phase for node in atoms.atom_of}
         self._ranges: dict[tuple[int, int], RangeFacts] = {}
         self._costs: dict[tuple[int, int, Shape], StageCost] = {}
+        self._seconds: dict[tuple[object, int], tuple[float, float]] = {}
+        self._values: dict[int, _AtomValues] = {}
+
+    def with_pipeline(self, pipeline: Pipeline) -> StageCostModel:
+        """This model for another schedule or remat setting of the same micro-batches: what
+        does not depend on them (each range's facts, each stage mesh's plan) is shared, the
+        stage costs are priced anew."""
+        if pipeline.microbatches != self.pipeline.microbatches:
+            raise PipelineError(
+                f"a cost model of {self.pipeline.microbatches} micro-batches cannot price "
+                f"{pipeline.microbatches}: their steps differ; build another"
+            )
+        other = copy.copy(self)
+        other.pipeline = pipeline
+        other._costs = {}
+        return other
 
     def facts(self, start: int, stop: int) -> RangeFacts:
         key = (start, stop)
@@ -153,33 +185,59 @@ class StageCostModel:
         stop: int,
         seconds: Callable[[fx.Node], float],
         nbytes: Callable[[fx.Node], int],
+        key: object = None,
     ) -> RangeFacts:
         """The range's seconds and bytes, each node and value priced by ``seconds`` and
-        ``nbytes`` (per device)."""
-        atoms = self.atoms
-        nodes = [node for atom in range(start, stop) for node in atoms.nodes[atom]]
+        ``nbytes`` (per device). ``key`` names the pricing: each atom's seconds are summed
+        once per key, and a range unions its atoms' sets of values."""
+        atoms = range(start, stop)
         forward_seconds = backward_seconds = 0.0
-        read: set[fx.Node] = set()
-        for node in nodes:
-            read.update(node.all_input_nodes)
-            if self.phases[node] is ir.Phase.BACKWARD:
-                backward_seconds += seconds(node)
-            else:
-                forward_seconds += seconds(node)
-        # Parameters are static memory, not activations; the batch a stage reads is its own.
-        saved = {
-            value
-            for value in saved_for_backward(nodes)
-            if value.op != "placeholder" or value in atoms.batch
-        }
+        for atom in atoms:
+            forward, backward = self._atom_seconds(atom, seconds, key)
+            forward_seconds += forward
+            backward_seconds += backward
+        read: set[fx.Node] = set().union(*(self._sets(atom).read for atom in atoms))
+        saved: set[fx.Node] = set().union(*(self._sets(atom).saved for atom in atoms))
         return RangeFacts(
             forward_seconds=forward_seconds,
             backward_seconds=backward_seconds,
-            trainable_bytes=sum(nbytes(n) for n in read if n in atoms.trainable),
-            frozen_bytes=sum(nbytes(n) for n in read if n in atoms.frozen),
+            trainable_bytes=sum(nbytes(n) for n in read if n in self.atoms.trainable),
+            frozen_bytes=sum(nbytes(n) for n in read if n in self.atoms.frozen),
             saved_bytes=sum(nbytes(n) for n in saved),
-            batch_bytes=sum(nbytes(n) for n in read if n in atoms.batch),
+            batch_bytes=sum(nbytes(n) for n in read if n in self.atoms.batch),
         )
+
+    def _atom_seconds(
+        self, atom: int, seconds: Callable[[fx.Node], float], key: object
+    ) -> tuple[float, float]:
+        """The forward and backward seconds of one atom's nodes, priced by ``seconds``."""
+        found = self._seconds.get((key, atom))
+        if found is None:
+            forward = backward = 0.0
+            for node in self.atoms.nodes[atom]:
+                if self.phases[node] is ir.Phase.BACKWARD:
+                    backward += seconds(node)
+                else:
+                    forward += seconds(node)
+            found = self._seconds[(key, atom)] = (forward, backward)
+        return found
+
+    def _sets(self, atom: int) -> _AtomValues:
+        """What one atom's nodes read, and what its backward keeps of the forward; a range's
+        sets are the unions of its atoms' (:func:`saved_for_backward` is a union over
+        nodes)."""
+        found = self._values.get(atom)
+        if found is None:
+            nodes = self.atoms.nodes[atom]
+            read = frozenset(value for node in nodes for value in node.all_input_nodes)
+            # Parameters are static memory, not activations; the batch a stage reads is its own.
+            saved = frozenset(
+                value
+                for value in saved_for_backward(nodes)
+                if value.op != "placeholder" or value in self.atoms.batch
+            )
+            found = self._values[atom] = _AtomValues(read, saved)
+        return found
 
     def cost(self, start: int, stop: int, shape: Shape) -> StageCost:
         """The cost of atoms ``[start, stop)`` on a stage mesh of ``shape``."""
@@ -256,6 +314,7 @@ class PlannedStageCostModel(StageCostModel):
         super().__init__(atoms, cluster, pipeline, optimizer_states, microbatch=microbatch)
         self.planner = planner
         self._plans: dict[Shape, PlannedStep] = {}
+        self._collectives: dict[tuple[Shape, int], tuple[float, float]] = {}
 
     def planned(self, shape: Shape) -> PlannedStep:
         """The step as planned on the stage mesh of ``shape`` (planned once per shape); raises
@@ -268,7 +327,18 @@ class PlannedStageCostModel(StageCostModel):
     def _plan(self, shape: Shape) -> PlannedStep:
         mesh = self.cluster.submesh(shape)
         program = self.atoms.program
-        plan = self.planner(program, mesh)
+        try:
+            plan = self.planner(program, mesh)
+        except InfeasiblePlanError as error:
+            # The whole step does not fit this mesh at its share of the cluster's memory, but
+            # a stage holds only its own layers: price the mesh by its most frugal plan (with
+            # a little room to trade), and let the stage DP check each stage's memory.
+            logger.info(
+                "stage mesh %s: the whole step needs %s per device, planned at its most frugal",
+                shape, format_bytes(error.least_memory),
+            )  # fmt: skip
+            room = dataclasses.replace(mesh, memory=error.least_memory * FRUGAL_ROOM)
+            plan = self.planner(program, room)
         found = price_schedule(plan.program, mesh)
         by_name = {node.name: node for node in program.graph.nodes}
         compute = {node.name: seconds for node, seconds in found.compute.items()}
@@ -294,16 +364,33 @@ class PlannedStageCostModel(StageCostModel):
     def _stage_cost(self, start: int, stop: int, shape: Shape) -> StageCost:
         step = self.planned(shape)
         facts = self._facts(
-            start, stop, lambda n: step.compute.get(n.name, 0.0), lambda n: step.local.get(n, 0)
-        )
-        names = [node.name for atom in range(start, stop) for node in self.atoms.nodes[atom]]
+            start, stop, lambda n: step.compute.get(n.name, 0.0), lambda n: step.local.get(n, 0),
+            key=shape,
+        )  # fmt: skip
+        sync = comm = 0.0
+        for atom in range(start, stop):
+            atom_sync, atom_comm = self._collective_seconds(shape, atom)
+            sync += atom_sync
+            comm += atom_comm
         # The plan is per device already: a micro-batch is 1/pieces of the planned step.
         return self._price(
             start, stop, facts, step.forward_crossing, step.backward_crossing,
-            share=self.pieces,
-            per_step=sum(step.sync.get(name, 0.0) for name in names),
-            per_microbatch=sum(step.comm.get(name, 0.0) for name in names),
+            share=self.pieces, per_step=sync, per_microbatch=comm,
         )  # fmt: skip
+
+    def _collective_seconds(self, shape: Shape, atom: int) -> tuple[float, float]:
+        """The seconds of the collectives that synchronise one atom's gradients and of those
+        its ops run, under the plan of ``shape``."""
+        key = (shape, atom)
+        found = self._collectives.get(key)
+        if found is None:
+            step = self.planned(shape)
+            names = [node.name for node in self.atoms.nodes[atom]]
+            found = self._collectives[key] = (
+                sum(step.sync.get(name, 0.0) for name in names),
+                sum(step.comm.get(name, 0.0) for name in names),
+            )
+        return found
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch.fx as fx
+from torch.distributed.tensor import Shard
+
 from fxpar import ir
 from fxpar.cluster import Cluster
 from fxpar.errors import FxparError
@@ -110,6 +113,30 @@ class Plan:
         it back onto a captured Program without solving."""
         return save_plan(self, path)
 
+    def layout_summary(self) -> str:
+        """One line saying what each mesh axis does: splits the batch, the weights, both
+        (fully sharded) or neither, with the share of trainable weight bytes split over it,
+        e.g. ``axis0 (2): data parallel; axis1 (4): tensor parallel (weights 97% split)``."""
+        program, mesh = self.program, self.cluster.mesh_shape
+        placeholders = program.placeholders()
+        weights = [placeholders[name] for name in program.signature.gradients]
+        batch = [placeholders[name] for name in program.signature.inputs]
+        total = sum(_nbytes(node) for node in weights)
+        parts = []
+        for axis, size in enumerate(mesh):
+            if size == 1:
+                continue
+            split_batch = any(_split_on(node, axis) for node in batch)
+            split_bytes = sum(_nbytes(node) for node in weights if _split_on(node, axis))
+            share = split_bytes / total if total else 0.0
+            if split_batch:
+                kind = "fully sharded" if share >= 0.5 else "data parallel"
+            else:
+                kind = "tensor parallel" if share > 0 else "replicated"
+            detail = f" (weights {share:.0%} split)" if share and share < 0.995 else ""
+            parts.append(f"axis{axis} ({size}): {kind}{detail}")
+        return "; ".join(parts) or "one device"
+
     def explain(self, node_name: str) -> str:
         """Which strategy ``node_name`` got, what it costs, and what the next-best choice for
         its decision would have cost (every other decision held fixed)."""
@@ -141,6 +168,16 @@ class Plan:
         else:
             lines.append("  no alternative: the only valid strategy (or pinned)")
         return "\n".join(lines)
+
+
+def _split_on(node: fx.Node, axis: int) -> bool:
+    """Whether the value of placeholder ``node`` is split over mesh axis ``axis``."""
+    spec = ir.require(node, Sharding).strategy.outputs[0]
+    return spec is not None and isinstance(spec[axis], Shard)
+
+
+def _nbytes(node: fx.Node) -> int:
+    return ir.evaluate(ir.require(node, ir.ValueMeta).tensor.nbytes)
 
 
 def _strategy_of(unit: Any, option: int) -> str:
