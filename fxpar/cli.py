@@ -30,7 +30,7 @@ from fxpar import plans
 from fxpar.errors import FxparError
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.models.corpus import batches, corpus_tokens
-from fxpar.models.shapes import GPT2_SHAPES, LLAMA_LAYERS, llama
+from fxpar.models.shapes import GPT2_SHAPES, GPT3_SHAPES, LLAMA_SHAPES, gpt3, llama_named
 from fxpar.passes import PassManager, default_passes, plan_program
 from fxpar.pipeline import (
     PassPlanner,
@@ -216,7 +216,7 @@ def _pipeline(
 
 # -- fxpar plan ------------------------------------------------------------------------------
 
-MODEL_NAMES = (*GPT2_SHAPES, *LLAMA_LAYERS)
+MODEL_NAMES = (*GPT2_SHAPES, *GPT3_SHAPES, *LLAMA_SHAPES)
 
 
 @dataclass(frozen=True)
@@ -238,8 +238,10 @@ def build_target(spec: str, batch: int, length: int) -> Target:
             layers, width, heads = GPT2_SHAPES[spec]
             config = GPTConfig(50257, max(1024, length), layers, heads, width)
             return Target(GPT(config), (tokens,), gpt_loss, (tokens,))
-        if spec in LLAMA_LAYERS:
-            return Target(llama(LLAMA_LAYERS[spec]), {"input_ids": tokens, "labels": tokens})
+        if spec in LLAMA_SHAPES:
+            return Target(llama_named(spec), {"input_ids": tokens, "labels": tokens})
+        if spec in GPT3_SHAPES:
+            return Target(gpt3(spec), {"input_ids": tokens, "labels": tokens})
         if ":" not in spec:
             raise FxparError(
                 f"unknown model {spec!r}: name one of {list(MODEL_NAMES)}, or give module:attr "

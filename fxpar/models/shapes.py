@@ -17,19 +17,51 @@ GPT2_SHAPES = {
 }
 """Name -> (layers, width, heads)."""
 
-LLAMA_LAYERS = {"llama-8b": 32, "llama-8b-96": 96}
-"""Name -> layers of a Llama-3-8B-shaped model (hidden 4096, GQA with 8 key/value heads)."""
+GPT3_SHAPES = {"gpt3-175b": (96, 12288, 96)}
+"""Name -> (layers, width, heads) of GPT-3 shapes (Brown et al., 2020), as a GPT-2 model."""
+
+LLAMA_SHAPES = {
+    "llama-8b": (32, 4096, 14336, 32, 8),
+    "llama-8b-96": (96, 4096, 14336, 32, 8),
+    "llama-70b": (80, 8192, 28672, 64, 8),
+    "llama-405b": (126, 16384, 53248, 128, 8),
+}
+"""Name -> (layers, hidden, intermediate, attention heads, key/value heads) of Llama-3
+shapes; ``llama-8b-96`` is Llama-3-8B with 96 layers."""
+
+LLAMA_LAYERS = {name: shape[0] for name, shape in LLAMA_SHAPES.items() if shape[1] == 4096}
+"""Name -> layers of the Llama-3-8B-shaped models (hidden 4096, GQA with 8 key/value heads)."""
 
 
 def llama(layers: int) -> nn.Module:
     """A Hugging Face Llama with Llama-3-8B's shape and ``layers`` decoder layers."""
+    return llama_shape(layers, *LLAMA_SHAPES["llama-8b"][1:])
+
+
+def llama_named(name: str) -> nn.Module:
+    """The Hugging Face Llama of one of :data:`LLAMA_SHAPES`."""
+    return llama_shape(*LLAMA_SHAPES[name])
+
+
+def llama_shape(
+    layers: int, hidden: int, intermediate: int, heads: int, kv_heads: int
+) -> nn.Module:
+    """A Hugging Face Llama of the given shape, with Llama 3's vocabulary."""
     transformers = _transformers()
     config = transformers.LlamaConfig(
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers,
-        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+        hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, vocab_size=128256,
         max_position_embeddings=8192,
     )  # fmt: skip
     return transformers.LlamaForCausalLM(config)
+
+
+def gpt3(name: str) -> nn.Module:
+    """A Hugging Face GPT-2 model of one of :data:`GPT3_SHAPES` (GPT-3's dense shape)."""
+    layers, width, heads = GPT3_SHAPES[name]
+    transformers = _transformers()
+    config = transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=heads, n_positions=2048)
+    return transformers.GPT2LMHeadModel(config)
 
 
 def hf_gpt2(name: str) -> nn.Module:

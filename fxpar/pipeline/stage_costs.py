@@ -416,13 +416,16 @@ def submesh_shapes(cluster: Cluster) -> tuple[Shape, tuple[Shape, ...]]:
       sizes of neither kind rarely split a tensor evenly; divisors keep every uniform
       pipeline, powers of two add Alpa's pieces (``(1,) + (2,)`` on 3 devices);
     - on a 2-D cluster ``(R, C)``: Alpa's ``(1, w)`` for ``w`` a power of two dividing ``C``,
-      and whole rows ``(r, C)`` for ``r <= R``: every mix of them with ``R C`` devices tiles
-      the cluster (:func:`~fxpar.solvers.stages.check_submesh_shapes`).
+      and whole rows ``(r, C)`` for ``r`` that divides ``R`` or is a power of two up to ``R``
+      (the 1-D rule, over rows: Alpa allows every ``r``, but each costs a plan of the whole
+      step, which on ``(128, 8)`` would be 128 plans instead of 8): every mix of them with
+      ``R C`` devices tiles the cluster (:func:`~fxpar.solvers.stages.check_submesh_shapes`).
     """
     if cluster.ndim == 2:
         rows, columns = cluster.mesh_shape
         pieces = [(1, w) for w in _powers_of_two(columns) if columns % w == 0 and w < columns]
-        return cluster.mesh_shape, (*pieces, *((r, columns) for r in range(1, rows + 1)))
+        counts = sorted(set(divisors(rows)) | set(_powers_of_two(rows)))
+        return cluster.mesh_shape, (*pieces, *((r, columns) for r in counts))
     world = cluster.world_size
     sizes = sorted(set(divisors(world)) | set(_powers_of_two(world)))
     return (world,), tuple((size,) for size in sizes)
