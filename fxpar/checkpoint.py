@@ -73,11 +73,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import json
 import logging
 import os
-import pickle
 import shutil
 import threading
 import uuid
@@ -90,6 +88,7 @@ import torch
 import torch.distributed as dist
 
 from fxpar import ir
+from fxpar.checkpoint_objects import EXTRA, GROUPS
 from fxpar.errors import CheckpointError
 from fxpar.ir.program import Signature
 from fxpar.ir.rng import RandomState
@@ -273,7 +272,7 @@ class BackgroundSaves:
 def _staged(value: Any) -> Any:
     """A copy of ``value`` in host memory, if a tensor or DTensor (which stays a DTensor of
     the same mesh and layout); the value itself otherwise (the byte streams of
-    :func:`object_entries` are made for each save)."""
+    :func:`~fxpar.checkpoint_objects.object_entries` are made for each save)."""
     if isinstance(value, torch.Tensor):
         return value.detach().to("cpu", copy=True)
     return value
@@ -710,92 +709,6 @@ def restore_progress(loaded: Mapping[str, Any], steps: int, random: RandomState)
     if "random" in loaded:
         random.state = loaded["random"].clone()
     return int(loaded["steps"].item()) if "steps" in loaded else steps
-
-
-GROUPS = "optimizer_groups"
-"""The entry holding the optimizer's hyperparameters, per parameter group."""
-EXTRA = "extra"
-"""The entry holding the user's own state, given to ``save(path, extra=...)``."""
-
-
-def object_entries(
-    optimizer: torch.optim.Optimizer, extra: object, *, rank: int, loading: bool
-) -> dict[str, io.BytesIO]:
-    """The pickled entries: the optimizer's hyperparameters and the user's ``extra`` (when not
-    None). Rank 0 writes them (every rank holds the same); for a load every rank reads them."""
-    if loading:
-        return {GROUPS: io.BytesIO(), EXTRA: io.BytesIO()}
-    if rank != 0:
-        return {}
-    groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-    entries = {GROUPS: _serialized(groups)}
-    if extra is not None:
-        try:
-            entries[EXTRA] = _serialized(extra)
-        except Exception as error:
-            raise CheckpointError(
-                f"extra= must be picklable to be saved: {type(error).__name__}: {error}; pass "
-                "state_dict()s and plain values (a scheduler's state_dict(), not the scheduler)"
-            ) from error
-    return entries
-
-
-def restore_objects(
-    loaded: Mapping[str, Any],
-    optimizer: torch.optim.Optimizer,
-    path: str | os.PathLike[str],
-    *,
-    trusted: bool = False,
-) -> Any:
-    """Set ``optimizer``'s hyperparameters from a load's entries and return the user's
-    ``extra`` (None when the checkpoint has none). Without ``trusted``, entries holding
-    anything but plain data are refused (module docstring)."""
-    if GROUPS in loaded:
-        groups = _deserialized(loaded[GROUPS], path, "optimizer hyperparameters", trusted)
-        if len(groups) != len(optimizer.param_groups):
-            raise CheckpointError(
-                f"the checkpoint at {path} has {len(groups)} optimizer parameter groups, this "
-                f"optimizer {len(optimizer.param_groups)}"
-            )
-        for group, saved in zip(optimizer.param_groups, groups, strict=True):
-            group.update(saved)
-    if EXTRA not in loaded:
-        return None
-    return _deserialized(loaded[EXTRA], path, "extra", trusted)
-
-
-def _serialized(value: object) -> io.BytesIO:
-    stream = io.BytesIO()
-    torch.save(value, stream)
-    stream.seek(0)
-    return stream
-
-
-def _deserialized(
-    stream: io.BytesIO, path: str | os.PathLike[str], what: str, trusted: bool
-) -> Any:
-    """An entry written by :func:`_serialized`, built by torch's weights-only unpickler unless
-    ``trusted`` (or by a general one for a plain pickle of an older fxpar, when ``trusted``)."""
-    stream.seek(0)
-    data = stream.read()
-    if not data.startswith(b"PK"):  # not torch.save's zip archive: a plain pickle
-        if not trusted:
-            raise CheckpointError(
-                f"the {what} of the checkpoint at {path} is a plain pickle (written by an older "
-                "fxpar), which runs code when it is loaded; load it with trusted=True if you "
-                "trust where it came from"
-            )
-        return pickle.loads(data)
-    try:
-        return torch.load(io.BytesIO(data), weights_only=not trusted)
-    except pickle.UnpicklingError as error:
-        reason = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
-        raise CheckpointError(
-            f"the {what} of the checkpoint at {path} holds objects other than plain data "
-            f"(tensors, numbers, strings, lists, tuples, dicts), which loading would build by "
-            f"running code from the file ({reason}); save state_dict()s and plain values, or "
-            "load with trusted=True if you trust where it came from"
-        ) from None
 
 
 def optimizer_entries(

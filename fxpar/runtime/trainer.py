@@ -27,7 +27,7 @@ from typing import Any, Literal, overload
 import torch
 from torch.distributed.tensor import DTensor
 
-from fxpar import checkpoint
+from fxpar import checkpoint, checkpoint_objects
 from fxpar.ir.program import Signature
 from fxpar.ir.rng import RandomState
 from fxpar.optim import Optimizer
@@ -251,7 +251,7 @@ class Trainer:
         self._background_saves().finish()
         state = self._checkpoint_state(include_missing=False)
         state.update(
-            checkpoint.object_entries(self.optimizer, extra, rank=self.rank, loading=False)
+            checkpoint_objects.object_entries(self.optimizer, extra, rank=self.rank, loading=False)
         )
         if not blocking:
             return self._background_saves().start(state, path, distributed=self._distributed)
@@ -282,13 +282,15 @@ class Trainer:
         """
         self._background_saves().finish()
         state = self._checkpoint_state(include_missing=True)
-        state.update(checkpoint.object_entries(self.optimizer, None, rank=self.rank, loading=True))
+        state.update(
+            checkpoint_objects.object_entries(self.optimizer, None, rank=self.rank, loading=True)
+        )
         expected = checkpoint.Entries(self.signature, self.optimizer_spec)
         wanted = checkpoint.load(
             state, path, distributed=self._distributed, expected=expected, strict=strict
         )
         self.steps = checkpoint.restore_progress(wanted, self.steps, self.random)
-        extra = checkpoint.restore_objects(wanted, self.optimizer, path, trusted=trusted)
+        extra = checkpoint_objects.restore_objects(wanted, self.optimizer, path, trusted=trusted)
         # Loads land in place in the local pieces (DTensors share their storage), except for
         # the plain tensors of one process and the host copies of a GPU's pieces (over
         # gloo), loaded into copies and copied back here.
