@@ -50,6 +50,18 @@ objects (an instance of a class of yours, a function) is refused with a
 Checkpoints written before these entries existed load as they are; those whose entries are
 plain pickles (fxpar before this format) need ``trusted=True``.
 
+**In the background.** ``save(path, blocking=False)`` (and :func:`save_step`) returns a
+:class:`PendingSave` once this rank's state is copied to host memory (a copy of its pieces:
+the checkpoint holds the state at the call, whatever the steps after it change), while a
+thread writes the copy and commits it exactly as a blocking save does, the commit record last.
+A save that fails or dies part way commits nothing; ``wait()`` returns once the record is
+written, or raises the failure as a :class:`~fxpar.errors.CheckpointError` (on every rank: each
+step of the save ends in a collective that tells every rank whether it failed anywhere). The
+thread's collectives run over a gloo process group of their own, made on the first such save,
+so that they never interleave with the training step's. One save is written at a time: a save
+or load while one is in flight waits for it first, and raises its failure if no ``wait()``
+has (:class:`BackgroundSaves`).
+
 **Resumable runs.** A run that saves periodically keeps one checkpoint per step under a root
 directory, ``<root>/step-<N>``: :func:`save_step` writes them, :func:`resume` loads the newest
 committed one (a save interrupted before its commit is passed over) and returns its step and
@@ -61,22 +73,22 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import json
 import logging
 import os
-import pickle
 import shutil
+import threading
 import uuid
 import warnings
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol, TypeVar, overload
 
 import torch
 import torch.distributed as dist
 
 from fxpar import ir
+from fxpar.checkpoint_objects import EXTRA, GROUPS
 from fxpar.errors import CheckpointError
 from fxpar.ir.program import Signature
 from fxpar.ir.rng import RandomState
@@ -94,29 +106,176 @@ RECORD = "fxpar-checkpoint.json"
 _FORMAT = 2
 """Format 2 records each file's size and digest; format 1 (sizes only) loads too."""
 _DIGEST_CHUNK = 16 * 2**20
+_Agreed = TypeVar("_Agreed")
 
 
 def save(state: Mapping[str, Any], path: str | os.PathLike[str], *, distributed: bool) -> None:
     """Write ``state`` (names to DTensors or tensors) as a new version of the checkpoint at
     ``path`` and commit it (see the module docstring). A collective when ``distributed``."""
+    version = _begin(path, distributed)
+    _write_and_commit(state, path, version, distributed, group=None)
+
+
+def _begin(path: str | os.PathLike[str], distributed: bool) -> str:
+    """Make the directory ``path`` and return the name of the version a save writes there,
+    the same on every rank."""
+    failure = None
+    if not distributed or dist.get_rank() == 0:
+        try:
+            Path(path).mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            failure = f"{type(error).__name__}: {error}"
+    version, failure = _agree((f"v-{uuid.uuid4().hex[:16]}", failure), distributed)
+    if failure is not None:
+        raise CheckpointError(f"cannot make the checkpoint directory {path}: {failure}")
+    return version
+
+
+def _write_and_commit(
+    state: Mapping[str, Any],
+    path: str | os.PathLike[str],
+    version: str,
+    distributed: bool,
+    group: Any,
+) -> None:
+    """Write ``state`` into ``path/version``, digest what every rank wrote and commit it: the
+    body of a save, on the calling thread or a background one (with ``group``, a process
+    group of its own). Every failure is a CheckpointError on every rank: each step ends in a
+    collective that tells every rank whether it failed anywhere."""
     from torch.distributed import checkpoint as dcp
 
     root = Path(path)
-    rank = dist.get_rank() if distributed else 0
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-    version = _agree(f"v-{uuid.uuid4().hex[:16]}", distributed)
     with warnings.catch_warnings(), _typed_errors(f"writing the checkpoint at {path}"):
         # A one-device model saves without a process group, which is what torch warns of.
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.save(dict(state), checkpoint_id=os.fspath(root / version))
-    # Every rank has written its files (a rank that died made the collective above fail).
-    _settle(distributed)
-    with _typed_errors(f"digesting the checkpoint at {path}"):
-        digests = _digests(root / version, _share(root / version, distributed), distributed)
-    if rank == 0:
-        _commit(root, version, digests)
-    _settle(distributed)
+        dcp.save(dict(state), checkpoint_id=os.fspath(root / version), process_group=group)
+    # Every rank has written its files, and synced them to disk (DCP's FileSystemWriter
+    # fsyncs each by default); a rank that died made the collective above fail.
+    _settle(distributed, group)
+    digests = _digests(
+        path, root / version, _share(root / version, distributed), distributed, group
+    )
+    failure = None
+    if not distributed or dist.get_rank() == 0:
+        try:
+            _commit(root, version, digests)
+        except OSError as error:
+            failure = f"{type(error).__name__}: {error}"
+    failure = _agree(failure, distributed, group)
+    if failure is not None:
+        raise CheckpointError(f"committing the checkpoint at {path} failed on rank 0: {failure}")
+    _settle(distributed, group)
+
+
+class PendingSave:
+    """A checkpoint being written in the background, returned by ``save(..., blocking=False)``
+    (and :func:`save_step`): :meth:`wait` for it to be committed, :meth:`done` to ask.
+
+    Attributes:
+        path: the checkpoint's directory.
+    """
+
+    def __init__(self, path: Path, write: Callable[[], None]) -> None:
+        self.path = path
+        self._failure: CheckpointError | None = None
+        self._reported = False
+        # Not a daemon: a script that ends without waiting still finishes (and commits) the
+        # save before the interpreter exits.
+        self._thread = threading.Thread(
+            target=self._run, args=(write,), name=f"fxpar save to {path}", daemon=False
+        )
+        self._thread.start()
+
+    def _run(self, write: Callable[[], None]) -> None:
+        try:
+            write()
+        except CheckpointError as error:
+            self._failure = error
+        except BaseException as error:  # the thread's end: nothing above it would see it
+            failure = CheckpointError(
+                f"the background save to {self.path} failed: {type(error).__name__}: {error}"
+            )
+            failure.__cause__ = error
+            self._failure = failure
+
+    def done(self) -> bool:
+        """Whether the save has ended, committed or failed (:meth:`wait` says which)."""
+        return not self._thread.is_alive()
+
+    def wait(self) -> Path:
+        """Block until the save has ended; return :attr:`path` once it is committed on every
+        rank (every rank's files written and synced, the digests in the commit record).
+
+        Raises:
+            CheckpointError: the save failed (on any rank); nothing was committed, and the
+                checkpoint at :attr:`path` is the one before it, if any.
+        """
+        self._thread.join()
+        if self._failure is not None:
+            self._reported = True
+            raise self._failure
+        return self.path
+
+    def _finish(self) -> None:
+        """:meth:`wait`, raising a failure only if no :meth:`wait` has raised it already."""
+        self._thread.join()
+        if self._failure is not None and not self._reported:
+            self.wait()
+
+    def __repr__(self) -> str:
+        state = "writing" if not self.done() else "failed" if self._failure else "committed"
+        return f"PendingSave({os.fspath(self.path)!r}, {state})"
+
+
+class BackgroundSaves:
+    """The saves a model writes in the background, one at a time, over a process group of
+    their own (made on the first, a collective), so that they never interleave with the
+    collectives of the training steps that run meanwhile."""
+
+    def __init__(self) -> None:
+        self._pending: PendingSave | None = None
+        self._group: Any = None
+
+    def start(
+        self, state: Mapping[str, Any], path: str | os.PathLike[str], *, distributed: bool
+    ) -> PendingSave:
+        """Stage ``state`` (copy every tensor to host memory, now) and write and commit the
+        copy on a background thread, after the save in flight, if any, has ended. A
+        collective when ``distributed``.
+
+        Raises:
+            CheckpointError: the previous background save failed and no ``wait()`` reported
+                it, or ``path`` cannot be made.
+        """
+        self.finish()
+        if distributed and self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        version = _begin(path, distributed)
+        with _typed_errors(f"staging the checkpoint at {path}"):
+            staged = {key: _staged(value) for key, value in state.items()}
+        group = self._group
+
+        def write() -> None:
+            _write_and_commit(staged, path, version, distributed, group)
+
+        self._pending = PendingSave(Path(path), write)
+        return self._pending
+
+    def finish(self) -> None:
+        """Wait for the save in flight, if any, and raise its failure if no ``wait()`` has."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending._finish()
+
+
+@torch.no_grad()
+def _staged(value: Any) -> Any:
+    """A copy of ``value`` in host memory, if a tensor or DTensor (which stays a DTensor of
+    the same mesh and layout); the value itself otherwise (the byte streams of
+    :func:`~fxpar.checkpoint_objects.object_entries` are made for each save)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    return value
 
 
 def load(
@@ -223,7 +382,9 @@ class Checkpointable(Protocol):
     """What :func:`save_step` and :func:`resume` need of a model: a
     :class:`~fxpar.runtime.parallel.ParallelModel` or a :class:`~fxpar.pipeline.PipelineModel`."""
 
-    def save(self, path: str | os.PathLike[str], *, extra: object = None) -> None: ...
+    def save(
+        self, path: str | os.PathLike[str], *, extra: object = None, blocking: bool = True
+    ) -> PendingSave | None: ...
 
     def load(
         self, path: str | os.PathLike[str], *, strict: bool = True, trusted: bool = False
@@ -238,18 +399,57 @@ def step_directory(root: str | os.PathLike[str], step: int) -> Path:
     return Path(root) / f"{STEP_PREFIX}{step:06d}"
 
 
+@overload
 def save_step(
-    model: Checkpointable, root: str | os.PathLike[str], step: int, *, extra: object = None
-) -> Path:
+    model: Checkpointable,
+    root: str | os.PathLike[str],
+    step: int,
+    *,
+    extra: object = None,
+    blocking: Literal[True] = True,
+) -> Path: ...
+
+
+@overload
+def save_step(
+    model: Checkpointable,
+    root: str | os.PathLike[str],
+    step: int,
+    *,
+    extra: object = None,
+    blocking: Literal[False],
+) -> PendingSave: ...
+
+
+def save_step(
+    model: Checkpointable,
+    root: str | os.PathLike[str],
+    step: int,
+    *,
+    extra: object = None,
+    blocking: bool = True,
+) -> Path | PendingSave:
     """Save ``model`` as the checkpoint of step ``step`` of the run kept under ``root``, in
     ``<root>/step-<N>`` (:func:`step_directory`), where :func:`resume` finds it; returns that
     directory. The save is the model's own ``save(path, extra=extra)``: atomic (a save killed
     part way leaves no committed checkpoint there, and :func:`resume` passes over it), with the
     optimizer state, step count, random state and your picklable ``extra`` (a scheduler's
-    ``state_dict()``, the data position). A collective: call it on every rank."""
+    ``state_dict()``, the data position). A collective: call it on every rank.
+
+    ``blocking=False``: return at once with a :class:`PendingSave` (its ``wait()`` returns the
+    directory once committed) while the state as it is now is written in the background (see
+    the model's ``save``)."""
     path = step_directory(root, step)
-    model.save(path, extra=extra)
-    return path
+    if blocking:
+        model.save(path, extra=extra)
+        return path
+    pending = model.save(path, extra=extra, blocking=False)
+    if not isinstance(pending, PendingSave):
+        raise CheckpointError(
+            f"{type(model).__name__}.save(blocking=False) returned {pending!r}, not the "
+            "PendingSave of a save written in the background"
+        )
+    return pending
 
 
 def resume(
@@ -374,6 +574,7 @@ def _commit(root: Path, version: str, digests: Mapping[str, str]) -> None:
         stream.flush()
         os.fsync(stream.fileno())
     os.replace(temporary, root / RECORD)
+    _sync_directory(root)  # the rename itself survives a power cut
     for entry in root.iterdir():
         if entry.is_dir() and entry.name.startswith("v-") and entry.name != version:
             shutil.rmtree(entry, ignore_errors=True)
@@ -395,8 +596,19 @@ def _typed_errors(doing: str) -> Iterator[None]:
     except BaseException as error:
         if isinstance(error, _PASSING):
             raise
-        text = " ".join(str(error).split())
-        raise CheckpointError(f"{doing} failed: {type(error).__name__}: {text[:600]}") from error
+        raise CheckpointError(f"{doing} failed: {_described(error)[:600]}") from error
+
+
+def _described(error: BaseException) -> str:
+    """``error`` on one line; for DCP's ``CheckpointException``, each failed rank's own error
+    (its text is mostly their tracebacks, which would push the errors out of the message)."""
+    failures = getattr(error, "failures", None)
+    if isinstance(failures, dict) and failures:
+        return "; ".join(
+            f"rank {rank}: {_described(failure[0] if isinstance(failure, tuple) else failure)}"
+            for rank, failure in sorted(failures.items())
+        )
+    return f"{type(error).__name__}: {' '.join(str(error).split())}"
 
 
 def _share(directory: Path, distributed: bool) -> list[str]:
@@ -415,14 +627,41 @@ def _digest(file: Path) -> str:
     return digest.hexdigest()
 
 
-def _digests(directory: Path, names: Sequence[str], distributed: bool) -> dict[str, str]:
-    """Every file's digest, each rank hashing ``names`` (its share): on every rank."""
-    mine = {name: _digest(directory / name) for name in names}
-    if not distributed:
-        return mine
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return {name: value for part in everyone for name, value in part.items()}
+def _sync_directory(directory: Path) -> None:
+    if os.name != "posix":
+        return
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _digests(
+    path: str | os.PathLike[str],
+    directory: Path,
+    names: Sequence[str],
+    distributed: bool,
+    group: Any = None,
+) -> dict[str, str]:
+    """Every file's digest, each rank hashing ``names`` (its share): on every rank. A rank
+    that cannot read its share makes every rank raise (none waits for it)."""
+    mine: dict[str, str] = {}
+    failure = None
+    try:
+        mine = {name: _digest(directory / name) for name in names}
+    except OSError as error:
+        failure = f"{type(error).__name__}: {error}"
+    everyone: list[Any] = [(mine, failure)]
+    if distributed:
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (mine, failure), group=group)
+    failures = [f"rank {rank}: {text}" for rank, (_, text) in enumerate(everyone) if text]
+    if failures:
+        raise CheckpointError(
+            f"digesting the checkpoint at {path} failed: {'; '.join(failures)[:600]}"
+        )
+    return {name: value for part, _ in everyone for name, value in part.items()}
 
 
 def _check_digests(
@@ -436,7 +675,7 @@ def _check_digests(
     format 1 record commits none: nothing to hash."""
     if not committed:
         return
-    found = _digests(directory, _share(directory, distributed), distributed)
+    found = _digests(path, directory, _share(directory, distributed), distributed)
     changed = sorted(
         name for name, digest in found.items() if name in committed and committed[name] != digest
     )
@@ -449,13 +688,13 @@ def _check_digests(
         )
 
 
-def _agree(proposal: str, distributed: bool) -> str:
-    """Rank 0's ``proposal``, on every rank."""
+def _agree(proposal: _Agreed, distributed: bool, group: Any = None) -> _Agreed:
+    """Rank 0's ``proposal``, on every rank (of ``group``, or the default process group)."""
     if not distributed:
         return proposal
     chosen = [proposal]
-    dist.broadcast_object_list(chosen, src=0)
-    return str(chosen[0])
+    dist.broadcast_object_list(chosen, src=0, group=group)
+    return chosen[0]
 
 
 def progress_entries(steps: int, random: RandomState) -> dict[str, torch.Tensor]:
@@ -470,92 +709,6 @@ def restore_progress(loaded: Mapping[str, Any], steps: int, random: RandomState)
     if "random" in loaded:
         random.state = loaded["random"].clone()
     return int(loaded["steps"].item()) if "steps" in loaded else steps
-
-
-GROUPS = "optimizer_groups"
-"""The entry holding the optimizer's hyperparameters, per parameter group."""
-EXTRA = "extra"
-"""The entry holding the user's own state, given to ``save(path, extra=...)``."""
-
-
-def object_entries(
-    optimizer: torch.optim.Optimizer, extra: object, *, rank: int, loading: bool
-) -> dict[str, io.BytesIO]:
-    """The pickled entries: the optimizer's hyperparameters and the user's ``extra`` (when not
-    None). Rank 0 writes them (every rank holds the same); for a load every rank reads them."""
-    if loading:
-        return {GROUPS: io.BytesIO(), EXTRA: io.BytesIO()}
-    if rank != 0:
-        return {}
-    groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-    entries = {GROUPS: _serialized(groups)}
-    if extra is not None:
-        try:
-            entries[EXTRA] = _serialized(extra)
-        except Exception as error:
-            raise CheckpointError(
-                f"extra= must be picklable to be saved: {type(error).__name__}: {error}; pass "
-                "state_dict()s and plain values (a scheduler's state_dict(), not the scheduler)"
-            ) from error
-    return entries
-
-
-def restore_objects(
-    loaded: Mapping[str, Any],
-    optimizer: torch.optim.Optimizer,
-    path: str | os.PathLike[str],
-    *,
-    trusted: bool = False,
-) -> Any:
-    """Set ``optimizer``'s hyperparameters from a load's entries and return the user's
-    ``extra`` (None when the checkpoint has none). Without ``trusted``, entries holding
-    anything but plain data are refused (module docstring)."""
-    if GROUPS in loaded:
-        groups = _deserialized(loaded[GROUPS], path, "optimizer hyperparameters", trusted)
-        if len(groups) != len(optimizer.param_groups):
-            raise CheckpointError(
-                f"the checkpoint at {path} has {len(groups)} optimizer parameter groups, this "
-                f"optimizer {len(optimizer.param_groups)}"
-            )
-        for group, saved in zip(optimizer.param_groups, groups, strict=True):
-            group.update(saved)
-    if EXTRA not in loaded:
-        return None
-    return _deserialized(loaded[EXTRA], path, "extra", trusted)
-
-
-def _serialized(value: object) -> io.BytesIO:
-    stream = io.BytesIO()
-    torch.save(value, stream)
-    stream.seek(0)
-    return stream
-
-
-def _deserialized(
-    stream: io.BytesIO, path: str | os.PathLike[str], what: str, trusted: bool
-) -> Any:
-    """An entry written by :func:`_serialized`, built by torch's weights-only unpickler unless
-    ``trusted`` (or by a general one for a plain pickle of an older fxpar, when ``trusted``)."""
-    stream.seek(0)
-    data = stream.read()
-    if not data.startswith(b"PK"):  # not torch.save's zip archive: a plain pickle
-        if not trusted:
-            raise CheckpointError(
-                f"the {what} of the checkpoint at {path} is a plain pickle (written by an older "
-                "fxpar), which runs code when it is loaded; load it with trusted=True if you "
-                "trust where it came from"
-            )
-        return pickle.loads(data)
-    try:
-        return torch.load(io.BytesIO(data), weights_only=not trusted)
-    except pickle.UnpicklingError as error:
-        reason = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
-        raise CheckpointError(
-            f"the {what} of the checkpoint at {path} holds objects other than plain data "
-            f"(tensors, numbers, strings, lists, tuples, dicts), which loading would build by "
-            f"running code from the file ({reason}); save state_dict()s and plain values, or "
-            "load with trusted=True if you trust where it came from"
-        ) from None
 
 
 def optimizer_entries(
@@ -609,13 +762,13 @@ def dtensor(
     )
 
 
-def _settle(distributed: bool) -> None:
+def _settle(distributed: bool, group: Any = None) -> None:
     # torch.distributed.checkpoint returns while gloo work it started can still be in flight
     # on some ranks; a process that then tears down its process group (or exits) aborts with
     # "terminate called without an active exception" about a third of the time on 2 ranks. A
     # barrier lets every rank's checkpoint traffic finish first.
     if distributed:
-        dist.barrier()
+        dist.barrier(group=group)
 
 
 def _contiguous_strides(shape: Sequence[ir.Size]) -> tuple[int, ...]:

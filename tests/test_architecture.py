@@ -87,7 +87,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("fxpar.planning",),
     ("fxpar.passes",),
     ("fxpar.lowering",),
-    ("fxpar.optim", "fxpar.checkpoint", "fxpar.runtime"),
+    ("fxpar.optim", "fxpar.checkpoint_objects", "fxpar.checkpoint", "fxpar.runtime"),
     ("fxpar.pipeline",),
     ("fxpar.driver",),
     ("fxpar.compiler",),

@@ -30,7 +30,7 @@ from fxpar.errors import BatchError
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.optim import SGD, AdamW
 from fxpar.pipeline import Pipeline, PipelineModel
-from fxpar.runtime.batches import batch_digest
+from fxpar.runtime.batches import batch_digest, bit_sums, bit_words
 from fxpar.runtime.launch import spawn
 
 CONFIG = GPTConfig(n_layer=2, n_embd=16, n_head=2, vocab_size=32, block_size=16)
@@ -137,6 +137,107 @@ def test_digests_compare_bits_so_nan_equals_itself() -> None:
     for other in ([changed, tokens], [batch, tokens.int()], [batch, tokens.reshape(3, 2)]):
         assert not torch.equal(batch_digest(other), digest)
     assert torch.equal(batch_digest([batch.t()]), batch_digest([batch.t().contiguous()]))
+    unaligned = torch.arange(9, dtype=torch.uint8)[1:]  # its words start inside a word
+    assert torch.equal(batch_digest([unaligned]), batch_digest([unaligned.clone()]))
+
+
+DIGEST_DTYPES = [torch.int64, torch.int32, torch.uint8, torch.bool, torch.float64, torch.float32,
+          torch.bfloat16, torch.float16, torch.complex64]  # fmt: skip
+DIGEST_SHAPES = [(), (1,), (7,), (8, 2048), (3, 5, 7), (32, 3, 9, 9), (4099,)]
+
+
+def _random(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generator) -> Any:
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=generator).bool()
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(shape, generator=generator, dtype=dtype)
+    return torch.randint(0, 100, shape, generator=generator, dtype=dtype)
+
+
+def _other_value(value: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Another bit pattern for one element: one bit flipped (a nearby or sign-flipped value,
+    the differences a checksum is likeliest to miss)."""
+    if value.dtype == torch.bool:
+        return ~value  # a bool is its lowest bit
+    bits = value.reshape(1).view(torch.uint8).clone()
+    byte = int(torch.randint(0, bits.numel(), (1,), generator=generator))
+    bit = int(torch.randint(0, 8, (1,), generator=generator))
+    bits[byte] ^= 1 << bit
+    return bits.view(value.dtype).reshape(())
+
+
+@pytest.mark.parametrize("dtype", DIGEST_DTYPES, ids=str)
+def test_one_two_or_three_changed_elements_are_always_caught(dtype: torch.dtype) -> None:
+    """The guarantee of the bit sums (fxpar.runtime.batches.bit_sums): a batch that differs in
+    1, 2 or 3 elements (one bit flipped in each: the smallest change), or in two swapped
+    elements, has another digest, for every dtype, shape and position sampled."""
+    generator = torch.Generator().manual_seed(0)
+    for shape in DIGEST_SHAPES:
+        batch = _random(shape, dtype, generator)
+        digest = batch_digest([batch])
+        count = batch.numel()
+        for trial in range(20):
+            changed = batch.clone().reshape(-1)
+            positions = torch.randperm(count, generator=generator)[: 1 + trial % 3]
+            for position in positions.tolist():
+                changed[position] = _other_value(changed[position], generator)
+            assert not torch.equal(batch_digest([changed.reshape(shape)]), digest), (
+                shape,
+                positions,
+            )
+            if count < 2:
+                continue
+            first, second = torch.randperm(count, generator=generator)[:2].tolist()
+            swapped = batch.clone().reshape(-1)
+            if torch.equal(swapped[first].reshape(1).view(torch.uint8),
+                           swapped[second].reshape(1).view(torch.uint8)):  # fmt: skip
+                continue  # the same bits: the same batch
+            swapped[[first, second]] = swapped[[second, first]]
+            assert not torch.equal(batch_digest([swapped.reshape(shape)]), digest), (
+                shape,
+                first,
+                second,
+            )
+
+
+def test_what_the_bit_sums_do_not_catch() -> None:
+    """As docs/training.md says: four words changed at the corners of a rectangle of the
+    sums' matrix (+d, -d in one row, -d, +d in another, the same two columns) keep every row
+    and column sum, so the digest is the same; swapping the two rows' contents instead is
+    caught (the sums come in order)."""
+    batch = torch.zeros(64, dtype=torch.int64)  # 64 words: a matrix 8 wide, 8 rows
+    corners = batch.clone()
+    corners[[1, 3, 17, 19]] = torch.tensor([5, -5, -5, 5])  # rows 0 and 2, columns 1 and 3
+    assert torch.equal(batch_digest([corners]), batch_digest([batch]))
+    rows = torch.arange(64)
+    swapped_rows = rows.reshape(8, 8)[[1, 0, *range(2, 8)]].reshape(-1)
+    assert not torch.equal(batch_digest([swapped_rows]), batch_digest([rows]))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.uint8, torch.float16])
+def test_bit_sums_are_wrapping_sums_of_the_words(dtype: torch.dtype) -> None:
+    """bit_sums computes what its docstring says, checked against Python integers modulo
+    2**bits of a word: the row sums, then the column sums, of the words laid out row by row
+    in rows of the smallest power-of-two width whose square holds them (sums that overflow
+    included)."""
+    generator = torch.Generator().manual_seed(1)
+    for count in (1, 5, 64, 100, 1003):
+        if dtype.is_floating_point:
+            tensor = torch.randn(count, generator=generator).to(dtype)
+        else:
+            high = 256 if dtype == torch.uint8 else 2**31 - 1
+            tensor = torch.randint(0, high, (count,), generator=generator, dtype=dtype)
+        words = bit_words(tensor)
+        bits = words.element_size() * 8
+        values = [int(v) for v in words.tolist()]
+        width = 1
+        while width * width < len(values):
+            width *= 2
+        matrix = [values[i : i + width] for i in range(0, len(values), width)]
+        columns = [sum(row[c] for row in matrix if c < len(row)) for c in range(width)]
+        expected = [sum(row) for row in matrix] + columns
+        wrapped = [(v + 2 ** (bits - 1)) % 2**bits - 2 ** (bits - 1) for v in expected]
+        assert bit_sums(tensor).tolist() == wrapped
 
 
 class _Regressor(nn.Sequential):

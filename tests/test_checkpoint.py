@@ -13,6 +13,7 @@ import torch
 import torch.distributed.checkpoint.filesystem as dcp_filesystem
 
 import fxpar
+from fxpar import checkpoint_objects
 from fxpar.errors import CheckpointError
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.runtime.launch import SpawnError, spawn
@@ -287,7 +288,7 @@ def test_plain_pickles_of_older_checkpoints_need_trust(
     parallel = _compile(GPT(_config()))
     with monkeypatch.context() as patched:
         patched.setattr(
-            fxpar.checkpoint, "_serialized", lambda value: io.BytesIO(pickle.dumps(value))
+            checkpoint_objects, "_serialized", lambda value: io.BytesIO(pickle.dumps(value))
         )
         parallel.save(tmp_path / "old", extra={"step": 5})
     with pytest.raises(CheckpointError, match="plain pickle"):

@@ -22,12 +22,12 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Literal, overload
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from fxpar import checkpoint
+from fxpar import checkpoint, checkpoint_objects
 from fxpar.ir.program import Signature
 from fxpar.ir.rng import RandomState
 from fxpar.optim import Optimizer
@@ -66,6 +66,8 @@ class Trainer:
     _gradient_dtype: torch.dtype
     _syncing: bool = True
     _distributed: bool
+    _saves: checkpoint.BackgroundSaves | None = None
+    """The checkpoints being written in the background (made on the first)."""
     _mesh_copies: bool = False
     """Whether the DTensors of checkpoints hold copies of the pieces, not the pieces."""
     """Whether the state is sharded over processes (DTensors in checkpoints, collectives)."""
@@ -210,7 +212,19 @@ class Trainer:
 
     # -- checkpoints ------------------------------------------------------------------------
 
-    def save(self, path: str | os.PathLike[str], *, extra: object = None) -> None:
+    @overload
+    def save(
+        self, path: str | os.PathLike[str], *, extra: object = None, blocking: Literal[True] = True
+    ) -> None: ...
+
+    @overload
+    def save(
+        self, path: str | os.PathLike[str], *, extra: object = None, blocking: Literal[False]
+    ) -> checkpoint.PendingSave: ...
+
+    def save(
+        self, path: str | os.PathLike[str], *, extra: object = None, blocking: bool = True
+    ) -> checkpoint.PendingSave | None:
         """Write a sharded checkpoint (see :mod:`fxpar.checkpoint`): the parameters, buffers,
         optimizer state and hyperparameters (the learning rate a scheduler set), step count and
         random state, each rank writing its own pieces under the model's own names, and
@@ -219,12 +233,35 @@ class Trainer:
         :class:`~fxpar.runtime.parallel.ParallelModel` or :class:`~fxpar.pipeline.PipelineModel`
         of the same model, whatever its mesh, plan or stages. The save is atomic: the previous
         checkpoint at ``path`` stays until every rank has written the new one. A collective:
-        call it on every rank."""
+        call it on every rank.
+
+        ``blocking=False``: copy this rank's state to host memory now and return a
+        :class:`~fxpar.checkpoint.PendingSave` while a background thread writes and commits
+        the copy, so training goes on meanwhile and the checkpoint holds the state as it was
+        at this call. Its ``wait()`` returns once the checkpoint is committed, or raises the
+        save's :class:`~fxpar.errors.CheckpointError` (a failed save commits nothing). One
+        save is written at a time: a save or load while one is in flight waits for it first,
+        and raises its failure if no ``wait()`` has. Wait for the last save before ending the
+        process group.
+
+        Raises:
+            CheckpointError: the save failed (``blocking``), or a background save before it
+                failed unreported.
+        """
+        self._background_saves().finish()
         state = self._checkpoint_state(include_missing=False)
         state.update(
-            checkpoint.object_entries(self.optimizer, extra, rank=self.rank, loading=False)
+            checkpoint_objects.object_entries(self.optimizer, extra, rank=self.rank, loading=False)
         )
+        if not blocking:
+            return self._background_saves().start(state, path, distributed=self._distributed)
         checkpoint.save(state, path, distributed=self._distributed)
+        return None
+
+    def _background_saves(self) -> checkpoint.BackgroundSaves:
+        if self._saves is None:
+            self._saves = checkpoint.BackgroundSaves()
+        return self._saves
 
     def load(
         self, path: str | os.PathLike[str], *, strict: bool = True, trusted: bool = False
@@ -243,14 +280,17 @@ class Trainer:
                 model's (with ``strict``), an entry of another shape, or, without
                 ``trusted``, an ``extra`` holding objects other than plain data.
         """
+        self._background_saves().finish()
         state = self._checkpoint_state(include_missing=True)
-        state.update(checkpoint.object_entries(self.optimizer, None, rank=self.rank, loading=True))
+        state.update(
+            checkpoint_objects.object_entries(self.optimizer, None, rank=self.rank, loading=True)
+        )
         expected = checkpoint.Entries(self.signature, self.optimizer_spec)
         wanted = checkpoint.load(
             state, path, distributed=self._distributed, expected=expected, strict=strict
         )
         self.steps = checkpoint.restore_progress(wanted, self.steps, self.random)
-        extra = checkpoint.restore_objects(wanted, self.optimizer, path, trusted=trusted)
+        extra = checkpoint_objects.restore_objects(wanted, self.optimizer, path, trusted=trusted)
         # Loads land in place in the local pieces (DTensors share their storage), except for
         # the plain tensors of one process and the host copies of a GPU's pieces (over
         # gloo), loaded into copies and copied back here.
@@ -282,7 +322,9 @@ class Trainer:
                 include_missing=include_missing,
             )
         )  # fmt: skip
-        if not self._distributed:
+        if not self._distributed and include_missing:
+            # A load fills copies, copied back once read (see load); a save reads the pieces
+            # themselves (one in the background copies them first).
             state = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
         return state
 
