@@ -45,6 +45,7 @@ class Canonicalize(Pass):
     def run(self, program: Program) -> Program:
         graph = program.graph
         masks: dict[fx.Node, bool] = {}  # each mask node checked once
+        before = len(graph.nodes), _signature(graph)
         for node in list(graph.nodes):
             if node.target in _CPU_ATTENTION and node.kwargs.get("attn_mask") is not None:
                 _fold_causal_mask(node, masks)
@@ -55,8 +56,16 @@ class Canonicalize(Pass):
             elif node.target is aten.nll_loss_backward.default and _reduction(node, 4) == _MEAN:
                 _nll_backward_to_sum(graph, node)
         graph.eliminate_dead_code()
-        program.recompile()
+        # A canonical program (planned again for another mesh) keeps its code: writing a
+        # large step's code takes seconds.
+        if (len(graph.nodes), _signature(graph)) != before:
+            program.recompile()
         return program
+
+
+def _signature(graph: fx.Graph) -> tuple[tuple[object, object, object], ...]:
+    """What the rewrites change: each node's target, arguments and keyword arguments."""
+    return tuple((node.target, node.args, tuple(node.kwargs.items())) for node in graph.nodes)
 
 
 _CPU_ATTENTION: dict[Any, int] = {

@@ -23,6 +23,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch import nn
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from fxpar import ir
 from fxpar.cluster import Cluster
@@ -163,8 +164,11 @@ class Program:
         """A Program of the same graph whose graph and annotations (the node-level ones in
         ``node.meta``, and the program-level ones) change independently of this one's, as
         planning one program for several meshes needs. torch.fx copies a graph's node
-        metadata shallowly, so the annotation dicts are copied here too."""
-        graph_module = copy.deepcopy(self.graph_module)
+        metadata shallowly, so the annotation dicts are copied here too. The copy shares the
+        original's attributes (constant tensors) and writes its Python code only when it is
+        run or read (torch's lazy GraphModule): a plan never runs its program, and writing the
+        code of a large step takes seconds."""
+        graph_module = _LazyGraphModule(self.graph_module, copy.deepcopy(self.graph_module.graph))
         for node in graph_module.graph.nodes:
             if ir.META_KEY in node.meta:
                 node.meta[ir.META_KEY] = dict(node.meta[ir.META_KEY])

@@ -315,6 +315,7 @@ class PlannedStageCostModel(StageCostModel):
         self.planner = planner
         self._plans: dict[Shape, PlannedStep] = {}
         self._collectives: dict[tuple[Shape, int], tuple[float, float]] = {}
+        self._planned_facts: dict[tuple[int, int, Shape], RangeFacts] = {}
 
     def planned(self, shape: Shape) -> PlannedStep:
         """The step as planned on the stage mesh of ``shape`` (planned once per shape); raises
@@ -363,10 +364,12 @@ class PlannedStageCostModel(StageCostModel):
 
     def _stage_cost(self, start: int, stop: int, shape: Shape) -> StageCost:
         step = self.planned(shape)
-        facts = self._facts(
-            start, stop, lambda n: step.compute.get(n.name, 0.0), lambda n: step.local.get(n, 0),
-            key=shape,
-        )  # fmt: skip
+        facts = self._planned_facts.get((start, stop, shape))
+        if facts is None:
+            facts = self._planned_facts[(start, stop, shape)] = self._facts(
+                start, stop, lambda n: step.compute.get(n.name, 0.0),
+                lambda n: step.local.get(n, 0), key=shape,
+            )  # fmt: skip
         sync = comm = 0.0
         for atom in range(start, stop):
             atom_sync, atom_comm = self._collective_seconds(shape, atom)
