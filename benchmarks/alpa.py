@@ -28,7 +28,9 @@ most 1.3x that of 32. *3-D* cases time capture and planning of Llama-3-8B on 3-D
 joint plan for the same cluster: Megatron-LM's GPT-3 175B on 1536 A100s (Narayanan et al., 2021:
 tensor parallel 8 within a node, 16 pipeline stages, data parallel 12), as the stage split of
 16 even stages each on a (12, 8) mesh planned as Megatron does (data parallel over rows, tensor
-parallel 8).
+parallel 8); and torchtitan's Llama-3-70B recipe on 64 H100s (fully sharded across nodes,
+tensor parallel 8 within a node, every layer recomputed), as the parameters' layouts pinned and
+the ILP choosing the rest.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import Replicate, Shard
 
 import fxpar
 from fxpar import plans
@@ -48,7 +51,8 @@ from fxpar.passes import default_passes, plan_program, prepare_for_planning
 from fxpar.pipeline import PassPlanner, Pipeline, capture_microbatch, search_pipelines
 from fxpar.pipeline.auto import evaluate_split
 from fxpar.pipeline.stage_choice import StageChoice, format_seconds
-from fxpar.planning.problem import build_problem
+from fxpar.planning.problem import PlanOptions, build_problem
+from fxpar.sharding import Spec
 from fxpar.solvers.errors import InfeasiblePlanError
 from fxpar.solvers.ilp import ILPSolver
 
@@ -79,7 +83,7 @@ JOINT = (
 
 DEPTH = ("depth",)
 THREE_D = (("3d-222", (2, 2, 2)), ("3d-248", (2, 4, 8)))
-KNOWN = ("megatron-175b",)
+KNOWN = ("megatron-175b", "torchtitan-70b")
 
 
 def build(name: str) -> torch.nn.Module:
@@ -238,6 +242,57 @@ def megatron() -> None:
             print(f"    stage mesh {shape}: {plan.layout_summary()}")
 
 
+def torchtitan() -> None:
+    """Llama-3-70B on (8, 8) H100s, batch 32x4096: torchtitan's recipe (fully sharded across
+    nodes, tensor parallel 8 within a node, every layer recomputed) priced by fxpar's model,
+    against fxpar's own choice among the intra-op plan (with remat as needed) and pipelines."""
+    mesh, batch, length, microbatches = (8, 8), 32, 4096, 16
+    cluster = fxpar.Cluster.preset("h100", mesh)
+    model = build("llama-70b")
+    start = time.perf_counter()
+    program = fxpar.capture(model, tokens(batch, length), mixed_precision=BF16)
+    captured = time.perf_counter() - start
+    pins = {name: _fsdp_tp(name) for name in program.signature.parameters}
+    pins.update({name: (Shard(0), Replicate()) for name in program.signature.inputs})
+    recipe = plan_program(program, cluster, pins=pins, options=PlanOptions(remat="all"))
+    ours = plan_program(program, cluster, options=PlanOptions(remat="auto"))
+    pipelines = settings(microbatches)
+    micro = capture_microbatch(model, pipelines[0], tokens(batch, length), mixed_precision=BF16)
+    search = search_pipelines(
+        micro, cluster, pipelines, stage_planner=PassPlanner(default_passes()), microbatch=True
+    )
+    chose = time.perf_counter() - start - captured
+    best = min(
+        [ours.solution.objective] + ([search.choice.step_time] if search.choice is not None else [])
+    )
+    chosen = (
+        f"intra-op, remat auto: {ours.layout_summary()}"
+        if best == ours.solution.objective or search.choice is None
+        else _chosen(search.choice)
+    )
+    row(
+        "torchtitan-70b", "8x8", f"{batch}x{length}", str(microbatches), f"{captured:.1f}",
+        f"{chose:.1f}", f"{captured + chose:.1f}", "-",
+        format_seconds(ours.solution.objective) + " (remat auto)", "-",
+        format_seconds(search.choice.step_time) if search.choice is not None else "none fits",
+        format_seconds(best), chosen,
+    )  # fmt: skip
+    print(f"    torchtitan's recipe: {format_seconds(recipe.solution.objective)}; "
+          f"{recipe.layout_summary()}")  # fmt: skip
+
+
+def _fsdp_tp(name: str) -> Spec:
+    """torchtitan's layout of a Llama parameter on (nodes, GPUs): split on dim 0 across nodes
+    (fully sharded), and within a node by output features for the column-parallel linears,
+    input features for the row-parallel ones, replicated otherwise."""
+    if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight",
+                      "up_proj.weight")):  # fmt: skip
+        return (Shard(0), Shard(0))
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        return (Shard(0), Shard(1))
+    return (Shard(0), Replicate())
+
+
 HEADER = ("case", "mesh", "batch", "M", "capture s", "joint s", "total s", "target s",
           "intra-op", "uniform", "pipeline", "joint", "chosen")  # fmt: skip
 
@@ -274,6 +329,8 @@ def main() -> None:
             three_d(name, mesh)
     if "megatron-175b" in chosen:
         megatron()
+    if "torchtitan-70b" in chosen:
+        torchtitan()
 
 
 if __name__ == "__main__":
