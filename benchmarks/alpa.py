@@ -26,11 +26,11 @@ most 1.3x that of 32. *3-D* cases time capture and planning of Llama-3-8B on 3-D
 
 *Known-good* cases score a published configuration with fxpar's own cost model next to fxpar's
 joint plan for the same cluster: Megatron-LM's GPT-3 175B on 1536 A100s (Narayanan et al., 2021:
-tensor parallel 8 within a node, 16 pipeline stages, data parallel 12), as the stage split of
-16 even stages each on a (12, 8) mesh planned as Megatron does (data parallel over rows, tensor
-parallel 8); and torchtitan's Llama-3-70B recipe on 64 H100s (fully sharded across nodes,
-tensor parallel 8 within a node, every layer recomputed), as the parameters' layouts pinned and
-the ILP choosing the rest.
+tensor parallel 8 within a node, 16 pipeline stages, data parallel 12, activations recomputed),
+as the stage split of 16 even stages each on a (12, 8) mesh planned as Megatron does (data
+parallel over rows, tensor parallel 8), 1F1B with remat; and torchtitan's Llama-3-70B recipe
+on 64 H100s (fully sharded across nodes, tensor parallel 8 within a node, every layer
+recomputed), as the parameters' layouts pinned and the ILP choosing the rest.
 """
 
 from __future__ import annotations
@@ -221,7 +221,7 @@ def megatron() -> None:
     )
     given = evaluate_split(
         program, cluster,
-        dataclasses.replace(pipeline, stages=split, stage_meshes=((12, 8),) * 16),
+        dataclasses.replace(pipeline, stages=split, stage_meshes=((12, 8),) * 16, remat=True),
         stage_planner=megatron_plan, microbatch=True,
     )  # fmt: skip
     search = search_pipelines(
