@@ -54,8 +54,8 @@ from fxpar.pipeline.stage_choice import StageChoice, format_seconds
 from fxpar.planning.problem import PlanOptions, build_problem
 from fxpar.sharding import Spec
 from fxpar.solvers.errors import InfeasiblePlanError
-from fxpar.solvers.stages import StageMemoryError
 from fxpar.solvers.ilp import ILPSolver
+from fxpar.solvers.stages import StageMemoryError
 
 BF16 = fxpar.MixedPrecision(torch.bfloat16, reduce_dtype=torch.float32)
 
