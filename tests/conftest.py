@@ -34,6 +34,16 @@ if TEST_DEVICE.type == "cuda":
     torch.backends.cuda.matmul.allow_tf32 = False
 
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # pytest-xdist runs one worker per core (pyproject.toml's addopts). torch's default of one
+    # intra-op thread per core would put several busy threads on each core; on the tests' small
+    # tensors that costs CPU time and gains none (tests/test_pipeline.py: 47 s of CPU with the
+    # default 2 threads, 27 s with 1). The processes the tests start (gloo ranks, torchrun, the
+    # docs' commands) inherit OMP_NUM_THREADS.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
 def on_test_device(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """``tensors`` on :data:`TEST_DEVICE`."""
     return [tensor.to(TEST_DEVICE) for tensor in tensors]
