@@ -239,10 +239,12 @@ _TIMEOUT = re.compile(r"time[sd]?[ -]?out", re.IGNORECASE)
 
 
 def _record_failure(result_dir: str, rank: int, where: str) -> None:
-    # Timestamped, so the parent can tell the first failure from its consequences.
-    _error_path(result_dir, rank).write_text(
-        f"{time.monotonic_ns()} {where}\n{traceback.format_exc()}"
-    )
+    # Timestamped, so the parent can tell the first failure from its consequences; written
+    # aside and renamed, so the parent never reads it half written.
+    path = _error_path(result_dir, rank)
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(f"{time.monotonic_ns()} {where}\n{traceback.format_exc()}")
+    os.replace(partial, path)
 
 
 @dataclass(frozen=True)
