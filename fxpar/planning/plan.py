@@ -116,7 +116,8 @@ class Plan:
     def layout_summary(self) -> str:
         """One line saying what each mesh axis does: splits the batch, the weights, both
         (fully sharded) or neither, with the share of trainable weight bytes split over it,
-        e.g. ``axis0 (2): data parallel; axis1 (4): tensor parallel (weights 97% split)``."""
+        e.g. ``axis0 (2): data parallel; axis1 (4): tensor parallel (weights 97% split)``, each
+        axis by its cluster's name for it."""
         program, mesh = self.program, self.cluster.mesh_shape
         placeholders = program.placeholders()
         weights = [placeholders[name] for name in program.signature.gradients]
@@ -134,7 +135,7 @@ class Plan:
             else:
                 kind = "tensor parallel" if share > 0 else "replicated"
             detail = f" (weights {share:.0%} split)" if share and share < 0.995 else ""
-            parts.append(f"axis{axis} ({size}): {kind}{detail}")
+            parts.append(f"{self.cluster.axis_names[axis]} ({size}): {kind}{detail}")
         return "; ".join(parts) or "one device"
 
     def explain(self, node_name: str) -> str:
