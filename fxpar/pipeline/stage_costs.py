@@ -151,7 +151,7 @@ class StageCostModel:
         self.pipeline = pipeline
         self.optimizer_states = optimizer_states
         self.phases = {node: region(node).phase for node in atoms.atom_of}
-        self._ranges: dict[tuple[int, int], RangeFacts] = {}
+        self._ranges: dict[tuple[int, int, Shape | None], RangeFacts] = {}
         self._costs: dict[tuple[int, int, Shape], StageCost] = {}
         self._seconds: dict[tuple[object, int], tuple[float, float]] = {}
         self._values: dict[int, _AtomValues] = {}
@@ -170,13 +170,17 @@ class StageCostModel:
         other._costs = {}
         return other
 
-    def facts(self, start: int, stop: int) -> RangeFacts:
-        key = (start, stop)
-        if key not in self._ranges:
-            self._ranges[key] = self._measure(start, stop)
-        return self._ranges[key]
+    def facts(self, start: int, stop: int, shape: Shape | None = None) -> RangeFacts:
+        """The facts of atoms ``[start, stop)``, priced by the roofline on one device (``shape``
+        None) or, in a model of stage plans, under the plan of stage mesh ``shape``; computed
+        once."""
+        key = (start, stop, shape)
+        found = self._ranges.get(key)
+        if found is None:
+            found = self._ranges[key] = self._measure(start, stop, shape)
+        return found
 
-    def _measure(self, start: int, stop: int) -> RangeFacts:
+    def _measure(self, start: int, stop: int, shape: Shape | None) -> RangeFacts:
         return self._facts(start, stop, lambda node: node_seconds(node, self.cluster), output_bytes)
 
     def _facts(
@@ -315,7 +319,6 @@ class PlannedStageCostModel(StageCostModel):
         self.planner = planner
         self._plans: dict[Shape, PlannedStep] = {}
         self._collectives: dict[tuple[Shape, int], tuple[float, float]] = {}
-        self._planned_facts: dict[tuple[int, int, Shape], RangeFacts] = {}
 
     def planned(self, shape: Shape) -> PlannedStep:
         """The step as planned on the stage mesh of ``shape`` (planned once per shape); raises
@@ -364,12 +367,7 @@ class PlannedStageCostModel(StageCostModel):
 
     def _stage_cost(self, start: int, stop: int, shape: Shape) -> StageCost:
         step = self.planned(shape)
-        facts = self._planned_facts.get((start, stop, shape))
-        if facts is None:
-            facts = self._planned_facts[(start, stop, shape)] = self._facts(
-                start, stop, lambda n: step.compute.get(n.name, 0.0),
-                lambda n: step.local.get(n, 0), key=shape,
-            )  # fmt: skip
+        facts = self.facts(start, stop, shape)
         sync = comm = 0.0
         for atom in range(start, stop):
             atom_sync, atom_comm = self._collective_seconds(shape, atom)
@@ -379,6 +377,15 @@ class PlannedStageCostModel(StageCostModel):
         return self._price(
             start, stop, facts, step.forward_crossing, step.backward_crossing,
             share=self.pieces, per_step=sync, per_microbatch=comm,
+        )  # fmt: skip
+
+    def _measure(self, start: int, stop: int, shape: Shape | None) -> RangeFacts:
+        if shape is None:
+            return super()._measure(start, stop, shape)
+        step = self.planned(shape)
+        return self._facts(
+            start, stop, lambda n: step.compute.get(n.name, 0.0), lambda n: step.local.get(n, 0),
+            key=shape,
         )  # fmt: skip
 
     def _collective_seconds(self, shape: Shape, atom: int) -> tuple[float, float]:
