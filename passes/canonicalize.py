@@ -45,27 +45,24 @@ class Canonicalize(Pass):
     def run(self, program: Program) -> Program:
         graph = program.graph
         masks: dict[fx.Node, bool] = {}  # each mask node checked once
-        before = len(graph.nodes), _signature(graph)
+        changed = False
         for node in list(graph.nodes):
             if node.target in _CPU_ATTENTION and node.kwargs.get("attn_mask") is not None:
-                _fold_causal_mask(node, masks)
+                changed |= _fold_causal_mask(node, masks)
             elif node.target in (aten.mean.dim, aten.mean.default):
-                _mean_to_sum(graph, node)
+                changed |= _mean_to_sum(graph, node)
             elif node.target is aten.nll_loss_forward.default and _reduction(node, 3) == _MEAN:
                 _nll_forward_to_sum(graph, node)
+                changed = True
             elif node.target is aten.nll_loss_backward.default and _reduction(node, 4) == _MEAN:
                 _nll_backward_to_sum(graph, node)
-        graph.eliminate_dead_code()
+                changed = True
+        changed |= graph.eliminate_dead_code()
         # A canonical program (planned again for another mesh) keeps its code: writing a
         # large step's code takes seconds.
-        if (len(graph.nodes), _signature(graph)) != before:
+        if changed:
             program.recompile()
         return program
-
-
-def _signature(graph: fx.Graph) -> tuple[tuple[object, object, object], ...]:
-    """What the rewrites change: each node's target, arguments and keyword arguments."""
-    return tuple((node.target, node.args, tuple(node.kwargs.items())) for node in graph.nodes)
 
 
 _CPU_ATTENTION: dict[Any, int] = {
@@ -76,26 +73,27 @@ _LARGEST_MASK = 2**27
 """Masks of more elements are not evaluated to check (the one-off cost of folding)."""
 
 
-def _fold_causal_mask(node: fx.Node, masks: dict[fx.Node, bool]) -> None:
+def _fold_causal_mask(node: fx.Node, masks: dict[fx.Node, bool]) -> bool:
     """Drop ``node``'s attention mask for ``is_causal=True`` where the mask is a constant
-    that equals the causal mask (module docstring)."""
+    that equals the causal mask (module docstring); whether it did."""
     mask = node.kwargs["attn_mask"]
     causal_at = _CPU_ATTENTION[node.target]
     query, key = node.args[causal_at - 4 : causal_at - 2]
     assert isinstance(mask, fx.Node) and isinstance(query, fx.Node) and isinstance(key, fx.Node)
     length = query.meta["val"].shape[-2]
     if key.meta["val"].shape[-2] != length:
-        return
+        return False
     if mask not in masks:
         masks[mask] = _is_causal_mask(mask, length)
     if not masks[mask]:
-        return
+        return False
     args = list(node.args)
     if len(args) <= causal_at:  # the forward's dropout_p and is_causal have defaults
         args += [0.0] * (causal_at - len(args)) + [False]
     args[causal_at] = True
     node.args = tuple(args)
     node.kwargs = {name: value for name, value in node.kwargs.items() if name != "attn_mask"}
+    return True
 
 
 def _is_causal_mask(mask: fx.Node, length: int) -> bool:
@@ -164,7 +162,9 @@ def insert_node(
     return node
 
 
-def _mean_to_sum(graph: fx.Graph, node: fx.Node) -> None:
+def _mean_to_sum(graph: fx.Graph, node: fx.Node) -> bool:
+    """Replace a mean by a sum divided by its count; whether it did (not for a symbolic
+    count)."""
     source = node.args[0]
     assert isinstance(source, fx.Node)
     shape = ir.require(source, ir.ValueMeta).tensor.shape
@@ -175,7 +175,7 @@ def _mean_to_sum(graph: fx.Graph, node: fx.Node) -> None:
         dims = list(range(len(shape))) if not given else list(given)
         keepdim = bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
     if any(not isinstance(shape[d], int) for d in dims):
-        return  # a symbolic count: keep the mean
+        return False  # a symbolic count: keep the mean
     count = math.prod(shape[d] for d in dims)
     dtype = node.kwargs.get("dtype")
     total = insert_node(graph, aten.sum.dim_IntList, (source, dims, keepdim), node,
@@ -183,6 +183,7 @@ def _mean_to_sum(graph: fx.Graph, node: fx.Node) -> None:
     mean = insert_node(graph, aten.div.Tensor, (total, count), node)
     node.replace_all_uses_with(mean)
     graph.erase_node(node)
+    return True
 
 
 def _nll_forward_to_sum(graph: fx.Graph, node: fx.Node) -> None:
