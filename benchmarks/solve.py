@@ -34,9 +34,9 @@ BATCH, LENGTH = 8, 1024
 
 
 def build(name: str):  # type: ignore[no-untyped-def]
-    from fxpar.models.shapes import GPT2_SHAPES, LLAMA_LAYERS, hf_gpt2, llama
+    from fxpar.models.shapes import GPT2_SHAPES, hf_gpt2, llama_named
 
-    return hf_gpt2(name) if name in GPT2_SHAPES else llama(LLAMA_LAYERS[name])
+    return hf_gpt2(name) if name in GPT2_SHAPES else llama_named(name)
 
 
 MODELS = ("gpt2-small", "gpt2-medium", "gpt2-xl", "llama-8b", "llama-8b-96")

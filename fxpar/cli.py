@@ -319,10 +319,14 @@ def plan_command(args: argparse.Namespace) -> int:
         print(_verdict(plan, best))
         if plan is None and best is None:
             return 2
-    if args.save and plan is not None:
-        print(f"\nplan written to {plan.save(args.save)}")
-    if args.plot and plan is not None:
-        print(f"picture written to {plan.plot(args.plot)}")
+    if plan is None:
+        if args.save or args.plot:
+            print("\n--save and --plot write the intra-op plan of the whole batch: none fits")
+    else:
+        if args.save:
+            print(f"\nplan written to {plan.save(args.save)}")
+        if args.plot:
+            print(f"picture written to {plan.plot(args.plot)}")
     return 0
 
 

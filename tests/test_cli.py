@@ -106,14 +106,18 @@ def test_group_of() -> None:
     assert group_of(ir.LOSS_REGION, 1) == ir.LOSS_REGION
 
 
-def test_plan_command_finds_a_pipeline_where_no_plan_of_the_batch_fits(capsys) -> None:  # type: ignore[no-untyped-def]
+def test_plan_command_finds_a_pipeline_where_no_plan_of_the_batch_fits(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     """A memory limit below the most frugal plan of the whole batch, above what one
     micro-batch's stages need: the command says so, prints the joint plan and succeeds; below
     both, it fails with both reasons."""
     argv = ["plan", "--model", "test_cli:tiny_target", "--mesh", "2x2", "--cluster", "cpu"]
-    assert main([*argv, "--memory-gib", "0.00015", "--microbatches", "2"]) == 0
+    saved = tmp_path / "plan.json"
+    tight = ["--memory-gib", "0.00015", "--microbatches", "2"]
+    assert main([*argv, *tight, "--save", str(saved)]) == 0
     out = capsys.readouterr().out
     assert "no intra-op plan of the whole batch fits" in out
+    assert "--save and --plot write the intra-op plan of the whole batch: none fits" in out
+    assert not saved.exists()
     assert "pipeline: 1 stage(s) x 4 device(s), 2 micro-batches, 1f1b" in out
     assert "gpipe, remat off: no pipeline of this step fits" in out  # 1F1B holds fewer
     assert "intra-op plan alone: no plan fits per step; best pipeline:" in out

@@ -29,9 +29,6 @@ LLAMA_SHAPES = {
 """Name -> (layers, hidden, intermediate, attention heads, key/value heads) of Llama-3
 shapes; ``llama-8b-96`` is Llama-3-8B with 96 layers."""
 
-LLAMA_LAYERS = {name: shape[0] for name, shape in LLAMA_SHAPES.items() if shape[1] == 4096}
-"""Name -> layers of the Llama-3-8B-shaped models (hidden 4096, GQA with 8 key/value heads)."""
-
 
 def llama(layers: int) -> nn.Module:
     """A Hugging Face Llama with Llama-3-8B's shape and ``layers`` decoder layers."""
