@@ -235,12 +235,6 @@ def compile(
     passes = for_compile(passes, optimizer_states=optimizer.state_copies)
     if pipeline is None:
         device_mesh = _device_mesh(cluster)
-    elif cluster.device_type != "cpu":
-        raise DistributedError(
-            f"pipelines run on CPU processes (gloo) in this release; the cluster says "
-            f"{cluster.device_type!r}. fxpar.compile without pipeline= runs on GPUs, and "
-            "fxpar.plan / fxpar.pipeline.auto.plan_stages price pipelines for any cluster"
-        )
     check_sources(model, list(named_state(model)), init)
     if batch not in ("global", "local"):
         raise FxparError(f"batch must be 'global' or 'local', got {batch!r}")
@@ -287,12 +281,14 @@ def _compile_pipeline(
     axis (when that axis is the stages, or a solver, manual plan, pins, options, rules or
     passes ask for a plan), or on meshes of their own (``Pipeline(stage_meshes=...)``), or
     data-parallel replicas."""
+    device = rank_device(cluster.device_type)  # where each rank's stage lives
     if pipeline.stage_meshes is not None:
         meshes = stage_meshes(pipeline, cluster)
         return PipelineModel(
             model, pipeline, example_inputs, loss_fn, example_targets=example_targets,
             optimizer=optimizer, stage_cluster=meshes, planner=planner,
             check_batches=check_batches, init=init, mixed_precision=mixed_precision,
+            device=device,
         )  # fmt: skip
     stages_first = (
         pipeline.stages != "auto"
@@ -326,7 +322,7 @@ def _compile_pipeline(
             model, pipeline, example_inputs, loss_fn, example_targets=example_targets,
             optimizer=optimizer, stage_cluster=stage_cluster, planner=planner,
             check_batches=check_batches, init=init, mixed_precision=mixed_precision,
-            program=program, plans=choice.plans if choice is not None else None,
+            program=program, plans=choice.plans if choice is not None else None, device=device,
         )  # fmt: skip
         pipelined.stage_choice = choice
         return pipelined
@@ -349,7 +345,7 @@ def _compile_pipeline(
     pipelined = PipelineModel(
         model, pipeline, example_inputs, loss_fn, example_targets=example_targets,
         optimizer=optimizer, check_batches=check_batches, init=init,
-        mixed_precision=mixed_precision,
+        mixed_precision=mixed_precision, device=device,
     )  # fmt: skip
     pipelined.stage_choice = choice
     return pipelined

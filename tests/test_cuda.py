@@ -4,9 +4,10 @@ and compiled models training on one GPU and on gloo processes that share it.
 The tests marked ``cuda`` need a GPU and skip without one; the others check, on any machine,
 what the GPU paths rest on: a placed program names no other device (run on the meta device,
 where any tensor left on the CPU fails), the attention that replaces the CPU kernels computes
-their values with their shapes and strides, and a CUDA cluster without a GPU, or a pipeline on
-one, is refused with a clear error. ``FXPAR_TEST_DEVICE=cuda`` runs the property tests and the
-zoo (tests/test_property.py, tests/test_manual_plans_zoo.py) on the GPU too.
+their values with their shapes and strides, a pipeline's stages run where they are placed, and
+a CUDA cluster without a GPU is refused with a clear error. ``FXPAR_TEST_DEVICE=cuda`` runs the
+property tests and the zoo (tests/test_property.py, tests/test_manual_plans_zoo.py) on the GPU
+too.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from fxpar.errors import DistributedError, FxparError
 from fxpar.ir.placement import attention, attention_backward, devices_named, place
 from fxpar.lowering import lower
 from fxpar.models import GPT, GPTConfig, gpt_loss
+from fxpar.pipeline import PipelineModel
 from fxpar.runtime import devices
 from fxpar.testing import simulate
 from fxpar.testing.strategies import splitting_cluster
@@ -161,18 +163,53 @@ def test_a_cuda_cluster_without_a_gpu_is_refused() -> None:
     assert planned.cluster.device_type == "cuda" and planned.solution.status == "optimal"
 
 
-def test_unknown_device_types_and_gpu_pipelines_are_refused() -> None:
+@pytest.mark.skipif(HAVE_CUDA, reason="checks the machine without a GPU")
+def test_a_pipeline_on_a_cuda_cluster_without_a_gpu_is_refused() -> None:
     net = GPT(CONFIG)
     tokens = torch.randint(0, CONFIG.vocab_size, (2, 8))
-    with pytest.raises(FxparError, match="device_type 'cpu' or 'cuda', not 'xpu'"):
-        fxpar.compile(
-            net, Cluster((1,), device_type="xpu"), (tokens,), gpt_loss, example_targets=(tokens,)
-        )
-    with pytest.raises(DistributedError, match="pipelines run on CPU processes"):
+    with pytest.raises(DistributedError, match="torch sees no GPU"):
         fxpar.compile(
             net, Cluster.preset("h100", (2,)), (tokens,), gpt_loss, example_targets=(tokens,),
             pipeline=fxpar.Pipeline(2, 2),
         )  # fmt: skip
+
+
+def test_unknown_device_types_are_refused() -> None:
+    net = GPT(CONFIG)
+    tokens = torch.randint(0, CONFIG.vocab_size, (2, 8))
+    for pipeline in (None, fxpar.Pipeline(2, 2)):
+        with pytest.raises(FxparError, match="device_type 'cpu' or 'cuda', not 'xpu'"):
+            fxpar.compile(
+                net, Cluster((1,), device_type="xpu"), (tokens,), gpt_loss,
+                example_targets=(tokens,), pipeline=pipeline,
+            )  # fmt: skip
+
+
+def test_a_pipeline_runs_its_stages_where_they_are_placed() -> None:
+    """A pipeline's state, micro-batches and stage programs (training step and forward) live
+    on its device: on the meta device any tensor left on the CPU would fail the step."""
+    net = GPT(dataclasses.replace(CONFIG, dropout=0.1))
+    tokens = torch.randint(0, CONFIG.vocab_size, (4, 8))
+    pipelined = PipelineModel(
+        net, fxpar.Pipeline(1, microbatches=2), (tokens,), gpt_loss, example_targets=(tokens,),
+        device="meta",
+    )  # fmt: skip
+    assert pipelined.device == torch.device("meta")
+    loss = pipelined.step(tokens, tokens)
+    logits = pipelined(tokens)
+    assert loss.device.type == "meta" and logits.device.type == "meta"
+    assert logits.shape == (4, 8, CONFIG.vocab_size)
+    assert {p.device.type for p in pipelined.parameters.values()} == {"meta"}
+    for step in pipelined._steps.values():
+        for unit in step.worker.forward + step.worker.backward:
+            assert devices_named(unit.graph_module) <= {torch.device("meta")}
+    # The same programs on the CPU name the CPU: placement is what moved them.
+    on_cpu = PipelineModel(
+        net, fxpar.Pipeline(1, microbatches=2), (tokens,), gpt_loss, example_targets=(tokens,)
+    )
+    assert on_cpu.step(tokens, tokens).device.type == "cpu"
+    units = on_cpu._steps[("train", True, None)].worker.forward
+    assert any(torch.device("cpu") in devices_named(unit.graph_module) for unit in units)
 
 
 def test_the_backend_follows_the_gpus_a_node_has() -> None:
@@ -284,9 +321,13 @@ def test_one_gpu_trains_an_hf_llama_like_eager(precision: str) -> None:
         assert loss.item() == pytest.approx(expected.item(), rel=tolerance)
 
 
-def _two_ranks(rank: int, world_size: int, precision: str, device: str) -> dict[str, object]:
+def _ranks(rank: int, world_size: int, precision: str, device: str) -> dict[str, object]:
     torch.backends.cuda.matmul.allow_tf32 = False
     cluster = dataclasses.replace(splitting_cluster((world_size,)), device_type=device)
+    # Two stages; with 4 processes each stage runs the ILP's plan on a mesh of 2.
+    staged = dataclasses.replace(
+        splitting_cluster((2, world_size // 2) if world_size > 2 else (2,)), device_type=device
+    )
     batches = _gpt_batches()
     results: dict[str, object] = {}
     mixed = fxpar.MixedPrecision(torch.bfloat16) if precision == "bf16" else None
@@ -295,13 +336,17 @@ def _two_ranks(rank: int, world_size: int, precision: str, device: str) -> dict[
         "tensor_parallel": plans.tensor_parallel,
         "fully_sharded": plans.fully_sharded,
         "ilp": None,
+        "pipeline": None,
     }.items():
         torch.manual_seed(0)
+        pipeline = fxpar.Pipeline(2, microbatches=2) if name == "pipeline" else None
         compiled = fxpar.compile(
-            GPT(CONFIG), cluster, (batches[0][0],), gpt_loss, example_targets=(batches[0][1],),
-            optimizer=fxpar.optim.AdamW(lr=1e-2), manual=manual, mixed_precision=mixed,
+            GPT(CONFIG), staged if pipeline else cluster, (batches[0][0],), gpt_loss,
+            example_targets=(batches[0][1],), optimizer=fxpar.optim.AdamW(lr=1e-2),
+            manual=manual, mixed_precision=mixed, pipeline=pipeline,
         )  # fmt: skip
         assert compiled.device.type == device
+        assert all(p.device.type == device for p in compiled.parameters.values())
         losses = []
         for index, (tokens, targets) in enumerate(batches):
             print(f"rank {rank}: {name} step {index}", flush=True)  # shown if a rank fails
@@ -313,17 +358,22 @@ def _two_ranks(rank: int, world_size: int, precision: str, device: str) -> dict[
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("precision", "device"),
+    ("world", "precision", "device"),
     [
-        pytest.param("fp32", "cuda", marks=cuda),
-        pytest.param("bf16", "cuda", marks=cuda),
-        ("fp32", "cpu"),  # the same on CPU processes: a failure here is not the GPU's
+        pytest.param(2, "fp32", "cuda", marks=cuda),
+        pytest.param(2, "bf16", "cuda", marks=cuda),
+        pytest.param(4, "fp32", "cuda", marks=cuda),
+        pytest.param(4, "bf16", "cuda", marks=cuda),
+        (2, "fp32", "cpu"),  # the same on CPU processes: a failure here is not the GPU's
     ],
 )
-def test_two_processes_sharing_the_gpu_train_like_one_device(precision: str, device: str) -> None:
-    """Data, tensor and fully sharded parallel and the ILP's plan on 2 gloo processes whose
-    tensors live on the one GPU (collectives staged through host memory) give eager PyTorch's
-    losses and weights on that GPU."""
+def test_processes_sharing_the_gpu_train_like_one_device(
+    world: int, precision: str, device: str
+) -> None:
+    """Data, tensor and fully sharded parallel, the ILP's plan and a 2-stage pipeline (whose
+    stages, with 4 processes, run the ILP's plan on 2 devices each) on 2 or 4 gloo processes
+    whose tensors live on the one GPU (collectives and messages staged through host memory)
+    give eager PyTorch's losses and weights on that GPU."""
     from fxpar.runtime.launch import spawn
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -331,7 +381,7 @@ def test_two_processes_sharing_the_gpu_train_like_one_device(precision: str, dev
     reference = GPT(CONFIG).to(device)
     expected = _eager_losses(reference, _gpt_batches(device), bf16=precision == "bf16")
     weights = {k: v.cpu() for k, v in reference.state_dict().items()}
-    ranks = spawn(_two_ranks, 2, precision, device)
+    ranks = spawn(_ranks, world, precision, device)
     # AdamW turns rounding noise in a near-zero gradient into an update of up to lr: on a
     # GPU (cuBLAS sums in other orders than one device's) one weight in 4096 was seen 1.9e-5
     # off after 4 steps at lr 1e-2, so weights compare to 1e-2 * lr (1e-3 * lr on the CPU).
@@ -342,7 +392,10 @@ def test_two_processes_sharing_the_gpu_train_like_one_device(precision: str, dev
         if precision == "fp32":
             for key, value in state.items():
                 torch.testing.assert_close(value, weights[key], rtol=1e-4, atol=floor)
-    assert ranks[0] is not None and math.isfinite(ranks[1]["ilp"][0][-1])  # type: ignore[index]
+    for other in ranks[1:]:  # every rank reports the same losses
+        for name, (losses, _) in other.items():  # type: ignore[union-attr]
+            assert losses == pytest.approx(ranks[0][name][0], rel=1e-6), name  # type: ignore[index]
+    assert math.isfinite(ranks[-1]["pipeline"][0][-1])  # type: ignore[index]
 
 
 @cuda
@@ -357,3 +410,60 @@ def test_calibrate_measures_the_gpu() -> None:
 
 def _calibrate(rank: int, world_size: int) -> Cluster:
     return fxpar.calibrate(Cluster.preset("h100", (1,)))
+
+
+_OVER_NCCL = """
+import json, os, sys, torch, torch.distributed as dist, fxpar
+from fxpar.models import GPT, GPTConfig, gpt_loss
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], LOCAL_RANK="0")
+dist.init_process_group("nccl", rank=0, world_size=1)
+torch.backends.cuda.matmul.allow_tf32 = False
+config = GPTConfig(**json.loads(sys.argv[2]))
+generator = torch.Generator().manual_seed(1)
+batches = [
+    [torch.randint(0, config.vocab_size, (4, 8), generator=generator) for _ in range(2)]
+    for _ in range(4)
+]
+cluster = fxpar.Cluster.preset("h100", (1,))
+losses = {}
+for name, pipeline in {"intra_op": None, "pipeline": fxpar.Pipeline(1, microbatches=2)}.items():
+    torch.manual_seed(0)
+    compiled = fxpar.compile(
+        GPT(config), cluster, (batches[0][0],), gpt_loss, example_targets=(batches[0][1],),
+        optimizer=fxpar.optim.AdamW(lr=1e-2), pipeline=pipeline,
+    )
+    assert compiled.device.type == "cuda", compiled.device
+    losses[name] = [compiled.step(tokens, targets).item() for tokens, targets in batches]
+print(json.dumps({"backend": dist.get_backend(), "losses": losses}))
+dist.destroy_process_group()
+"""
+
+
+@cuda
+@pytest.mark.slow
+def test_one_process_over_nccl_trains_like_eager() -> None:
+    """NCCL refuses two processes on one GPU, so with one GPU NCCL runs one process: what
+    fxpar sends through the process group outside its programs (the random state's
+    broadcast, the device mesh) takes GPU tensors there, and the step trains like eager
+    PyTorch, with and without a (one-stage) pipeline."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    config = {"n_layer": 2, "n_embd": 32, "n_head": 4, "vocab_size": 64, "block_size": 16}
+    done = subprocess.run(
+        [sys.executable, "-c", _OVER_NCCL, str(port), json.dumps({**config, "bias": False})],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["backend"] == "nccl"
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    expected = _eager_losses(GPT(CONFIG).cuda(), _gpt_batches("cuda"))
+    for name, losses in result["losses"].items():
+        assert losses == pytest.approx(expected, rel=1e-4), name

@@ -18,6 +18,11 @@ receiving device needs, one message per sending device, with the value's tag. Wi
 interleaved schedule a worker runs several model chunks, each with its own programs and
 channels; the last stage's chunk ``c`` sends to stage 0's chunk ``c + 1``.
 
+On a GPU the tensors of a channel live on the rank's device. Over NCCL they travel as they
+are; over gloo, which moves host memory only, a send copies its tensor to the host first and a
+receive lands in host memory and is copied to the device when it is waited for
+(:func:`fxpar.runtime.devices.stages_through_host`).
+
 Each instruction's start and end (``time.perf_counter``, which is one clock for all processes
 of a machine) are recorded, for the bubble fraction and the timeline of :mod:`.timeline`.
 """
@@ -36,10 +41,12 @@ from fxpar.pipeline.crossings import Crossing, Transfer
 from fxpar.pipeline.options import PipelineError
 from fxpar.pipeline.schedule import Instruction, Op
 from fxpar.pipeline.split import StageProgram, Value
+from fxpar.runtime.devices import stages_through_host
 
 _MAX_VALUES = 1024
 _ACTIVATION, _GRADIENT = 0, 1
 _MESSAGES = frozenset((Op.RECV_ACTIVATION, Op.SEND_ACTIVATION, Op.RECV_GRAD, Op.SEND_GRAD))
+_CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -101,10 +108,12 @@ class _Channel:
         sender: int = 0,
         senders: int = 1,
         routes: Sequence[tuple[Transfer, ...]] | None = None,
+        device: torch.device = _CPU,
     ) -> None:
         """``sender``: the virtual stage that sends on this channel, of ``senders``.
         ``routes``: this rank's messages for each value, when the neighbouring stage runs
-        another mesh (:mod:`.crossings`); else every value goes whole to or from ``peer``."""
+        another mesh (:mod:`.crossings`); else every value goes whole to or from ``peer``.
+        ``device``: where the stage's tensors live (module docstring)."""
         if len(values) > _MAX_VALUES:
             raise PipelineError(
                 f"{len(values)} tensors cross one stage boundary; at most {_MAX_VALUES} are "
@@ -115,6 +124,9 @@ class _Channel:
         self.direction = direction
         self.sender, self.senders = sender, senders
         self.routes = None if routes is None else tuple(routes)
+        self.device = device
+        self.wire = torch.device("cpu") if stages_through_host(device) else device
+        """Where messages travel from and land: the host for a GPU's tensors over gloo."""
 
     def _tag(self, microbatch: int, index: int) -> int:
         message = (microbatch * 2 + self.direction) * self.senders + self.sender
@@ -126,7 +138,7 @@ class _Channel:
         works = []
         for index, tensor in enumerate(tensors):
             tag = self._tag(microbatch, index)
-            for peer, payload in self._pieces(index, tensor.detach()):
+            for peer, payload in self._pieces(index, tensor.detach().to(self.wire)):
                 works.append((dist.isend(payload, peer, tag=tag), payload))
         return works
 
@@ -144,9 +156,10 @@ class _Channel:
             return tuple
         if self.peer is None and self.routes is None:
             raise PipelineError("a stage with no neighbour was asked to receive")
+        shapes = [[int(size) for size in value.meta.shape] for value in self.values]
         buffers = [
-            torch.empty([int(s) for s in value.meta.shape], dtype=value.meta.dtype)
-            for value in self.values
+            torch.empty(shape, dtype=value.meta.dtype, device=self.wire)
+            for shape, value in zip(shapes, self.values, strict=True)
         ]
         works = []
         copies = []  # (piece received, where it goes)
@@ -160,7 +173,7 @@ class _Channel:
                 if target.shape == buffer.shape:
                     works.append(dist.irecv(buffer, transfer.source, tag=tag))
                 else:
-                    piece = torch.empty(target.shape, dtype=buffer.dtype)
+                    piece = torch.empty(target.shape, dtype=buffer.dtype, device=self.wire)
                     works.append(dist.irecv(piece, transfer.source, tag=tag))
                     copies.append((piece, target))
 
@@ -170,7 +183,7 @@ class _Channel:
                     work.wait()  # a receive cannot be polled (fxpar.runtime.waiting)
             for piece, target in copies:
                 target.copy_(piece)
-            return tuple(buffers)
+            return tuple(buffer.to(self.device) for buffer in buffers)
 
         return wait
 
@@ -198,7 +211,10 @@ class StageWorker:
         next_rank: int | None,
         num_stages: int,
         crossings: Mapping[str, Sequence[Crossing]] | None = None,
+        device: torch.device = _CPU,
     ) -> None:
+        """``device``: where the stage's parameters, batches and programs are (its channels
+        move tensors from and to it)."""
         if len(forward) != len(backward) or not forward:
             raise PipelineError(
                 f"a stage needs as many backward as forward chunks, got {len(forward)} and "
@@ -234,20 +250,21 @@ class StageWorker:
         self._channels = [
             {
                 Op.RECV_ACTIVATION: _Channel(
-                    f.received, previous_rank, _ACTIVATION, v - 1, count, routes[Op.RECV_ACTIVATION]
+                    f.received, previous_rank, _ACTIVATION, v - 1, count,
+                    routes[Op.RECV_ACTIVATION], device,
                 ),
                 Op.SEND_ACTIVATION: _Channel(
-                    f.sent, next_rank, _ACTIVATION, v, count, routes[Op.SEND_ACTIVATION]
+                    f.sent, next_rank, _ACTIVATION, v, count, routes[Op.SEND_ACTIVATION], device
                 ),
                 Op.RECV_GRAD: _Channel(
-                    b.received, next_rank, _GRADIENT, v + 1, count, routes[Op.RECV_GRAD]
+                    b.received, next_rank, _GRADIENT, v + 1, count, routes[Op.RECV_GRAD], device
                 ),
                 Op.SEND_GRAD: _Channel(
-                    b.sent, previous_rank, _GRADIENT, v, count, routes[Op.SEND_GRAD]
+                    b.sent, previous_rank, _GRADIENT, v, count, routes[Op.SEND_GRAD], device
                 ),
             }
             for v, f, b in zip(virtual, forward, backward, strict=True)
-        ]
+        ]  # fmt: skip
 
     def run(
         self,

@@ -21,6 +21,7 @@ from fxpar.pipeline.meshes import StageMeshes
 from fxpar.pipeline.options import Pipeline
 from fxpar.pipeline.split import SplitProgram
 from fxpar.runtime import waiting
+from fxpar.runtime.devices import for_collective
 from fxpar.runtime.weights import Piece
 from fxpar.sharding import Spec
 
@@ -45,11 +46,14 @@ class TiedSum:
         if self.box is None:
             waiting.all_reduce(gradient, self.group)
             return gradient
-        whole = torch.zeros(self.shape, dtype=gradient.dtype)
+        whole = torch.zeros(self.shape, dtype=gradient.dtype, device=gradient.device)
         if self.counted:
             whole[self.box] = gradient
         waiting.all_reduce(whole, self.group)
         return whole[self.box].clone()
+
+
+_CPU = torch.device("cpu")
 
 
 class LossReduction:
@@ -60,10 +64,17 @@ class LossReduction:
     rest of the step computes; :meth:`wait` ends it and divides by the step's ``divisor``."""
 
     def __init__(
-        self, *, counted: bool, divisor: int, dtype: torch.dtype, distributed: bool
+        self,
+        *,
+        counted: bool,
+        divisor: int,
+        dtype: torch.dtype,
+        distributed: bool,
+        device: torch.device = _CPU,
     ) -> None:
+        """``device``: where the losses are computed, and the mean is returned."""
         self.counted, self.divisor, self.dtype = counted, divisor, dtype
-        self.distributed = distributed
+        self.distributed, self.device = distributed, device
         self._sum: torch.Tensor | None = None
         self._work: Any = None
 
@@ -71,13 +82,14 @@ class LossReduction:
         mine = loss_sum if self.counted and loss_sum is not None else torch.zeros(())
         self._sum = mine.detach().to(torch.float64, copy=True)
         if self.distributed:
+            self._sum = for_collective(self._sum)
             self._work = dist.all_reduce(self._sum, async_op=True)
 
     def wait(self) -> torch.Tensor:
         if self._sum is None:
             raise RuntimeError("LossReduction.wait before start")  # the executor starts it
         waiting.wait(self._work, poll=waiting.pollable(self._sum))
-        return (self._sum / self.divisor).to(self.dtype)
+        return (self._sum / self.divisor).to(self.device, self.dtype)
 
 
 def replica_group(pipeline: Pipeline, stage: int) -> Any:
@@ -151,13 +163,19 @@ def _rank(stage: int, local: int, per_stage: int, meshes: StageMeshes | None) ->
     return stage * per_stage + local if meshes is None else meshes.ranks(stage)[local]
 
 
-def stage_device_mesh(pipeline: Pipeline, meshes: StageMeshes | None, stage: int) -> Any:
+def stage_device_mesh(
+    pipeline: Pipeline, meshes: StageMeshes | None, stage: int, device_type: str = "cpu"
+) -> Any:
     """This stage's DeviceMesh (its stage mesh, or its replicas), whose groups carry the stage
-    plan's collectives, and on which checkpoints place pieces."""
+    plan's collectives, and on which checkpoints place pieces. ``device_type``: where the
+    ranks' tensors are; the mesh is a CPU one where collectives go through host memory (a
+    GPU's over gloo, as :meth:`fxpar.cluster.Cluster.device_mesh` does)."""
+    if dist.get_backend() == "gloo":
+        device_type = "cpu"
     if meshes is not None and (not meshes.uniform or not meshes.stage_major):
         made = [
             DeviceMesh(
-                cluster.device_type,
+                device_type,
                 torch.tensor(meshes.ranks(each)).reshape(cluster.mesh_shape),
                 mesh_dim_names=cluster.axis_names,
             )
@@ -171,7 +189,7 @@ def stage_device_mesh(pipeline: Pipeline, meshes: StageMeshes | None, stage: int
     while stage_axis in names:
         stage_axis += "_"
     world_mesh = init_device_mesh(
-        cluster.device_type if cluster else "cpu",
+        device_type,
         (pipeline.num_stages, *shape),
         mesh_dim_names=(stage_axis, *names),
     )

@@ -68,6 +68,7 @@ from fxpar import checkpoint, ir
 from fxpar.cluster import Cluster, Coordinate
 from fxpar.errors import BatchError
 from fxpar.ir.capture import LossFn, batch_tensors, capture, with_batch_tensors
+from fxpar.ir.placement import as_device
 from fxpar.ir.precision import MixedPrecision
 from fxpar.ir.program import Program, named_state, state_dict_aliases
 from fxpar.ir.rng import RandomState
@@ -102,7 +103,7 @@ from fxpar.planning.plan import Plan
 from fxpar.runtime import waiting
 from fxpar.runtime.batches import BatchSignature
 from fxpar.runtime.communicators import OneDeviceCommunicator, ProcessGroupCommunicator
-from fxpar.runtime.devices import broadcast_from_rank_zero
+from fxpar.runtime.devices import HostStaged, broadcast_from_rank_zero, stages_through_host
 from fxpar.runtime.fingerprint import check_same_model
 from fxpar.runtime.lowered import call_inputs, forward_key
 from fxpar.runtime.trainer import Trainer
@@ -153,6 +154,7 @@ class PipelineModel(Trainer):
         mixed_precision: MixedPrecision | None = None,
         program: Program | None = None,
         plans: Mapping[tuple[int, ...], Plan] | None = None,
+        device: torch.device | str = "cpu",
     ) -> None:
         """``stage_cluster``: run an intra-op plan inside every stage, on a mesh of this shape
         (see the module docstring); ``planner(program, stage_cluster)`` makes the plan, the
@@ -174,8 +176,13 @@ class PipelineModel(Trainer):
         ``check_batches``: compare a digest of every batch across ranks before each step (one
         small all-gather), so that a rank fed another batch fails loudly instead of training
         on a mixture. ``init`` (a checkpoint to start from; each rank reads
-        only its stage's pieces) and ``mixed_precision``: as for :func:`fxpar.compile`."""
+        only its stage's pieces) and ``mixed_precision``: as for :func:`fxpar.compile`.
+        ``device``: where this rank's state lives and its stage programs run (``cuda:i`` on a
+        GPU; :func:`fxpar.compile` gives :func:`fxpar.runtime.devices.rank_device`); batches
+        may be given on the CPU or there."""
         self.pipeline = pipeline
+        self.device = as_device(device)
+        """Where this rank's parameters, buffers, optimizer state and programs are."""
         self.check_batches = check_batches
         self.optimizer_spec = check_optimizer(optimizer if optimizer is not None else AdamW())
         meshes = meshes_of(pipeline, stage_cluster)
@@ -272,17 +279,22 @@ class PipelineModel(Trainer):
                 self.split, pipeline, self.rank, per_stage=per_stage, meshes=meshes,
                 spec_of=self._stage_spec, shapes=self._shapes,
             )  # fmt: skip
-        self._device_mesh = stage_device_mesh(pipeline, meshes, self.stage) if distributed else None
+        self._device_mesh = None
+        if distributed:
+            self._device_mesh = stage_device_mesh(pipeline, meshes, self.stage, self.device.type)
         communicator: Communicator = OneDeviceCommunicator()
         if self._device_mesh is not None:
             communicator = ProcessGroupCommunicator(self._device_mesh)
+            if stages_through_host(self.device):
+                communicator = HostStaged(communicator, self.device)
+            self._mesh_copies = self._device_mesh.device_type != self.device.type
         before, after = pipeline.neighbour(self.stage, -1), pipeline.neighbour(self.stage, 1)
         layout = StageLayout(
             pipeline, self.schedule, self.stage, self.rank, per_stage,
             previous_rank=None if before is None else _peer(meshes, before, per_stage, local),
             next_rank=None if after is None else _peer(meshes, after, per_stage, local),
             meshes=meshes, coordinate=self.coordinate, communicator=communicator,
-            distributed=distributed,
+            distributed=distributed, device=self.device,
         )  # fmt: skip
         self.training = model.training
         trained = layout.assemble(cut, "train", self.training, self._batch_signature)
@@ -300,6 +312,7 @@ class PipelineModel(Trainer):
             model, names, {name: self._piece(name) for name in names if name in held}, init,
             distributed=self._distributed,
         )  # fmt: skip
+        mine = {name: tensor.to(self.device) for name, tensor in mine.items()}
         self.parameters = {n: mine[n] for n in self.signature.parameters if n in held}
         self.buffers = {n: mine[n] for n in self.signature.buffers if n in held}
         self._trainable = [n for n in self.signature.gradients if n in self.parameters]
@@ -329,7 +342,11 @@ class PipelineModel(Trainer):
         statistics) and, inside a stage mesh, reassembled from every device's piece. A
         collective: call it on every rank."""
         mine = {**self.parameters, **self.buffers} if self.replica == 0 else {}
-        part = (self.stage, self.coordinate, {n: t.detach().clone() for n, t in mine.items()})
+        part = (
+            self.stage,
+            self.coordinate,
+            {n: t.detach().to("cpu", copy=True) for n, t in mine.items()},
+        )
         everyone: list[Any] = [part]
         if self._distributed and dist.get_world_size() > 1:
             everyone = [None] * dist.get_world_size()
@@ -343,7 +360,7 @@ class PipelineModel(Trainer):
                     found[coordinate] = tensor
         state = {}
         for name in self.signature.parameters + self.signature.buffers:
-            whole = self._whole(name, *pieces[name])
+            whole = self._whole(name, *pieces[name]).to(self.device)
             for alias in self._aliases.get(name, (name,)):
                 state[alias] = whole
         return state
@@ -534,6 +551,7 @@ class PipelineModel(Trainer):
             divisor=self._divisor(step),
             dtype=self.split.program.output_metas()[0].dtype,
             distributed=self._distributed and dist.get_world_size() > 1,
+            device=self.device,
         )
         try:
             microbatches = self._microbatches(step, tensors)
@@ -608,6 +626,8 @@ class PipelineModel(Trainer):
         if step.sharded is not None:
             sharded = step.sharded
             pieces = [local_batch(sharded, microbatch) for microbatch in pieces]
+        if self.device.type != "cpu":  # only this rank's pieces move to its device
+            pieces = [{n: t.to(self.device) for n, t in each.items()} for each in pieces]
         return pieces
 
     def _stage_spec(self, stage: int, name: str) -> Spec:

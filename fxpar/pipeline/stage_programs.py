@@ -54,6 +54,7 @@ from fxpar import ir
 from fxpar.cluster import Cluster, Coordinate
 from fxpar.errors import LoweringError
 from fxpar.ir.capture import LossFn, batch_tensors, capture, model_in_mode, with_batch_tensors
+from fxpar.ir.placement import place
 from fxpar.ir.precision import MixedPrecision
 from fxpar.ir.program import Program
 from fxpar.lowering import value_spec
@@ -70,6 +71,7 @@ from fxpar.pipeline.schedule import StageSchedule, forward_only, simulate
 from fxpar.pipeline.split import SplitProgram, StageProgram, split_program
 from fxpar.planning.plan import Plan
 from fxpar.runtime.batches import BatchSignature
+from fxpar.runtime.devices import for_collective
 from fxpar.runtime.lowered import CallInputs
 from fxpar.sharding import Spec
 
@@ -137,6 +139,8 @@ class StageLayout:
     coordinate: Coordinate
     communicator: Communicator
     distributed: bool
+    device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
+    """Where this rank's state is and its programs run (placed there by :meth:`assemble`)."""
 
     @property
     def stage_cluster(self) -> Cluster | None:
@@ -164,7 +168,20 @@ class StageLayout:
                 split, self.stage, cluster, self.coordinate, self.communicator,
                 self._sides(splits),
             )  # fmt: skip
+            if self.device.type != "cpu":
+                sync = sharded.sync
+                sharded = dataclasses.replace(
+                    sharded,
+                    forward=self._placed(sharded.forward),
+                    backward=self._placed(sharded.backward),
+                    sync=dataclasses.replace(
+                        sync, graph_module=place(sync.graph_module, self.device)
+                    ),
+                )
             forward, backward = [sharded.forward], [sharded.backward]
+        elif self.device.type != "cpu":
+            forward = [self._placed(each) for each in forward]
+            backward = [self._placed(each) for each in backward]
         crossings = sharded.crossings if sharded is not None else None
         worker = self._worker(forward, backward, self.schedule[self.stage], crossings)
         # The forwards alone, which cannot deadlock either.
@@ -172,6 +189,11 @@ class StageLayout:
         simulate(forward_lists)
         forward_worker = self._worker(forward, backward, forward_lists[self.stage], crossings)
         return StageStep(kind, training, split, sharded, worker, forward_worker, batch, splits)
+
+    def _placed(self, program: StageProgram) -> StageProgram:
+        """``program`` running on :attr:`device` (:func:`fxpar.ir.placement.place`; they
+        are traced on the CPU)."""
+        return dataclasses.replace(program, graph_module=place(program.graph_module, self.device))
 
     def _sides(self, splits: Mapping[Shape, SplitProgram]) -> dict[int, StageSide] | None:
         """This stage and its neighbours, where some stage runs another mesh."""
@@ -190,7 +212,7 @@ class StageLayout:
         return StageWorker(
             forward, backward, instructions,
             rank=self.rank, previous_rank=self.previous_rank, next_rank=self.next_rank,
-            num_stages=self.pipeline.num_stages, crossings=crossings,
+            num_stages=self.pipeline.num_stages, crossings=crossings, device=self.device,
         )  # fmt: skip
 
     def gather_outputs(
@@ -213,12 +235,15 @@ class StageLayout:
                 if self.rank == last + replica:
                     stacked = torch.stack([outputs[m][index] for m in range(microbatches)])
                 else:
-                    stacked = torch.empty((microbatches, *shape), dtype=value.meta.dtype)
+                    stacked = torch.empty(
+                        (microbatches, *shape), dtype=value.meta.dtype, device=self.device
+                    )
                 if world > 1:
+                    stacked = for_collective(stacked)
                     # gloo broadcasts no bool: the same bytes as uint8.
                     wire = stacked.view(torch.uint8) if stacked.dtype == torch.bool else stacked
                     dist.broadcast(wire, src=last + replica)
-                columns.append(stacked)
+                columns.append(stacked.to(self.device))
             whole = torch.stack(columns, dim=1)  # (micro-batch, replica, rows of a piece, ...)
             # One piece is the whole batch, whatever its outputs' shapes (a scalar, say).
             one_piece = microbatches * replicas == 1

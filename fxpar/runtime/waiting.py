@@ -87,7 +87,12 @@ def wait(work: Any, *, poll: bool) -> None:
 def all_reduce(tensor: torch.Tensor, group: Any = None) -> None:
     """Sum ``tensor`` in place over ``group`` (the world by default), waited on as :func:`wait`
     waits: an all-reduce reports its completion, so it is polled if ``tensor`` is
-    :func:`pollable`."""
+    :func:`pollable`. A GPU's tensor over gloo is summed in a host copy, copied back."""
+    if tensor.device.type != "cpu" and dist.get_backend(group) == "gloo":
+        host = tensor.cpu()
+        wait(dist.all_reduce(host, group=group, async_op=True), poll=pollable(host))
+        tensor.copy_(host)
+        return
     wait(dist.all_reduce(tensor, group=group, async_op=True), poll=pollable(tensor))
 
 
