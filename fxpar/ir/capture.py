@@ -463,13 +463,20 @@ def _tag_backward_nodes(
     def leave(grad_inputs: Any, grad_outputs: Any) -> None:
         open_blocks.pop().__exit__(None, None, None)
 
-    seen: set[int] = set()
+    # Visited nodes are kept alive until the walk ends. In torch 2.11 (not 2.13) the Python
+    # object of an autograd node lives only while referenced (the next ``next_functions``
+    # makes a new one), so a node dropped after its visit frees its address for the object of
+    # a node not visited yet, whose id then reads as seen: that node and what lies only below
+    # it went unhooked, their backward ops landed outside their layers, and ranks whose
+    # allocators happened to differ merged different layers from one program. (A node met
+    # again by another path got a new object and a second pair of hooks.)
+    seen: dict[int, torch.autograd.graph.Node] = {}
     pending = [loss.grad_fn]
     while pending:
         node = pending.pop()
         if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         node.register_prehook(enter(node._sequence_nr()))
         node.register_hook(leave)
         pending.extend(next_node for next_node, _ in node.next_functions)
