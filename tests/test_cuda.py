@@ -382,10 +382,11 @@ def test_processes_sharing_the_gpu_train_like_one_device(
     expected = _eager_losses(reference, _gpt_batches(device), bf16=precision == "bf16")
     weights = {k: v.cpu() for k, v in reference.state_dict().items()}
     ranks = spawn(_ranks, world, precision, device)
-    # AdamW turns rounding noise in a near-zero gradient into an update of up to lr: on a
-    # GPU (cuBLAS sums in other orders than one device's) one weight in 4096 was seen 1.9e-5
-    # off after 4 steps at lr 1e-2, so weights compare to 1e-2 * lr (1e-3 * lr on the CPU).
-    floor = 1e-4 if device == "cuda" else 1e-5
+    # AdamW turns rounding noise in a near-zero gradient into an update of up to lr: one
+    # weight in 4096 was seen 1.9e-5 off after 4 steps at lr 1e-2 on a GPU (cuBLAS sums in
+    # other orders than one device's) and 1.3e-5 on a 16-core CPU, so weights compare to
+    # 1e-2 * lr; the losses, to 1e-4, are the sharper check.
+    floor = 1e-4
     for name, (losses, state) in ranks[0].items():
         tolerance = 3e-2 if precision == "bf16" else 1e-4
         assert losses == pytest.approx(expected, rel=tolerance), name
