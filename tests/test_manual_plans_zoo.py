@@ -185,6 +185,46 @@ def test_manual_plan_trains_like_one_device(model: str, plan: str) -> None:
         assert split, f"{plan} split no parameter of {model}"
 
 
+@pytest.mark.parametrize(
+    ("model", "column", "row"),
+    [
+        # nn.Linear stores (out, in); GPT-2's Conv1D stores (in, out) and multiplies x @ w.
+        ("llama", "model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.down_proj.weight"),
+        ("gpt2", "transformer.h.0.mlp.c_fc.weight", "transformer.h.0.mlp.c_proj.weight"),
+    ],
+)
+def test_tensor_parallel_splits_each_weight_by_its_features(
+    model: str, column: str, row: str
+) -> None:
+    """Megatron's layout whichever way a module stores its weight: a column-parallel weight is
+    split by output features, a row-parallel one by input features, so the MLP's hidden
+    activation stays split between the two and only the row output is summed. (GPT-2's
+    Conv1D weights were split on the wrong dims, which sharded the first product's input and
+    summed its whole output.)"""
+    from fxpar.planning.propagate import output_feature_dim
+
+    case = ZOO[model]()
+    program = case.capture()
+    placeholders = program.placeholders()
+    stored_out_first = model == "llama"
+    assert output_feature_dim(placeholders[column]) == (0 if stored_out_first else 1)
+    cluster = Cluster((2, 2))
+    planned = plan_program(program, cluster, manual=plans.tensor_parallel).program
+    placed = planned.placeholders()
+    specs = {name: ir.require(node, Sharding).strategy.outputs[0] for name, node in placed.items()}
+    out_dim = 0 if stored_out_first else 1
+    assert specs[column] == (Replicate(), Shard(out_dim))
+    assert specs[row] == (Replicate(), Shard(1 - out_dim))
+    # The column product's output (the hidden activation) is split by features on the
+    # tensor-parallel axis: no partial sum to reduce after it.
+    node = placed[column]
+    products = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
+    while node.target not in products:
+        node = min(node.users, key=list(planned.graph.nodes).index)
+    features = len(ir.require(node, ir.ValueMeta).tensor.shape) - 1
+    assert ir.require(node, Sharding).strategy.outputs[0][1] == Shard(features)
+
+
 def test_the_zoo_covers_graphs_with_tensor_constants() -> None:
     """Guards the test above: the families that broke the manual plans still hold constants."""
     with_constants = [

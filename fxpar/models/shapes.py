@@ -54,10 +54,16 @@ def llama_shape(
 
 
 def gpt3(name: str) -> nn.Module:
-    """A Hugging Face GPT-2 model of one of :data:`GPT3_SHAPES` (GPT-3's dense shape)."""
+    """A Hugging Face GPT-2 model of one of :data:`GPT3_SHAPES` (GPT-3's dense shape), without
+    dropout. (With attention dropout the captured attention is the unfused formula: its
+    ``L x L`` probabilities and the dropout draws of every head are kept for the backward,
+    where Megatron-LM's fused kernels keep neither.)"""
     layers, width, heads = GPT3_SHAPES[name]
     transformers = _transformers()
-    config = transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=heads, n_positions=2048)
+    config = transformers.GPT2Config(
+        n_layer=layers, n_embd=width, n_head=heads, n_positions=2048, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
     return transformers.GPT2LMHeadModel(config)
 
 

@@ -24,6 +24,7 @@ import functools
 import operator
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
+import torch
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
@@ -36,6 +37,7 @@ from fxpar.sharding import Sharding, Spec, Strategies, Strategy, is_valid, repli
 from fxpar.sharding.reshard import reshard_steps
 
 SpecChooser = Callable[[str, ir.TensorMeta], Spec]
+aten = torch.ops.aten
 
 COLUMN = (
     "*.qkv", "*.fc", "*.c_attn", "*.c_fc", "*.q_proj", "*.k_proj", "*.v_proj", "*.gate_proj",
@@ -222,9 +224,12 @@ def tensor_parallel(
 ) -> Program:
     """Megatron-style tensor parallelism on mesh ``axis``; data parallelism on the others.
 
-    Parameters of modules matching ``column`` are split by output features (weight and bias on
-    dim 0), those of modules matching ``row`` by input features (weight on dim 1, bias
-    replicated); the defaults are :data:`COLUMN` and :data:`ROW`.
+    Parameters of modules matching ``column`` are split by output features (the weight's
+    output dim, the bias on dim 0), those of modules matching ``row`` by input features (the
+    weight's input dim, bias replicated); the defaults are :data:`COLUMN` and :data:`ROW`. A
+    weight's output dim is read from how the step uses it (:func:`output_feature_dim`): dim 0
+    for ``nn.Linear``'s ``(out, in)`` weight, dim 1 for a weight stored ``(in, out)`` such as
+    Hugging Face GPT-2's ``Conv1D``.
     """
     tp = cluster.axis_index(axis if not isinstance(axis, int) or axis >= 0 else cluster.ndim + axis)
     state = set(program.signature.parameters + program.signature.buffers)
@@ -232,19 +237,56 @@ def tensor_parallel(
         cluster, [a for a in range(cluster.ndim) if a != tp], program.signature.random_inputs
     )
 
+    placeholders = program.placeholders()
+    position = {node: index for index, node in enumerate(program.graph.nodes)}
+
     def choose(name: str, meta: ir.TensorMeta) -> Spec:
         if name not in state:
             return batch(name, meta)
         module, _, kind = name.rpartition(".")
+        output = output_feature_dim(placeholders[name], position) if kind == "weight" else 0
         placement: Placement = Replicate()
         if any(fnmatch.fnmatch(module, p) for p in column):
-            placement = Shard(0)
+            placement = Shard(output)
         elif any(fnmatch.fnmatch(module, p) for p in row) and kind == "weight":
-            placement = Shard(1)
+            placement = Shard(1 - output)
         spec = tuple(placement if a == tp else Replicate() for a in range(cluster.ndim))
         return spec if is_valid(meta.shape, spec, cluster.mesh_shape) else replicated(cluster.ndim)
 
     return propagate(program, cluster, choose)
+
+
+_PASS_THROUGH = frozenset({
+    aten._to_copy.default, aten.detach.default, aten.alias.default, aten.clone.default,
+})  # fmt: skip
+"""Ops a weight may pass through on its way to its product (mixed precision's cast)."""
+_TRANSPOSES = frozenset({aten.t.default, aten.transpose.int, aten.permute.default})
+_PRODUCTS = {aten.mm.default: 1, aten.addmm.default: 2, aten.matmul.default: 1}
+"""Products ``x @ w`` and the argument that is ``w``."""
+
+
+def output_feature_dim(weight: fx.Node, position: Mapping[fx.Node, int] | None = None) -> int:
+    """Which dim of a 2-D weight holds its output features, from its first use in the step: a
+    weight transposed before its product (``x @ w.T``, ``nn.Linear``) has them on dim 0, one
+    multiplied as it is (``x @ w``, GPT-2's ``Conv1D``) on dim 1. Dim 0 where the use says
+    neither (an embedding, a convolution). ``position``: each node's place in the graph
+    (computed here when not given)."""
+    if position is None:
+        position = {node: index for index, node in enumerate(weight.graph.nodes)}
+    node = weight
+    while node.users:
+        user = min(node.users, key=position.__getitem__)
+        target = user.target
+        if target in _PASS_THROUGH:
+            node = user
+            continue
+        if target in _TRANSPOSES:
+            return 0
+        argument = _PRODUCTS.get(target)  # type: ignore[call-overload]
+        if argument is not None and len(user.args) > argument and user.args[argument] is node:
+            return 1
+        return 0
+    return 0
 
 
 def replicated_plan(program: Program, cluster: Cluster) -> Program:
