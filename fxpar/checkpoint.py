@@ -76,6 +76,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import threading
 import uuid
@@ -89,6 +90,7 @@ import torch.distributed as dist
 
 from fxpar import ir
 from fxpar.checkpoint_objects import EXTRA, GROUPS
+from fxpar.checkpoint_reader import SafeReader
 from fxpar.errors import CheckpointError
 from fxpar.ir.program import Signature
 from fxpar.ir.rng import RandomState
@@ -297,30 +299,26 @@ def load(
             it committed, it is another model's (``strict``), or an entry's shape differs.
     """
     from torch.distributed import checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
 
     version, digests = _committed(path)
     _check_digests(path, version, digests, distributed)
-    try:
-        metadata = FileSystemReader(os.fspath(version)).read_metadata()
-    except _PASSING:
-        raise
-    except BaseException as error:
-        raise CheckpointError(f"cannot read the checkpoint at {path}: {error}") from error
+    metadata = SafeReader(os.fspath(version)).read_metadata()
     saved = metadata.state_dict_metadata
-    if strict:
-        expected.check(saved, path)
-    for key, value in state.items():
-        size = getattr(saved.get(key), "size", None)
-        if size is not None and tuple(size) != tuple(value.shape):
-            raise CheckpointError(
-                f"{key} is {list(size)} in the checkpoint at {path} but {list(value.shape)} "
-                "in this model"
-            )
-    wanted = {key: value for key, value in state.items() if key in saved}
+    # The metadata's records are DCP's classes, but their fields hold whatever the file did.
+    with _typed_errors(f"reading the metadata of the checkpoint at {path}"):
+        if strict:
+            expected.check(saved, path)
+        for key, value in state.items():
+            size = getattr(saved.get(key), "size", None)
+            if size is not None and tuple(size) != tuple(value.shape):
+                raise CheckpointError(
+                    f"{key} is {list(size)} in the checkpoint at {path} but "
+                    f"{list(value.shape)} in this model"
+                )
+        wanted = {key: value for key, value in state.items() if key in saved}
     with warnings.catch_warnings(), _typed_errors(f"reading the checkpoint at {path}"):
         warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-        dcp.load(wanted, checkpoint_id=os.fspath(version))
+        dcp.load(wanted, storage_reader=SafeReader(os.fspath(version)))
     _settle(distributed)
     return wanted
 
@@ -342,10 +340,7 @@ def _committed(path: str | os.PathLike[str]) -> tuple[Path, dict[str, str]]:
     root = Path(path)
     record_path = root / RECORD
     try:
-        record = json.loads(record_path.read_text())
-        version, files = record["version"], record["files"]
-        if record.get("format") not in (1, _FORMAT):
-            raise ValueError(f"format {record.get('format')!r}, expected 1 or {_FORMAT}")
+        text = record_path.read_text(encoding="utf-8")
     except FileNotFoundError:
         found = "nothing" if not root.exists() else f"{sorted(p.name for p in root.iterdir())}"
         raise CheckpointError(
@@ -353,25 +348,76 @@ def _committed(path: str | os.PathLike[str]) -> tuple[Path, dict[str, str]]:
             f"{found}). A save there was interrupted before every rank finished, or this is "
             "not a checkpoint written by fxpar's save"
         ) from None
-    except (OSError, ValueError, KeyError, TypeError) as error:
+    except (OSError, ValueError) as error:  # UnicodeDecodeError is a ValueError
         raise CheckpointError(f"cannot read the commit record {record_path}: {error}") from error
+    version, sizes, digests = _parsed_record(text, record_path)
     directory = root / version
     damaged = []
-    for name, entry in files.items():
-        size = entry[0] if isinstance(entry, list) else entry  # format 2: [size, digest]
+    for name, size in sizes.items():
         file = directory / name
         if not file.is_file():
             damaged.append(f"{name} is missing")
         elif file.stat().st_size != size:
             damaged.append(f"{name} has {file.stat().st_size} bytes, committed {size}")
+    unlisted = sorted(
+        str(file.relative_to(directory))
+        for file in (directory.rglob("*") if directory.is_dir() else ())
+        if file.is_file() and str(file.relative_to(directory)) not in sizes
+    )
+    damaged += [f"{name} is not in the record" for name in unlisted]
     if damaged:
         raise CheckpointError(
             f"the checkpoint at {path} is damaged: {'; '.join(damaged[:3])} "
             f"({len(damaged)} files differ from its commit record); restore it, or load "
             "another checkpoint"
         )
-    digests = {name: entry[1] for name, entry in files.items() if isinstance(entry, list)}
     return directory, digests
+
+
+def _parsed_record(text: str, record_path: Path) -> tuple[str, dict[str, int], dict[str, str]]:
+    """The version a commit record names and the size and digest (format 2) of each of its
+    files, checked for their types: a record is read from disk, so anything can be in it."""
+
+    def refuse(problem: str) -> CheckpointError:
+        return CheckpointError(f"cannot read the commit record {record_path}: {problem}")
+
+    try:
+        record = json.loads(text)
+    except (ValueError, RecursionError) as error:
+        raise refuse(f"not JSON ({error})") from None
+    if not isinstance(record, dict):
+        raise refuse(f"a JSON {type(record).__name__}, not an object")
+    form = record.get("format")
+    if type(form) is not int or form not in (1, _FORMAT):
+        raise refuse(f"format {form!r}, expected 1 or {_FORMAT}")
+    version, files = record.get("version"), record.get("files")
+    if not isinstance(version, str) or not _is_plain_name(version):
+        raise refuse(f"its version {version!r} is not the name of a directory beside it")
+    if not isinstance(files, dict):
+        raise refuse(f'"files" is {files!r}, not an object of file names')
+    sizes, digests = {}, {}
+    for name, entry in files.items():
+        if not all(_is_plain_name(part) for part in name.split("/")):
+            raise refuse(f"{name!r} is not a file name inside the version directory")
+        size, digest = [*entry, None][:2] if isinstance(entry, list) else (entry, None)
+        if form == _FORMAT and not (isinstance(entry, list) and len(entry) == 2):
+            raise refuse(f"the entry of {name!r} is {entry!r}, not [size, SHA-256 digest]")
+        if type(size) is not int or size < 0:
+            raise refuse(f"the size of {name!r} is {size!r}, not a number of bytes")
+        if form == _FORMAT and not (isinstance(digest, str) and _SHA256.fullmatch(digest)):
+            raise refuse(f"the digest of {name!r} is {digest!r}, not a SHA-256 in hex")
+        sizes[name] = size
+        if digest is not None:
+            digests[name] = digest
+    return version, sizes, digests
+
+
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _is_plain_name(name: str) -> bool:
+    """Whether ``name`` names an entry of a directory (no separator, not ``.`` or ``..``)."""
+    return name not in ("", ".", "..") and "/" not in name and "\\" not in name and "\0" not in name
 
 
 STEP_PREFIX = "step-"

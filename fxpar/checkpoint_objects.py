@@ -55,6 +55,16 @@ def restore_objects(
     anything but plain data are refused (module docstring)."""
     if GROUPS in loaded:
         groups = _deserialized(loaded[GROUPS], path, "optimizer hyperparameters", trusted)
+        if not isinstance(groups, list) or not all(
+            isinstance(group, dict)
+            and all(isinstance(key, str) for key in group)
+            and "params" not in group
+            for group in groups
+        ):
+            raise CheckpointError(
+                f"the optimizer hyperparameters of the checkpoint at {path} are not a list of "
+                f"parameter groups (dicts of hyperparameters by name): {str(groups)[:200]}"
+            )
         if len(groups) != len(optimizer.param_groups):
             raise CheckpointError(
                 f"the checkpoint at {path} has {len(groups)} optimizer parameter groups, this "
@@ -99,6 +109,13 @@ def _deserialized(
             f"running code from the file ({reason}); save state_dict()s and plain values, or "
             "load with trusted=True if you trust where it came from"
         ) from None
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as error:  # a damaged archive: torch raises RuntimeError, and others
+        raise CheckpointError(
+            f"the {what} of the checkpoint at {path} cannot be read: {type(error).__name__}: "
+            f"{' '.join(str(error).split())[:300]}"
+        ) from error
 
 
 __all__ = ["EXTRA", "GROUPS", "object_entries", "restore_objects"]

@@ -143,6 +143,9 @@ class Cluster:
             raise FxparError(f"a cluster has no fields {unknown}; its fields are {sorted(known)}")
         if "mesh_shape" not in data:
             raise FxparError(f"a cluster needs a mesh_shape, got only {sorted(data)}")
+        for key, value in data.items():
+            if not _is_json_field(key, value):
+                raise FxparError(f"a cluster's {key} cannot be {value!r}: {_FIELD_KINDS[key]}")
         try:
             values: dict[str, Any] = {
                 key: tuple(value) if isinstance(value, list) else value
@@ -350,3 +353,39 @@ def _env_int(name: str, default: int | None = None) -> int:
         return int(text)
     except ValueError:
         raise FxparError(f"environment variable {name}={text!r} is not an integer") from None
+
+
+_FIELD_KINDS = {
+    "mesh_shape": "a list of whole numbers >= 1",
+    "axis_names": "a list of names",
+    "device_type": "a name such as cpu or cuda",
+    "bandwidth": "a list of finite numbers > 0",
+    "latency": "a list of finite numbers > 0",
+    "flops": "a finite number > 0",
+    "memory_bandwidth": "a finite number > 0",
+    "memory": "a finite number > 0",
+}
+
+
+def _is_json_field(key: str, value: object) -> bool:
+    """Whether ``value``, read from JSON, has the type of the cluster's field ``key``."""
+
+    def positive(number: object) -> bool:
+        return (
+            isinstance(number, int | float)
+            and not isinstance(number, bool)
+            and math.isfinite(number)
+            and number > 0
+        )
+
+    if key == "mesh_shape":
+        return isinstance(value, list | tuple) and all(
+            type(size) is int and size >= 1 for size in value
+        )
+    if key == "axis_names":
+        return isinstance(value, list | tuple) and all(isinstance(name, str) for name in value)
+    if key == "device_type":
+        return isinstance(value, str)
+    if key in ("bandwidth", "latency"):
+        return isinstance(value, list | tuple) and all(positive(number) for number in value)
+    return positive(value)

@@ -25,12 +25,13 @@ gradient back into the new placement), and the loaded plan is scored with that r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -81,7 +82,12 @@ def parse_spec(text: str, mesh_ndim: int, where: str = "spec") -> Spec:
         elif token == "P":
             placements.append(Partial())
         else:
-            placements.append(Shard(int(match.group(1))))
+            try:
+                placements.append(Shard(int(match.group(1))))
+            except (TypeError, OverflowError, ValueError):  # beyond a C int: no tensor's dim
+                raise PlanFileError(
+                    f"{where}: spec {text!r} shards dim {match.group(1)}, which no tensor has"
+                ) from None
     if len(placements) != mesh_ndim:
         raise PlanFileError(
             f"{where}: spec {text!r} has {len(placements)} placements but the mesh has "
@@ -158,11 +164,23 @@ def read_plan(path: str | Path) -> dict[str, Any]:
     return _read(Path(path))
 
 
+@contextlib.contextmanager
+def _naming(path: str | Path) -> Iterator[None]:
+    """Let every :class:`PlanFileError` raised inside say which file it is about."""
+    try:
+        yield
+    except PlanFileError as error:
+        if str(path) in str(error):
+            raise
+        raise PlanFileError(f"the plan file {path}: {error}") from error
+
+
 def saved_cluster(path: str | Path, cluster: Cluster | None = None) -> Cluster:
     """The cluster to load the plan at ``path`` on: ``cluster`` if given (it must have the
     saved mesh shape; the plan is then priced on it), else the one saved in the file."""
     document = _read(Path(path))
-    saved = cluster_from_dict(_section(document, "cluster", dict))
+    with _naming(path):
+        saved = cluster_from_dict(_section(document, "cluster", dict))
     if cluster is None:
         return saved
     if cluster.mesh_shape != saved.mesh_shape:
@@ -181,12 +199,10 @@ def apply_plan(
     plan ``document`` and score the result by the cost model, without running a solver.
     Raises :class:`PlanFileError` naming the node or input that does not fit."""
     start = time.perf_counter()
-    saved_options = _section(document, "options", dict)
-    options = PlanOptions(
-        optimizer_states=int(saved_options.get("optimizer_states", 2)),
-        memory_limit=saved_options.get("memory_limit"),
-    )
-    _apply(program, cluster, document)
+    with _naming(path):
+        options = _options(_section(document, "options", dict))
+        saved_solution = _section(document, "solution", dict)
+        _apply(program, cluster, document)
     # Scored like a manual plan. The exact problem (no merged layers) fits any assignment but
     # is slow to build on large graphs; an unedited plan from the solver fits the problem with
     # merged layers, whose objective for the same assignment is the same.
@@ -198,13 +214,12 @@ def apply_plan(
             break
     if choice is None:  # every strategy was checked against the candidates above
         raise PlanFileError(f"the plan in {path} does not give every node one of its strategies")
-    saved_solution = _section(document, "solution", dict)
     solution = IntraOpSolution(
         choice,
         problem.objective(choice),
         "feasible",
         math.nan,
-        f"{saved_solution.get('solver', 'plan file')} (loaded)",
+        f"{saved_solution.get('solver', 'plan file')!s:.40} (loaded)",
         time.perf_counter() - start,
     )
     memory = problem.memory(choice)
@@ -218,8 +233,8 @@ def apply_plan(
 
 def _read(path: Path) -> dict[str, Any]:
     try:
-        document = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as error:  # ValueError: not UTF-8, not JSON
         raise PlanFileError(f"cannot read the plan file {path}: {error}") from error
     if not isinstance(document, dict) or document.get("format") != FORMAT:
         raise PlanFileError(
@@ -240,6 +255,25 @@ def _section(document: Mapping[str, Any], name: str, kind: type) -> Any:
     if not isinstance(value, kind):
         raise PlanFileError(f"the plan file has no {name!r} {kind.__name__}")
     return value
+
+
+def _options(saved: Mapping[str, Any]) -> PlanOptions:
+    """The memory model's options the plan was made with, checked for their types."""
+    states = saved.get("optimizer_states", 2)
+    if type(states) is not int or states < 0:
+        raise PlanFileError(
+            f'"optimizer_states" under "options" is {states!r}, not a whole number >= 0'
+        )
+    limit = saved.get("memory_limit")
+    if limit is not None and not (_is_number(limit) and math.isfinite(limit) and limit > 0):
+        raise PlanFileError(
+            f'"memory_limit" under "options" is {limit!r}, not null or a number of bytes > 0'
+        )
+    return PlanOptions(optimizer_states=states, memory_limit=limit)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _apply(program: Program, cluster: Cluster, document: Mapping[str, Any]) -> None:
@@ -300,7 +334,11 @@ def _apply(program: Program, cluster: Cluster, document: Mapping[str, Any]) -> N
 
 def _strategy(node: Any, entry: Any, ndim: int) -> Strategy:
     where = f"node {node.name!r} ({node.target})"
-    if not isinstance(entry, dict) or not {"inputs", "outputs"} <= set(entry):
+    if not (
+        isinstance(entry, dict)
+        and isinstance(entry.get("inputs"), list)
+        and isinstance(entry.get("outputs"), list)
+    ):
         raise PlanFileError(f'{where}: its strategy needs "inputs" and "outputs" lists')
     if "op" in entry and entry["op"] != str(node.target):
         raise PlanFileError(
