@@ -14,12 +14,21 @@ With ``--checkpoint DIR`` the run saves every ``--save-every`` steps into ``DIR/
 weights, optimizer state, step count and random state come from the checkpoint, and the data
 stream is fast-forwarded to the step it stopped at. So a run stopped and resumed ends with the
 loss of an uninterrupted one. ``--steps`` is the total.
+
+The same makes it elastic: under ``torchrun --nnodes=1:2 --max-restarts=3`` (docs/training.md,
+"Elastic runs"), when a machine is lost the survivors' processes fail, torchrun starts them
+again on the machines that are left, and each replans for the smaller world and resumes from
+the newest checkpoint, with the same global batch. ``--lose-node-at STEP`` simulates that loss
+for tests: at that step, after its save, node 1's processes end together with their torchrun
+agent (on the first attempt only).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import os
+import signal
 
 import torch
 import torch.distributed as dist
@@ -35,6 +44,9 @@ def main() -> None:
     parser.add_argument("--mesh", default=None, help="e.g. 2x2; default: from torchrun")
     parser.add_argument("--checkpoint", default=None, help="directory of step checkpoints")
     parser.add_argument("--save-every", type=int, default=0, help="0: only at the end")
+    parser.add_argument(
+        "--lose-node-at", type=int, default=0, help="testing: node 1 dies at this step, once"
+    )
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -74,10 +86,19 @@ def main() -> None:
             or (args.save_every and parallel.steps % args.save_every == 0)
         ):
             fxpar.checkpoint.save_step(parallel, args.checkpoint, parallel.steps)
+        if parallel.steps == args.lose_node_at and _first_attempt_on_node(1):
+            os.kill(os.getppid(), signal.SIGKILL)  # the node's torchrun agent
+            os._exit(1)
         tokens, targets = next(data)
     if rank == 0 and loss is not None:
         print(f"final loss {loss.item():.8f} at step {parallel.steps}", flush=True)
     dist.destroy_process_group()
+
+
+def _first_attempt_on_node(node: int) -> bool:
+    """Whether this process runs on torchrun's node ``node`` and was not restarted."""
+    restarts = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return os.environ.get("GROUP_RANK") == str(node) and restarts == "0"
 
 
 if __name__ == "__main__":

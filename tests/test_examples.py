@@ -80,6 +80,45 @@ def test_train_gpt_resumes_where_it_stopped(tmp_path: Path) -> None:
     assert _final_loss(elsewhere) == pytest.approx(_final_loss(uninterrupted), rel=1e-4)
 
 
+def test_train_gpt_continues_on_the_machines_left(tmp_path: Path) -> None:
+    """Elastic resume: two torchrun agents (two "machines" of 2 processes each) start the run on
+    4 processes; at step 10 the second machine is lost (its processes and agent killed). The
+    first machine's processes fail, torchrun starts them again as a world of 2, and they replan,
+    resume from step 10's checkpoint and end with the loss of an uninterrupted run."""
+    import socket
+    import time
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    # The rendezvous store lives here, as it would on a machine that stays up (or in etcd).
+    store = torch.distributed.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    checkpoint = tmp_path / "elastic"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=2",
+        "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=elastic",
+        "--rdzv-conf=is_host=false,last_call_timeout=5,join_timeout=120", "--max-restarts=3",
+        "--monitor-interval=0.5", str(EXAMPLE), "--steps", "20", "--save-every", "5",
+        "--checkpoint", str(checkpoint), "--lose-node-at", "10",
+    ]  # fmt: skip
+    agents = []
+    for _ in range(2):
+        agents.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                       text=True))  # fmt: skip
+        time.sleep(0.3)  # both join the first round
+    try:
+        outputs = [agent.communicate(timeout=400) for agent in agents]
+    finally:
+        for agent in agents:
+            agent.kill()
+        del store
+    (survivor,) = [out for out, _ in outputs if "final loss" in out]
+    assert "on mesh of 4 devices" in survivor and "on mesh of 2 devices" in survivor
+    assert f"resumed from {checkpoint / 'step-000010'} at step 10" in survivor
+    uninterrupted = _torchrun("--steps", "20", "--checkpoint", str(tmp_path / "whole"))
+    assert _final_loss(survivor) == pytest.approx(_final_loss(uninterrupted), rel=1e-4)
+
+
 def test_readme_torchrun_snippet(tmp_path: Path) -> None:
     readme = (EXAMPLE.parents[1] / "README.md").read_text()
     (block,) = [b for b in re.findall(r"```python\n(.*?)```", readme, re.DOTALL) if "from_env" in b]
