@@ -23,6 +23,7 @@ from fxpar.passes.default import (
     passes_for,
     plan_program,
     prepare_for_planning,
+    sharing_gradients,
 )
 from fxpar.passes.remat import Rematerialize, Rematerialized
 from fxpar.passes.verify import Verify
@@ -52,4 +53,5 @@ __all__ = [
     "passes_for",
     "plan_program",
     "prepare_for_planning",
+    "sharing_gradients",
 ]

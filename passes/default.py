@@ -176,6 +176,18 @@ def keeping_state(
     return passes.replace("choose-strategies", replace(choose, options=options))
 
 
+def sharing_gradients(passes: PassManager, share: float) -> PassManager:
+    """``passes`` with the solver pricing each gradient's synchronisation at ``share`` of its
+    cost (:attr:`~fxpar.planning.problem.PlanOptions.gradient_share`): the plan of one of
+    ``M`` micro-batches whose gradients are synchronised once a step takes ``1/M``. A manual
+    choice is left as it is."""
+    choose = passes.get("choose-strategies")
+    if not isinstance(choose, SolveStrategies):
+        return passes
+    options = replace(choose.options, gradient_share=share)
+    return passes.replace("choose-strategies", replace(choose, options=options))
+
+
 def plan_program(
     program: Program,
     cluster: Cluster,

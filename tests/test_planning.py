@@ -134,6 +134,46 @@ def test_repeated_layers_are_solved_once_and_coarsening_shrinks_the_problem() ->
     assert costs[0] == pytest.approx(costs[1]) == pytest.approx(costs[2])
 
 
+def test_a_micro_batch_plan_prices_each_gradient_sum_at_its_share() -> None:
+    """``gradient_share=1/M`` (one of M micro-batches, synchronised once a step) takes exactly
+    (1 - 1/M) of the gradients' all-reduces off data parallelism's cost, and nothing off a
+    replicated plan, which synchronises nothing; the ILP then prefers data parallelism."""
+    from fxpar.lowering import value_spec
+    from fxpar.planning.cost import output_seconds
+    from fxpar.planning.problem import assignment_of
+    from fxpar.testing.strategies import splitting_cluster
+
+    model = GPT(GPTConfig(n_layer=2, n_embd=64, n_head=4, vocab_size=128, block_size=32))
+    tokens = torch.randint(0, 128, (4, 16))
+    program = fxpar.capture(model, (tokens,), gpt_loss, example_targets=(tokens,))
+    cluster = splitting_cluster((4,))
+    prepared = fxpar.passes.prepare_for_planning(program, cluster)
+    whole, layout = build_problem(prepared, cluster, PlanOptions())
+    quarter, _ = build_problem(prepared, cluster, PlanOptions(gradient_share=0.25))
+    plans.data_parallel(prepared, cluster)
+    # The gradients' sums as the data-parallel plan lays them out, priced on their own.
+    placeholders = prepared.placeholders()
+    results = list(prepared.graph.output_node().args[0])[len(prepared.signature.outputs) :]
+    sums = sum(
+        output_seconds(
+            value_spec(result), value_spec(placeholders[name]),
+            ir.require(placeholders[name], ir.ValueMeta).tensor, cluster,
+        )
+        for name, result in zip(prepared.signature.gradients, results, strict=False)
+    )  # fmt: skip
+    assert sums > 0
+    data_parallel = assignment_of(prepared, layout)
+    assert data_parallel is not None
+    saved = whole.objective(data_parallel) - quarter.objective(data_parallel)
+    assert saved == pytest.approx(0.75 * sums, rel=1e-9)
+    plans.replicated(prepared, cluster)
+    replicated = assignment_of(prepared, layout)
+    assert replicated is not None
+    assert whole.objective(replicated) == pytest.approx(quarter.objective(replicated))
+    with pytest.raises(FxparError, match="gradient_share"):
+        PlanOptions(gradient_share=0.0)
+
+
 def test_solvers_are_interchangeable_and_agree_on_a_small_graph() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(8, 4, bias=False), torch.nn.Tanh())
     x = torch.randn(8, 8)

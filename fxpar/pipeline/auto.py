@@ -89,6 +89,7 @@ from fxpar.pipeline.stage_costs import (
     submesh_shapes,
     uniform_stage_mesh,
 )
+from fxpar.pipeline.stage_programs import PassPlanner
 from fxpar.planning.plan import Plan
 from fxpar.solvers.errors import format_bytes
 from fxpar.solvers.layers import cluster_layers
@@ -536,6 +537,9 @@ def _cost_model(
     atoms = Atoms.build(program, extra_points)
     if stage_planner is None:
         return StageCostModel(atoms, cluster, pipeline, optimizer_states, microbatch=microbatch)
+    if microbatch and isinstance(stage_planner, PassPlanner):
+        # One micro-batch's program: its gradients are synchronised once per M of them.
+        stage_planner = stage_planner.per_microbatch(pipeline.microbatches)
     return PlannedStageCostModel(
         atoms, cluster, pipeline, optimizer_states, _KeptPlans(stage_planner),
         microbatch=microbatch,

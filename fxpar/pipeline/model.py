@@ -232,6 +232,8 @@ class PipelineModel(Trainer):
         splits: dict[tuple[int, ...], Program] = {(): program}
         if meshes is not None:
             if plans is None:
+                if isinstance(planner, PassPlanner):  # as the stage DP plans a micro-batch
+                    planner = planner.per_microbatch(pipeline.microbatches)
                 self.plans = plan_each(program, meshes, planner)
             else:
                 self.plans = _given_plans(plans, meshes, program)

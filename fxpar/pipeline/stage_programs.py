@@ -59,7 +59,7 @@ from fxpar.ir.precision import MixedPrecision
 from fxpar.ir.program import Program
 from fxpar.lowering import value_spec
 from fxpar.lowering.collective_calls import Communicator
-from fxpar.passes import PassManager, keeping_state, plan_program
+from fxpar.passes import PassManager, keeping_state, plan_program, sharing_gradients
 from fxpar.passes.canonicalize import Canonicalize
 from fxpar.pipeline.crossings import Crossing, StageSide
 from fxpar.pipeline.executor import StageWorker
@@ -98,6 +98,13 @@ class PassPlanner:
         :func:`~fxpar.passes.keeping_state`; ``solve``: the solver in place of a manual
         choice)."""
         return PassPlanner(keeping_state(self.passes, state, solve=solve))
+
+    def per_microbatch(self, microbatches: int) -> PassPlanner:
+        """This planner for one of ``microbatches`` micro-batches of a step: its solver
+        prices each gradient's synchronisation at ``1/microbatches``, since a pipeline's stage
+        sums its micro-batches' gradients and synchronises them once a step
+        (:func:`~fxpar.passes.sharing_gradients`)."""
+        return PassPlanner(sharing_gradients(self.passes, 1 / microbatches))
 
 
 @dataclass(frozen=True)

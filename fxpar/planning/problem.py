@@ -106,6 +106,12 @@ class PlanOptions:
     or ``"auto"``: none, unless no plan fits in memory, and then the fewest layers, most
     activation bytes first, with which one does. Calls of ``torch.utils.checkpoint`` in the
     model are recomputed under every policy.
+
+    ``gradient_share`` is the part of each gradient's synchronisation (its conversion into its
+    parameter's layout: a data-parallel all-reduce, a fully sharded reduce-scatter) that one run
+    of the program pays: 1 for a training step, ``1/M`` for one of ``M`` micro-batches whose
+    gradients are summed and synchronised once a step, as a pipeline's stages do. Without it a
+    stage plan would price data parallelism's gradient sums ``M`` times over.
     """
 
     optimizer_states: int = 2
@@ -115,9 +121,13 @@ class PlanOptions:
     memory_limit: float | None = None
     pins: Mapping[str, Spec] = field(default_factory=dict)
     remat: RematPolicy = "none"
+    gradient_share: float = 1.0
 
     def __post_init__(self) -> None:
         check_remat_policy(self.remat)
+        share = self.gradient_share
+        if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+            raise FxparError(f"gradient_share must be a number in (0, 1], got {share!r}")
 
 
 @dataclass
@@ -401,11 +411,13 @@ class _Builder:
             if key not in matrix_cache:
                 produced = [self.out_spec(source, s) for s in range(sizes[u])]
                 required = [spec_of_choice(t) for t in range(sizes[v])]
-                price = "output" if key[0] == "output" else ""
+                price = "output" if key[0] in ("output", "gradient") else ""
                 parameter = source.op == "placeholder" or casts_parameter(source)
                 if parameter and reread_in_backward(self.units[consumer_unit].root):
                     price = "regathered"
                 matrix_cache[key] = self._reshard_matrix(produced, required, meta, price)
+                if key[0] == "gradient" and self.options.gradient_share != 1:
+                    matrix_cache[key] = matrix_cache[key] * self.options.gradient_share
             matrix = matrix_cache[key]
             if u == v:
                 for s in range(sizes[u]):
@@ -512,9 +524,10 @@ class _Builder:
                 )
                 yield source, u, required, meta, key
         placeholders = self.program.placeholders()
-        state = self.program.signature.gradients + self.program.signature.buffer_updates
-        results = _results(self.program)[len(self.program.signature.outputs) :]
-        for name, result in zip(state, results, strict=True):
+        signature = self.program.signature
+        state = signature.gradients + signature.buffer_updates
+        results = _results(self.program)[len(signature.outputs) :]
+        for index, (name, result) in enumerate(zip(state, results, strict=True)):
             target_unit = self.unit_of[placeholders[name]]
             meta = ir.require(result, ir.ValueMeta).tensor
 
@@ -525,7 +538,7 @@ class _Builder:
 
             producer, _ = self._source(result)
             key = (
-                "output",
+                "gradient" if index < len(signature.gradients) else "output",
                 representative[self.unit_of[producer]],
                 self._position(result),
                 representative[target_unit],
