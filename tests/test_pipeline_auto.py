@@ -374,3 +374,30 @@ def test_layout_summary_names_what_each_axis_splits(manual, mesh, summary) -> No
     plan = plan_program(program, Cluster(mesh), manual=manual)
     assert plan.layout_summary().startswith(summary)
     assert plan_program(program, Cluster((1,))).layout_summary() == "one device"
+
+
+def test_layout_summary_counts_a_batch_read_whole_and_split_where_used() -> None:
+    """Token ids read whole by every device of an axis (they are small) and split by rows at
+    the embedding are still data parallelism over that axis (each device computes its rows),
+    as the ILP's plans of GPT-3's stages do; with the embedding's output whole the axis splits
+    nothing."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from fxpar import ir
+    from fxpar.sharding import Sharding, Strategy
+
+    _, _, _, program = _gpt(2)
+    plan = plan_program(program, Cluster((2,)), manual=plans.data_parallel)
+    batch = [plan.program.placeholders()[name] for name in program.signature.inputs]
+    whole = (Replicate(),)
+    for node in batch:  # the tokens and targets read whole
+        ir.annotate(node, Sharding(Strategy(outputs=(whole,), inputs=())))
+    (embedding,) = [u for u in batch[0].users if u.target is torch.ops.aten.embedding.default]
+    assert ir.require(embedding, Sharding).strategy.outputs[0] == (Shard(0),)
+    assert plan.layout_summary() == "axis0 (2): data parallel"
+    for node in batch:  # and every first use whole too
+        for user in node.users:
+            chosen = ir.require(user, Sharding).strategy
+            outputs = tuple(whole if spec is not None else None for spec in chosen.outputs)
+            ir.annotate(user, Sharding(Strategy(outputs=outputs, inputs=chosen.inputs)))
+    assert plan.layout_summary() == "axis0 (2): replicated"

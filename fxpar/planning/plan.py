@@ -127,7 +127,7 @@ class Plan:
         for axis, size in enumerate(mesh):
             if size == 1:
                 continue
-            split_batch = any(_split_on(node, axis) for node in batch)
+            split_batch = any(_batch_split_on(node, axis) for node in batch)
             split_bytes = sum(_nbytes(node) for node in weights if _split_on(node, axis))
             share = split_bytes / total if total else 0.0
             if split_batch:
@@ -175,6 +175,23 @@ def _split_on(node: fx.Node, axis: int) -> bool:
     """Whether the value of placeholder ``node`` is split over mesh axis ``axis``."""
     spec = ir.require(node, Sharding).strategy.outputs[0]
     return spec is not None and isinstance(spec[axis], Shard)
+
+
+def _batch_split_on(node: fx.Node, axis: int) -> bool:
+    """Whether batch input ``node`` is split over ``axis``, or read whole by every device of
+    it and split by rows where it is first used (token ids read whole by an embedding whose
+    output is split by rows: each device still computes only its rows)."""
+    if _split_on(node, axis):
+        return True
+    for user in node.users:
+        sharding = ir.get(user, Sharding)
+        value = ir.get(user, ir.ValueMeta)
+        if sharding is None or value is None or value.tensor is None:
+            continue
+        spec = sharding.strategy.outputs[0]
+        if spec is not None and spec[axis] == Shard(0):
+            return True
+    return False
 
 
 def _nbytes(node: fx.Node) -> int:

@@ -1,20 +1,24 @@
-"""A long run: does anything grow? Memory, open files, threads and kept programs over 10,000 steps.
+"""A soak: does anything grow? Memory, open files, threads and kept programs over 10,000 steps.
 
 fxpar's GPT (2 layers, width 32) trains ``--steps`` SGD steps under the ILP's plan on ``--world``
 gloo processes; every ``--phase`` steps the sequence length changes, cycling through
 ``--lengths`` lengths, so the driver plans new steps and, with ``--keep`` below the number of
 lengths, drops and re-plans old ones (``fxpar.compile(max_kept_steps=...)``). Every
-``--every`` steps rank 0 records its resident memory (``VmRSS``), open file descriptors,
-threads and the steps its driver keeps; the table shows them, and the last row's growth over
-the first sample taken after every length has been seen once.
+``--eval-every`` steps the model computes the loss of a held-out batch in eval mode, and every
+``--save-every`` steps it saves a step checkpoint (``fxpar.checkpoint.save_step``, the two
+newest kept). Every ``--every`` steps rank 0 records its resident memory (``VmRSS``), open
+file descriptors, threads and the steps its driver keeps; the table shows them, and the last
+row's growth over the first sample taken after every length has been seen once.
 
-    python benchmarks/long_run.py                     # 10,000 steps on 2 processes
+    python benchmarks/soak.py                     # 10,000 steps on 2 processes
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
+import tempfile
 import time
 
 import torch
@@ -44,17 +48,28 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> list[tuple[int, ...
         GPT(CONFIG), fxpar.Cluster((world,)), (tokens,), gpt_loss, example_targets=(tokens,),
         optimizer=fxpar.optim.SGD(lr=0.05), max_kept_steps=args.keep,
     )  # fmt: skip
+    held_out = torch.randint(0, CONFIG.vocab_size, (4, lengths[0]), generator=generator)
     samples = []
+    evaluated = float("nan")
     start = time.perf_counter()
     for step in range(args.steps):
         length = lengths[(step // args.phase) % len(lengths)]
         batch = torch.randint(0, CONFIG.vocab_size, (4, length), generator=generator)
         loss = parallel.step(batch, batch)
+        if args.eval_every and parallel.steps % args.eval_every == 0:
+            parallel.eval()
+            evaluated = parallel.loss(held_out, held_out).item()
+            parallel.train()
+        if args.save_every and parallel.steps % args.save_every == 0:
+            fxpar.checkpoint.save_step(parallel, args.root, parallel.steps)
+            if rank == 0:  # keep the two newest
+                for old in sorted(os.listdir(args.root))[:-2]:
+                    shutil.rmtree(os.path.join(args.root, old))
         if step % args.every == args.every - 1:
             samples.append((
                 step + 1, round(time.perf_counter() - start, 1), round(_resident_mib(), 1),
                 len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task")),
-                parallel._source.kept, round(loss.item(), 3),
+                parallel._source.kept, round(loss.item(), 3), round(evaluated, 3),
             ))  # fmt: skip
     return samples
 
@@ -67,14 +82,19 @@ def main() -> None:
     parser.add_argument("--phase", type=int, default=250)
     parser.add_argument("--keep", type=int, default=4)
     parser.add_argument("--every", type=int, default=1000)
+    parser.add_argument("--eval-every", type=int, default=500, help="0: no evaluation")
+    parser.add_argument("--save-every", type=int, default=1000, help="0: no checkpoints")
     args = parser.parse_args()
-    samples = spawn(_run, args.world, args, timeout_s=3600)[0]
+    with tempfile.TemporaryDirectory(prefix="fxpar-soak-") as root:
+        args.root = root
+        samples = spawn(_run, args.world, args, timeout_s=3600)[0]
     print(
         f"{args.steps} steps on {args.world} gloo processes, {args.lengths} sequence lengths "
-        f"changing every {args.phase} steps, max_kept_steps={args.keep} (rank 0):"
+        f"changing every {args.phase} steps, max_kept_steps={args.keep}, eval every "
+        f"{args.eval_every}, a checkpoint every {args.save_every} (rank 0):"
     )
-    print("| step | seconds | resident MiB | open fds | threads | kept steps | loss |")
-    print("|---|---|---|---|---|---|---|")
+    print("| step | seconds | resident MiB | open fds | threads | kept steps | loss | eval loss |")
+    print("|---|---|---|---|---|---|---|---|")
     for sample in samples:
         print("| " + " | ".join(str(value) for value in sample) + " |")
     seen = args.lengths * args.phase
