@@ -31,6 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.tensor import Shard
 
+from fxpar.checkpoint_reader import SafeReader
 from fxpar.cluster import Coordinate
 from fxpar.errors import CheckpointError, FxparError
 from fxpar.ir.program import named_state
@@ -232,7 +233,8 @@ class _DistributedCheckpoint(Checkpoint):
     that hold a piece of it, one tensor at a time, without collectives."""
 
     def __init__(self, path: Path, aliases: dict[str, tuple[str, ...]]) -> None:
-        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+        # Read as fxpar's checkpoints are: DCP's own reader unpickles .metadata with pickle.
+        metadata = SafeReader(str(path)).read_metadata()
         self._shapes = {
             key: tuple(entry.size)
             for key, entry in metadata.state_dict_metadata.items()
@@ -244,7 +246,9 @@ class _DistributedCheckpoint(Checkpoint):
         key = self._keys[name]
         self._check(name, self._shapes[key], like)
         whole = torch.empty(like.shape, dtype=like.dtype)
-        dcp.load({key: whole}, checkpoint_id=str(self.path), no_dist=True)
+        dcp.load(
+            {key: whole}, storage_reader=SafeReader(str(self.path)), no_dist=True
+        )  # fmt: skip
         return piece.of(whole)
 
 
