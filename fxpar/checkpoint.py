@@ -76,7 +76,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import shutil
 import threading
 import uuid
@@ -90,7 +89,7 @@ import torch.distributed as dist
 
 from fxpar import ir
 from fxpar.checkpoint_objects import EXTRA, GROUPS
-from fxpar.checkpoint_reader import SafeReader
+from fxpar.checkpoint_reader import SafeReader, parsed_record
 from fxpar.errors import CheckpointError
 from fxpar.ir.program import Signature
 from fxpar.ir.rng import RandomState
@@ -350,7 +349,7 @@ def _committed(path: str | os.PathLike[str]) -> tuple[Path, dict[str, str]]:
         ) from None
     except (OSError, ValueError) as error:  # UnicodeDecodeError is a ValueError
         raise CheckpointError(f"cannot read the commit record {record_path}: {error}") from error
-    version, sizes, digests = _parsed_record(text, record_path)
+    version, sizes, digests = parsed_record(text, record_path, _FORMAT)
     directory = root / version
     damaged = []
     for name, size in sizes.items():
@@ -372,52 +371,6 @@ def _committed(path: str | os.PathLike[str]) -> tuple[Path, dict[str, str]]:
             "another checkpoint"
         )
     return directory, digests
-
-
-def _parsed_record(text: str, record_path: Path) -> tuple[str, dict[str, int], dict[str, str]]:
-    """The version a commit record names and the size and digest (format 2) of each of its
-    files, checked for their types: a record is read from disk, so anything can be in it."""
-
-    def refuse(problem: str) -> CheckpointError:
-        return CheckpointError(f"cannot read the commit record {record_path}: {problem}")
-
-    try:
-        record = json.loads(text)
-    except (ValueError, RecursionError) as error:
-        raise refuse(f"not JSON ({error})") from None
-    if not isinstance(record, dict):
-        raise refuse(f"a JSON {type(record).__name__}, not an object")
-    form = record.get("format")
-    if type(form) is not int or form not in (1, _FORMAT):
-        raise refuse(f"format {form!r}, expected 1 or {_FORMAT}")
-    version, files = record.get("version"), record.get("files")
-    if not isinstance(version, str) or not _is_plain_name(version):
-        raise refuse(f"its version {version!r} is not the name of a directory beside it")
-    if not isinstance(files, dict):
-        raise refuse(f'"files" is {files!r}, not an object of file names')
-    sizes, digests = {}, {}
-    for name, entry in files.items():
-        if not all(_is_plain_name(part) for part in name.split("/")):
-            raise refuse(f"{name!r} is not a file name inside the version directory")
-        size, digest = [*entry, None][:2] if isinstance(entry, list) else (entry, None)
-        if form == _FORMAT and not (isinstance(entry, list) and len(entry) == 2):
-            raise refuse(f"the entry of {name!r} is {entry!r}, not [size, SHA-256 digest]")
-        if type(size) is not int or size < 0:
-            raise refuse(f"the size of {name!r} is {size!r}, not a number of bytes")
-        if form == _FORMAT and not (isinstance(digest, str) and _SHA256.fullmatch(digest)):
-            raise refuse(f"the digest of {name!r} is {digest!r}, not a SHA-256 in hex")
-        sizes[name] = size
-        if digest is not None:
-            digests[name] = digest
-    return version, sizes, digests
-
-
-_SHA256 = re.compile(r"[0-9a-f]{64}")
-
-
-def _is_plain_name(name: str) -> bool:
-    """Whether ``name`` names an entry of a directory (no separator, not ``.`` or ``..``)."""
-    return name not in ("", ".", "..") and "/" not in name and "\\" not in name and "\0" not in name
 
 
 STEP_PREFIX = "step-"
