@@ -107,7 +107,16 @@ def test_train_gpt_continues_on_the_machines_left(tmp_path: Path) -> None:
                                        text=True))  # fmt: skip
         time.sleep(0.3)  # both join the first round
     try:
-        outputs = [agent.communicate(timeout=400) for agent in agents]
+        outputs = [agent.communicate(timeout=600) for agent in agents]
+    except subprocess.TimeoutExpired:
+        for agent in agents:
+            agent.kill()
+        told = [agent.communicate() for agent in agents]
+        raise AssertionError(
+            "\n".join(
+                f"agent {i}:\n{out[-2000:]}\n{err[-3000:]}" for i, (out, err) in enumerate(told)
+            )
+        ) from None
     finally:
         for agent in agents:
             agent.kill()
