@@ -323,13 +323,10 @@ class Cluster:
     def device_mesh(self):
         """The DeviceMesh for this cluster; needs an initialized default process group whose
         world size equals the mesh's (see :meth:`check_process_group`)."""
-        import torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
 
         self.check_process_group()
-        # Over gloo a GPU's tensors travel through host memory, so the mesh (and the DTensors
-        # of checkpoints and gathered outputs) is a CPU one (fxpar.runtime.devices).
-        device_type = "cpu" if dist.get_backend() == "gloo" else self.device_type
+        device_type = mesh_device_type(self.device_type)
         return init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=self.axis_names)
 
     def __str__(self) -> str:
@@ -337,6 +334,15 @@ class Cluster:
             f"{name}={size}" for name, size in zip(self.axis_names, self.mesh_shape, strict=True)
         )
         return f"mesh of {self.world_size} devices ({axes})"
+
+
+def mesh_device_type(device_type: str) -> str:
+    """The device type of a DeviceMesh for ranks on ``device_type`` under the default process
+    group: over gloo a GPU's tensors travel through host memory, so the mesh (and the DTensors
+    of checkpoints and gathered outputs) is a CPU one (:mod:`fxpar.runtime.devices`)."""
+    import torch.distributed as dist
+
+    return "cpu" if dist.get_backend() == "gloo" else device_type
 
 
 def _env_int(name: str, default: int | None = None) -> int:

@@ -237,3 +237,21 @@ def assert_same_step(result: Any, expected: Any) -> None:
         torch.testing.assert_close(result.gradients[name], gradient, rtol=1e-4, atol=1e-6, msg=name)
     for name, value in expected.buffers.items():
         torch.testing.assert_close(result.buffers[name], value, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def plant(path: str) -> str:
+    """What a crafted file would run on loading: here, it only creates a file."""
+    with open(path, "w") as marker:
+        marker.write("ran")
+    return path
+
+
+class Planted:
+    """An object whose unpickling calls :func:`plant`: a stand-in for code hidden in a file
+    (tests show that loading refuses it and ``path`` is never created)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (plant, (self.path,))

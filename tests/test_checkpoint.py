@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint.filesystem as dcp_filesystem
+from conftest import Planted
 
 import fxpar
 from fxpar import checkpoint_objects
@@ -222,32 +223,16 @@ def test_a_resumed_run_with_dropout_draws_what_an_uninterrupted_one_draws(tmp_pa
     assert torch.equal(torch.stack(again), torch.stack(losses[2:]))
 
 
-def _plant(path: str) -> str:
-    """What a crafted checkpoint would run on loading: here, it only creates a file."""
-    Path(path).write_text("ran")
-    return path
-
-
-class _Planted:
-    """An object whose unpickling calls :func:`_plant`."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def __reduce__(self) -> tuple[object, tuple[str]]:
-        return (_plant, (self.path,))
-
-
 def test_loading_runs_no_code_from_the_checkpoint(tmp_path: Path) -> None:
     """An ``extra`` that would run code when unpickled is refused with a CheckpointError,
     and nothing runs; ``trusted=True`` builds it (the refusal is what kept it from running)."""
     marker = tmp_path / "marker"
     parallel = _compile(GPT(_config()))
-    parallel.save(tmp_path / "ckpt", extra={"evil": _Planted(str(marker)), "step": 3})
+    parallel.save(tmp_path / "ckpt", extra={"evil": Planted(str(marker)), "step": 3})
     assert not marker.exists()
     with pytest.raises(CheckpointError, match="objects other than plain data"):
         parallel.load(tmp_path / "ckpt")
-    fxpar.checkpoint.save_step(parallel, tmp_path / "run", 4, extra=_Planted(str(marker)))
+    fxpar.checkpoint.save_step(parallel, tmp_path / "run", 4, extra=Planted(str(marker)))
     with pytest.raises(CheckpointError, match="objects other than plain data"):
         fxpar.checkpoint.resume(parallel, tmp_path / "run")
     assert not marker.exists()

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from conftest import Planted
 from safetensors.torch import save_file
 from torch import nn
 from zoo import CNN
@@ -253,20 +254,6 @@ def test_compile_loads_a_safetensors_file_and_a_dcp_directory(tmp_path: Path) ->
     assert _fxpar_losses(_meta_gpt(), tmp_path / "dcp") == expected
 
 
-def _plant(path: str) -> str:
-    """What a crafted file would run on loading: here, it only creates a file."""
-    Path(path).write_text("ran")
-    return path
-
-
-class _Planted:
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def __reduce__(self) -> tuple[object, tuple[str]]:
-        return (_plant, (self.path,))
-
-
 def test_weights_from_a_dcp_directory_run_no_code(tmp_path: Path) -> None:
     """``init=`` a DCP directory reads its ``.metadata`` as checkpoints are read: one that would
     run code on unpickling is refused, naming the file, and runs nothing."""
@@ -274,7 +261,7 @@ def test_weights_from_a_dcp_directory_run_no_code(tmp_path: Path) -> None:
     del state["head.weight"]
     dcp.save(state, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
     marker = tmp_path / "marker"
-    (tmp_path / "dcp" / ".metadata").write_bytes(pickle.dumps(_Planted(str(marker))))
+    (tmp_path / "dcp" / ".metadata").write_bytes(pickle.dumps(Planted(str(marker))))
     with pytest.raises(CheckpointError, match=r"\.metadata.*not part of a checkpoint"):
         _fxpar_losses(_meta_gpt(), tmp_path / "dcp")
     assert not marker.exists()

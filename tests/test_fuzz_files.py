@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import Planted
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
@@ -436,27 +437,13 @@ def test_plan_files_with_other_specs_are_refused_or_load_what_they_say(
 # -- each escape the fuzzing found, as its own case ---------------------------------------------
 
 
-def _plant(path: str) -> str:
-    """What a crafted file would run on loading: here, it only creates a file."""
-    Path(path).write_text("ran")
-    return path
-
-
-class _Planted:
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def __reduce__(self) -> tuple[object, tuple[str]]:
-        return (_plant, (self.path,))
-
-
 def test_dcp_metadata_that_would_run_code_is_refused(saved: Saved, tmp_path: Path) -> None:
     """DCP reads .metadata with pickle.load: a crafted one, vouched for by its record, ran
     code before any check. It is read with an unpickler that builds DCP's metadata only."""
     marker = tmp_path / "marker"
     with _copy(saved.directory) as root:
         metadata = checkpoint.committed_version(root) / ".metadata"
-        metadata.write_bytes(pickle.dumps(_Planted(str(marker))))
+        metadata.write_bytes(pickle.dumps(Planted(str(marker))))
         _recommit(root)
         with pytest.raises(CheckpointError, match=r"\.metadata.*not part of a checkpoint"):
             saved.model.load(root)

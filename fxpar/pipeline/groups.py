@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Shard
 
+from fxpar.cluster import mesh_device_type
 from fxpar.pipeline.meshes import StageMeshes
 from fxpar.pipeline.options import Pipeline
 from fxpar.pipeline.split import SplitProgram
@@ -168,10 +169,8 @@ def stage_device_mesh(
 ) -> Any:
     """This stage's DeviceMesh (its stage mesh, or its replicas), whose groups carry the stage
     plan's collectives, and on which checkpoints place pieces. ``device_type``: where the
-    ranks' tensors are; the mesh is a CPU one where collectives go through host memory (a
-    GPU's over gloo, as :meth:`fxpar.cluster.Cluster.device_mesh` does)."""
-    if dist.get_backend() == "gloo":
-        device_type = "cpu"
+    ranks' tensors are (the mesh's device type is :func:`fxpar.cluster.mesh_device_type`'s)."""
+    device_type = mesh_device_type(device_type)
     if meshes is not None and (not meshes.uniform or not meshes.stage_major):
         made = [
             DeviceMesh(
