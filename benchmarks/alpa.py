@@ -46,6 +46,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 import fxpar
 from fxpar import plans
+from fxpar.ir.repeat import capture_repeated
 from fxpar.models.shapes import gpt3, llama_named
 from fxpar.passes import default_passes, plan_program, prepare_for_planning
 from fxpar.pipeline import PassPlanner, Pipeline, capture_microbatch, search_pipelines
@@ -109,7 +110,7 @@ def joint(case: Joint) -> None:
     model = build(case.model)
     cluster = fxpar.Cluster.preset(case.cluster, case.mesh)
     start = time.perf_counter()
-    whole = fxpar.capture(model, tokens(case.batch, case.length), mixed_precision=BF16)
+    whole = capture_repeated(model, tokens(case.batch, case.length), mixed_precision=BF16)
     try:
         alone: float | None = plan_program(whole, cluster).solution.objective
         alone_text = format_seconds(alone)
@@ -120,7 +121,11 @@ def joint(case: Joint) -> None:
     pipelines = settings(case.microbatches)
     start = time.perf_counter()
     program = capture_microbatch(
-        model, pipelines[0], tokens(case.batch, case.length), mixed_precision=BF16
+        model,
+        pipelines[0],
+        tokens(case.batch, case.length),
+        mixed_precision=BF16,
+        stamp_layers=True,
     )
     captured = time.perf_counter() - start
     search = search_pipelines(
@@ -175,7 +180,7 @@ def depth() -> None:
     for bound in (False, True):
         seconds = {}
         for name in ("llama-8b", "llama-8b-96"):
-            program = fxpar.capture(build(name), tokens(8, 2048), mixed_precision=BF16)
+            program = capture_repeated(build(name), tokens(8, 2048), mixed_precision=BF16)
             cluster = fxpar.Cluster.preset("h100", (2, 4), memory=1e18)
             prepared = prepare_for_planning(program, cluster)
             problem, layout = build_problem(prepared, cluster)
@@ -195,7 +200,7 @@ def depth() -> None:
 
 def three_d(name: str, mesh: tuple[int, ...]) -> None:
     start = time.perf_counter()
-    program = fxpar.capture(build("llama-8b"), tokens(8, 2048), mixed_precision=BF16)
+    program = capture_repeated(build("llama-8b"), tokens(8, 2048), mixed_precision=BF16)
     captured = time.perf_counter() - start
     plan = plan_program(program, fxpar.Cluster.preset("h100", mesh))
     planned = time.perf_counter() - start - captured
@@ -213,7 +218,9 @@ def megatron() -> None:
     model = build("gpt3-175b")
     pipeline = Pipeline(stages="auto", microbatches=microbatches, schedule="1f1b")
     start = time.perf_counter()
-    program = capture_microbatch(model, pipeline, tokens(batch, length), mixed_precision=BF16)
+    program = capture_microbatch(
+        model, pipeline, tokens(batch, length), mixed_precision=BF16, stamp_layers=True
+    )
     captured = time.perf_counter() - start
     layers = 96
     split = tuple(f"transformer.h.{i}" for i in range(layers // 16, layers, layers // 16))
@@ -259,14 +266,16 @@ def torchtitan() -> None:
     cluster = fxpar.Cluster.preset("h100", mesh)
     model = build("llama-70b")
     start = time.perf_counter()
-    program = fxpar.capture(model, tokens(batch, length), mixed_precision=BF16)
+    program = capture_repeated(model, tokens(batch, length), mixed_precision=BF16)
     captured = time.perf_counter() - start
     pins = {name: _fsdp_tp(name) for name in program.signature.parameters}
     pins.update({name: (Shard(0), Replicate()) for name in program.signature.inputs})
     recipe = plan_program(program, cluster, pins=pins, options=PlanOptions(remat="all"))
     ours = plan_program(program, cluster, options=PlanOptions(remat="auto"))
     pipelines = settings(microbatches)
-    micro = capture_microbatch(model, pipelines[0], tokens(batch, length), mixed_precision=BF16)
+    micro = capture_microbatch(
+        model, pipelines[0], tokens(batch, length), mixed_precision=BF16, stamp_layers=True
+    )
     search = search_pipelines(
         micro, cluster, pipelines, stage_planner=PassPlanner(default_passes()), microbatch=True
     )

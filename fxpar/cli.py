@@ -28,6 +28,7 @@ from torch import nn
 import fxpar
 from fxpar import plans
 from fxpar.errors import FxparError
+from fxpar.ir.repeat import StampedLayers, capture_repeated
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.models.corpus import batches, corpus_tokens
 from fxpar.models.shapes import GPT2_SHAPES, GPT3_SHAPES, LLAMA_SHAPES, gpt3, llama_named
@@ -290,10 +291,7 @@ def plan_command(args: argparse.Namespace) -> int:
         if args.precision == "bf16"
         else None
     )
-    program = fxpar.capture(
-        target.model, target.example_inputs, target.loss_fn,
-        example_targets=target.example_targets, mixed_precision=policy,
-    )  # fmt: skip
+    program = _capture(args, target, policy)
     captured = time.perf_counter() - start
     passes = _pipeline(args.solver, args.time_limit, PlanOptions(remat=args.recompute))
     plan: Plan | None = None
@@ -328,6 +326,25 @@ def plan_command(args: argparse.Namespace) -> int:
         if args.plot:
             print(f"picture written to {plan.plot(args.plot)}")
     return 0
+
+
+def _capture(
+    args: argparse.Namespace, target: Target, policy: fxpar.MixedPrecision | None
+) -> fxpar.Program:
+    """The whole batch's step, its repeated layers stamped unless ``--no-stamp-layers``."""
+    capture = capture_repeated if args.stamp_layers else fxpar.capture
+    program = capture(
+        target.model, target.example_inputs, target.loss_fn,
+        example_targets=target.example_targets, mixed_precision=policy,
+    )  # fmt: skip
+    _say_stamped(program)
+    return program
+
+
+def _say_stamped(program: fxpar.Program) -> None:
+    stamped = program.get(StampedLayers)
+    if stamped is not None:
+        print(f"captured {stamped.describe()}")
 
 
 def _microbatch_counts(spec: str) -> tuple[int, ...]:
@@ -366,8 +383,10 @@ def _joint_plan(
     program = capture_microbatch(
         target.model, pipelines[0], target.example_inputs, target.loss_fn,
         example_targets=target.example_targets, mixed_precision=policy,
+        stamp_layers=args.stamp_layers,
     )  # fmt: skip
     captured = time.perf_counter() - start
+    _say_stamped(program)
     search = search_pipelines(
         program, cluster, pipelines, stage_planner=PassPlanner(passes), microbatch=True
     )
@@ -479,6 +498,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                              help="pipeline schedule; auto: the faster that fits")  # fmt: skip
     plan_parser.add_argument("--remat", default="auto", choices=("auto", "off", "on"),
                              help="pipeline remat; auto: whichever is faster and fits")  # fmt: skip
+    plan_parser.add_argument("--stamp-layers", action=argparse.BooleanOptionalAction,
+                             default=True,
+                             help="trace 6 of the model's repeated layers and stamp the "
+                                  "others (the same step, in a fraction of the time)")  # fmt: skip
     plan_parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
                              help="bf16: MixedPrecision(bf16, reduce_dtype=fp32)")  # fmt: skip
     plan_parser.add_argument("--recompute", default="none", choices=("none", "all", "auto"),

@@ -44,6 +44,7 @@ from fxpar.planning.problem import (
 from fxpar.planning.propagate import starting_plans
 from fxpar.planning.rank_zero import SolvedOnRankZero
 from fxpar.sharding import Sharding, Strategies, spec_str
+from fxpar.solvers.errors import NoPlanFoundError
 from fxpar.solvers.ilp import ILPSolver
 from fxpar.solvers.problem import IntraOpProblem, IntraOpSolution, IntraOpSolver
 
@@ -83,12 +84,23 @@ class SolveStrategies(Pass):
         problem, layout = build_problem(program, cluster, self.options)
         if self.options.remat == "auto":
             problem, layout = _fit_by_remat(program, cluster, self.options, problem, layout)
-        if self.options.manual_starts:
+        # The hand-written plans start the solver, so that it never answers worse than they
+        # do. Propagating them costs about as much as solving a problem of a few thousand
+        # choices (a second per stage mesh of Llama-3-70B), which the solver proves optimal
+        # on its own: such a problem gets them only if its answer is not proven optimal.
+        early = self.options.manual_starts and _choices(problem) > LAZY_STARTS
+        if early:
             problem = replace(problem, starts=_starts(program, cluster, layout))
         solver: IntraOpSolver = self.solver if self.solver is not None else ILPSolver()
         if self.on_rank_zero:
             solver = SolvedOnRankZero(solver)
-        solution = solver.solve(problem)
+        retry = self.options.manual_starts and not early
+        solution = _solve(solver, problem, retry=retry)
+        if retry and (solution is None or solution.status != "optimal"):
+            problem = replace(problem, starts=_starts(program, cluster, layout))
+            if solution is None or problem.starts:
+                solution = solver.solve(problem)
+        assert solution is not None
         apply_solution(program, layout, solution.choice)
         program.annotate(ChosenStrategies(problem, solution, layout, self.options))
         return program
@@ -159,6 +171,29 @@ def _fit_by_remat(
         if problem.least_memory() <= limit:
             break
     return problem, layout
+
+
+LAZY_STARTS = 8000
+"""Problems of at most this many choices (strategies summed over the decisions) are solved
+before the hand-written plans are made into starts, and again from them only if the first
+answer is not proven optimal."""
+
+
+def _solve(
+    solver: IntraOpSolver, problem: IntraOpProblem, *, retry: bool
+) -> IntraOpSolution | None:
+    """The solver's answer; None where it found no plan and will be asked again with the
+    hand-written plans as starts (``retry``)."""
+    try:
+        return solver.solve(problem)
+    except NoPlanFoundError:
+        if not retry:
+            raise
+        return None
+
+
+def _choices(problem: IntraOpProblem) -> int:
+    return sum(len(costs) for costs in problem.node_costs)
 
 
 def _starts(program: Program, cluster: Cluster, layout: Layout) -> tuple[tuple[int, ...], ...]:

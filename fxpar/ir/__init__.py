@@ -4,6 +4,7 @@
 ``ir.get``, ``ir.require`` and the built-in annotations. The stage's modules:
 
 - :mod:`fxpar.ir.capture`: an ``nn.Module``, a loss and example inputs to a :class:`Program`;
+- :mod:`fxpar.ir.repeat`: a deep model captured from six of its repeated layers;
 - :mod:`fxpar.ir.program`: the Program (graph + signature) and how to run it;
 - :mod:`fxpar.ir.rng`: random ops turned into random inputs drawn alike on every rank;
 - :mod:`fxpar.ir.verify`: the IR's invariants;

@@ -677,7 +677,7 @@ def _clean_graph(traced: fx.GraphModule, signature: Signature) -> fx.GraphModule
     for node in traced.graph.nodes:
         if node.op == "placeholder":
             name = next(names)
-            new = graph.placeholder(_identifier(name))
+            new = graph.placeholder(placeholder_identifier(name))
             new.meta = dict(node.meta)
         elif node.op == "call_function" and node.target in _IDENTITY_OPS:
             env[node] = env[node.args[0]]
@@ -747,7 +747,9 @@ def _latest_backward_module(node: fx.Node, position: dict[fx.Node, int]) -> str:
     return ir.require(max(backward, key=position.__getitem__), ir.Region).module
 
 
-def _identifier(name: str) -> str:
+def placeholder_identifier(name: str) -> str:
+    """The placeholder name of a state or batch name: ``model.layers.0.weight`` reads
+    ``model_layers_0_weight``."""
     cleaned = "".join(c if c.isalnum() else "_" for c in name)
     return cleaned if cleaned and not cleaned[0].isdigit() else f"_{cleaned}"
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import TypeAlias, TypeVar
 
 import sympy
@@ -43,15 +44,18 @@ def annotate(node: fx.Node, value: object) -> None:
     node.meta.setdefault(META_KEY, {})[type(value)] = value
 
 
+_NONE: Mapping[type, object] = MappingProxyType({})
+
+
 def get(node: fx.Node, kind: type[A]) -> A | None:
     """The annotation of type ``kind`` on ``node``, or None."""
-    found = node.meta.get(META_KEY, {}).get(kind)
-    return found
+    # The planner reads annotations millions of times on a large model: one lookup each.
+    return node.meta.get(META_KEY, _NONE).get(kind)
 
 
 def require(node: fx.Node, kind: type[A]) -> A:
     """The annotation of type ``kind`` on ``node``; raises AnnotationError if it is missing."""
-    found = get(node, kind)
+    found = node.meta.get(META_KEY, _NONE).get(kind)
     if found is None:
         raise AnnotationError(
             f"node {node.name!r} ({node.target}) has no {kind.__name__} annotation; "

@@ -71,6 +71,7 @@ from fxpar.ir.capture import LossFn, batch_tensors, capture, with_batch_tensors
 from fxpar.ir.placement import as_device
 from fxpar.ir.precision import MixedPrecision
 from fxpar.ir.program import Program, named_state, state_dict_aliases
+from fxpar.ir.repeat import capture_repeated
 from fxpar.ir.rng import RandomState
 from fxpar.lowering.collective_calls import Communicator
 from fxpar.optim import AdamW, Optimizer, check_optimizer
@@ -683,14 +684,19 @@ def capture_microbatch(
     *,
     example_targets: Sequence[torch.Tensor] = (),
     mixed_precision: MixedPrecision | None = None,
+    stamp_layers: bool | str = False,
 ) -> Program:
     """The training step a :class:`PipelineModel` of ``pipeline`` runs: captured at one
     micro-batch's shapes (one replica's piece of it, with ``data_parallel``) of the global
     example batch, and canonicalized. Price stages on it
     (:func:`~fxpar.pipeline.auto.plan_stages` with ``microbatch=True``) and hand it and the
-    choice's plans to the PipelineModel (``program=``, ``plans=``) to run what was priced."""
+    choice's plans to the PipelineModel (``program=``, ``plans=``) to run what was priced.
+    ``stamp_layers``: trace only a few of the model's repeated layers and stamp the others
+    (:func:`fxpar.ir.repeat.capture_repeated`; a module path names the container)."""
     _, micro_inputs, micro_targets = _microbatch(pipeline, example_inputs, example_targets)
-    return _capture_canonical(model, micro_inputs, loss_fn, micro_targets, mixed_precision)
+    return _capture_canonical(
+        model, micro_inputs, loss_fn, micro_targets, mixed_precision, stamp_layers
+    )
 
 
 def _microbatch(
@@ -714,11 +720,19 @@ def _capture_canonical(
     loss_fn: LossFn | None,
     micro_targets: Sequence[torch.Tensor],
     mixed_precision: MixedPrecision | None,
+    stamp_layers: bool | str = False,
 ) -> Program:
-    program = capture(
-        model, micro_inputs, loss_fn, example_targets=micro_targets,
-        mixed_precision=mixed_precision,
-    )  # fmt: skip
+    if stamp_layers:
+        program = capture_repeated(
+            model, micro_inputs, loss_fn, example_targets=micro_targets,
+            mixed_precision=mixed_precision,
+            layers=stamp_layers if isinstance(stamp_layers, str) else None,
+        )  # fmt: skip
+    else:
+        program = capture(
+            model, micro_inputs, loss_fn, example_targets=micro_targets,
+            mixed_precision=mixed_precision,
+        )  # fmt: skip
     # Means become sums over counts, so the loss's count can be the whole batch's.
     return Canonicalize().run(program)
 
