@@ -26,6 +26,7 @@ agent (on the first attempt only).
 from __future__ import annotations
 
 import argparse
+import datetime
 import itertools
 import os
 import signal
@@ -49,7 +50,9 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    dist.init_process_group("gloo")
+    # A restarted attempt can be given a peer's address that went with a lost machine, and
+    # gloo would wait 30 minutes to connect to it: fail in two, and let torchrun try again.
+    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=2))
     torch.set_num_threads(1)  # several processes share this machine's cores
     overrides = {} if args.mesh is None else {"mesh_shape": fxpar.Cluster.parse_mesh(args.mesh)}
     cluster = fxpar.Cluster.from_env("cpu", **overrides)

@@ -8,8 +8,10 @@ written."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -120,12 +122,27 @@ def test_train_gpt_continues_on_the_machines_left(tmp_path: Path) -> None:
     finally:
         for agent in agents:
             agent.kill()
+        # torchrun starts its workers in sessions of their own: a killed agent leaves them
+        # behind, and one stuck connecting to a lost peer would outlive the test.
+        _kill_processes_naming(str(checkpoint))
         del store
     (survivor,) = [out for out, _ in outputs if "final loss" in out]
     assert "on mesh of 4 devices" in survivor and "on mesh of 2 devices" in survivor
     assert f"resumed from {checkpoint / 'step-000010'} at step 10" in survivor
     uninterrupted = _torchrun("--steps", "20", "--checkpoint", str(tmp_path / "whole"))
     assert _final_loss(survivor) == pytest.approx(_final_loss(uninterrupted), rel=1e-4)
+
+
+def _kill_processes_naming(text: str) -> None:
+    """Kill every process whose command line contains ``text`` (Linux's /proc)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if text in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                os.kill(int(entry.name), signal.SIGKILL)
+        except OSError:
+            continue
 
 
 def test_readme_torchrun_snippet(tmp_path: Path) -> None:
