@@ -22,6 +22,13 @@ def tiny_target() -> tuple[torch.nn.Module, tuple[torch.Tensor], object, tuple[t
     return model, (tokens,), gpt_loss, (tokens,)
 
 
+def deep_target() -> tuple[torch.nn.Module, tuple[torch.Tensor], object, tuple[torch.Tensor]]:
+    """A ``module:attr`` target with layers enough to stamp."""
+    tokens = torch.zeros(4, 16, dtype=torch.long)
+    model = GPT(GPTConfig(n_layer=8, n_embd=16, n_head=2, vocab_size=64, block_size=16))
+    return model, (tokens,), gpt_loss, (tokens,)
+
+
 def bare_module() -> torch.nn.Module:
     return torch.nn.Linear(3, 3)
 
@@ -127,3 +134,18 @@ def test_plan_command_finds_a_pipeline_where_no_plan_of_the_batch_fits(tmp_path,
     assert "no pipeline runs this step" in out and "chosen: neither fits" in out
     assert main([*argv, "--microbatches", "2,x"]) == 2
     assert "--microbatches takes counts like 8 or 4,8,16" in capsys.readouterr().err
+
+
+def test_plan_command_stamps_repeated_layers_unless_told_not_to(capsys) -> None:  # type: ignore[no-untyped-def]
+    """By default the plan is made on the step stamped from 6 traced layers, and it is the plan
+    of the step traced whole: the same estimate."""
+    argv = ["plan", "--model", "test_cli:deep_target", "--mesh", "2", "--cluster", "cpu"]
+    assert main(argv) == 0
+    stamped = capsys.readouterr().out
+    assert "captured blocks: 6 of 8 layers traced, layers 3-5 stamped from layer 3" in stamped
+    assert main([*argv, "--no-stamp-layers"]) == 0
+    whole = capsys.readouterr().out
+    assert "stamped" not in whole
+    summary = re.compile(r"^(?:estimated step|collectives|memory|graph) .*$", re.MULTILINE)
+    assert summary.findall(stamped) == summary.findall(whole)
+    assert len(summary.findall(whole)) == 4
