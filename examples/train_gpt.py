@@ -26,7 +26,6 @@ agent (on the first attempt only).
 from __future__ import annotations
 
 import argparse
-import datetime
 import itertools
 import os
 import signal
@@ -50,9 +49,7 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    # A restarted attempt can be given a peer's address that went with a lost machine, and
-    # gloo would wait 30 minutes to connect to it: fail in two, and let torchrun try again.
-    dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=2))
+    dist.init_process_group("gloo")
     torch.set_num_threads(1)  # several processes share this machine's cores
     overrides = {} if args.mesh is None else {"mesh_shape": fxpar.Cluster.parse_mesh(args.mesh)}
     cluster = fxpar.Cluster.from_env("cpu", **overrides)

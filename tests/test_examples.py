@@ -82,6 +82,13 @@ def test_train_gpt_resumes_where_it_stopped(tmp_path: Path) -> None:
     assert _final_loss(elsewhere) == pytest.approx(_final_loss(uninterrupted), rel=1e-4)
 
 
+FRESH_STORES = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+"""The agents' environment: each restarted attempt's workers meet in a store of their own.
+torchrun's default, one store for every attempt (hosted by the agent of rank 0, keys not
+prefixed by attempt), let a restarted worker read an address an earlier attempt's worker left
+and wait on it in gloo's connection setup until the test timed out (docs/training.md)."""
+
+
 def test_train_gpt_continues_on_the_machines_left(tmp_path: Path) -> None:
     """Elastic resume: two torchrun agents (two "machines" of 2 processes each) start the run on
     4 processes; at step 10 the second machine is lost (its processes and agent killed). The
@@ -106,7 +113,7 @@ def test_train_gpt_continues_on_the_machines_left(tmp_path: Path) -> None:
     agents = []
     for _ in range(2):
         agents.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                       text=True))  # fmt: skip
+                                       text=True, env=FRESH_STORES))  # fmt: skip
         time.sleep(0.3)  # both join the first round
     try:
         outputs = [agent.communicate(timeout=600) for agent in agents]
