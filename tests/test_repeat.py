@@ -5,6 +5,7 @@ bit for bit; and it is refused, with the reason, where the layers do not repeat.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -28,20 +29,18 @@ def _tokens(batch: int = 2, length: int = 8) -> torch.Tensor:
     return torch.randint(0, 64, (batch, length))
 
 
+def _decoder(family: str, **extra: Any) -> torch.nn.Module:
+    """A Hugging Face decoder LM of ``family`` (``Llama``, ``Qwen2``, ...), ``LAYERS`` tiny
+    layers."""
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32, **extra,
+    )  # fmt: skip
+    return getattr(transformers, f"{family}ForCausalLM")(config)
+
+
 def _llama() -> torch.nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(config)
-
-
-def _qwen2() -> torch.nn.Module:
-    config = transformers.Qwen2Config(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-    )  # fmt: skip
-    return transformers.Qwen2ForCausalLM(config)
+    return _decoder("Llama")
 
 
 def _gpt2(dropout: float = 0.0) -> torch.nn.Module:
@@ -69,7 +68,7 @@ Case = tuple[Callable[[], torch.nn.Module], Callable[[], Any], Any, str]
 
 CASES: dict[str, Case] = {
     "llama-bf16": (_llama, _lm_batch, BF16, "model.layers"),
-    "qwen2-bf16": (_qwen2, _lm_batch, BF16, "model.layers"),
+    "qwen2-bf16": (functools.partial(_decoder, "Qwen2"), _lm_batch, BF16, "model.layers"),
     "gpt2": (_gpt2, _lm_batch, None, "transformer.h"),
     "t5": (_t5, _lm_batch, None, "encoder.block"),
 }
@@ -131,12 +130,8 @@ def test_dropout_in_the_layers_is_captured_whole_or_refused_when_asked_for(
 
 
 def test_layers_built_differently_or_too_few_are_refused() -> None:
-    config = transformers.Gemma2Config(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=32,
-    )  # fmt: skip
     with torch.device("meta"):
-        gemma2 = transformers.Gemma2ForCausalLM(config)  # sliding and global attention alternate
+        gemma2 = _decoder("Gemma2", head_dim=8)  # sliding and global attention alternate
     with pytest.raises(CaptureError, match="built differently"):
         capture_repeated(gemma2, _lm_batch(), layers="model.layers")
     shallow = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_embd=16))
@@ -187,3 +182,20 @@ def test_check_catches_code_that_depends_on_the_number_of_layers() -> None:
     assert checked.get(StampedLayers) == StampedLayers("blocks", LAYERS)
     full = fxpar.capture(gpt, (tokens,), gpt_loss, example_targets=(tokens,))
     assert canonical(checked) == canonical(full)
+
+
+def test_a_model_that_is_its_layer_container_is_stamped() -> None:
+    """A root ``nn.Sequential``: its layers' state names have no prefix (``3.weight``)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(LAYERS)))
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    full = fxpar.capture(model, (x,), torch.nn.functional.mse_loss, example_targets=(y,))
+    stamped = capture_repeated(
+        model, (x,), torch.nn.functional.mse_loss, example_targets=(y,), layers=""
+    )
+    assert stamped.get(StampedLayers) == StampedLayers("", LAYERS)
+    assert canonical(stamped) == canonical(full)
+    expected, found = full.run(model, x, y), stamped.run(model, x, y)
+    assert torch.equal(found.loss, expected.loss)
+    for name, gradient in expected.gradients.items():
+        assert torch.equal(found.gradients[name], gradient), name

@@ -84,7 +84,7 @@ class StampedLayers:
     def describe(self) -> str:
         return (
             f"{self.container}: {self.traced} of {self.count} layers traced, layers "
-            f"{self.template}-{self.count - TRACED + self.template} stamped from layer "
+            f"{self.template}-{self.count - self.traced + self.template} stamped from layer "
             f"{self.template}"
         )
 
@@ -123,11 +123,12 @@ def capture_repeated(
     try:
         with _first_layers(stack, TRACED):
             traced = capture(model, example_inputs, loss_fn, **options)
-        stamped = _Stamp(traced, path, count).program(model)
+        stamp = _Stamp(traced, path)
+        stamped = stamp.program(model, count)
         if check:
             with _first_layers(stack, TRACED + 1):
                 more = capture(model, example_inputs, loss_fn, **options)
-                twin = _Stamp(traced, path, TRACED + 1).program(model)
+                twin = stamp.program(model, TRACED + 1)
             if canonical(twin) != canonical(more):
                 raise _NotRepeated(
                     f"stamped to {TRACED + 1} layers differ from {TRACED + 1} layers traced: "
@@ -152,9 +153,6 @@ def canonical(program: Program) -> list[tuple[Any, ...]]:
     position = {node: index for index, node in enumerate(nodes)}
     found = []
     for node in nodes:
-        target: Any = node.target
-        if node.op == "get_attr":
-            target = _Constant(getattr(program.graph_module, str(node.target)))
         annotations = dict(ir.all_annotations(node))
         region = annotations.pop(ir.Region, None)
         assert region is None or isinstance(region, ir.Region)
@@ -163,7 +161,7 @@ def canonical(program: Program) -> list[tuple[Any, ...]]:
         found.append(
             (
                 node.op,
-                target,
+                _target(program, node),
                 [f"%{position[a]}" if isinstance(a, fx.Node) else a for a in inputs],
                 region and (region.phase, region.module),
                 others,
@@ -268,12 +266,11 @@ class _Ref:
 
 
 class _Stamp:
-    """The traced step of :data:`TRACED` layers, checked and stamped to ``count`` layers."""
+    """The traced step of :data:`TRACED` layers, checked, to be stamped to any number."""
 
-    def __init__(self, traced: Program, container: str, count: int) -> None:
+    def __init__(self, traced: Program, container: str) -> None:
         self.traced = traced
         self.container = container
-        self.count = count
         prefix = re.escape(f"{container}.") if container else ""
         self.pattern = re.compile("^" + prefix + r"(\d+)(?=\.|$)")
         self.nodes = list(traced.graph.nodes)
@@ -320,14 +317,9 @@ class _Stamp:
         annotations = dict(ir.all_annotations(node))
         region = annotations.pop(ir.Region)
         assert isinstance(region, ir.Region)
-        target: Any = node.target
-        if node.op == "placeholder":
-            target = None
-        elif node.op == "get_attr":  # a constant: each layer has its own, alike
-            target = _Constant(getattr(self.traced.graph_module, str(node.target)))
         return (
             node.op,
-            target,
+            None if node.op == "placeholder" else _target(self.traced, node),
             region.phase,
             self._module(node),
             tuple(sorted(((kind.__name__, value) for kind, value in annotations.items()), key=str)),
@@ -365,7 +357,7 @@ class _Stamp:
         self.runs = self._runs(self.nodes)
 
     def _is_layer_state(self, name: str) -> bool:
-        return bool(re.match(re.escape(self.container) + r"\.\d+\.", name))
+        return self.pattern.match(name) is not None
 
     def _check_alike(self, first: fx.Node, second: fx.Node, compare: tuple[str, ...]) -> None:
         """``first`` and ``second`` (the same role in consecutive layers) do the same thing
@@ -421,8 +413,9 @@ class _Stamp:
 
     # --- building the stamped step -----------------------------------------------------------
 
-    def program(self, model: nn.Module) -> Program:
-        copies = range(TEMPLATE, self.count - (TRACED - TEMPLATE) + 1)
+    def program(self, model: nn.Module, count: int) -> Program:
+        """The step of ``model``, which has ``count`` layers (``model`` as it holds them)."""
+        copies = range(TEMPLATE, count - (TRACED - TEMPLATE) + 1)
         last = copies[-1]
         layer_of = {TEMPLATE + 1: last + 1, TEMPLATE + 2: last + 2}
         seq_shift = self._seq_shifts(len(copies))
@@ -456,15 +449,10 @@ class _Stamp:
                 made = graph.placeholder(placeholder_identifier(self._renamed_state(node, layer)))
             else:
                 made = graph.create_node(node.op, node.target, args, kwargs, name=node.name)
-            made.meta = dict(node.meta)
-            made.meta[ir.META_KEY] = dict(node.meta.get(ir.META_KEY, {}))
+            made.meta = _copied_meta(node)
             region = ir.get(node, ir.Region)
             if region is not None and self.label[node] >= 0:
-                module = self.pattern.sub(
-                    f"{self.container}.{layer}" if self.container else str(layer),
-                    region.module,
-                    count=1,
-                )
+                module = self._moved(region.module, layer)
                 seq = region.seq_nr
                 if seq is not None and layer in seq_shift:
                     seq += seq_shift[layer].get(seq, 0)
@@ -493,10 +481,7 @@ class _Stamp:
                 continue
             order = copies if direction > 0 else reversed(copies)
             stamped.extend(new[node, layer] for layer in order for node in run)
-        graph.output(tuple(stamped)).meta = {
-            **output.meta,
-            ir.META_KEY: dict(output.meta.get(ir.META_KEY, {})),
-        }
+        graph.output(tuple(stamped)).meta = _copied_meta(output)
         signature = self._signature(model)
         names = [n.target for n in graph.nodes if n.op == "placeholder"]
         if names != [placeholder_identifier(name) for name in signature.placeholder_names]:
@@ -509,7 +494,6 @@ class _Stamp:
     def _seq_shifts(self, copies: int) -> dict[int, dict[int, int]]:
         """For every copy after the template: the shift of each autograd sequence number the
         template's forward ops made, so that each copy's backward ops point to its own."""
-        owned: set[int] = set()
         first: dict[int, fx.Node] = {}
         numbers = set()
         for node in self.nodes:
@@ -533,10 +517,14 @@ class _Stamp:
         """The state name of a parameter or buffer placeholder (its traced name otherwise),
         moved to ``layer``."""
         name = self.state_names[placeholder]
-        if self.label[placeholder] < 0 or not self._is_layer_state(name):
+        if self.label[placeholder] < 0:
             return name
-        prefix = f"{self.container}." if self.container else ""
-        return re.sub("^" + re.escape(prefix) + r"\d+\.", f"{prefix}{layer}.", name, count=1)
+        return self._moved(name, layer)
+
+    def _moved(self, path: str, layer: int) -> str:
+        """``path`` (a module or state name in a layer) in layer ``layer`` instead."""
+        return self.pattern.sub(f"{self.container}.{layer}" if self.container else str(layer),
+                                path, count=1)  # fmt: skip
 
     def _signature(self, model: nn.Module) -> Signature:
         traced = self.traced.signature
@@ -548,6 +536,18 @@ class _Stamp:
             buffers=tuple(name for name, _ in model.named_buffers()),
             gradients=tuple(n for n, p in parameters.items() if p.requires_grad and trains),
         )
+
+
+def _target(program: Program, node: fx.Node) -> Any:
+    """What ``node`` calls, or for a constant (each layer has its own), its value."""
+    if node.op == "get_attr":
+        return _Constant(getattr(program.graph_module, str(node.target)))
+    return node.target
+
+
+def _copied_meta(node: fx.Node) -> dict[str, Any]:
+    """``node``'s metadata for a new node: its annotations a dict of their own."""
+    return {**node.meta, ir.META_KEY: dict(node.meta.get(ir.META_KEY, {}))}
 
 
 class _Constant:
