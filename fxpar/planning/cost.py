@@ -40,6 +40,7 @@ import math
 import operator
 from collections import defaultdict
 from collections.abc import Collection, Iterable, Sequence
+from typing import Literal
 
 import torch.fx as fx
 from torch.distributed.tensor import Partial, Shard
@@ -48,43 +49,85 @@ from fxpar import ir
 from fxpar.cluster import Cluster
 from fxpar.ir.meta import numbered_layer
 from fxpar.sharding import Spec, Strategy, local_shape, piece_bytes
-from fxpar.sharding.reshard import bucket_route, gather_route, reshard_steps
+from fxpar.sharding.reshard import (
+    Code,
+    bucket_route_of,
+    coded_steps,
+    gather_route_of,
+    spec_code,
+)
 
 # -- time ---------------------------------------------------------------------------------------
+
+
+def collective_share(kind: str, devices: int) -> float:
+    """Bytes each device moves in one collective step, per byte of its local piece."""
+    if devices <= 1 or kind in ("slice", "to_partial"):
+        return 0.0
+    if kind == "all_reduce":
+        return 2 * (devices - 1) / devices
+    if kind == "all_gather":
+        return devices - 1
+    return (devices - 1) / devices  # reduce_scatter, all_to_all
 
 
 def collective_seconds(kind: str, local_bytes: float, devices: int, bandwidth: float,
                        latency: float) -> float:  # fmt: skip
     """Alpha-beta time of one collective step (0 for local steps)."""
-    if devices <= 1 or kind in ("slice", "to_partial"):
-        return 0.0
-    if kind == "all_reduce":
-        volume = 2 * (devices - 1) / devices * local_bytes
-    elif kind == "all_gather":
-        volume = (devices - 1) * local_bytes
-    else:  # reduce_scatter, all_to_all
-        volume = (devices - 1) / devices * local_bytes
-    return latency + volume / bandwidth
+    share = collective_share(kind, devices)
+    return 0.0 if share == 0.0 else latency + share * local_bytes / bandwidth
+
+
+Price = Literal["", "output", "regathered"]
+"""How a resharding is priced: as :func:`reshard_seconds`, :func:`output_seconds` or
+:func:`regathered_seconds`."""
+
+
+@functools.lru_cache(maxsize=1 << 18)
+def reshard_terms(src: Code, dst: Code, cluster: Cluster, price: Price = "") -> tuple[float, float]:
+    """The price of a resharding from ``src`` to ``dst`` (spec codes,
+    :func:`fxpar.sharding.reshard.spec_code`) as ``(seconds, seconds per byte)``: its
+    collectives' latencies, and the time per byte of the whole tensor (every step moves a
+    fixed fraction of it). One pair of specs thus has one price for tensors of every size,
+    ``seconds + bytes * per_byte``: the ILP's builder prices a pair once for all its tensors."""
+    if src == dst:
+        return 0.0, 0.0
+    mesh = cluster.mesh_shape
+    steps = coded_steps(src, dst, mesh)
+    route = bucket_route_of(steps) if price == "output" else None
+    if route is not None:
+        per_byte = sum(collective_share(route.kind, mesh[a]) / cluster.bandwidth[a]
+                       for a in route.axes)  # fmt: skip
+        return 0.0, per_byte / _pieces(src, mesh)
+    seconds = per_byte = 0.0
+    current = list(src)
+    for step in steps:
+        share = collective_share(step.kind, mesh[step.axis])
+        if share:
+            seconds += cluster.latency[step.axis]
+            per_byte += share / (_pieces(current, mesh) * cluster.bandwidth[step.axis])
+        current[step.axis] = step.code_after
+    if price == "regathered" and gather_route_of(steps) is not None:
+        return 2 * seconds, 2 * per_byte
+    return seconds, per_byte
+
+
+def _pieces(code: Sequence[int], mesh_shape: Sequence[int]) -> int:
+    """Into how many pieces a spec of ``code`` cuts a tensor."""
+    return math.prod(size for c, size in zip(code, mesh_shape, strict=True) if c >= 0)
 
 
 @functools.lru_cache(maxsize=1 << 20)
-def reshard_seconds(src: Spec, dst: Spec, meta: ir.TensorMeta, cluster: Cluster) -> float:
+def reshard_seconds(
+    src: Spec, dst: Spec, meta: ir.TensorMeta, cluster: Cluster, price: Price = ""
+) -> float:
     """Time to turn a tensor laid out as ``src`` into ``dst``."""
     if src == dst:
         return 0.0
     shape = tuple(ir.evaluate(s) for s in meta.shape)
-    itemsize = meta.dtype.itemsize
-    seconds = 0.0
-    current = src
-    for step in reshard_steps(src, dst, cluster.mesh_shape):
-        local = local_shape(shape, current, cluster.mesh_shape)
-        nbytes = math.prod(local) * itemsize
-        seconds += collective_seconds(
-            step.kind, nbytes, cluster.mesh_shape[step.axis],
-            cluster.bandwidth[step.axis], cluster.latency[step.axis],
-        )  # fmt: skip
-        current = step.apply(current)
-    return seconds
+    local_shape(shape, src, cluster.mesh_shape)  # raises unless ``src`` splits it evenly
+    seconds, per_byte = reshard_terms(spec_code(src), spec_code(dst), cluster, price)
+    return seconds + per_byte * math.prod(shape) * meta.dtype.itemsize
 
 
 def output_seconds(src: Spec, dst: Spec, meta: ir.TensorMeta, cluster: Cluster) -> float:
@@ -94,15 +137,7 @@ def output_seconds(src: Spec, dst: Spec, meta: ir.TensorMeta, cluster: Cluster) 
     sends those together, in buckets of up to 25 MiB per route
     (:data:`fxpar.planning.grouping.BUCKET_BYTES`), so each pays the time of its bytes but not a
     collective's latency (the one latency per bucket is left out)."""
-    route = bucket_route(src, dst, cluster.mesh_shape)
-    if route is None:
-        return reshard_seconds(src, dst, meta, cluster)
-    nbytes = piece_bytes(meta, src, cluster.mesh_shape)
-    seconds = 0.0
-    for axis in route.axes:
-        n, bandwidth = cluster.mesh_shape[axis], cluster.bandwidth[axis]
-        seconds += collective_seconds(route.kind, nbytes, n, bandwidth, 0.0)
-    return seconds
+    return reshard_seconds(src, dst, meta, cluster, "output")
 
 
 def regathered_seconds(src: Spec, dst: Spec, meta: ir.TensorMeta, cluster: Cluster) -> float:
@@ -111,8 +146,7 @@ def regathered_seconds(src: Spec, dst: Spec, meta: ir.TensorMeta, cluster: Clust
     all-gathers only (:func:`gather_route`), since the backward gathers the parameter again
     and recomputes the view rather than keep the forward's gathered copy
     (:class:`fxpar.planning.grouping.ViewChain`)."""
-    seconds = reshard_seconds(src, dst, meta, cluster)
-    return 2 * seconds if gather_route(src, dst, cluster.mesh_shape) is not None else seconds
+    return reshard_seconds(src, dst, meta, cluster, "regathered")
 
 
 def split_factor(strategy: Strategy, mesh_shape: tuple[int, ...]) -> int:

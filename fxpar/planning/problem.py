@@ -29,6 +29,7 @@
 from __future__ import annotations
 
 import fnmatch
+import math
 import operator
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
@@ -43,29 +44,22 @@ from fxpar.cluster import Cluster
 from fxpar.errors import FxparError
 from fxpar.ir.program import Program
 from fxpar.planning.cost import (
+    Price,
     compute_seconds,
     local_bytes,
     numbered_layer,
     output_seconds,
     parameter_memory,
-    regathered_seconds,
     reshard_seconds,
+    reshard_terms,
     saved_bytes,
     saved_outputs,
 )
 from fxpar.planning.grouping import casts_parameter, reread_in_backward
 from fxpar.rules.registry import tensor_inputs
 from fxpar.sharding import Sharding, Spec, Strategies, Strategy, replicated, spec_str
+from fxpar.sharding.reshard import Code, spec_code
 from fxpar.solvers.problem import Edge, IntraOpProblem
-
-_PRICES: dict[str, Callable[[Spec, Spec, ir.TensorMeta, Cluster], float]] = {
-    "": reshard_seconds,
-    "output": output_seconds,
-    "regathered": regathered_seconds,
-}
-"""How an edge's resharding is priced: in general; as a result of the step (in buckets); as a
-parameter read by a forward view the backward reads too (gathered again there)."""
-
 
 RematPolicy = str | tuple[str, ...]
 """Which layers recompute their activations in the backward: ``"none"``, ``"all"``, ``"auto"``
@@ -180,10 +174,12 @@ class _Builder:
         self._compute_times: dict[tuple[object, ...], list[float]] = {}
         self._follow: dict[tuple[object, ...], list[int]] = {}
         self._identities: dict[fx.Node, tuple[object, ...]] = {}
-        # Reshard times are kept by small ints for specs and metas: hashing a spec (a tuple of
-        # torch placements) is slow, and a reshard matrix prices many pairs of the same specs.
-        self._ids: dict[object, int] = {}
-        self._seconds_by_id: dict[tuple[int, int, int, str], float] = {}
+        # Reshard prices are kept by small ints for specs: hashing a spec (a tuple of torch
+        # placements) is slow, and the matrices price many pairs of the same specs.
+        self._ids: dict[Spec, int] = {}
+        self._codes: list[Code] = []
+        self._terms_by_id: dict[tuple[int, int, Price], tuple[float, float]] = {}
+        self._lines: dict[tuple[object, ...], tuple[npt.NDArray[np.float64], ...]] = {}
         self._used_pins: set[str] = set()
 
     # -- units ----------------------------------------------------------------------------------
@@ -280,40 +276,50 @@ class _Builder:
         return list(self._follow[key])
 
     def _moved(self, have: Spec, want: Spec, meta: ir.TensorMeta) -> float:
-        ids = self._ids
-        of = (ids.setdefault(have, len(ids)), ids.setdefault(want, len(ids)))
-        return self._priced(have, want, meta, (*of, ids.setdefault(meta, len(ids)), ""))
+        seconds, per_byte = self._terms(self._spec_id(have), self._spec_id(want), "")
+        return seconds + per_byte * self._bytes(meta)
 
-    def _priced(
-        self, have: Spec, want: Spec, meta: ir.TensorMeta, key: tuple[int, int, int, str]
-    ) -> float:
-        """Seconds to reshard ``meta`` from ``have`` to ``want``, priced as ``key[3]`` says
-        (:data:`_PRICES`), remembered under ``key`` (the ids of the specs and meta)."""
-        seconds = self._seconds_by_id.get(key)
-        if seconds is None:
-            price = _PRICES[key[3]]
-            seconds = self._seconds_by_id[key] = price(have, want, meta, self.cluster)
-        return seconds
+    def _spec_id(self, spec: Spec) -> int:
+        found = self._ids.get(spec)
+        if found is None:
+            found = self._ids[spec] = len(self._codes)
+            self._codes.append(spec_code(spec))
+        return found
+
+    def _bytes(self, meta: ir.TensorMeta) -> float:
+        return math.prod(ir.evaluate(s) for s in meta.shape) * meta.dtype.itemsize
+
+    def _terms(self, have: int, want: int, price: Price) -> tuple[float, float]:
+        """:func:`~fxpar.planning.cost.reshard_terms` of two specs by id, remembered."""
+        key = (have, want, price)
+        terms = self._terms_by_id.get(key)
+        if terms is None:
+            codes = self._codes
+            terms = self._terms_by_id[key] = reshard_terms(codes[have], codes[want],
+                                                           self.cluster, price)  # fmt: skip
+        return terms
 
     def _reshard_matrix(
-        self, produced: list[Spec], required: list[Spec], meta: ir.TensorMeta, price: str
+        self, produced: list[Spec], required: list[Spec], meta: ir.TensorMeta, price: Price
     ) -> npt.NDArray[np.float64]:
-        """Seconds to reshard ``meta`` from each produced spec to each required one (each
-        distinct pair priced once: a 2-D mesh offers many strategies per spec), priced as the
-        lowering sends it (``price``: a key of :data:`_PRICES`)."""
-        haves = {spec: i for i, spec in enumerate(dict.fromkeys(produced))}
-        wants = {spec: i for i, spec in enumerate(dict.fromkeys(required))}
-        ids = self._ids
-        of_meta = ids.setdefault(meta, len(ids))
-        have_ids = [ids.setdefault(h, len(ids)) for h in haves]
-        want_ids = [ids.setdefault(w, len(ids)) for w in wants]
-        table = np.empty((len(haves), len(wants)))
-        for i, (have, have_id) in enumerate(zip(haves, have_ids, strict=True)):
-            for j, (want, want_id) in enumerate(zip(wants, want_ids, strict=True)):
-                table[i, j] = self._priced(have, want, meta, (have_id, want_id, of_meta, price))
-        rows = np.array([haves[spec] for spec in produced])
-        columns = np.array([wants[spec] for spec in required])
-        return table[np.ix_(rows, columns)]
+        """Seconds to reshard ``meta`` from each produced spec to each required one, priced as
+        the lowering sends it (``price``). A pair of specs has one price line for tensors of
+        every size (:func:`~fxpar.planning.cost.reshard_terms`), so the lines of each distinct
+        pair of spec lists are found once and scaled by each tensor's bytes."""
+        have_ids = tuple(self._spec_id(spec) for spec in produced)
+        want_ids = tuple(self._spec_id(spec) for spec in required)
+        key = (have_ids, want_ids, price)
+        lines = self._lines.get(key)
+        if lines is None:
+            haves = {h: i for i, h in enumerate(dict.fromkeys(have_ids))}
+            wants = {w: j for j, w in enumerate(dict.fromkeys(want_ids))}
+            table = np.array([[self._terms(h, w, price) for w in wants] for h in haves])
+            rows = [haves[h] for h in have_ids]
+            columns = [wants[w] for w in want_ids]
+            picked = table[np.ix_(rows, columns)]
+            lines = self._lines[key] = (picked[..., 0], picked[..., 1])
+        seconds, per_byte = lines
+        return seconds + per_byte * self._bytes(meta)
 
     def _compute_vector(self, node: fx.Node) -> list[float]:
         key = self._identity(node)
@@ -411,7 +417,7 @@ class _Builder:
             if key not in matrix_cache:
                 produced = [self.out_spec(source, s) for s in range(sizes[u])]
                 required = [spec_of_choice(t) for t in range(sizes[v])]
-                price = "output" if key[0] in ("output", "gradient") else ""
+                price: Price = "output" if key[0] in ("output", "gradient") else ""
                 parameter = source.op == "placeholder" or casts_parameter(source)
                 if parameter and reread_in_backward(self.units[consumer_unit].root):
                     price = "regathered"

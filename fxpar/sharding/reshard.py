@@ -14,6 +14,7 @@ The same steps drive the lowering (which emits them) and the cost model (which p
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -55,67 +56,90 @@ class ReshardStep:
             placements[self.axis] = Partial()
         return tuple(placements)
 
+    @property
+    def code_after(self) -> int:
+        """The code (:func:`spec_code`) of this step's axis after the step."""
+        if self.kind in ("all_gather", "all_reduce"):
+            return REPLICATE
+        if self.kind in ("reduce_scatter", "slice"):
+            return self.dim  # type: ignore[return-value]
+        if self.kind == "all_to_all":
+            return self.to_dim  # type: ignore[return-value]
+        return PARTIAL
 
-def _shard_dim(placement: object) -> int | None:
-    return placement.dim if isinstance(placement, Shard) else None
+
+REPLICATE, PARTIAL = -1, -2
+"""A spec's *code* is a tuple of ints, one per mesh axis: the sharded tensor dim, or
+:data:`REPLICATE` or :data:`PARTIAL` (:func:`spec_code`). Codes hash and compare fast, where
+torch's placements do neither: the planner prices millions of pairs of specs."""
+Code = tuple[int, ...]
+
+
+def spec_code(spec: Spec) -> Code:
+    """The code of ``spec``: its placements as ints."""
+    return tuple(
+        p.dim if isinstance(p, Shard) else PARTIAL if isinstance(p, Partial) else REPLICATE
+        for p in spec
+    )
 
 
 def reshard_steps(src: Spec, dst: Spec, mesh_shape: Sequence[int]) -> list[ReshardStep]:
     """The steps that turn a tensor laid out as ``src`` into ``dst``."""
     if src == dst:
         return []
+    return list(coded_steps(spec_code(src), spec_code(dst), tuple(mesh_shape)))
+
+
+@functools.lru_cache(maxsize=1 << 18)
+def coded_steps(src: Code, dst: Code, mesh_shape: tuple[int, ...]) -> tuple[ReshardStep, ...]:
+    """:func:`reshard_steps` on codes (:func:`spec_code`)."""
+    if src == dst:
+        return ()
     ndim = len(mesh_shape)
     current = list(src)
     changed = [a for a in range(ndim) if src[a] != dst[a] and mesh_shape[a] > 1]
-    unshard = {a for a in changed if isinstance(src[a], Shard)}
+    unshard = {a for a in changed if src[a] >= 0}
     for a in changed:
-        touched = {d for d in (_shard_dim(src[a]), _shard_dim(dst[a])) if d is not None}
-        for b in range(a + 1, ndim):
-            if _shard_dim(src[b]) in touched:
-                unshard.add(b)
+        touched = {d for d in (src[a], dst[a]) if d >= 0}
+        unshard.update(b for b in range(a + 1, ndim) if src[b] in touched)
     steps: list[ReshardStep] = []
     for b in sorted(unshard, reverse=True):
-        source_dim = _shard_dim(current[b])
-        target_dim = _shard_dim(dst[b])
-        if (
-            target_dim is not None
-            and target_dim != source_dim
-            and _alone(b, source_dim, target_dim, src, dst)
-        ):
+        source_dim, target_dim = current[b], dst[b]
+        if target_dim >= 0 and target_dim != source_dim and _alone(b, source_dim, target_dim,
+                                                                    src, dst):  # fmt: skip
             steps.append(ReshardStep("all_to_all", b, source_dim, target_dim))
-            current[b] = dst[b]
+            current[b] = target_dim
         else:
             steps.append(ReshardStep("all_gather", b, source_dim))
-            current[b] = Replicate()
+            current[b] = REPLICATE
     for a in range(ndim):
-        if isinstance(current[a], Partial) and not isinstance(dst[a], Partial):
-            target_dim = _shard_dim(dst[a])
-            others = [b for b in range(ndim) if b != a and _shard_dim(dst[b]) == target_dim]
-            if target_dim is not None and not others and mesh_shape[a] > 1:
+        if current[a] == PARTIAL and dst[a] != PARTIAL:
+            target_dim = dst[a]
+            alone = all(dst[b] != target_dim for b in range(ndim) if b != a)
+            if target_dim >= 0 and alone and mesh_shape[a] > 1:
                 steps.append(ReshardStep("reduce_scatter", a, target_dim))
-                current[a] = dst[a]
+                current[a] = target_dim
             else:
                 steps.append(ReshardStep("all_reduce", a))
-                current[a] = Replicate()
+                current[a] = REPLICATE
     for a in range(ndim):
         if current[a] == dst[a]:
             continue
-        target = dst[a]
-        if isinstance(target, Shard):
-            steps.append(ReshardStep("slice", a, target.dim))
-        elif isinstance(target, Partial):
+        if dst[a] >= 0:
+            steps.append(ReshardStep("slice", a, dst[a]))
+        elif dst[a] == PARTIAL:
             steps.append(ReshardStep("to_partial", a))
         current[a] = dst[a]
     # On an axis of one device every placement is the whole tensor: nothing to do there.
-    return [s for s in steps if mesh_shape[s.axis] > 1]
+    return tuple(s for s in steps if mesh_shape[s.axis] > 1)
 
 
-def _alone(axis: int, source_dim: int | None, target_dim: int, src: Spec, dst: Spec) -> bool:
+def _alone(axis: int, source_dim: int, target_dim: int, src: Code, dst: Code) -> bool:
     """An all-to-all on ``axis`` is exact when no other axis shards either dim."""
-    for b in range(len(src)):
-        if b != axis and {_shard_dim(src[b]), _shard_dim(dst[b])} & {source_dim, target_dim}:
-            return False
-    return source_dim is not None
+    dims = (source_dim, target_dim)
+    return source_dim >= 0 and not any(
+        b != axis and (src[b] in dims or dst[b] in dims) for b in range(len(src))
+    )
 
 
 @dataclass(frozen=True)
@@ -139,9 +163,11 @@ class BucketRoute:
 def bucket_route(current: Spec, want: Spec, mesh_shape: Sequence[int]) -> BucketRoute | None:
     """The route of a result going from ``current`` to ``want`` when it can travel in a bucket
     (all-reduces only, or one reduce-scatter), else None."""
-    if current == want:
-        return None
-    steps = reshard_steps(current, want, mesh_shape)
+    return bucket_route_of(reshard_steps(current, want, mesh_shape))
+
+
+def bucket_route_of(steps: Sequence[ReshardStep]) -> BucketRoute | None:
+    """:func:`bucket_route` of a resharding taking ``steps``."""
     if steps and all(step.kind == "all_reduce" for step in steps):
         return BucketRoute("all_reduce", tuple(step.axis for step in steps))
     if len(steps) == 1 and steps[0].kind == "reduce_scatter":
@@ -153,9 +179,11 @@ def gather_route(current: Spec, want: Spec, mesh_shape: Sequence[int]) -> tuple[
     """The mesh axes, in the order gathered (innermost first), when going from ``current`` to
     ``want`` takes only all-gathers of one tensor dim (a parameter sharded on dim 0 over one
     or more axes, gathered whole), else None."""
-    if current == want:
-        return None
-    steps = reshard_steps(current, want, mesh_shape)
+    return gather_route_of(reshard_steps(current, want, mesh_shape))
+
+
+def gather_route_of(steps: Sequence[ReshardStep]) -> tuple[int, ...] | None:
+    """:func:`gather_route` of a resharding taking ``steps``."""
     if not steps or any(s.kind != "all_gather" or s.dim != steps[0].dim for s in steps):
         return None
     return tuple(step.axis for step in steps)
