@@ -1,13 +1,15 @@
 """fxpar's solvers: they take plain data (cost arrays, resharding matrices) and return plain data.
 
 :mod:`fxpar.solvers.problem` defines the intra-operator problem and solution; the HiGHS ILP,
-exhaustive and greedy solvers implement :class:`~fxpar.solvers.problem.IntraOpSolver`. The
+exhaustive and greedy solvers, and the descent over mesh axes for meshes of three or more axes
+(:mod:`fxpar.solvers.descent`), implement :class:`~fxpar.solvers.problem.IntraOpSolver`. The
 inter-operator dynamic programs: :mod:`fxpar.solvers.layers` groups ops into layers,
 :mod:`fxpar.solvers.stages` groups layers into pipeline stages on submeshes.
 """
 
 from __future__ import annotations
 
+from fxpar.solvers.descent import AxisDescent
 from fxpar.solvers.errors import InfeasiblePlanError
 from fxpar.solvers.exhaustive import ExhaustiveSolver
 from fxpar.solvers.greedy import GreedySolver
@@ -29,6 +31,7 @@ from fxpar.solvers.stages import (
 )
 
 __all__ = [
+    "AxisDescent",
     "DataEdge",
     "Edge",
     "ExhaustiveSolver",

@@ -80,6 +80,14 @@ class IntraOpProblem:
         ]
         return min(fitting, key=self.objective, default=None)
 
+    def floor(self) -> float:
+        """A lower bound on every plan's cost that needs no solver: each node's cheapest
+        strategy and each edge's cheapest entry, taken apart. Weak, but finite, so a plan found
+        without a proof always comes with a finite gap."""
+        nodes = sum(min(costs, default=0.0) for costs in self.node_costs)
+        edges = sum(min((min(row) for row in edge.costs), default=0.0) for edge in self.edges)
+        return float(nodes + edges)
+
     def least_memory(self) -> float:
         """The memory of the most memory-frugal choice (memory is additive over nodes)."""
         return float(sum(min(m) for m in self.node_memory))

@@ -178,7 +178,7 @@ class _Builder:
         # placements) is slow, and the matrices price many pairs of the same specs.
         self._ids: dict[Spec, int] = {}
         self._codes: list[Code] = []
-        self._terms_by_id: dict[tuple[int, int, Price], tuple[float, float]] = {}
+        self._tables: dict[Price, npt.NDArray[np.float64]] = {}
         self._lines: dict[tuple[object, ...], tuple[npt.NDArray[np.float64], ...]] = {}
         self._used_pins: set[str] = set()
 
@@ -290,33 +290,44 @@ class _Builder:
         return math.prod(ir.evaluate(s) for s in meta.shape) * meta.dtype.itemsize
 
     def _terms(self, have: int, want: int, price: Price) -> tuple[float, float]:
-        """:func:`~fxpar.planning.cost.reshard_terms` of two specs by id, remembered."""
-        key = (have, want, price)
-        terms = self._terms_by_id.get(key)
-        if terms is None:
+        """:func:`~fxpar.planning.cost.reshard_terms` of two specs by id."""
+        table = self._table(price, max(have, want) + 1)
+        if np.isnan(table[have, want, 0]):
             codes = self._codes
-            terms = self._terms_by_id[key] = reshard_terms(codes[have], codes[want],
-                                                           self.cluster, price)  # fmt: skip
-        return terms
+            table[have, want] = reshard_terms(codes[have], codes[want], self.cluster, price)
+        return float(table[have, want, 0]), float(table[have, want, 1])
+
+    def _table(self, price: Price, ids: int) -> npt.NDArray[np.float64]:
+        """The price lines of every pair of spec ids priced as ``price`` so far (NaN where not
+        yet priced), grown to hold at least ``ids`` ids."""
+        table = self._tables.get(price)
+        if table is None or len(table) < ids:
+            grown = np.full((2 * ids, 2 * ids, 2), np.nan)
+            if table is not None:
+                grown[: len(table), : len(table)] = table
+            table = self._tables[price] = grown
+        return table
 
     def _reshard_matrix(
         self, produced: list[Spec], required: list[Spec], meta: ir.TensorMeta, price: Price
     ) -> npt.NDArray[np.float64]:
         """Seconds to reshard ``meta`` from each produced spec to each required one, priced as
         the lowering sends it (``price``). A pair of specs has one price line for tensors of
-        every size (:func:`~fxpar.planning.cost.reshard_terms`), so the lines of each distinct
-        pair of spec lists are found once and scaled by each tensor's bytes."""
+        every size (:func:`~fxpar.planning.cost.reshard_terms`), so each pair is priced once and
+        the lines of each distinct pair of spec lists are scaled by each tensor's bytes."""
         have_ids = tuple(self._spec_id(spec) for spec in produced)
         want_ids = tuple(self._spec_id(spec) for spec in required)
         key = (have_ids, want_ids, price)
         lines = self._lines.get(key)
         if lines is None:
-            haves = {h: i for i, h in enumerate(dict.fromkeys(have_ids))}
-            wants = {w: j for j, w in enumerate(dict.fromkeys(want_ids))}
-            table = np.array([[self._terms(h, w, price) for w in wants] for h in haves])
-            rows = [haves[h] for h in have_ids]
-            columns = [wants[w] for w in want_ids]
-            picked = table[np.ix_(rows, columns)]
+            table = self._table(price, len(self._codes))
+            haves, wants = sorted(set(have_ids)), sorted(set(want_ids))
+            block = table[np.ix_(haves, wants)]
+            for i, j in zip(*np.nonzero(np.isnan(block[..., 0])), strict=True):
+                have, want = haves[i], wants[j]
+                codes = self._codes
+                table[have, want] = reshard_terms(codes[have], codes[want], self.cluster, price)
+            picked = table[np.ix_(have_ids, want_ids)]
             lines = self._lines[key] = (picked[..., 0], picked[..., 1])
         seconds, per_byte = lines
         return seconds + per_byte * self._bytes(meta)

@@ -104,16 +104,16 @@ def _cheapest(
     arriving = tuple(layout[source][0] for source in sources)
     cast = ir.get(node, ir.PrecisionCast)
     follows = cast is not None and cast.follows_producer
-    if follows:
-        # A mixed-precision cast takes its input as it arrives (where it can): a parameter is
-        # cast where it is stored, a partial gradient stays partial through it.
-        candidates = tuple(c for c in candidates if c.inputs == arriving) or candidates
     sizes = tuple(ir.evaluate(ir.require(s, ir.ValueMeta).tensor.nbytes) for s in sources)
     outputs = ir.require(node, ir.ValueMeta).outputs
     produced = tuple(None if meta is None else ir.evaluate(meta.nbytes) for meta in outputs)
     memo = (id(all_candidates), follows, arriving, sizes, produced)
     if memo in known:
         return known[memo]
+    if follows:
+        # A mixed-precision cast takes its input as it arrives (where it can): a parameter is
+        # cast where it is stored, a partial gradient stays partial through it.
+        candidates = tuple(c for c in candidates if c.inputs == arriving) or candidates
 
     def key(indexed: tuple[int, Strategy]) -> tuple[int, int, int, int]:
         index, strategy = indexed
