@@ -37,6 +37,7 @@ import numpy as np
 import numpy.typing as npt
 
 from fxpar.errors import FxparError
+from fxpar.sharding import Spec
 from fxpar.solvers.errors import check_memory_feasible
 from fxpar.solvers.greedy import GreedySolver
 from fxpar.solvers.problem import Edge, IntraOpProblem, IntraOpSolution, IntraOpSolver, Status
@@ -131,25 +132,28 @@ class _Restrictor:
     def __init__(self, problem: IntraOpProblem) -> None:
         self.source = problem
         ndim = len(problem.mesh_shape)
-        self.keys = [
-            [
-                tuple(
-                    tuple(None if spec is None else spec[axis] for spec in specs)
-                    for axis in range(ndim)
-                )
-                for specs in ((*s.outputs, *s.inputs) for s in strategies)
-            ]
-            for strategies in problem.strategies
-        ]
+        ids: dict[tuple[object, ...], int] = {}
+
+        def key(specs: tuple[Spec | None, ...], axis: int) -> int:
+            placements = tuple(None if spec is None else spec[axis] for spec in specs)
+            return ids.setdefault(placements, len(ids))
+
+        self.keys: list[npt.NDArray[np.intp]] = []
+        """Per node, an id per strategy and axis of its placements there (inputs and outputs)."""
+        for strategies in problem.strategies:
+            rows = [[key((*s.outputs, *s.inputs), a) for a in range(ndim)] for s in strategies]
+            self.keys.append(np.array(rows, dtype=np.intp).reshape(len(rows), ndim))
         self.edges = [np.asarray(edge.costs, dtype=np.float64) for edge in problem.edges]
 
     def agreeing(self, plan: Sequence[int], fixed: Sequence[int]) -> list[list[int]]:
         """For each node, the strategies whose placements on the ``fixed`` axes are those of
         its strategy in ``plan``."""
+        columns = list(fixed)
         allowed = []
         for keys, chosen in zip(self.keys, plan, strict=True):
-            want = [keys[chosen][axis] for axis in fixed]
-            allowed.append([s for s, key in enumerate(keys) if [key[a] for a in fixed] == want])
+            on_fixed = keys[:, columns]
+            agree = (on_fixed == on_fixed[chosen]).all(axis=1)
+            allowed.append(np.flatnonzero(agree).tolist())
         return allowed
 
     def problem(self, allowed: list[list[int]], plan: Sequence[int]) -> IntraOpProblem:

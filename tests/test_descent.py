@@ -83,7 +83,7 @@ def axis_problems(draw: st.DrawFn, *, separable: bool) -> IntraOpProblem:
     )  # fmt: skip
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(axis_problems(separable=True))
 def test_descent_is_exact_where_costs_separate_by_axis(problem: IntraOpProblem) -> None:
     found = AxisDescent(EXACT).solve(problem)
@@ -93,7 +93,7 @@ def test_descent_is_exact_where_costs_separate_by_axis(problem: IntraOpProblem) 
     assert found.solver == "axis-descent" and found.status == "feasible"
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=15, deadline=None)
 @given(axis_problems(separable=False))
 def test_descent_fits_and_never_loses_to_its_starting_plans(problem: IntraOpProblem) -> None:
     found = AxisDescent(EXACT).solve(problem)
