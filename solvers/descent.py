@@ -18,6 +18,10 @@ round every pair of axes the same way. The plan is then the best on every pair o
 the rest fixed: a local optimum, not a proven one. It is returned with status ``"feasible"``
 and its gap to :meth:`~fxpar.solvers.problem.IntraOpProblem.floor`.
 
+:class:`~fxpar.solvers.ilp.ILPSolver` runs the descent first on meshes of three or more axes:
+its plan is the answer for a problem too large for one model, and the starting plan of the
+model otherwise (docs/planning.md, "Meshes of three or more axes").
+
 Measured on Llama-3-8B, (2, 2, 2) H100, bf16, 8 x 2048 (the problem of
 ``benchmarks/alpa.py 3d-222``): the single ILP stopped at its 30 s limit with the fully sharded
 starting plan, 1.17 s per step; the descent's one-axis steps bring it to 0.434 s in 11 steps
@@ -68,10 +72,16 @@ class AxisDescent:
                 f"AxisDescent's inner solver must have solve(IntraOpProblem), got {self.inner!r}"
             )
 
+    @staticmethod
+    def splits(problem: IntraOpProblem) -> bool:
+        """Whether the descent has axes to split ``problem`` by: three or more, and the
+        strategies' placements to read them from."""
+        return len(problem.mesh_shape) >= 3 and len(problem.strategies) == problem.num_nodes
+
     def solve(self, problem: IntraOpProblem) -> IntraOpSolution:
-        ndim = len(problem.mesh_shape)
-        if ndim < 3 or len(problem.strategies) != problem.num_nodes:
+        if not self.splits(problem):
             return self.inner.solve(problem)
+        ndim = len(problem.mesh_shape)
         start = time.perf_counter()
         restrict = _Restrictor(problem)
         plan = _first_plan(problem)

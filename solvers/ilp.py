@@ -94,11 +94,15 @@ class ILPSolver:
     threads at the same time;
     ``workers`` how many LPs the branch and bound solves at the same time, each on its own
     thread (1: all on the calling thread); for a given number the plan is the same on every run;
-    ``largest``: a problem on a mesh of three or more axes whose edges hold more than this many
-    pairs of strategies is too large for one model (a Llama-3-8B step on (2, 2, 2) holds 5.8
-    million): it is solved by :class:`~fxpar.solvers.descent.AxisDescent`, two mesh axes at a
-    time, each step by this solver, a local optimum rather than a proven one (None: always one
-    model).
+    ``descent``: on a mesh of three or more axes, first run
+    :class:`~fxpar.solvers.descent.AxisDescent` (an axis or two at a time, each step by this
+    solver) and start the model from its plan: where memory binds, the relaxation of a
+    three-axis problem is weak, and the descent's plan is often better than what the model
+    finds in its time limit;
+    ``largest``: a problem on three or more axes whose edges hold more than this many pairs of
+    strategies is too large for one model (a two-layer GPT's step on (2, 2, 2) holds 1.6
+    million, Llama-3-8B's 5.8 million): the descent's plan is the answer, a local optimum rather
+    than a proven one (None: always one model).
     """
 
     name: ClassVar[str] = "ilp"
@@ -109,15 +113,18 @@ class ILPSolver:
     branching: bool = True
     threads: int | None = None
     workers: int = 2
-    largest: int | None = 2_000_000
+    descent: bool = True
+    largest: int | None = 200_000
 
     def solve(self, problem: IntraOpProblem) -> IntraOpSolution:
-        if self.largest is not None and len(problem.mesh_shape) >= 3:
-            pairs = sum(len(edge.costs) * len(edge.costs[0]) for edge in problem.edges)
-            if pairs > self.largest:
-                inner = dataclasses.replace(self, largest=None)
-                return AxisDescent(inner, time_limit=self.time_limit).solve(problem)
         start = time.perf_counter()
+        if self.descent and AxisDescent.splits(problem):
+            inner = dataclasses.replace(self, descent=False)
+            descended = AxisDescent(inner, time_limit=self.time_limit).solve(problem)
+            pairs = sum(len(edge.costs) * len(edge.costs[0]) for edge in problem.edges)
+            if self.largest is not None and pairs > self.largest:
+                return descended
+            problem = dataclasses.replace(problem, starts=(*problem.starts, descended.choice))
         check_memory_feasible(problem)
         reduced = reduce_problem(problem)
         known = problem.best_start()

@@ -1,9 +1,9 @@
 """AxisDescent: intra-op problems of meshes of three or more axes, an axis or two at a time.
 
 It is exact where the costs separate by mesh axis (against exhaustive search); otherwise it
-is never worse than its starting plans and always within memory. ILPSolver hands it only
-problems above its size bound, on meshes of three or more axes. Its plan of a GPT on a
-(2, 2, 2) mesh trains like one device."""
+is never worse than its starting plans and always within memory. ILPSolver runs it first on
+meshes of three or more axes and answers with its plan alone above its size bound. Its plan
+of a GPT on a (2, 2, 2) mesh trains like one device."""
 
 from __future__ import annotations
 
@@ -105,6 +105,10 @@ def test_descent_fits_and_never_loses_to_its_starting_plans(problem: IntraOpProb
         if problem.memory(plan) <= problem.memory_limit:
             assert found.objective <= problem.objective(plan) + 1e-9
     assert 0.0 <= found.gap <= 1.0
+    # ILPSolver runs the descent first on three axes, then proves its model from that plan.
+    solved = ILPSolver().solve(problem)
+    assert solved.solver == "ilp" and solved.status == "optimal"
+    assert solved.objective == pytest.approx(best.objective, abs=1e-9)
 
 
 def separable_problem(mesh: tuple[int, ...]) -> IntraOpProblem:
