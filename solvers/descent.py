@@ -55,7 +55,8 @@ _IMPROVEMENT = 1e-6
 
 @dataclass(frozen=True)
 class AxisDescent:
-    """Solve by descent over pairs of mesh axes (module docstring), each step by ``inner``.
+    """Solve by descent over one, then two, mesh axes at a time (module docstring), each step
+    by ``inner``.
 
     ``time_limit`` in seconds: no step starts after it has passed (a step itself runs under
     ``inner``'s own limit). A problem on fewer than three mesh axes, or without
