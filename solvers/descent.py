@@ -44,6 +44,7 @@ from fxpar.errors import FxparError
 from fxpar.sharding import Spec
 from fxpar.solvers.errors import check_memory_feasible
 from fxpar.solvers.greedy import GreedySolver
+from fxpar.solvers.ilp_model import memory_over
 from fxpar.solvers.problem import Edge, IntraOpProblem, IntraOpSolution, IntraOpSolver, Status
 
 logger = logging.getLogger(__name__)
@@ -105,7 +106,7 @@ class AxisDescent:
                 found_cost = problem.objective(found)
                 steps += 1
                 logger.debug("axes %s free: %.6g s (was %.6g s)", free, found_cost, cost)
-                if found_cost < cost * (1 - _IMPROVEMENT) and _fits(problem, found):
+                if found_cost < cost * (1 - _IMPROVEMENT) and memory_over(problem, found) <= 0:
                     plan, cost, since_better = found, found_cost, 1
                 else:
                     since_better += 1
@@ -121,16 +122,12 @@ class AxisDescent:
         )  # fmt: skip
 
 
-def _fits(problem: IntraOpProblem, choice: tuple[int, ...]) -> bool:
-    return problem.memory_limit is None or problem.memory(choice) <= problem.memory_limit
-
-
 def _first_plan(problem: IntraOpProblem) -> tuple[int, ...]:
     """The cheapest plan that fits among the starts, the greedy plan and the most frugal plan
     (which fits whenever any plan does)."""
     frugal = tuple(int(np.argmin(memory)) for memory in problem.node_memory)
     plans = [*problem.starts, GreedySolver().solve(problem).choice, frugal]
-    fitting = [plan for plan in plans if _fits(problem, plan)]
+    fitting = [plan for plan in plans if memory_over(problem, plan) <= 0]
     if not fitting:
         check_memory_feasible(problem)  # raises: not even the most frugal plan fits
     return min(fitting, key=problem.objective)

@@ -29,7 +29,6 @@
 from __future__ import annotations
 
 import fnmatch
-import math
 import operator
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping
@@ -277,7 +276,7 @@ class _Builder:
 
     def _moved(self, have: Spec, want: Spec, meta: ir.TensorMeta) -> float:
         seconds, per_byte = self._terms(self._spec_id(have), self._spec_id(want), "")
-        return seconds + per_byte * self._bytes(meta)
+        return seconds + per_byte * ir.evaluate(meta.nbytes)
 
     def _spec_id(self, spec: Spec) -> int:
         found = self._ids.get(spec)
@@ -285,9 +284,6 @@ class _Builder:
             found = self._ids[spec] = len(self._codes)
             self._codes.append(spec_code(spec))
         return found
-
-    def _bytes(self, meta: ir.TensorMeta) -> float:
-        return math.prod(ir.evaluate(s) for s in meta.shape) * meta.dtype.itemsize
 
     def _terms(self, have: int, want: int, price: Price) -> tuple[float, float]:
         """:func:`~fxpar.planning.cost.reshard_terms` of two specs by id."""
@@ -324,13 +320,11 @@ class _Builder:
             haves, wants = sorted(set(have_ids)), sorted(set(want_ids))
             block = table[np.ix_(haves, wants)]
             for i, j in zip(*np.nonzero(np.isnan(block[..., 0])), strict=True):
-                have, want = haves[i], wants[j]
-                codes = self._codes
-                table[have, want] = reshard_terms(codes[have], codes[want], self.cluster, price)
+                self._terms(haves[i], wants[j], price)
             picked = table[np.ix_(have_ids, want_ids)]
             lines = self._lines[key] = (picked[..., 0], picked[..., 1])
         seconds, per_byte = lines
-        return seconds + per_byte * self._bytes(meta)
+        return seconds + per_byte * ir.evaluate(meta.nbytes)
 
     def _compute_vector(self, node: fx.Node) -> list[float]:
         key = self._identity(node)
