@@ -20,6 +20,7 @@ problem nodes map back to graph nodes, which :class:`fxpar.Plan` reads.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
@@ -47,6 +48,8 @@ from fxpar.sharding import Sharding, Strategies, spec_str
 from fxpar.solvers.errors import NoPlanFoundError
 from fxpar.solvers.ilp import ILPSolver
 from fxpar.solvers.problem import IntraOpProblem, IntraOpSolution, IntraOpSolver
+
+logger = logging.getLogger(__name__)
 
 ManualPlan = Callable[[Program, Cluster], Program]
 """A hand-written plan: annotates every node of a Program with its strategy for a cluster."""
@@ -81,9 +84,13 @@ class SolveStrategies(Pass):
 
     def run(self, program: Program) -> Program:
         cluster = program.require_cluster(f"the {self.name!r} pass")
-        problem, layout = build_problem(program, cluster, self.options)
         if self.options.remat == "auto":
-            problem, layout = _fit_by_remat(program, cluster, self.options, problem, layout)
+            return self._remat_and_plan(program, cluster)
+        return self._plan(program, cluster, *build_problem(program, cluster, self.options))
+
+    def _plan(
+        self, program: Program, cluster: Cluster, problem: IntraOpProblem, layout: Layout
+    ) -> Program:
         # The hand-written plans start the solver, so that it never answers worse than they
         # do. Propagating them costs about as much as solving a problem of a few thousand
         # choices (a second per stage mesh of Llama-3-70B), which the solver proves optimal
@@ -91,9 +98,7 @@ class SolveStrategies(Pass):
         early = self.options.manual_starts and _choices(problem) > LAZY_STARTS
         if early:
             problem = replace(problem, starts=_starts(program, cluster, layout))
-        solver: IntraOpSolver = self.solver if self.solver is not None else ILPSolver()
-        if self.on_rank_zero:
-            solver = SolvedOnRankZero(solver)
+        solver = self._solver()
         retry = self.options.manual_starts and not early
         solution = _solve(solver, problem, retry=retry)
         if retry and (solution is None or solution.status != "optimal"):
@@ -104,6 +109,82 @@ class SolveStrategies(Pass):
         apply_solution(program, layout, solution.choice)
         program.annotate(ChosenStrategies(problem, solution, layout, self.options))
         return program
+
+    def _solver(self) -> IntraOpSolver:
+        solver: IntraOpSolver = self.solver if self.solver is not None else ILPSolver()
+        return SolvedOnRankZero(solver) if self.on_rank_zero else solver
+
+    def _remat_and_plan(self, program: Program, cluster: Cluster) -> Program:
+        """``remat="auto"``: which layers to recompute, chosen with the sharding by price.
+
+        Recomputing layers frees their activations and costs their forward again; the memory
+        it frees may let a plan with less communication fit. Layers are taken in order of the
+        activation bytes they keep (most first), so a choice is a count. The count the plan
+        needs at least is found by bisection on the most frugal plan's memory; then the
+        problem of each of at most :data:`REMAT_TRIALS` counts from there up to every layer
+        is built and solved, and the plan of least step time wins (the fewer layers on a
+        tie). Where the plan of least time without remat fits, or there is no memory limit,
+        nothing is recomputed: remat would only add work."""
+        problem, layout = build_problem(program, cluster, self.options)
+        limit = problem.memory_limit
+        by_bytes = saved_bytes_by_layer(program)
+        order = sorted(by_bytes, key=lambda layer: -by_bytes[layer])
+        if limit is None or not order:
+            return self._plan(program, cluster, problem, layout)
+        frugal_fits = problem.least_memory() <= limit
+        if frugal_fits:
+            fastest = self._solver().solve(replace(problem, memory_limit=None))
+            if problem.memory(fastest.choice) <= limit:
+                return self._plan(program, cluster, problem, layout)
+        pristine = program.copy()
+        built = {0: (program, problem, layout)}
+
+        def recomputing(count: int) -> tuple[Program, IntraOpProblem, Layout]:
+            if count not in built:
+                trial = recompute_in_backward(pristine.copy(), order[:count])
+                built[count] = (trial, *build_problem(trial, cluster, self.options))
+            return built[count]
+
+        least, high = (0, 0) if frugal_fits else (1, len(order))
+        while least < high:  # the fewest layers with which the most frugal plan fits
+            middle = (least + high) // 2
+            if recomputing(middle)[1].least_memory() <= limit:
+                high = middle
+            else:
+                least = middle + 1
+        best: tuple[float, Program] | None = None
+        for count in remat_counts(least, len(order)):
+            trial, trial_problem, trial_layout = recomputing(count)
+            if trial_problem.least_memory() > limit:
+                continue
+            planned = self._plan(trial, cluster, trial_problem, trial_layout)
+            objective = planned.require(ChosenStrategies).solution.objective
+            logger.info("remat of %d of %d layers: %.6g s per step", count, len(order), objective)
+            if best is None or objective < best[0]:
+                best = (objective, planned)
+        if best is None:  # no count fits: the solver explains with every layer recomputed
+            trial, trial_problem, trial_layout = recomputing(len(order))
+            return self._plan(trial, cluster, trial_problem, trial_layout)
+        return best[1]
+
+
+REMAT_TRIALS = 6
+"""How many remat counts ``remat="auto"`` prices with a solved plan each (the fewest layers
+that fit, a few more growing geometrically, and every layer)."""
+
+
+def remat_counts(least: int, layers: int, trials: int = REMAT_TRIALS) -> list[int]:
+    """The remat counts ``remat="auto"`` tries, from ``least`` up to ``layers``: all of them
+    when there are at most ``trials``, else ``least``, ``least`` + 1, + 2, + 4, ... and
+    ``layers``."""
+    if layers - least < trials:
+        return list(range(least, layers + 1))
+    counts = {least, layers}
+    step = 1
+    while len(counts) < trials and least + step < layers:
+        counts.add(least + step)
+        step *= 2
+    return sorted(counts)
 
 
 @dataclass(frozen=True)
@@ -147,30 +228,6 @@ class ApplyPlanFile(Pass):
         )
         program.annotate(ChosenStrategies(problem, solution, layout, options))
         return program
-
-
-def _fit_by_remat(
-    program: Program,
-    cluster: Cluster,
-    options: PlanOptions,
-    problem: IntraOpProblem,
-    layout: Layout,
-) -> tuple[IntraOpProblem, Layout]:
-    """``remat="auto"``: while even the most memory-frugal plan is over the memory limit,
-    recompute one more layer in the backward, the one keeping the most activation bytes first,
-    and build the problem again. A greedy choice outside the solver: it adds the fewest layers
-    with which some plan fits, and never trades recomputation against a slower sharding."""
-    limit = problem.memory_limit
-    if limit is None or problem.least_memory() <= limit:
-        return problem, layout
-    by_bytes = saved_bytes_by_layer(program)
-    order = sorted(by_bytes, key=lambda layer: -by_bytes[layer])
-    for count in range(1, len(order) + 1):
-        recompute_in_backward(program, order[:count])
-        problem, layout = build_problem(program, cluster, options)
-        if problem.least_memory() <= limit:
-            break
-    return problem, layout
 
 
 LAZY_STARTS = 8000

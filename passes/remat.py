@@ -23,8 +23,9 @@ copy reads the very numbers its original read and recomputation is exact.
 Policies (:attr:`fxpar.planning.problem.PlanOptions.remat`): ``"none"`` (only the model's own
 checkpoints), ``"all"`` (every numbered layer), a tuple of fnmatch patterns of layer names
 (``("blocks.*",)``, ``("transformer.h.0",)``), or ``"auto"``, which this pass treats as
-``"none"``: the ``choose-strategies`` pass adds layers only when the plan does not fit in memory
-(:mod:`fxpar.passes.choose_strategies`).
+``"none"``: the ``choose-strategies`` pass chooses the layers with the sharding, by pricing a
+few counts of recomputed layers each with its own solved plan
+(:class:`fxpar.passes.choose_strategies.SolveStrategies`).
 """
 
 from __future__ import annotations

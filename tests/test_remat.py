@@ -7,6 +7,8 @@ memory limit requires it."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from conftest import assert_matches_eager
@@ -20,6 +22,7 @@ from fxpar.errors import CaptureError, FxparError
 from fxpar.ir.program import Program
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.passes import ChosenStrategies, Rematerialize, Rematerialized, Verify, plan_program
+from fxpar.passes.choose_strategies import remat_counts
 from fxpar.planning.cost import saved_for_backward
 from fxpar.planning.problem import PlanOptions
 from fxpar.runtime.launch import spawn
@@ -248,6 +251,54 @@ def test_auto_recomputes_only_when_memory_requires_it() -> None:
     assert estimate(fitted) <= limit
     with pytest.raises(FxparError, match="no sharding plan fits"):
         planned(PlanOptions(remat="auto", memory_limit=estimate(every) / 2))
+
+
+def test_auto_trades_recomputation_for_a_faster_sharding() -> None:
+    """On two H100s with room for the most frugal plan but not for the fastest one, the old
+    greedy rule (recompute only while nothing fits) recomputed nothing and sharded the weights;
+    remat="auto" prices recomputation with the sharding and recomputes layers to keep a faster
+    plan. Its step time is the least of every subset of layers, planned one by one, and its
+    ranks compute the program."""
+    config = GPTConfig(n_layer=2, n_embd=32, n_head=2, vocab_size=64, block_size=64)
+    cluster = Cluster.preset("h100", (2,))
+
+    def planned(remat: fxpar.planning.problem.RematPolicy, limit: float | None) -> fxpar.Plan:
+        torch.manual_seed(0)
+        tokens = torch.randint(0, config.vocab_size, (8, 64))
+        program = fxpar.capture(GPT(config), (tokens,), gpt_loss, example_targets=(tokens,))
+        return plan_program(program, cluster, options=PlanOptions(remat=remat, memory_limit=limit))
+
+    def chosen(plan: fxpar.Plan) -> tuple[float, float]:
+        found = plan.program.require(ChosenStrategies)
+        return found.solution.objective, found.problem.memory(found.solution.choice)
+
+    fastest = planned("none", None)
+    frugal = fastest.program.require(ChosenStrategies).problem.least_memory()
+    limit = frugal * 1.07
+    assert chosen(fastest)[1] > limit  # the fastest plan without remat does not fit
+    greedy = planned("none", limit)  # what the greedy rule did: the most frugal plan fits
+    joint = planned("auto", limit)
+    assert joint.program.require(Rematerialized).layers
+    assert chosen(joint)[1] <= limit
+    assert chosen(joint)[0] < chosen(greedy)[0] / 5
+    layers = [f"blocks.{i}" for i in range(config.n_layer)]
+    every_subset = [
+        chosen(planned(tuple(subset) if subset else "none", limit))[0]
+        for count in range(len(layers) + 1)
+        for subset in itertools.combinations(layers, count)
+    ]
+    assert chosen(joint)[0] == pytest.approx(min(every_subset), rel=1e-9)
+    torch.manual_seed(0)
+    tokens = torch.randint(0, config.vocab_size, (8, 64))
+    assert_equivalent(fxpar.lower(joint), joint.program.flat_inputs(GPT(config), tokens, tokens))
+
+
+def test_remat_counts_run_from_the_fewest_to_every_layer() -> None:
+    assert remat_counts(1, 4) == [1, 2, 3, 4]
+    assert remat_counts(0, 32) == [0, 1, 2, 4, 8, 32]
+    assert remat_counts(30, 32) == [30, 31, 32]
+    assert remat_counts(32, 32) == [32]
+    assert len(remat_counts(3, 96, trials=4)) == 4
 
 
 def test_bad_remat_values_are_refused() -> None:

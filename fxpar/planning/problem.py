@@ -96,9 +96,10 @@ class PlanOptions:
 
     ``remat`` chooses the numbered layers whose activations the backward recomputes instead of
     keeping (:mod:`fxpar.passes.remat`): ``"none"``, ``"all"``, a tuple of layer name patterns,
-    or ``"auto"``: none, unless no plan fits in memory, and then the fewest layers, most
-    activation bytes first, with which one does. Calls of ``torch.utils.checkpoint`` in the
-    model are recomputed under every policy.
+    or ``"auto"``: chosen with the sharding by price, by solving the problem for a few counts
+    of layers (most activation bytes first), from the fewest with which some plan fits to all
+    (:class:`fxpar.passes.SolveStrategies`); none where the fastest plan fits without remat.
+    Calls of ``torch.utils.checkpoint`` in the model are recomputed under every policy.
 
     ``gradient_share`` is the part of each gradient's synchronisation (its conversion into its
     parameter's layout: a data-parallel all-reduce, a fully sharded reduce-scatter) that one run
