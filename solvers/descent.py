@@ -13,10 +13,10 @@ plan and the most memory-frugal plan. Each step frees some mesh axes: every node
 current placements on the other axes and the inner solver chooses among the strategies that
 agree with them (the *restricted problem*). The current plan is one of them, so no step makes
 the plan worse. Steps free one axis at a time, round the axes until a whole round improves
-nothing (problems of a one-axis mesh's size, solved in a fraction of a second), then two,
-round every pair of axes the same way. The plan is then the best on every pair of axes with
-the rest fixed: a local optimum, not a proven one. It is returned with status ``"feasible"``
-and its gap to :meth:`~fxpar.solvers.problem.IntraOpProblem.floor`.
+nothing (problems of a one-axis mesh's size, solved in a fraction of a second), then two, each
+pair of axes once. The plan is then a local optimum of the one-axis steps, improved on every
+pair of axes: not a proven optimum. It is returned with status
+``"feasible"`` and its gap to :meth:`~fxpar.solvers.problem.IntraOpProblem.floor`.
 
 :class:`~fxpar.solvers.ilp.ILPSolver` runs the descent first on meshes of three or more axes:
 its plan is the answer for a problem too large for one model, and the starting plan of the
@@ -93,7 +93,11 @@ class AxisDescent:
         for size in (1, 2):
             groups = list(itertools.combinations(range(ndim), size))
             since_better = 0
-            for free in itertools.cycle(groups):
+            # One axis at a time: round the axes until a whole round improves nothing. Pairs
+            # of axes: one round (a pair's step costs several one-axis steps, and a second
+            # round moved 3d-248's plan by 0.1% for 40% more time).
+            rounds = itertools.cycle(groups) if size == 1 else iter(groups)
+            for free in rounds:
                 if since_better == len(groups):
                     break
                 if time.perf_counter() - start > self.time_limit:

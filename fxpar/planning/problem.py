@@ -592,32 +592,46 @@ def apply_solution(program: Program, layout: Layout, choice: tuple[int, ...]) ->
     return program
 
 
+def _holds(node: fx.Node, strategy: Strategy) -> bool:
+    """Whether ``node``'s Sharding annotation is ``strategy``."""
+    sharding = ir.get(node, Sharding)
+    return sharding is not None and (sharding.strategy is strategy or sharding.strategy == strategy)
+
+
 def assignment_of(program: Program, layout: Layout) -> tuple[int, ...] | None:
     """The problem choice matching the Sharding annotations of ``program`` (for comparing a
     manual plan under the same cost model), or None if some unit's annotations are not one of
     its choices."""
     choice: dict[int, int] = {}
-    # Where each strategy sits among a node's candidates (identical nodes share the tuple).
-    where: dict[int, dict[Strategy, list[int]]] = {}
+    # Where each strategy sits among a node's candidates (identical nodes share the tuple),
+    # by identity first: plans annotate the candidates themselves, and comparing or hashing
+    # a strategy's torch placements is slow.
+    where: dict[int, dict[int, list[int]]] = {}
+    equal: dict[tuple[int, int], set[int]] = {}
     for u, unit in enumerate(layout.units):
         sharding = ir.get(unit.root, Sharding)
         if sharding is None:
             return None
         options_of = candidates(unit.root)
         if id(options_of) not in where:
-            found: dict[Strategy, list[int]] = defaultdict(list)
+            by_id: dict[int, list[int]] = defaultdict(list)
             for index, strategy in enumerate(options_of):
-                found[strategy].append(index)
-            where[id(options_of)] = found
-        at = set(where[id(options_of)].get(sharding.strategy, ()))
-        options = [i for i, c in enumerate(unit.allowed) if c in at]
+                by_id[id(strategy)].append(index)
+            where[id(options_of)] = by_id
+        found = where[id(options_of)].get(id(sharding.strategy))
+        key = (id(options_of), found[0] if found else -1)
+        if found is None or key not in equal:
+            # Every candidate equal to the annotated strategy (a rule may list one twice).
+            equal[key] = {i for i, c in enumerate(options_of) if c == sharding.strategy}
+        at = equal[key] if found is not None else equal.pop(key)
+        if len(unit.allowed) == len(options_of):  # every candidate allowed, in order
+            options = sorted(at)
+        else:
+            options = [i for i, c in enumerate(unit.allowed) if c in at]
         options = [
             i
             for i in options
-            if all(
-                ir.get(m, Sharding) == Sharding(candidates(m)[unit.follow[m][i]])
-                for m in unit.members
-            )
+            if all(_holds(m, candidates(m)[unit.follow[m][i]]) for m in unit.members)
         ]
         if not options:
             return None

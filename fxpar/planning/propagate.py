@@ -22,11 +22,12 @@ from __future__ import annotations
 import fnmatch
 import functools
 import operator
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor import Placement, Replicate, Shard
 
 from fxpar import ir
 from fxpar.cluster import Cluster
@@ -34,7 +35,7 @@ from fxpar.errors import FxparError
 from fxpar.ir.program import Program
 from fxpar.rules.registry import tensor_inputs
 from fxpar.sharding import Sharding, Spec, Strategies, Strategy, is_valid, replicated, spec_str
-from fxpar.sharding.reshard import reshard_steps
+from fxpar.sharding.reshard import PARTIAL, Code, coded_steps, spec_code
 
 SpecChooser = Callable[[str, ir.TensorMeta], Spec]
 aten = torch.ops.aten
@@ -61,6 +62,7 @@ def propagate(program: Program, cluster: Cluster, placeholder_spec: SpecChooser)
     layout: dict[fx.Node, tuple[Spec | None, ...]] = {}
     steps = functools.lru_cache(maxsize=None)(functools.partial(_steps, mesh=mesh))
     known: dict[tuple[object, ...], Strategy] = {}
+    code = _Coder()
     for node in program.graph.nodes:
         if node.op == "placeholder":
             meta = ir.require(node, ir.ValueMeta).tensor
@@ -79,29 +81,73 @@ def propagate(program: Program, cluster: Cluster, placeholder_spec: SpecChooser)
         elif node.target is operator.getitem:
             layout[node] = (layout[node.args[0]][node.args[1]],)
         elif ir.get(node, Strategies) is not None:
-            strategy = _cheapest(node, layout, steps, known)
+            strategy = _cheapest(node, layout, steps, known, code)
             ir.annotate(node, Sharding(strategy))
             layout[node] = strategy.outputs
     return program
 
 
-def _steps(have: Spec, want: Spec, mesh: tuple[int, ...]) -> tuple[tuple[str, bool], ...]:
-    """(kind, is a collective) of each step of resharding ``have`` to ``want``."""
-    return tuple((step.kind, step.is_collective) for step in reshard_steps(have, want, mesh))
+def _steps(have: Code, want: Code, mesh: tuple[int, ...]) -> tuple[tuple[str, bool], ...]:
+    """(kind, is a collective) of each step of resharding ``have`` to ``want`` (spec codes)."""
+    return tuple((step.kind, step.is_collective) for step in coded_steps(have, want, mesh))
+
+
+_Coded = tuple[tuple[Code, ...], list[bool]]
+"""A candidate's input codes, and whether each of its outputs is partial."""
+
+
+class _Coder:
+    """Spec codes (:func:`fxpar.sharding.reshard.spec_code`) remembered by the spec's identity:
+    the specs of a step are a few shared objects met many times, and hashing their torch
+    placements is what made propagating a three-axis Llama slow."""
+
+    def __init__(self) -> None:
+        self._codes: dict[int, tuple[Spec, Code]] = {}  # the spec is kept, so its id stays its
+
+    def __call__(self, spec: Spec) -> Code:
+        found = self._codes.get(id(spec))
+        if found is None:
+            found = self._codes[id(spec)] = (spec, spec_code(spec))
+        return found[1]
+
+
+_CODED: OrderedDict[int, tuple[tuple[Strategy, ...], list[_Coded]]] = OrderedDict()
+"""The last :data:`_CODED_KEPT` tuples of candidates coded, by identity (each kept, so that its
+id stays its own): identical ops share one tuple, and the hand-written plans propagate over the
+same candidates one after another."""
+_CODED_KEPT = 4096
+
+
+def _coded(candidates: tuple[Strategy, ...]) -> list[_Coded]:
+    """Each candidate's input codes and whether each of its outputs is partial."""
+    found = _CODED.get(id(candidates))
+    if found is None:
+        code = _Coder()
+        coded = [
+            (tuple(map(code, c.inputs)), [s is not None and PARTIAL in code(s) for s in c.outputs])
+            for c in candidates
+        ]
+        found = _CODED[id(candidates)] = (candidates, coded)
+        if len(_CODED) > _CODED_KEPT:
+            _CODED.popitem(last=False)
+    else:
+        _CODED.move_to_end(id(candidates))
+    return found[1]
 
 
 def _cheapest(
     node: fx.Node,
     layout: Mapping[fx.Node, tuple[Spec | None, ...]],
-    steps: Callable[[Spec, Spec], tuple[tuple[str, bool], ...]],
+    steps: Callable[[Code, Code], tuple[tuple[str, bool], ...]],
     known: dict[tuple[object, ...], Strategy],
+    code: _Coder,
 ) -> Strategy:
     """The first candidate of ``node`` with the least (bytes gathered, partial bytes left,
     collectives) for the layouts its inputs arrive in. ``known`` remembers the answer for each
     (candidates, arriving specs, sizes): identical repeated layers are worked out once."""
-    all_candidates = candidates = ir.require(node, Strategies).candidates
+    all_candidates = ir.require(node, Strategies).candidates
     sources = tensor_inputs(node)
-    arriving = tuple(layout[source][0] for source in sources)
+    arriving = tuple(code(layout[source][0]) for source in sources)  # type: ignore[arg-type]
     cast = ir.get(node, ir.PrecisionCast)
     follows = cast is not None and cast.follows_producer
     sizes = tuple(ir.evaluate(ir.require(s, ir.ValueMeta).tensor.nbytes) for s in sources)
@@ -110,33 +156,30 @@ def _cheapest(
     memo = (id(all_candidates), follows, arriving, sizes, produced)
     if memo in known:
         return known[memo]
+    coded = _coded(all_candidates)
+    indices: Sequence[int] = range(len(all_candidates))
     if follows:
         # A mixed-precision cast takes its input as it arrives (where it can): a parameter is
         # cast where it is stored, a partial gradient stays partial through it.
-        candidates = tuple(c for c in candidates if c.inputs == arriving) or candidates
+        indices = [i for i in indices if coded[i][0] == arriving] or indices
 
-    def key(indexed: tuple[int, Strategy]) -> tuple[int, int, int, int]:
-        index, strategy = indexed
+    def key(index: int) -> tuple[int, int, int, int]:
+        inputs, partial = coded[index]
         moved = pending = collectives = 0
-        for current, required, nbytes in zip(arriving, strategy.inputs, sizes, strict=True):
-            assert current is not None
+        for current, required, nbytes in zip(arriving, inputs, sizes, strict=True):
             for kind, is_collective in steps(current, required):
                 collectives += is_collective
                 if kind in ("all_gather", "all_to_all"):
                     moved += nbytes
                 elif kind in ("all_reduce", "reduce_scatter", "to_partial"):
                     pending += nbytes
-        for spec, output_bytes in zip(strategy.outputs, produced, strict=True):
-            if spec is not None and output_bytes is not None and _partial(spec):
+        for is_partial, output_bytes in zip(partial, produced, strict=True):
+            if is_partial and output_bytes is not None:
                 pending += output_bytes
         return (moved, pending, collectives, index)
 
-    known[memo] = min(enumerate(candidates), key=key)[1]
+    known[memo] = all_candidates[min(indices, key=key)]
     return known[memo]
-
-
-def _partial(spec: Spec) -> bool:
-    return any(isinstance(p, Partial) for p in spec)
 
 
 def batch_spec(cluster: Cluster, axes: Sequence[int], random: Sequence[str]) -> SpecChooser:

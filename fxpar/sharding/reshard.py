@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from fxpar.sharding import Spec
 
@@ -77,10 +77,22 @@ Code = tuple[int, ...]
 
 def spec_code(spec: Spec) -> Code:
     """The code of ``spec``: its placements as ints."""
-    return tuple(
-        p.dim if isinstance(p, Shard) else PARTIAL if isinstance(p, Partial) else REPLICATE
-        for p in spec
-    )
+    return tuple(map(_placement_code, spec))
+
+
+def _placement_code(placement: Placement) -> int:
+    # By exact type first: isinstance on torch's placements goes through a slow metaclass
+    # check, and the planner codes hundreds of thousands of specs.
+    kind = type(placement)
+    if kind is Replicate:
+        return REPLICATE
+    if kind is Shard:
+        return placement.dim  # type: ignore[attr-defined]
+    if kind is Partial:
+        return PARTIAL
+    if isinstance(placement, Shard):
+        return placement.dim
+    return PARTIAL if isinstance(placement, Partial) else REPLICATE
 
 
 def reshard_steps(src: Spec, dst: Spec, mesh_shape: Sequence[int]) -> list[ReshardStep]:
