@@ -25,7 +25,7 @@ model otherwise (docs/planning.md, "Meshes of three or more axes").
 Measured on Llama-3-8B, (2, 2, 2) H100, bf16, 8 x 2048 (the problem of
 ``benchmarks/alpa.py 3d-222``): the single ILP stopped at its 30 s limit with the fully sharded
 starting plan, 1.17 s per step; the descent's one-axis steps bring it to 0.434 s in 11 steps
-of about half a second, and its two-axis steps to 0.430 s in 5 more of 2-3 s.
+of 0.2-0.4 s, and its round of two-axis steps to 0.430 s in 3 more of 1.5-2.5 s.
 """
 
 from __future__ import annotations
