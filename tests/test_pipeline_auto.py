@@ -376,6 +376,20 @@ def test_layout_summary_names_what_each_axis_splits(manual, mesh, summary) -> No
     assert plan_program(program, Cluster((1,))).layout_summary() == "one device"
 
 
+def test_layout_summary_reads_past_a_batch_user_with_several_outputs() -> None:
+    """A CNN's images are read by the convolution's backward, which returns three tensors: with
+    the images whole (a tensor-parallel plan) the summary used to raise AnnotationError there."""
+    import torch.nn.functional as F
+    from zoo import CNN
+
+    images, labels = torch.randn(8, 3, 8, 8), torch.randint(0, 10, (8,))
+    program = fxpar.capture(CNN(), (images,), F.cross_entropy, example_targets=(labels,))
+    planned = plan_program(program.copy(), Cluster((2,)), manual=plans.tensor_parallel)
+    assert planned.layout_summary() == "axis0 (2): replicated"
+    planned = plan_program(program, Cluster((2,)), manual=plans.data_parallel)
+    assert planned.layout_summary() == "axis0 (2): data parallel"
+
+
 def test_layout_summary_counts_a_batch_read_whole_and_split_where_used() -> None:
     """Token ids read whole by every device of an axis (they are small) and split by rows at
     the embedding are still data parallelism over that axis (each device computes its rows),

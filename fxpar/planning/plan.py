@@ -186,8 +186,8 @@ def _batch_split_on(node: fx.Node, axis: int) -> bool:
     for user in node.users:
         sharding = ir.get(user, Sharding)
         value = ir.get(user, ir.ValueMeta)
-        if sharding is None or value is None or value.tensor is None:
-            continue
+        if sharding is None or value is None or value.multiple or len(value.outputs) != 1:
+            continue  # a user with several outputs (a convolution backward) tells nothing here
         spec = sharding.strategy.outputs[0]
         if spec is not None and spec[axis] == Shard(0):
             return True
