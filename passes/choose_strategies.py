@@ -106,6 +106,11 @@ class SolveStrategies(Pass):
             if solution is None or problem.starts:
                 solution = solver.solve(problem)
         assert solution is not None
+        return self._chosen(program, problem, layout, solution)
+
+    def _chosen(
+        self, program: Program, problem: IntraOpProblem, layout: Layout, solution: IntraOpSolution
+    ) -> Program:
         apply_solution(program, layout, solution.choice)
         program.annotate(ChosenStrategies(problem, solution, layout, self.options))
         return program
@@ -135,6 +140,8 @@ class SolveStrategies(Pass):
         if frugal_fits:
             fastest = self._solver().solve(replace(problem, memory_limit=None))
             if problem.memory(fastest.choice) <= limit:
+                if fastest.status == "optimal":  # optimal without the limit, so with it too
+                    return self._chosen(program, problem, layout, fastest)
                 return self._plan(program, cluster, problem, layout)
         pristine = program.copy()
         built = {0: (program, problem, layout)}

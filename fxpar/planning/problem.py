@@ -618,12 +618,15 @@ def assignment_of(program: Program, layout: Layout) -> tuple[int, ...] | None:
             for index, strategy in enumerate(options_of):
                 by_id[id(strategy)].append(index)
             where[id(options_of)] = by_id
+        # Every candidate equal to the annotated strategy (a rule may list one twice).
         found = where[id(options_of)].get(id(sharding.strategy))
-        key = (id(options_of), found[0] if found else -1)
-        if found is None or key not in equal:
-            # Every candidate equal to the annotated strategy (a rule may list one twice).
-            equal[key] = {i for i, c in enumerate(options_of) if c == sharding.strategy}
-        at = equal[key] if found is not None else equal.pop(key)
+        if found is None:  # an equal strategy, not one of the candidates themselves
+            at = {i for i, c in enumerate(options_of) if c == sharding.strategy}
+        else:
+            key = (id(options_of), found[0])
+            if key not in equal:
+                equal[key] = {i for i, c in enumerate(options_of) if c == sharding.strategy}
+            at = equal[key]
         if len(unit.allowed) == len(options_of):  # every candidate allowed, in order
             options = sorted(at)
         else:
