@@ -122,11 +122,9 @@ def _coded(candidates: tuple[Strategy, ...]) -> list[_Coded]:
     """Each candidate's input codes and whether each of its outputs is partial."""
     found = _CODED.get(id(candidates))
     if found is None:
+        code = _Coder()  # the candidates of one op share spec objects among themselves
         coded = [
-            (
-                tuple(map(spec_code, c.inputs)),
-                [s is not None and PARTIAL in spec_code(s) for s in c.outputs],
-            )
+            (tuple(map(code, c.inputs)), [s is not None and PARTIAL in code(s) for s in c.outputs])
             for c in candidates
         ]
         found = _CODED[id(candidates)] = (candidates, coded)
