@@ -144,14 +144,27 @@ def test_a_failing_process_is_reported_in_the_parent_with_its_rank_and_error() -
     assert "ValueError: rank 1 fails on purpose" in message
 
 
-def _abort_while_tearing_down(rank: int, world_size: int, when: str) -> int:
+class _SlowToSave:
+    """A return value whose saving takes a while; it loads back as ``value``."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __reduce__(self) -> tuple[type[int], tuple[int]]:
+        time.sleep(0.5)
+        return int, (self.value,)
+
+
+def _abort_while_tearing_down(rank: int, world_size: int, when: str) -> object:
     """Rank 1 dies by SIGABRT: while the run is still going, or once it has finished (in
-    destroy_process_group, where gloo's rare teardown aborts strike)."""
+    destroy_process_group, where gloo's rare teardown aborts strike). Rank 0's result is slow
+    to save, so a spawn that saved results after its closing barrier would lose it."""
     if rank == 1 and when == "during":
         os.abort()
     if rank == 1:
         dist.destroy_process_group = lambda *args, **kwargs: os.abort()
-    return rank * 10
+        return 10
+    return _SlowToSave(0)
 
 
 def test_an_abort_after_every_rank_finished_loses_no_result() -> None:

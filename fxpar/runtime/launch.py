@@ -133,9 +133,9 @@ def spawn(
         except ProcessException as error:
             if not _all_saved(result_dir, world_size):
                 raise _spawn_error(error, result_dir, world_size, timeout_s) from error
-            # Every rank returned, passed the closing barrier and saved its result: a process
-            # that then dies on its way out (gloo's worker threads at teardown, rarely, abort
-            # with "terminate called without an active exception") lost nothing.
+            # Every rank returned and saved its result: a process that then dies on its way
+            # out (gloo's worker threads at teardown, rarely, abort with "terminate called
+            # without an active exception") lost nothing.
             logger.warning("a process died after the run had finished on every rank: %s", error)
         # weights_only=False: these files were just written by our own children and may hold
         # any picklable return value, not only tensors.
@@ -217,25 +217,30 @@ def _run_process(
     dist.init_process_group(
         "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s)
     )
+    # The closing barrier runs on a group of its own, so that it never pairs with a collective
+    # inside fn: a rank that returned early cannot let a peer's extra collective complete.
+    closing = dist.new_group(backend="gloo")
     try:
         try:
             result = fn(rank, world_size, *args)
+            # Saved before the closing barrier, so that once any rank has passed it every
+            # result is on disk, whichever process dies on its way out. The file also tells
+            # the parent that this rank returned.
+            saving = _result_path(result_dir, rank).with_suffix(".partial")
+            torch.save(result, saving)
+            saving.replace(_result_path(result_dir, rank))  # whole, or not there at all
         except Exception:
             _record_failure(result_dir, rank, _IN_FN)
             raise
-        # Lets the parent tell a rank that waits for its peers here from one still inside fn.
-        _returned_path(result_dir, rank).write_text(f"{time.monotonic_ns()}")
         try:
             # No rank tears the group down while a peer still has gloo traffic in flight with
             # it (seen as rare "terminate called without an active exception" aborts at exit).
             # Only on success: after a failure the parent terminates the others anyway.
-            dist.barrier()
+            dist.barrier(group=closing)
         except Exception:
             _record_failure(result_dir, rank, _IN_BARRIER)
             raise
-        saving = _result_path(result_dir, rank).with_suffix(".partial")
-        torch.save(result, saving)
-        saving.replace(_result_path(result_dir, rank))  # whole, or not there at all
+        _passed_path(result_dir, rank).touch()
     finally:
         dist.destroy_process_group()
 
@@ -324,7 +329,7 @@ def _spawn_error(
             for f in later
         )
     timed_out = tuple(sorted(f.rank for f in failures if f.timed_out))
-    returned = [r for r in range(world_size) if _returned_path(result_dir, r).exists()]
+    returned = [r for r in range(world_size) if _result_path(result_dir, r).exists()]
     if timed_out or (failures and failures[0].in_collective and returned):
         message += "\n" + _collectives_summary(
             failures, returned, result_dir, world_size, timeout_s
@@ -361,7 +366,7 @@ def _collectives_summary(
             state = "raised inside fn"
         groups.setdefault(state, []).append(failure.rank)
     failed = {failure.rank for failure in failures}
-    passed = [r for r in returned if r not in failed and _result_path(result_dir, r).exists()]
+    passed = [r for r in returned if r not in failed and _passed_path(result_dir, r).exists()]
     if passed:
         groups["returned and passed the closing barrier"] = passed
     waiting = [r for r in returned if r not in failed and r not in passed]
@@ -391,8 +396,8 @@ def _error_path(result_dir: str, rank: int) -> Path:
     return Path(result_dir) / f"rank{rank}.error"
 
 
-def _returned_path(result_dir: str, rank: int) -> Path:
-    return Path(result_dir) / f"rank{rank}.returned"
+def _passed_path(result_dir: str, rank: int) -> Path:
+    return Path(result_dir) / f"rank{rank}.passed"
 
 
 def _result_path(result_dir: str, rank: int) -> Path:
