@@ -22,7 +22,9 @@ from fxpar.passes.default import (
     load_plan,
     passes_for,
     plan_program,
+    plans_folded,
     prepare_for_planning,
+    replaying,
     sharing_gradients,
 )
 from fxpar.passes.remat import Rematerialize, Rematerialized
@@ -52,6 +54,8 @@ __all__ = [
     "node_cost",
     "passes_for",
     "plan_program",
+    "plans_folded",
     "prepare_for_planning",
+    "replaying",
     "sharing_gradients",
 ]

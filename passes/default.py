@@ -48,7 +48,7 @@ from fxpar.planning.plan_file import saved_cluster
 from fxpar.planning.problem import PlanOptions
 from fxpar.rules import RuleRegistry
 from fxpar.sharding import Spec
-from fxpar.solvers.problem import IntraOpSolver
+from fxpar.solvers.problem import IntraOpProblem, IntraOpSolution, IntraOpSolver
 
 
 def default_passes(
@@ -188,6 +188,58 @@ def sharing_gradients(passes: PassManager, share: float) -> PassManager:
     return passes.replace("choose-strategies", replace(choose, options=options))
 
 
+def plans_folded(passes: PassManager) -> bool:
+    """Whether ``passes`` choose the same plan for a stamped step and for the step folded to
+    its distinct layers (:mod:`fxpar.ir.fold`): the choice is a solver's on the problem with
+    repeated layers merged, which folding keeps, with nothing that tells one layer from
+    another (no pins, which may name a layer; no ``remat="auto"``, which picks layers)."""
+    choose = passes.get("choose-strategies")
+    if not isinstance(choose, SolveStrategies):
+        return False
+    options = choose.options
+    return options.dedup_layers and not options.pins and options.remat != "auto"
+
+
+def replaying(passes: PassManager, plan: Plan) -> PassManager:
+    """``passes`` with the choice taken from ``plan`` instead of solved, for a program whose
+    problem is ``plan``'s up to the order of its sums (the step that ``plan``'s program was
+    folded from): problem nodes are matched by name and strategy, and a node that does not
+    match raises :class:`~fxpar.errors.FxparError`."""
+    choose = passes.get("choose-strategies")
+    assert isinstance(choose, SolveStrategies), "replaying needs a solver's choice"
+    options = replace(choose.options, manual_starts=False)
+    replay = replace(choose, solver=_Replay(plan.problem, plan.solution), options=options)
+    return passes.replace("choose-strategies", replay)
+
+
+class _Replay:
+    """A solver that answers with the choice made for another problem with the same nodes."""
+
+    name = "replay"
+
+    def __init__(self, problem: IntraOpProblem, solution: IntraOpSolution) -> None:
+        self.solution = solution
+        self.chosen = {
+            name: strategies[index]
+            for name, strategies, index in zip(
+                problem.names, problem.strategies, solution.choice, strict=True
+            )
+        }
+
+    def solve(self, problem: IntraOpProblem) -> IntraOpSolution:
+        choice = []
+        for name, strategies in zip(problem.names, problem.strategies, strict=True):
+            wanted = self.chosen.get(name)
+            if wanted is None or wanted not in strategies:
+                why = "is not in the plan" if wanted is None else "cannot take its planned strategy"
+                raise FxparError(f"cannot replay a plan on this program: its node {name!r} {why}")
+            choice.append(strategies.index(wanted))
+        solved = self.solution
+        return IntraOpSolution(
+            tuple(choice), problem.objective(choice), solved.status, solved.gap, solved.solver, 0.0
+        )
+
+
 def plan_program(
     program: Program,
     cluster: Cluster,
@@ -236,5 +288,8 @@ __all__ = [
     "load_plan",
     "passes_for",
     "plan_program",
+    "plans_folded",
     "prepare_for_planning",
+    "replaying",
+    "sharing_gradients",
 ]

@@ -540,9 +540,12 @@ def _cost_model(
     if microbatch and isinstance(stage_planner, PassPlanner):
         # One micro-batch's program: its gradients are synchronised once per M of them.
         stage_planner = stage_planner.per_microbatch(pipeline.microbatches)
+    # A stamped step is planned folded where the plan is the same (fxpar.ir.fold); a
+    # pipeline then runs the step replayed with the folded plan's choice (_KeptPlans.running).
+    folds = isinstance(stage_planner, PassPlanner) and stage_planner.plans_folded()
     return PlannedStageCostModel(
         atoms, cluster, pipeline, optimizer_states, _KeptPlans(stage_planner),
-        microbatch=microbatch,
+        microbatch=microbatch, folds=folds,
     )  # fmt: skip
 
 
@@ -563,18 +566,34 @@ class _KeptPlans:
     def __init__(self, planner: StagePlanner) -> None:
         self.planner = planner
         self.plans: dict[Shape, Plan] = {}
+        self._running: dict[Shape, Plan] = {}
 
     def __call__(self, program: Program, mesh: Cluster) -> Plan:
         plan = self.planner(program.copy(), mesh)
         self.plans[mesh.mesh_shape] = plan
         return plan
 
+    def running(self, shape: Shape, model: PlannedStageCostModel) -> Plan:
+        """The plan of the step that a pipeline on stage meshes of ``shape`` runs: the plan
+        priced, or where the step was planned folded, the step planned with its choice."""
+        plan = self.plans[shape]
+        if model.folded is None:
+            return plan
+        if shape not in self._running:  # made once for every setting that chooses the mesh
+            assert isinstance(self.planner, PassPlanner)
+            replay = self.planner.replaying(plan)
+            mesh = plan.program.require_cluster("a stage plan")
+            self._running[shape] = replay(model.atoms.program.copy(), mesh)
+        return self._running[shape]
+
 
 def _with_plans(choice: StageChoice, model: StageCostModel, meshes: Sequence[Shape]) -> StageChoice:
     """``choice`` carrying the plan each of its stage meshes was priced under."""
     assert isinstance(model, PlannedStageCostModel) and isinstance(model.planner, _KeptPlans)
-    kept = model.planner.plans
-    return dataclasses.replace(choice, plans={shape: kept[shape] for shape in set(meshes)})
+    kept = model.planner
+    return dataclasses.replace(
+        choice, plans={shape: kept.running(shape, model) for shape in set(meshes)}
+    )
 
 
 def _with_stage_meshes(

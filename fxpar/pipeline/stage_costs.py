@@ -69,14 +69,15 @@ import copy
 import dataclasses
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch.fx as fx
 
 from fxpar import ir
 from fxpar.cluster import Cluster
+from fxpar.ir.fold import fold
 from fxpar.ir.program import Program
 from fxpar.pipeline.atoms import Atoms, crossings, output_bytes, region
 from fxpar.pipeline.options import Pipeline, PipelineError
@@ -86,6 +87,7 @@ from fxpar.planning.cost import (
     saved_for_backward,
     value_bytes,
 )
+from fxpar.planning.grouping import BUCKET_BYTES, Bucketed, cut_buckets
 from fxpar.planning.report import price_schedule
 from fxpar.solvers.errors import InfeasiblePlanError, format_bytes
 from fxpar.solvers.stages import StageCost
@@ -94,6 +96,7 @@ if TYPE_CHECKING:
     from fxpar.planning.plan import Plan
 
 Shape = tuple[int, ...]
+_V = TypeVar("_V")
 
 logger = logging.getLogger(__name__)
 
@@ -314,9 +317,11 @@ class PlannedStageCostModel(StageCostModel):
         planner: StagePlanner,
         *,
         microbatch: bool = False,
+        folds: bool = False,
     ) -> None:
         super().__init__(atoms, cluster, pipeline, optimizer_states, microbatch=microbatch)
         self.planner = planner
+        self.folded = fold(atoms.program) if folds else None
         self._plans: dict[Shape, PlannedStep] = {}
         self._collectives: dict[tuple[Shape, int], tuple[float, float]] = {}
 
@@ -331,8 +336,11 @@ class PlannedStageCostModel(StageCostModel):
     def _plan(self, shape: Shape) -> PlannedStep:
         mesh = self.cluster.submesh(shape)
         program = self.atoms.program
+        # A stamped step is planned folded (fxpar.ir.fold): the same problem, a fraction of
+        # the nodes; each node of the step is then priced as the node it is a copy of.
+        planned = program if self.folded is None else self.folded.program
         try:
-            plan = self.planner(program, mesh)
+            plan = self.planner(planned, mesh)
         except InfeasiblePlanError as error:
             # The whole step does not fit this mesh at its share of the cluster's memory, but
             # a stage holds only its own layers: price the mesh by its most frugal plan (with
@@ -342,9 +350,8 @@ class PlannedStageCostModel(StageCostModel):
                 shape, format_bytes(error.least_memory),
             )  # fmt: skip
             room = dataclasses.replace(mesh, memory=error.least_memory * FRUGAL_ROOM)
-            plan = self.planner(program, room)
+            plan = self.planner(planned, room)
         found = price_schedule(plan.program, mesh)
-        by_name = {node.name: node for node in program.graph.nodes}
         compute = {node.name: seconds for node, seconds in found.compute.items()}
         values: dict[str, int] = {}
         for node, specs in found.specs.items():
@@ -354,12 +361,32 @@ class PlannedStageCostModel(StageCostModel):
             values[node.name] = value_bytes(value, specs, mesh)
         comm: dict[str, float] = {}
         sync: dict[str, float] = {}
+        # A bucket's collectives are shared by its gradients by their bytes, so that a stage
+        # pays for the gradients it holds. A folded step's buckets are cut again as the
+        # step's own gradients would be.
+        leaving = found.schedule.leaving.buckets
+        buckets: Sequence[Sequence[Bucketed]] = [bucket.members for bucket in leaving]
+        if self.folded is not None:
+            buckets = _unfolded_buckets(buckets, self.folded.origin, program)
+        for members in buckets:
+            seconds = _bucket_seconds(members, mesh)
+            total = sum(member.nbytes for member in members)
+            for member in members:
+                share = member.nbytes / total if total else 1 / len(members)
+                sync[member.source.name] = sync.get(member.source.name, 0.0) + seconds * share
+        bucketed = {id(record) for bucket in leaving for record in bucket.records}
         for record, seconds in zip(found.records, found.record_seconds, strict=True):
+            if id(record) in bucketed:
+                continue
             if record.phase is ir.Phase.OUTPUT:
                 sync[record.tensor] = sync.get(record.tensor, 0.0) + seconds
             else:
                 comm[record.consumer] = comm.get(record.consumer, 0.0) + seconds
-        local = {node: values.get(node.name, 0) for node in by_name.values()}
+        if self.folded is not None:
+            origin = self.folded.origin
+            compute, comm = _unfolded(compute, origin), _unfolded(comm, origin)
+            values = _unfolded(values, origin)
+        local = {node: values.get(node.name, 0) for node in program.graph.nodes}
         forward, backward, _ = crossings(
             program, self.atoms.atom_of, self.atoms.count, lambda n: local[n]
         )
@@ -401,6 +428,43 @@ class PlannedStageCostModel(StageCostModel):
                 sum(step.comm.get(name, 0.0) for name in names),
             )
         return found
+
+
+def _unfolded_buckets(
+    buckets: Sequence[Sequence[Bucketed]], origin: Mapping[str, str], program: Program
+) -> list[list[Bucketed]]:
+    """The gradient buckets of ``program``, from those of the step it was folded to: every
+    result of ``program`` travels as its folded twin does, in buckets cut anew."""
+    twins = {member.source.name: member for members in buckets for member in members}
+    output = program.graph.output_node()
+    results = output.args[0]
+    assert isinstance(results, (tuple, list))
+    members = [
+        dataclasses.replace(twin, index=index, source=result)
+        for index, result in enumerate(results)
+        if isinstance(result, fx.Node) and (twin := twins.get(origin[result.name])) is not None
+    ]
+    order = {node: position for position, node in enumerate(program.graph.nodes)}
+    return cut_buckets(members, order, BUCKET_BYTES)
+
+
+def _bucket_seconds(members: Sequence[Bucketed], mesh: Cluster) -> float:
+    """The seconds of the collectives of one bucket, as the collective schedule runs them
+    (:mod:`fxpar.planning.collective_schedule`): one per axis of its route, of every member's
+    bytes."""
+    route = members[0].route
+    nbytes = sum(member.nbytes for member in members)
+    return sum(
+        collective_seconds(
+            route.kind, nbytes, mesh.mesh_shape[axis], mesh.bandwidth[axis], mesh.latency[axis]
+        )
+        for axis in route.axes
+    )
+
+
+def _unfolded(table: Mapping[str, _V], origin: Mapping[str, str]) -> dict[str, _V]:
+    """``table``, made for a folded step, read for every node of the step it was folded from."""
+    return {name: table[of] for name, of in origin.items() if of in table}
 
 
 @dataclass(frozen=True)

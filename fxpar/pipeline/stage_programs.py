@@ -59,7 +59,14 @@ from fxpar.ir.precision import MixedPrecision
 from fxpar.ir.program import Program
 from fxpar.lowering import value_spec
 from fxpar.lowering.collective_calls import Communicator
-from fxpar.passes import PassManager, keeping_state, plan_program, sharing_gradients
+from fxpar.passes import (
+    PassManager,
+    keeping_state,
+    plan_program,
+    plans_folded,
+    replaying,
+    sharing_gradients,
+)
 from fxpar.passes.canonicalize import Canonicalize
 from fxpar.pipeline.crossings import Crossing, StageSide
 from fxpar.pipeline.executor import StageWorker
@@ -98,6 +105,16 @@ class PassPlanner:
         :func:`~fxpar.passes.keeping_state`; ``solve``: the solver in place of a manual
         choice)."""
         return PassPlanner(keeping_state(self.passes, state, solve=solve))
+
+    def plans_folded(self) -> bool:
+        """Whether this planner plans a stamped step and its folded twin alike
+        (:func:`~fxpar.passes.plans_folded`)."""
+        return plans_folded(self.passes)
+
+    def replaying(self, plan: Plan) -> PassPlanner:
+        """This planner answering with ``plan``'s choice (:func:`~fxpar.passes.replaying`): to
+        plan a stamped step as its folded twin was planned."""
+        return PassPlanner(replaying(self.passes, plan))
 
     def per_microbatch(self, microbatches: int) -> PassPlanner:
         """This planner for one of ``microbatches`` micro-batches of a step: its solver

@@ -41,6 +41,7 @@ import torch.fx as fx
 from fxpar import ir
 from fxpar.cluster import Cluster
 from fxpar.errors import FxparError
+from fxpar.ir.fold import Multiplicity
 from fxpar.ir.program import Program
 from fxpar.planning.cost import (
     Price,
@@ -397,6 +398,13 @@ class _Builder:
         node_costs = [[0.0] * n for n in sizes]
         node_memory = [[0.0] * n for n in sizes]
         saved = saved_outputs(self.program.graph.nodes)
+        # A folded step's node may stand for several of the step's (fxpar.ir.fold): what a
+        # unit costs, keeps and reads counts that many times.
+        multiplicity = self.program.get(Multiplicity)
+        weight = [
+            1 if multiplicity is None else multiplicity.of(ir.require(unit.root, ir.Region).module)
+            for unit in self.units
+        ]
         unit_cost_cache: dict[int, tuple[list[float], list[float]]] = {}
         for u in range(len(self.units)):
             rep = representative[u]
@@ -405,8 +413,8 @@ class _Builder:
             costs, memory = unit_cost_cache[rep]
             target = node_of_unit[u]
             for s in range(sizes[target]):
-                node_costs[target][s] += costs[s]
-                node_memory[target][s] += memory[s]
+                node_costs[target][s] += weight[u] * costs[s]
+                node_memory[target][s] += weight[u] * memory[s]
         edge_sums: dict[tuple[int, int], npt.NDArray[np.float64]] = {}
         matrix_cache: dict[tuple[object, ...], npt.NDArray[np.float64]] = {}
         for source, consumer_unit, spec_of_choice, meta, key in self._dependencies(representative):
@@ -415,7 +423,7 @@ class _Builder:
                 # A constant of the graph (get_attr): replicated, not a decision.
                 if consumer_unit == representative[consumer_unit]:
                     for t in range(sizes[v]):
-                        node_costs[v][t] += reshard_seconds(
+                        node_costs[v][t] += weight[consumer_unit] * reshard_seconds(
                             replicated(self.cluster.ndim), spec_of_choice(t), meta, self.cluster
                         )
                 continue
@@ -431,6 +439,8 @@ class _Builder:
                 if key[0] == "gradient" and self.options.gradient_share != 1:
                     matrix_cache[key] = matrix_cache[key] * self.options.gradient_share
             matrix = matrix_cache[key]
+            if weight[consumer_unit] != 1:
+                matrix = weight[consumer_unit] * matrix
             if u == v:
                 for s in range(sizes[u]):
                     node_costs[u][s] += float(matrix[s, s])
