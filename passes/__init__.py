@@ -12,6 +12,7 @@ from fxpar.passes.choose_strategies import (
     ApplyManualPlan,
     ApplyPlanFile,
     ManualPlan,
+    ReplayStrategies,
     SolveStrategies,
 )
 from fxpar.passes.default import (
@@ -43,6 +44,7 @@ __all__ = [
     "PassManager",
     "Rematerialize",
     "Rematerialized",
+    "ReplayStrategies",
     "RulesUsed",
     "SolveStrategies",
     "Verify",

@@ -33,14 +33,16 @@ from fxpar.errors import FxparError
 from fxpar.ir.program import Program
 from fxpar.passes.base import Pass
 from fxpar.passes.remat import recompute_in_backward, saved_bytes_by_layer
-from fxpar.planning.plan import ChosenStrategies
+from fxpar.planning.plan import ChosenStrategies, Plan
 from fxpar.planning.plan_file import apply_plan, read_plan
 from fxpar.planning.problem import (
     Layout,
     PlanOptions,
     apply_solution,
     assignment_of,
+    build_layout,
     build_problem,
+    candidates,
 )
 from fxpar.planning.propagate import starting_plans
 from fxpar.planning.rank_zero import SolvedOnRankZero
@@ -192,6 +194,35 @@ def remat_counts(least: int, layers: int, trials: int = REMAT_TRIALS) -> list[in
         counts.add(least + step)
         step *= 2
     return sorted(counts)
+
+
+@dataclass(frozen=True)
+class ReplayStrategies(Pass):
+    """Give every node the strategy ``plan`` chose, on a program whose intra-op problem is
+    ``plan``'s: the step that ``plan``'s program was folded from (:mod:`fxpar.ir.fold`), whose
+    problem is the folded one's entry for entry. Nothing is priced or solved: the program's
+    decisions are matched to the plan's by node name and candidates (a mismatch raises
+    :class:`~fxpar.errors.FxparError`), and the plan's problem and answer are recorded."""
+
+    name = "choose-strategies"
+    plan: Plan
+    options: PlanOptions = field(default_factory=PlanOptions)
+
+    def run(self, program: Program) -> Program:
+        cluster = program.require_cluster(f"the {self.name!r} pass")
+        problem, solution = self.plan.problem, self.plan.solution
+        layout = build_layout(program, cluster, problem, self.options)
+        for node, choice, strategies in zip(
+            layout.decisions(), solution.choice, problem.strategies, strict=True
+        ):
+            unit = layout.units[layout.unit_of[node]]
+            if candidates(node)[unit.allowed[choice]] != strategies[choice]:
+                raise FxparError(
+                    f"cannot replay a plan on this program: {node.name} has other candidates"
+                )
+        apply_solution(program, layout, solution.choice)
+        program.annotate(ChosenStrategies(problem, solution, layout, self.options))
+        return program
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,7 @@ from typing import Any
 
 from fxpar.cluster import Cluster
 from fxpar.errors import FxparError
+from fxpar.ir.fold import fold
 from fxpar.ir.program import Program
 from fxpar.passes.annotate_cost import AnnotateCost
 from fxpar.passes.annotate_strategies import AnnotateStrategies
@@ -40,6 +41,7 @@ from fxpar.passes.choose_strategies import (
     ApplyManualPlan,
     ApplyPlanFile,
     ManualPlan,
+    ReplayStrategies,
     SolveStrategies,
 )
 from fxpar.passes.remat import Rematerialize
@@ -48,7 +50,7 @@ from fxpar.planning.plan_file import saved_cluster
 from fxpar.planning.problem import PlanOptions
 from fxpar.rules import RuleRegistry
 from fxpar.sharding import Spec
-from fxpar.solvers.problem import IntraOpProblem, IntraOpSolution, IntraOpSolver
+from fxpar.solvers.problem import IntraOpSolver
 
 
 def default_passes(
@@ -192,52 +194,22 @@ def plans_folded(passes: PassManager) -> bool:
     """Whether ``passes`` choose the same plan for a stamped step and for the step folded to
     its distinct layers (:mod:`fxpar.ir.fold`): the choice is a solver's on the problem with
     repeated layers merged, which folding keeps, with nothing that tells one layer from
-    another (no pins, which may name a layer; no ``remat="auto"``, which picks layers)."""
+    another (no pins, which may name a layer; remat of no layer or of all)."""
     choose = passes.get("choose-strategies")
     if not isinstance(choose, SolveStrategies):
         return False
     options = choose.options
-    return options.dedup_layers and not options.pins and options.remat != "auto"
+    return options.dedup_layers and not options.pins and options.remat in ("none", "all")
 
 
 def replaying(passes: PassManager, plan: Plan) -> PassManager:
-    """``passes`` with the choice taken from ``plan`` instead of solved, for a program whose
-    problem is ``plan``'s up to the order of its sums (the step that ``plan``'s program was
-    folded from): problem nodes are matched by name and strategy, and a node that does not
-    match raises :class:`~fxpar.errors.FxparError`."""
+    """``passes`` with :class:`~fxpar.passes.ReplayStrategies` choosing ``plan``'s strategies
+    instead of a solver, for a program whose problem is ``plan``'s (the step that ``plan``'s
+    program was folded from): its decisions are matched by name, and raise
+    :class:`~fxpar.errors.FxparError` where they differ."""
     choose = passes.get("choose-strategies")
     assert isinstance(choose, SolveStrategies), "replaying needs a solver's choice"
-    options = replace(choose.options, manual_starts=False)
-    replay = replace(choose, solver=_Replay(plan.problem, plan.solution), options=options)
-    return passes.replace("choose-strategies", replay)
-
-
-class _Replay:
-    """A solver that answers with the choice made for another problem with the same nodes."""
-
-    name = "replay"
-
-    def __init__(self, problem: IntraOpProblem, solution: IntraOpSolution) -> None:
-        self.solution = solution
-        self.chosen = {
-            name: strategies[index]
-            for name, strategies, index in zip(
-                problem.names, problem.strategies, solution.choice, strict=True
-            )
-        }
-
-    def solve(self, problem: IntraOpProblem) -> IntraOpSolution:
-        choice = []
-        for name, strategies in zip(problem.names, problem.strategies, strict=True):
-            wanted = self.chosen.get(name)
-            if wanted is None or wanted not in strategies:
-                why = "is not in the plan" if wanted is None else "cannot take its planned strategy"
-                raise FxparError(f"cannot replay a plan on this program: its node {name!r} {why}")
-            choice.append(strategies.index(wanted))
-        solved = self.solution
-        return IntraOpSolution(
-            tuple(choice), problem.objective(choice), solved.status, solved.gap, solved.solver, 0.0
-        )
+    return passes.replace("choose-strategies", ReplayStrategies(plan, choose.options))
 
 
 def plan_program(
@@ -252,13 +224,25 @@ def plan_program(
     pins: Mapping[str, Spec] | None = None,
 ) -> Plan:
     """Run ``passes`` (the default pipeline when None; see :func:`passes_for` for the other
-    arguments) on a captured ``program`` for ``cluster`` and read the choice as a Plan."""
+    arguments) on a captured ``program`` for ``cluster`` and read the choice as a Plan.
+
+    A stamped ``program`` (:func:`fxpar.ir.repeat.capture_repeated`) whose passes choose alike
+    on it and on its folded twin (:func:`plans_folded`) is prepared whole, solved folded
+    (:mod:`fxpar.ir.fold`: the same problem) and given that choice (:func:`replaying`)."""
     passes = passes_for(
         passes, solver=solver, manual=manual, options=options, rules=rules, pins=pins
     )
     program.cluster = cluster
-    program = passes.run(program)
-    return Plan.of(program)
+    if not plans_folded(passes):
+        return Plan.of(passes.run(program))
+    # A stamped step is prepared whole, its problem solved folded (the same problem on a
+    # fraction of the nodes), and the choice given to the step without pricing it again.
+    prepare, choose = passes.split("choose-strategies")
+    program = prepare.run(program)
+    folded = fold(program)
+    if folded is not None:
+        choose = replaying(choose, Plan.of(choose.run(folded.program)))
+    return Plan.of(choose.run(program))
 
 
 def load_plan(

@@ -9,6 +9,7 @@ A step of ``N`` stamped layers folds to six, the kept copy standing for ``N - 5`
 - the stage search on a stamped step chooses what it chooses on the same step unfolded, and the
   choice carries plans of the whole step with the strategies of the plans priced, which a
   pipeline runs like eager PyTorch;
+- ``plan_program`` solves a stamped step folded and gives the step that choice;
 - replaying a plan on a program whose problem is another is refused by name.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import copy
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -29,7 +31,13 @@ from fxpar.ir.fold import Multiplicity, fold
 from fxpar.ir.repeat import StampedLayers, capture_repeated
 from fxpar.models.gpt import GPT, GPTConfig, gpt_loss
 from fxpar.optim import SGD
-from fxpar.passes import default_passes, plan_program, prepare_for_planning, replaying
+from fxpar.passes import (
+    choose_strategies,
+    default_passes,
+    plan_program,
+    prepare_for_planning,
+    replaying,
+)
 from fxpar.passes.canonicalize import Canonicalize
 from fxpar.pipeline import PassPlanner, Pipeline, PipelineModel, capture_microbatch
 from fxpar.pipeline import auto as pipeline_auto
@@ -252,5 +260,29 @@ def test_replaying_a_plan_on_a_program_of_other_nodes_is_refused() -> None:
     cluster = Cluster((2,))
     llama = _stamped(_decoder("Llama", layers=8))
     plan = plan_program(llama.copy(), cluster)
-    with pytest.raises(FxparError, match="cannot replay a plan on this program: its node"):
+    with pytest.raises(FxparError, match="other decisions than the plan"):
         plan_program(_gpt_stamped(), cluster, passes=replaying(default_passes(), plan))
+
+
+def test_plan_program_solves_a_stamped_step_folded_and_gives_the_step_that_choice() -> None:
+    """The intra-op plan of a stamped step: its problem built on the folded step, and every
+    node of the step with the strategy the step planned whole gets."""
+    program = capture_repeated(_decoder("Llama"), _tokens(), mixed_precision=BF16)
+    whole = program.copy()
+    whole._annotations.pop(StampedLayers)
+    cluster = Cluster.preset("h100", (2, 2))
+    built: list[int] = []
+    real = choose_strategies.build_problem
+
+    def counting(step: fxpar.Program, *args: Any) -> Any:
+        built.append(sum(1 for _ in step.graph.nodes))
+        return real(step, *args)
+
+    with mock.patch.object(choose_strategies, "build_problem", counting):
+        folded = plan_program(program, cluster)
+    assert built and max(built) < sum(1 for _ in program.graph.nodes)
+    unfolded = plan_program(whole, cluster)
+    assert folded.program is program
+    assert _shardings(folded.program) == _shardings(unfolded.program)
+    assert folded.solution.objective == pytest.approx(unfolded.solution.objective, rel=1e-9)
+    assert folded.stats == unfolded.stats

@@ -157,6 +157,7 @@ def fold(program: Program) -> Folded | None:
     folded = Program(_LazyGraphModule(program.graph_module, graph), short)
     folded.cluster = program.cluster
     folded._annotations = dict(program._annotations)
+    folded._annotations.pop(StampedLayers)  # six layers, none of them stamped
     copies = last - template + 1
     folded.annotate(Multiplicity(stamped.container, template, copies))
     return Folded(folded, origin, copies)

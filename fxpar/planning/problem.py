@@ -148,6 +148,13 @@ class Layout:
     def problem_node(self, node: fx.Node) -> int:
         return self.representative[self.unit_of[node]]
 
+    def decisions(self) -> list[fx.Node]:
+        """The root of the unit deciding for each problem node, in problem order."""
+        roots: dict[int, fx.Node] = {}
+        for unit, problem_node in zip(self.units, self.representative, strict=True):
+            roots.setdefault(problem_node, unit.root)
+        return [roots[index] for index in range(len(roots))]
+
 
 def candidates(node: fx.Node) -> tuple[Strategy, ...]:
     return ir.require(node, Strategies).candidates
@@ -159,6 +166,19 @@ def build_problem(
     """The intra-op problem of ``program`` (annotated with Strategies and Cost) on ``cluster``."""
     builder = _Builder(program, cluster, options)
     return builder.build()
+
+
+def build_layout(
+    program: Program,
+    cluster: Cluster,
+    problem: IntraOpProblem,
+    options: PlanOptions = PlanOptions(),
+) -> Layout:
+    """How the nodes of :func:`build_problem`'s problem of ``program`` map back to graph nodes,
+    without pricing anything, for a program known to have ``problem`` (the step a folded step
+    was folded from, :mod:`fxpar.ir.fold`): its decision nodes are checked against
+    ``problem``'s by name and number of candidates."""
+    return _Builder(program, cluster, options).layout(problem)
 
 
 class _Builder:
@@ -381,7 +401,9 @@ class _Builder:
 
     # -- costs -----------------------------------------------------------------------------------
 
-    def build(self) -> tuple[IntraOpProblem, Layout]:
+    def _decisions(self) -> tuple[list[int], list[int], list[int]]:
+        """Make the units; the unit each unit shares decisions with, the problem node of
+        each unit, and the unit deciding for each problem node."""
         self._make_units()
         unused = sorted(set(self.options.pins) - self._used_pins)
         if unused:
@@ -392,8 +414,36 @@ class _Builder:
         representative = self._representatives()
         problem_of = {rep: i for i, rep in enumerate(sorted(set(representative)))}
         node_of_unit = [problem_of[representative[u]] for u in range(len(self.units))]
-        count = len(problem_of)
-        reps = sorted(problem_of)
+        return representative, node_of_unit, sorted(problem_of)
+
+    def _stats(self, count: int, edges: int) -> dict[str, int]:
+        return {
+            "graph_nodes": sum(1 for _ in self.program.graph.nodes),
+            "units": len(self.units),
+            "decision_nodes": count,
+            "layers_merged": len(self.units) - count,
+            "edges": edges,
+        }
+
+    def layout(self, problem: IntraOpProblem) -> Layout:
+        """The units and their problem nodes, without costs, for a program whose problem is
+        ``problem`` (checked by node names and candidates)."""
+        _, node_of_unit, reps = self._decisions()
+        names = tuple(self.units[r].root.name for r in reps)
+        if names != problem.names or any(
+            len(self.units[r].allowed) != len(strategies)
+            for r, strategies in zip(reps, problem.strategies, strict=True)
+        ):
+            raise FxparError(
+                "the program's problem has other decisions than the plan's: "
+                f"{len(names)} nodes against {problem.num_nodes}"
+            )
+        stats = self._stats(len(reps), len(problem.edges))
+        return Layout(self.units, self.unit_of, node_of_unit, stats)
+
+    def build(self) -> tuple[IntraOpProblem, Layout]:
+        representative, node_of_unit, reps = self._decisions()
+        count = len(reps)
         sizes = [len(self.units[r].allowed) for r in reps]
         node_costs = [[0.0] * n for n in sizes]
         node_memory = [[0.0] * n for n in sizes]
@@ -475,14 +525,7 @@ class _Builder:
             kinds=tuple(self._kind(self.units[r].root) for r in reps),
             mesh_shape=self.cluster.mesh_shape,
         )
-        graph_nodes = sum(1 for _ in self.program.graph.nodes)
-        stats = {
-            "graph_nodes": graph_nodes,
-            "units": len(self.units),
-            "decision_nodes": count,
-            "layers_merged": len(self.units) - count,
-            "edges": len(edges),
-        }
+        stats = self._stats(count, len(edges))
         layout = Layout(self.units, self.unit_of, node_of_unit, stats)
         return problem, layout
 
