@@ -60,7 +60,14 @@ range; with repeated layers that is the same plan. A stage mesh of ``d`` of the 
 devices is planned with ``cluster.memory * D / d`` per device: the plan covers every layer's
 weights, and a stage of ``d`` devices holds about ``d / D`` of them. Sends are priced with the
 local bytes of the sending stage's plan, as if both neighbours laid the value out alike; the
-resharding between stages on different meshes is not priced.
+resharding between stages on different meshes is not priced. A bucket of gradients synchronised
+together is charged to its gradients in proportion to their bytes.
+
+**Stamped steps** (``folds=True``, for a planner that chooses alike on a step and on its folded
+twin): every stage mesh plans and prices the step folded to its six distinct layers
+(:mod:`fxpar.ir.fold`, the same problem), each node of the step is priced as the node it is a
+copy of, and the gradient buckets are cut again over the step's own gradients, which gives the
+prices of the step planned whole (tests/test_fold.py).
 """
 
 from __future__ import annotations
