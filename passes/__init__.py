@@ -13,6 +13,7 @@ from fxpar.passes.choose_strategies import (
     ApplyPlanFile,
     ManualPlan,
     ReplayStrategies,
+    SolveFolded,
     SolveStrategies,
 )
 from fxpar.passes.default import (
@@ -46,6 +47,7 @@ __all__ = [
     "Rematerialized",
     "ReplayStrategies",
     "RulesUsed",
+    "SolveFolded",
     "SolveStrategies",
     "Verify",
     "default_passes",

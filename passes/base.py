@@ -136,11 +136,6 @@ class PassManager:
         what ``name`` produces, e.g. ``through("annotate-strategies")`` before a manual plan)."""
         return self._with(self.passes[: self._index(name) + 1])
 
-    def split(self, name: str) -> tuple[PassManager, PassManager]:
-        """The pipeline before the pass called ``name``, and from it on."""
-        index = self._index(name)
-        return self._with(self.passes[:index]), self._with(self.passes[index:])
-
     def without(self, *names: str) -> PassManager:
         """The pipeline without the passes called ``names``."""
         for name in names:

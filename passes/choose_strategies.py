@@ -30,6 +30,7 @@ from pathlib import Path
 from fxpar import ir
 from fxpar.cluster import Cluster
 from fxpar.errors import FxparError
+from fxpar.ir.fold import fold
 from fxpar.ir.program import Program
 from fxpar.passes.base import Pass
 from fxpar.passes.remat import recompute_in_backward, saved_bytes_by_layer
@@ -223,6 +224,23 @@ class ReplayStrategies(Pass):
         apply_solution(program, layout, solution.choice)
         program.annotate(ChosenStrategies(problem, solution, layout, self.options))
         return program
+
+
+@dataclass(frozen=True)
+class SolveFolded(Pass):
+    """``solve``'s choice for a stamped step, made on the step folded to its distinct layers
+    (:mod:`fxpar.ir.fold`: the same problem on a fraction of the nodes) and given to the step
+    by :class:`ReplayStrategies`; a step that does not fold is solved as it is."""
+
+    name = "choose-strategies"
+    solve: SolveStrategies
+
+    def run(self, program: Program) -> Program:
+        folded = fold(program)
+        if folded is None:
+            return self.solve.run(program)
+        plan = Plan.of(self.solve.run(folded.program))
+        return ReplayStrategies(plan, self.solve.options).run(program)
 
 
 @dataclass(frozen=True)

@@ -31,8 +31,8 @@ from typing import Any
 
 from fxpar.cluster import Cluster
 from fxpar.errors import FxparError
-from fxpar.ir.fold import fold
 from fxpar.ir.program import Program
+from fxpar.ir.repeat import StampedLayers
 from fxpar.passes.annotate_cost import AnnotateCost
 from fxpar.passes.annotate_strategies import AnnotateStrategies
 from fxpar.passes.base import PassManager
@@ -42,6 +42,7 @@ from fxpar.passes.choose_strategies import (
     ApplyPlanFile,
     ManualPlan,
     ReplayStrategies,
+    SolveFolded,
     SolveStrategies,
 )
 from fxpar.passes.remat import Rematerialize
@@ -227,22 +228,18 @@ def plan_program(
     arguments) on a captured ``program`` for ``cluster`` and read the choice as a Plan.
 
     A stamped ``program`` (:func:`fxpar.ir.repeat.capture_repeated`) whose passes choose alike
-    on it and on its folded twin (:func:`plans_folded`) is prepared whole, solved folded
-    (:mod:`fxpar.ir.fold`: the same problem) and given that choice (:func:`replaying`)."""
+    on it and on its folded twin (:func:`plans_folded`) is prepared whole and its choice made
+    by :class:`~fxpar.passes.SolveFolded`: solved folded (:mod:`fxpar.ir.fold`, the same
+    problem) and given to the step."""
     passes = passes_for(
         passes, solver=solver, manual=manual, options=options, rules=rules, pins=pins
     )
+    if program.get(StampedLayers) is not None and plans_folded(passes):
+        choose = passes.get("choose-strategies")
+        assert isinstance(choose, SolveStrategies)
+        passes = passes.replace("choose-strategies", SolveFolded(choose))
     program.cluster = cluster
-    if not plans_folded(passes):
-        return Plan.of(passes.run(program))
-    # A stamped step is prepared whole, its problem solved folded (the same problem on a
-    # fraction of the nodes), and the choice given to the step without pricing it again.
-    prepare, choose = passes.split("choose-strategies")
-    program = prepare.run(program)
-    folded = fold(program)
-    if folded is not None:
-        choose = replaying(choose, Plan.of(choose.run(folded.program)))
-    return Plan.of(choose.run(program))
+    return Plan.of(passes.run(program))
 
 
 def load_plan(

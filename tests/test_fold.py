@@ -42,8 +42,9 @@ from fxpar.passes.canonicalize import Canonicalize
 from fxpar.pipeline import PassPlanner, Pipeline, PipelineModel, capture_microbatch
 from fxpar.pipeline import auto as pipeline_auto
 from fxpar.pipeline.auto import plan_stages, search_pipelines
-from fxpar.planning.problem import build_problem
+from fxpar.planning.problem import PlanOptions, build_problem
 from fxpar.sharding import Sharding
+from fxpar.solvers.errors import InfeasiblePlanError
 
 transformers = pytest.importorskip("transformers")
 
@@ -286,3 +287,18 @@ def test_plan_program_solves_a_stamped_step_folded_and_gives_the_step_that_choic
     assert _shardings(folded.program) == _shardings(unfolded.program)
     assert folded.solution.objective == pytest.approx(unfolded.solution.objective, rel=1e-9)
     assert folded.stats == unfolded.stats
+
+
+@pytest.mark.parametrize("stamped", [True, False], ids=["stamped", "captured whole"])
+def test_a_refused_plan_names_the_passes_before_the_choice(stamped: bool) -> None:
+    """Folding stays inside the choose-strategies pass: an infeasible plan is raised by it
+    with the passes that ran before, on a stamped step as on any other."""
+    model, tokens = _decoder("Llama"), _tokens()
+    program = capture_repeated(model, tokens) if stamped else fxpar.capture(model, tokens)
+    assert (program.get(StampedLayers) is not None) == stamped
+    with pytest.raises(InfeasiblePlanError) as caught:
+        plan_program(program, Cluster((2,)), options=PlanOptions(memory_limit=10))
+    assert caught.value.__notes__ == [
+        "raised by pass 'choose-strategies' (after canonicalize, rematerialize, annotate-cost, "
+        "annotate-strategies)"
+    ]
