@@ -43,7 +43,6 @@ from fxpar.planning.problem import (
     assignment_of,
     build_layout,
     build_problem,
-    candidates,
 )
 from fxpar.planning.propagate import starting_plans
 from fxpar.planning.rank_zero import SolvedOnRankZero
@@ -212,15 +211,7 @@ class ReplayStrategies(Pass):
     def run(self, program: Program) -> Program:
         cluster = program.require_cluster(f"the {self.name!r} pass")
         problem, solution = self.plan.problem, self.plan.solution
-        layout = build_layout(program, cluster, problem, self.options)
-        for node, choice, strategies in zip(
-            layout.decisions(), solution.choice, problem.strategies, strict=True
-        ):
-            unit = layout.units[layout.unit_of[node]]
-            if candidates(node)[unit.allowed[choice]] != strategies[choice]:
-                raise FxparError(
-                    f"cannot replay a plan on this program: {node.name} has other candidates"
-                )
+        layout = build_layout(program, cluster, problem, solution.choice, self.options)
         apply_solution(program, layout, solution.choice)
         program.annotate(ChosenStrategies(problem, solution, layout, self.options))
         return program

@@ -29,7 +29,6 @@ the caller plans the whole step.
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -38,7 +37,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from fxpar import ir
 from fxpar.ir.program import Program
-from fxpar.ir.repeat import StampedLayers
+from fxpar.ir.repeat import StampedLayers, layer_of, layer_pattern
 
 
 @dataclass(frozen=True)
@@ -81,16 +80,12 @@ def fold(program: Program) -> Folded | None:
     last = stamped.count - (stamped.traced - template)  # the last copy
     if last <= template:
         return None
-    prefix = re.escape(f"{stamped.container}.") if stamped.container else ""
-    pattern = re.compile("^" + prefix + r"(\d+)(?=\.|$)")
-    label: dict[fx.Node, int] = {}
+    pattern = layer_pattern(stamped.container)
+    label = {node: layer_of(node, pattern) for node in program.graph.nodes}
     layers: dict[int, list[fx.Node]] = {}
-    for node in program.graph.nodes:
-        region = ir.get(node, ir.Region)
-        found = pattern.match(region.module) if region is not None and node.op != "output" else None
-        label[node] = int(found.group(1)) if found else -1
-        if found:
-            layers.setdefault(label[node], []).append(node)
+    for node, layer in label.items():
+        if layer >= 0:
+            layers.setdefault(layer, []).append(node)
     kept, after = layers.get(template, []), layers.get(last + 1, [])
     if not kept or len(after) != len(kept):
         return None

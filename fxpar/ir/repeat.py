@@ -265,16 +265,31 @@ class _Ref:
     node: fx.Node | None = None
 
 
+def layer_pattern(container: str) -> re.Pattern[str]:
+    """Matches a module or state path inside a layer of ``container`` (group 1: its index)."""
+    prefix = re.escape(f"{container}.") if container else ""
+    return re.compile("^" + prefix + r"(\d+)(?=\.|$)")
+
+
+def layer_of(node: fx.Node, pattern: re.Pattern[str]) -> int:
+    """The index of the layer ``node``'s module is in, by :func:`layer_pattern`; -1 outside
+    the layers (the output among them)."""
+    if node.op == "output":
+        return -1
+    region = ir.get(node, ir.Region)
+    found = pattern.match(region.module) if region is not None else None
+    return int(found.group(1)) if found else -1
+
+
 class _Stamp:
     """The traced step of :data:`TRACED` layers, checked, to be stamped to any number."""
 
     def __init__(self, traced: Program, container: str) -> None:
         self.traced = traced
         self.container = container
-        prefix = re.escape(f"{container}.") if container else ""
-        self.pattern = re.compile("^" + prefix + r"(\d+)(?=\.|$)")
+        self.pattern = layer_pattern(container)
         self.nodes = list(traced.graph.nodes)
-        self.label = {node: self._layer(node) for node in self.nodes}
+        self.label = {node: layer_of(node, self.pattern) for node in self.nodes}
         self.layers: dict[int, list[fx.Node]] = {i: [] for i in range(TRACED)}
         for node in self.nodes:
             if self.label[node] >= 0:
@@ -285,13 +300,6 @@ class _Stamp:
         self._check()
 
     # --- reading the traced step -------------------------------------------------------------
-
-    def _layer(self, node: fx.Node) -> int:
-        if node.op == "output":
-            return -1
-        region = ir.get(node, ir.Region)
-        found = self.pattern.match(region.module) if region is not None else None
-        return int(found.group(1)) if found else -1
 
     def _module(self, node: fx.Node) -> str:
         """The node's module path with its layer index left out."""

@@ -148,13 +148,6 @@ class Layout:
     def problem_node(self, node: fx.Node) -> int:
         return self.representative[self.unit_of[node]]
 
-    def decisions(self) -> list[fx.Node]:
-        """The root of the unit deciding for each problem node, in problem order."""
-        roots: dict[int, fx.Node] = {}
-        for unit, problem_node in zip(self.units, self.representative, strict=True):
-            roots.setdefault(problem_node, unit.root)
-        return [roots[index] for index in range(len(roots))]
-
 
 def candidates(node: fx.Node) -> tuple[Strategy, ...]:
     return ir.require(node, Strategies).candidates
@@ -172,13 +165,15 @@ def build_layout(
     program: Program,
     cluster: Cluster,
     problem: IntraOpProblem,
+    choice: tuple[int, ...],
     options: PlanOptions = PlanOptions(),
 ) -> Layout:
     """How the nodes of :func:`build_problem`'s problem of ``program`` map back to graph nodes,
     without pricing anything, for a program known to have ``problem`` (the step a folded step
-    was folded from, :mod:`fxpar.ir.fold`): its decision nodes are checked against
-    ``problem``'s by name and number of candidates."""
-    return _Builder(program, cluster, options).layout(problem)
+    was folded from, :mod:`fxpar.ir.fold`) and to take ``choice`` of it: its decision nodes
+    are checked against ``problem``'s by name, number of candidates and chosen strategy
+    (:class:`~fxpar.errors.FxparError` where they differ)."""
+    return _Builder(program, cluster, options).layout(problem, choice)
 
 
 class _Builder:
@@ -425,9 +420,10 @@ class _Builder:
             "edges": edges,
         }
 
-    def layout(self, problem: IntraOpProblem) -> Layout:
+    def layout(self, problem: IntraOpProblem, choice: tuple[int, ...]) -> Layout:
         """The units and their problem nodes, without costs, for a program whose problem is
-        ``problem`` (checked by node names and candidates)."""
+        ``problem``: checked by node names and numbers of candidates, and by the strategy
+        ``choice`` takes at each node."""
         _, node_of_unit, reps = self._decisions()
         names = tuple(self.units[r].root.name for r in reps)
         if names != problem.names or any(
@@ -438,6 +434,12 @@ class _Builder:
                 "the program's problem has other decisions than the plan's: "
                 f"{len(names)} nodes against {problem.num_nodes}"
             )
+        for r, picked, strategies in zip(reps, choice, problem.strategies, strict=True):
+            unit = self.units[r]
+            if candidates(unit.root)[unit.allowed[picked]] != strategies[picked]:
+                raise FxparError(
+                    f"cannot replay a plan on this program: {unit.root.name} has other candidates"
+                )
         stats = self._stats(len(reps), len(problem.edges))
         return Layout(self.units, self.unit_of, node_of_unit, stats)
 
