@@ -25,7 +25,8 @@ model otherwise (docs/planning.md, "Meshes of three or more axes").
 Measured on Llama-3-8B, (2, 2, 2) H100, bf16, 8 x 2048 (the problem of
 ``benchmarks/alpa.py 3d-222``): the single ILP stopped at its 30 s limit with the fully sharded
 starting plan, 1.17 s per step; the descent's one-axis steps bring it to 0.434 s in 11 steps
-of 0.2-0.4 s, and its round of two-axis steps to 0.430 s in 3 more of 1.5-2.5 s.
+of about 0.18 s, and its round of two-axis steps to 0.430 s in 3 more of 1.3-2.0 s, most of
+which is HiGHS solving the root relaxation (90 thousand columns, 0.8-1.5 s).
 """
 
 from __future__ import annotations
@@ -42,14 +43,17 @@ import numpy.typing as npt
 
 from fxpar.errors import FxparError
 from fxpar.sharding import Spec
+from fxpar.sharding.reshard import Code, spec_code
 from fxpar.solvers.errors import check_memory_feasible
 from fxpar.solvers.greedy import GreedySolver
-from fxpar.solvers.ilp_model import memory_over
+from fxpar.solvers.ilp_model import distinct_rows, memory_over
 from fxpar.solvers.problem import Edge, IntraOpProblem, IntraOpSolution, IntraOpSolver, Status
 
 logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
+_MISSING = -100
+"""The code, on every axis, of a missing spec (a strategy's ``None`` input)."""
 _IMPROVEMENT = 1e-6
 """A step must lower the cost by more than this fraction to count as an improvement."""
 
@@ -143,19 +147,29 @@ class _Restrictor:
 
     def __init__(self, problem: IntraOpProblem) -> None:
         self.source = problem
-        ndim = len(problem.mesh_shape)
-        ids: dict[tuple[object, ...], int] = {}
+        codes: dict[int, tuple[Spec, Code]] = {}  # by identity: a node's strategies share specs
 
-        def key(specs: tuple[Spec | None, ...], axis: int) -> int:
-            placements = tuple(None if spec is None else spec[axis] for spec in specs)
-            return ids.setdefault(placements, len(ids))
+        ndim = len(problem.mesh_shape)
+        missing = (_MISSING,) * ndim
+
+        def code(spec: Spec | None) -> Code:
+            if spec is None:
+                return missing
+            found = codes.get(id(spec))
+            if found is None:
+                found = codes[id(spec)] = (spec, spec_code(spec))
+            return found[1]
 
         self.keys: list[npt.NDArray[np.intp]] = []
         """Per node, an id per strategy and axis of its placements there (inputs and outputs)."""
         for strategies in problem.strategies:
-            rows = [[key((*s.outputs, *s.inputs), a) for a in range(ndim)] for s in strategies]
-            self.keys.append(np.array(rows, dtype=np.intp).reshape(len(rows), ndim))
-        self.edges = [np.asarray(edge.costs, dtype=np.float64) for edge in problem.edges]
+            coded = [[code(s) for s in (*c.outputs, *c.inputs)] for c in strategies]
+            width = max(map(len, coded), default=0)
+            rows = np.array([c + [missing] * (width - len(c)) for c in coded], dtype=np.intp)
+            rows = rows.reshape(len(strategies), width, ndim)
+            keys = [distinct_rows(rows[:, :, a])[1] for a in range(ndim)]
+            self.keys.append(np.stack(keys, axis=1).reshape(len(strategies), ndim))
+        self.edges = [edge.matrix for edge in problem.edges]
 
     def agreeing(self, plan: Sequence[int], fixed: Sequence[int]) -> list[list[int]]:
         """For each node, the strategies whose placements on the ``fixed`` axes are those of
@@ -173,9 +187,8 @@ class _Restrictor:
         source = self.source
         edges = []
         for edge, matrix in zip(source.edges, self.edges, strict=True):
-            cut: npt.NDArray[np.float64] = matrix[np.ix_(allowed[edge.source],
-                                                         allowed[edge.target])]  # fmt: skip
-            edges.append(Edge(edge.source, edge.target, tuple(map(tuple, cut.tolist()))))
+            cut = matrix[np.ix_(allowed[edge.source], allowed[edge.target])]
+            edges.append(Edge.of_matrix(edge.source, edge.target, cut))
 
         def pick(rows: Sequence[Sequence[_T]]) -> tuple[tuple[_T, ...], ...]:
             return tuple(tuple(row[s] for s in a) for row, a in zip(rows, allowed, strict=True))

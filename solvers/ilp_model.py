@@ -59,9 +59,11 @@ solvers check every plan with :func:`memory_over`, by the problem's own figures.
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import logging
 import math
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import NamedTuple, TypeVar
 
 import highspy
 import numpy as np
@@ -72,6 +74,8 @@ from fxpar.solvers.problem import IntraOpProblem
 
 Vector = npt.NDArray[np.float64]
 Matrix = npt.NDArray[np.float64]
+
+_Scalar = TypeVar("_Scalar", bound=np.generic)
 
 _SEPARABLE_TOLERANCE = 1e-12
 """Relative to an edge matrix's largest entry: how far it may be from a[s] + b[t] to be folded."""
@@ -96,9 +100,26 @@ class Pair(NamedTuple):
 
     @staticmethod
     def grouped(u: int, v: int, matrix: Matrix) -> Pair:
-        rows, row_class = np.unique(matrix, axis=0, return_inverse=True)
-        columns, column_class = np.unique(rows, axis=1, return_inverse=True)
-        return Pair(u, v, columns, row_class.ravel(), column_class.ravel())
+        rows, row_class = distinct_rows(matrix)
+        columns, column_class = distinct_rows(rows.T)
+        return Pair(u, v, np.ascontiguousarray(columns.T), row_class, column_class)
+
+
+def distinct_rows(
+    matrix: npt.NDArray[_Scalar],
+) -> tuple[npt.NDArray[_Scalar], npt.NDArray[np.intp]]:
+    """The distinct rows of ``matrix`` in lexicographic order, and the index among them of
+    each row: ``np.unique(matrix, axis=0, return_inverse=True)``, several times faster on the
+    small matrices of edges (numpy sorts rows as structured records, one field at a time)."""
+    if matrix.shape[0] == 0 or matrix.shape[1] == 0:  # no rows, or all rows alike
+        return matrix[:1], np.zeros(len(matrix), dtype=np.intp)
+    order = np.lexsort(matrix.T[::-1])
+    ordered = matrix[order]
+    starts = np.ones(len(ordered), dtype=bool)
+    starts[1:] = np.any(ordered[1:] != ordered[:-1], axis=1)
+    inverse = np.empty(len(ordered), dtype=np.intp)
+    inverse[order] = np.cumsum(starts) - 1
+    return ordered[starts], inverse
 
 
 class Elimination(NamedTuple):
@@ -305,18 +326,30 @@ def _prune_dominated(problem: IntraOpProblem, candidates: list[list[int]]) -> li
     node_costs = [np.asarray(c, dtype=np.float64) for c in problem.node_costs]
     for edge in problem.edges:
         if edge.source == edge.target:
-            node_costs[edge.source] = node_costs[edge.source] + np.diag(np.asarray(edge.costs))
-    matrices = [np.asarray(edge.costs, dtype=np.float64) for edge in problem.edges]
+            node_costs[edge.source] = node_costs[edge.source] + np.diag(edge.matrix)
+    matrices = [edge.matrix for edge in problem.edges]
     incident: list[list[tuple[int, bool]]] = [[] for _ in candidates]
     for index, edge in enumerate(problem.edges):
         if edge.source != edge.target:
             incident[edge.source].append((index, True))
             incident[edge.target].append((index, False))
+    neighbours: list[set[int]] = [set() for _ in candidates]
+    for edge in problem.edges:
+        neighbours[edge.source].add(edge.target)
+        neighbours[edge.target].add(edge.source)
     kept = [list(c) for c in candidates]
-    changed = True
-    while changed:
-        changed = False
-        for v, alive in enumerate(kept):
+    # Sweeps in node order until one changes nothing, visiting only the nodes a neighbour's
+    # pruning may have changed since their last visit: a node behind the sweep waits for the
+    # next one, one ahead of it is visited in this one (as a full sweep would).
+    sweep = list(range(len(kept)))
+    while sweep:
+        heapq.heapify(sweep)
+        waiting: set[int] = set(sweep)
+        following: set[int] = set()
+        while sweep:
+            v = heapq.heappop(sweep)
+            waiting.discard(v)
+            alive = kept[v]
             if len(alive) < 2:
                 continue
             parts = [node_costs[v][alive, None], np.asarray(problem.node_memory[v])[alive, None]]
@@ -333,9 +366,16 @@ def _prune_dominated(problem: IntraOpProblem, candidates: list[list[int]]) -> li
             order = np.arange(len(alive))
             earlier_equal = equal & (order[None, :] < order[:, None])
             beaten = np.any((no_worse & ~equal) | earlier_equal, axis=1)
-            if beaten.any():
-                kept[v] = [s for s, gone in zip(alive, beaten, strict=True) if not gone]
-                changed = True
+            if not beaten.any():
+                continue
+            kept[v] = [s for s, gone in zip(alive, beaten, strict=True) if not gone]
+            for w in neighbours[v] - {v}:
+                if w < v:
+                    following.add(w)
+                elif w not in waiting:
+                    waiting.add(w)
+                    heapq.heappush(sweep, w)
+        sweep = sorted(following)
     return kept
 
 
@@ -367,7 +407,7 @@ def _merge_edges(
     merged: dict[tuple[int, int], Matrix] = {}
     for edge in problem.edges:
         u, v = edge.source, edge.target
-        matrix = np.asarray(edge.costs, dtype=np.float64)
+        matrix = edge.matrix
         if u == v:
             costs[u] += matrix[candidates[u], candidates[u]]
             continue
@@ -387,11 +427,19 @@ def _is_separable(matrix: Matrix) -> bool:
 # --- The model --------------------------------------------------------------------------------
 
 
-class Row(NamedTuple):
-    columns: list[int]
-    values: list[float]
-    lower: float
-    upper: float
+class Rows(NamedTuple):
+    """A block of constraints ``lower <= A x <= upper`` with ``A`` stored row by row: row ``i``
+    has the coefficients ``values[starts[i]:starts[i + 1]]`` on the columns ``columns[...]``."""
+
+    starts: npt.NDArray[np.int64]
+    columns: npt.NDArray[np.int32]
+    values: Vector
+    lower: Vector
+    upper: Vector
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.starts) - 1
 
 
 def build_model(reduced: Reduced, tightening: float) -> highspy.HighsLp:
@@ -403,43 +451,50 @@ def build_model(reduced: Reduced, tightening: float) -> highspy.HighsLp:
     return assemble(reduced, rows, integral=True)
 
 
-def assemble(reduced: Reduced, rows: list[Row], integral: bool) -> highspy.HighsLp:
-    """The model of ``rows`` over the reduced problem's columns and objective; the x columns
-    are integers if ``integral`` (else: the LP relaxation)."""
+def assemble(reduced: Reduced, blocks: list[Rows], integral: bool) -> highspy.HighsLp:
+    """The model of the constraints in ``blocks`` over the reduced problem's columns and
+    objective; the x columns are integers if ``integral`` (else: the LP relaxation)."""
     costs, offset = column_costs(reduced)
     num_binaries = reduced.num_node_columns if integral else 0
+    num_rows = sum(block.num_rows for block in blocks)
     lp = highspy.HighsLp()
     lp.num_col_ = len(costs)
-    lp.num_row_ = len(rows)
+    lp.num_row_ = num_rows
     lp.col_cost_ = costs
     lp.offset_ = offset
     lp.col_lower_ = np.zeros(len(costs))
     lp.col_upper_ = np.ones(len(costs))
-    lp.row_lower_ = np.array([row.lower for row in rows], dtype=np.float64)
-    lp.row_upper_ = np.array([row.upper for row in rows], dtype=np.float64)
+    lp.row_lower_ = _joined([block.lower for block in blocks], np.float64)
+    lp.row_upper_ = _joined([block.upper for block in blocks], np.float64)
     lp.integrality_ = [highspy.HighsVarType.kInteger] * num_binaries + [
         highspy.HighsVarType.kContinuous
     ] * (len(costs) - num_binaries)
     matrix = lp.a_matrix_
     matrix.format_ = highspy.MatrixFormat.kRowwise
     matrix.num_col_ = len(costs)
-    matrix.num_row_ = len(rows)
-    matrix.start_ = np.cumsum([0] + [len(row.columns) for row in rows], dtype=np.int32)
-    matrix.index_ = np.array([c for row in rows for c in row.columns], dtype=np.int32)
-    matrix.value_ = np.array([x for row in rows for x in row.values], dtype=np.float64)
+    matrix.num_row_ = num_rows
+    offsets = np.cumsum([0] + [len(block.columns) for block in blocks])
+    matrix.start_ = _joined(
+        [np.zeros(1, dtype=np.int64)]
+        + [block.starts[1:] + at for block, at in zip(blocks, offsets, strict=False)],
+        np.int32,
+    )
+    matrix.index_ = _joined([block.columns for block in blocks], np.int32)
+    matrix.value_ = _joined([block.values for block in blocks], np.float64)
     return lp
 
 
-def one_strategy_per_node(reduced: Reduced) -> list[Row]:
+def one_strategy_per_node(reduced: Reduced) -> list[Rows]:
     """Σ_s x[v,s] = 1 for every free node."""
-    rows = []
-    for v, column in reduced.node_columns().items():
-        count = len(reduced.candidates[v])
-        rows.append(Row(list(range(column, column + count)), [1.0] * count, 1.0, 1.0))
-    return rows
+    counts = [len(reduced.candidates[v]) for v in reduced.free]
+    if not counts:
+        return []
+    total = sum(counts)  # the x columns: each free node's, one after another
+    ones = np.ones(len(counts))
+    return [Rows(_starts(counts), np.arange(total, dtype=np.int32), np.ones(total), ones, ones)]
 
 
-def edge_consistency(reduced: Reduced) -> list[Row]:
+def edge_consistency(reduced: Reduced) -> list[Rows]:
     """Σ_b e[uv,a,b] − Σ_(s∈a) x[u,s] = 0 for every row class a, and
     Σ_a e[uv,a,b] − Σ_(t∈b) x[v,t] = 0 for every column class b, for every kept edge.
 
@@ -448,34 +503,55 @@ def edge_consistency(reduced: Reduced) -> list[Row]:
     still their product.
     """
     node_column = reduced.node_columns()
-    rows = []
+    blocks = []
     for pair, first in zip(reduced.pairs, reduced.pair_columns(), strict=True):
         height, width = pair.costs.shape
-        for a in range(height):
-            members = [node_column[pair.u] + s for s in np.flatnonzero(pair.row_class == a)]
-            columns = [first + a * width + b for b in range(width)] + members
-            rows.append(Row(columns, [1.0] * width + [-1.0] * len(members), 0.0, 0.0))
-        for b in range(width):
-            members = [node_column[pair.v] + t for t in np.flatnonzero(pair.column_class == b)]
-            columns = [first + a * width + b for a in range(height)] + members
-            rows.append(Row(columns, [1.0] * height + [-1.0] * len(members), 0.0, 0.0))
-    return rows
+        pair_columns = first + np.arange(height * width, dtype=np.int32).reshape(height, width)
+        blocks.append(_class_rows(pair_columns, pair.row_class, node_column[pair.u]))
+        blocks.append(_class_rows(pair_columns.T, pair.column_class, node_column[pair.v]))
+    return blocks
 
 
-def memory_limit(reduced: Reduced, tightening: float) -> list[Row]:
+def _class_rows(lines: npt.NDArray[np.int32], classes: npt.NDArray[np.intp], first: int) -> Rows:
+    """Row ``a``: +1 on the e columns ``lines[a]``, then −1 on the x columns (``first`` plus
+    the position) of the candidates in class ``a``, in order; each row sums to 0."""
+    height, width = lines.shape
+    counts = np.bincount(classes, minlength=height)
+    starts = _starts(width + counts)
+    columns = np.empty(starts[-1], dtype=np.int32)
+    values = np.empty(starts[-1])
+    slots = starts[:-1, None] + np.arange(width)
+    columns[slots], values[slots] = lines, 1.0
+    order = np.argsort(classes, kind="stable")
+    ordered = classes[order]
+    rank = np.arange(len(order)) - (np.cumsum(counts) - counts)[ordered]
+    slots = starts[ordered] + width + rank
+    columns[slots], values[slots] = first + order, -1.0
+    zeros = np.zeros(height)
+    return Rows(starts, columns, values, zeros, zeros)
+
+
+def _starts(lengths: Sequence[int] | npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+
+
+def memory_limit(reduced: Reduced, tightening: float) -> list[Rows]:
     """Σ_v Σ_s (m[v,s] − m_min[v]) / (M − L) · x[v,s] ≤ 1 − ``tightening``, if needed (the
     budget is 0 instead of 1 when M = L)."""
     if reduced.excess is None or not reduced.memory_row:
         return []
-    columns: list[int] = []
-    values: list[float] = []
+    columns, values = [], []
     for v, column in reduced.node_columns().items():
-        for position, excess in enumerate(reduced.excess[v]):
-            if excess > 0:
-                columns.append(column + position)
-                values.append(float(excess))
-    upper = reduced.memory_budget * (1.0 - tightening)
-    return [Row(columns, values, -math.inf, upper)] if columns else []
+        positive = np.flatnonzero(reduced.excess[v] > 0)
+        columns.append((column + positive).astype(np.int32))
+        values.append(reduced.excess[v][positive])
+    joined = _joined(columns, np.int32)
+    if not len(joined):
+        return []
+    upper = np.array([reduced.memory_budget * (1.0 - tightening)])
+    return [
+        Rows(_starts([len(joined)]), joined, _joined(values, np.float64), -np.inf + upper, upper)
+    ]
 
 
 def column_costs(reduced: Reduced) -> tuple[Vector, float]:
@@ -489,6 +565,10 @@ def column_costs(reduced: Reduced) -> tuple[Vector, float]:
 
 
 # --- Helpers ----------------------------------------------------------------------------------
+
+
+def _joined(parts: list[npt.NDArray[_Scalar]], dtype: type[_Scalar]) -> npt.NDArray[_Scalar]:
+    return np.concatenate(parts).astype(dtype, copy=False) if parts else np.zeros(0, dtype=dtype)
 
 
 highs_logger = logging.getLogger("fxpar.solvers.ilp.highs")

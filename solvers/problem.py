@@ -20,8 +20,12 @@ node is: ``"parameter"``, ``"buffer"``, ``"input"``, ``"random"``, or its ATen o
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
+
+import numpy as np
+import numpy.typing as npt
 
 from fxpar.sharding import Strategy
 
@@ -35,6 +39,22 @@ class Edge:
     source: int
     target: int
     costs: tuple[tuple[float, ...], ...]
+
+    @functools.cached_property
+    def matrix(self) -> npt.NDArray[np.float64]:
+        """``costs`` as a read-only array, made once (solvers read it many times)."""
+        matrix = np.array(self.costs, dtype=np.float64).reshape(len(self.costs), -1)
+        matrix.flags.writeable = False
+        return matrix
+
+    @classmethod
+    def of_matrix(cls, source: int, target: int, matrix: npt.NDArray[np.float64]) -> Edge:
+        """The edge whose costs are ``matrix``'s entries (its :attr:`matrix` already made)."""
+        edge = cls(source, target, tuple(map(tuple, matrix.tolist())))
+        held = np.array(matrix, dtype=np.float64)
+        held.flags.writeable = False
+        edge.__dict__["matrix"] = held  # what the cached property would make
+        return edge
 
 
 @dataclass(frozen=True)

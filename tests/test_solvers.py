@@ -340,6 +340,101 @@ def test_identical_rows_and_columns_share_edge_variables(data: st.DataObject) ->
     assert variables <= sum(sizes) + 4 * len(edges)  # at most 2x2 classes per edge
 
 
+@settings(max_examples=200, deadline=None)
+@given(
+    st.integers(0, 6).flatmap(
+        lambda rows: st.integers(0, 5).flatmap(
+            lambda width: st.lists(
+                st.lists(
+                    st.sampled_from([0.0, -0.0, 1.0, 2.5, -3.0, 1e-9]),
+                    min_size=width,
+                    max_size=width,
+                ),
+                min_size=rows,
+                max_size=rows,
+            ).map(lambda m: np.array(m, dtype=np.float64).reshape(rows, width))
+        )
+    )
+)
+def test_distinct_rows_are_numpys_unique_rows(matrix: npt.NDArray[np.float64]) -> None:
+    """The edge grouping's row classes are np.unique's (same classes, same order)."""
+    rows, inverse = ilp_model.distinct_rows(matrix)
+    assert np.array_equal(rows[inverse], matrix)
+    if matrix.shape[1] and len(matrix):
+        expected, expected_inverse = np.unique(matrix, axis=0, return_inverse=True)
+        assert np.array_equal(rows, expected)
+        assert np.array_equal(inverse, expected_inverse.ravel())
+    else:
+        assert len(rows) == min(len(matrix), 1)
+
+
+def _prune_by_full_sweeps(problem: IntraOpProblem, candidates: list[list[int]]) -> list[list[int]]:
+    """Reduction 1b as first written: sweep every node until a sweep prunes nothing."""
+    kept = [list(c) for c in candidates]
+    while True:
+        before = [list(k) for k in kept]
+        for v in range(len(kept)):
+            alive = kept[v]
+            if len(alive) < 2:
+                continue
+            parts = [
+                np.asarray(problem.node_costs[v], dtype=np.float64)[alive, None],
+                np.asarray(problem.node_memory[v])[alive, None],
+            ]
+            for e in problem.edges:
+                matrix = np.asarray(e.costs, dtype=np.float64)
+                if e.source == e.target == v:
+                    parts[0] = parts[0] + np.diag(matrix)[alive, None]
+                elif e.source == v:
+                    parts.append(matrix[np.ix_(alive, kept[e.target])])
+                elif e.target == v:
+                    parts.append(matrix[np.ix_(kept[e.source], alive)].T)
+            profile = np.concatenate(parts, axis=1)
+            no_worse = np.all(profile[None, :, :] <= profile[:, None, :], axis=2)
+            equal = no_worse & no_worse.T
+            order = np.arange(len(alive))
+            beaten = np.any((no_worse & ~equal) | (equal & (order[None] < order[:, None])), 1)
+            kept[v] = [s for s, gone in zip(alive, beaten, strict=True) if not gone]
+        if kept == before:
+            return kept
+
+
+PRUNED_BACKWARDS = IntraOpProblem(
+    node_costs=((0.0, 0.0), (0.0, 10.0)),
+    node_memory=((0.0, 0.0), (0.0, 0.0)),
+    edges=(Edge(0, 1, ((0.0, 5.0), (1.0, 1.0))),),
+)
+"""Node 1's strategy 1 loses to its 0; only then does node 0's 0 beat its 1: node 0 must be
+visited again after node 1."""
+
+
+@settings(max_examples=300, deadline=None)
+@given(problems(any_direction=True))
+@example(PRUNED_BACKWARDS)
+def test_pruning_visits_only_changed_neighbours_yet_prunes_as_full_sweeps(
+    problem: IntraOpProblem,
+) -> None:
+    """Reduction 1b re-examines a node only when a neighbour lost a strategy: the same
+    strategies survive as when every node is examined in every sweep."""
+    candidates = [list(range(len(c))) for c in problem.node_costs]
+    assert ilp_model._prune_dominated(problem, candidates) == _prune_by_full_sweeps(
+        problem, candidates
+    )
+    if problem is PRUNED_BACKWARDS:
+        assert ilp_model._prune_dominated(problem, candidates) == [[0], [0]]
+
+
+def test_an_edge_array_is_made_once_read_only_and_equals_its_costs() -> None:
+    edge = Edge(0, 1, ((1.0, 2.0), (3.0, 4.0)))
+    assert edge.matrix is edge.matrix
+    assert edge.matrix.tolist() == [[1.0, 2.0], [3.0, 4.0]]
+    with pytest.raises(ValueError):
+        edge.matrix[0, 0] = 5.0
+    made = Edge.of_matrix(0, 1, np.array([[1.0, 2.0], [3.0, 4.0]]))
+    assert made == edge and made.matrix.tolist() == edge.matrix.tolist()
+    assert not made.matrix.flags.writeable
+
+
 def test_dominated_strategies_get_no_variables() -> None:
     # Strategy 1 of node 0 costs more, needs more memory and is worse on the edge than 0.
     problem = IntraOpProblem(
