@@ -1,0 +1,288 @@
+"""How well fxpar's cost model predicts the step it plans: estimate beside measurement, plan by plan.
+
+    python benchmarks/cost_model.py [MODEL ...] [--worlds 2 4] [--rounds 5] [--steps 2]
+
+For each world size, that many gloo processes start (one thread each; world 4 puts four
+processes on the development machine's two cores, so each gets about half a core, and
+``fxpar.calibrate`` measures that share). Every rank first calibrates ``fxpar.Cluster((world,))``
+on the running processes, then, for each model (``benchmarks/plan_quality.py``'s zoo: fxpar's
+GPT, HF Llama, Mixtral, T5 and ViT, and a BatchNorm CNN, each from seed 0 with real weights)
+compiles every plan kind on the calibrated cluster:
+
+- ``repl``, ``dp``, ``tp``, ``fsdp``: the manual plans (replicated, data parallel, tensor
+  parallel on the mesh's axis with the default module names, fully sharded);
+- ``ilp``: the plan the ILP chooses.
+
+*estimate* is the plan's estimated step (``plan.solution.objective``, the figure ``fxpar plan``
+prints as "estimated step"); *measured* is the median over ``--rounds`` rounds of the slowest
+rank's time per step, after ``--warmup`` untimed steps. In each round every plan of the model
+runs ``--steps`` steps in turn, so a slow period of the machine hits all of them. *tau* is
+Kendall's tau-b between the estimated and the measured order of one model's plans (1: the same
+order); *ilp/fastest* is the ILP's measured step over the fastest measured plan's.
+
+The memory table runs each model's plans on real tensors for every rank in one process
+(:func:`fxpar.testing.memory.peak_live_bytes`: the storages alive after every node of the
+rank's lowered program) and compares the largest rank's peak with the plan's estimate (the
+problem's memory of the chosen strategies).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import fxpar
+from fxpar import plans
+from fxpar.errors import FxparError
+from fxpar.passes import plan_program
+from fxpar.planning.plan import ChosenStrategies
+from fxpar.runtime.launch import spawn
+from fxpar.testing.memory import peak_live_bytes
+from fxpar.testing.simulate import run_ranks
+
+sys.path.insert(0, str(Path(__file__).parent))
+from plan_quality import MODELS  # noqa: E402  (the zoo's tiny configs, one place)
+
+DEFAULT_MODELS = ("gpt", "llama", "mixtral", "t5", "vit", "cnn")
+PLANS: dict[str, Callable[..., Any] | None] = {
+    "repl": plans.replicated,
+    "dp": plans.data_parallel,
+    "tp": functools.partial(plans.tensor_parallel, axis=0),
+    "fsdp": plans.fully_sharded,
+    "ilp": None,
+}
+TARGET_ERROR, TARGET_TAU, TARGET_ILP = 0.20, 0.8, 1.05
+
+
+@dataclass(frozen=True)
+class Schedule:
+    warmup: int
+    rounds: int
+    steps: int
+
+
+@dataclass
+class Timed:
+    """One (model, plan) on one rank, or merged over the ranks (the slowest rank per round)."""
+
+    estimate: float
+    seconds: list[float] = field(default_factory=list)
+
+    @property
+    def measured(self) -> float:
+        return statistics.median(self.seconds)
+
+
+def build(name: str) -> tuple[torch.nn.Module, Any, Any, tuple[Any, ...]]:
+    """The zoo's model ``name`` with seed-0 weights and a batch of random data of its shapes."""
+    torch.manual_seed(0)
+    model, inputs, loss_fn, targets = MODELS[name]()
+    generator = torch.Generator().manual_seed(1)
+
+    def filled(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        if value.is_floating_point():
+            return torch.randn(value.shape, generator=generator)
+        high = 10 if value.dim() == 1 else 2048  # class labels, or token ids of the vocabulary
+        return torch.randint(0, high, value.shape, generator=generator)
+
+    if isinstance(inputs, dict):
+        inputs = {key: filled(value) for key, value in inputs.items()}
+        if "labels" in inputs and "input_ids" in inputs and inputs["labels"].shape[1:] == (
+            inputs["input_ids"].shape[1:]
+        ):
+            inputs["labels"] = inputs["input_ids"].clone()
+    else:
+        inputs = tuple(filled(value) for value in inputs)
+    return model, inputs, loss_fn, tuple(filled(value) for value in targets)
+
+
+def _batch_args(inputs: Any, targets: tuple[Any, ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if isinstance(inputs, dict):
+        return tuple(targets), dict(inputs)
+    return (*inputs, *targets), {}
+
+
+def _compiled(
+    name: str, cluster: fxpar.Cluster
+) -> tuple[dict[str, fxpar.ParallelModel], dict[str, str], tuple[Any, ...], dict[str, Any]]:
+    """Every plan kind of model ``name`` that applies, compiled; why the others do not."""
+    model, inputs, loss_fn, targets = build(name)
+    compiled, refused = {}, {}
+    for kind, manual in PLANS.items():
+        try:
+            compiled[kind] = fxpar.compile(
+                copy.deepcopy(model), cluster, inputs, loss_fn, example_targets=targets,
+                optimizer=fxpar.optim.SGD(lr=1e-3), manual=manual,
+            )  # fmt: skip
+        except FxparError as error:
+            refused[kind] = str(error).splitlines()[0]
+    args, named = _batch_args(inputs, targets)
+    return compiled, refused, args, named
+
+
+def _measure_world(
+    rank: int, world: int, models: Sequence[str], schedule: Schedule
+) -> tuple[dict[tuple[str, str], Timed], dict[tuple[str, str], str], str]:
+    torch.set_num_threads(1)
+    cluster = fxpar.calibrate(fxpar.Cluster((world,)))
+    results: dict[tuple[str, str], Timed] = {}
+    refusals: dict[tuple[str, str], str] = {}
+    for name in models:
+        compiled, refused, args, named = _compiled(name, cluster)
+        refusals.update({(name, kind): why for kind, why in refused.items()})
+        for parallel in compiled.values():
+            for _ in range(schedule.warmup):
+                parallel.step(*args, **named)
+        timed = {kind: Timed(p.plan.solution.objective) for kind, p in compiled.items()}
+        for _ in range(schedule.rounds):
+            for kind, parallel in compiled.items():
+                dist.barrier()
+                start = time.perf_counter()
+                for _ in range(schedule.steps):
+                    parallel.step(*args, **named)
+                timed[kind].seconds.append((time.perf_counter() - start) / schedule.steps)
+        results.update({(name, kind): t for kind, t in timed.items()})
+    return results, refusals, str(cluster)
+
+
+def _slowest(per_rank: list[dict[tuple[str, str], Timed]]) -> dict[tuple[str, str], Timed]:
+    merged = {}
+    for key, first in per_rank[0].items():
+        rounds = zip(*(ranks[key].seconds for ranks in per_rank), strict=True)
+        merged[key] = Timed(first.estimate, [max(times) for times in rounds])
+    return merged
+
+
+def kendall_tau(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Kendall's tau-b of two paired samples (ties in either count as neither concordant nor
+    discordant, and shrink the denominator)."""
+    concordant = discordant = ties_x = ties_y = 0
+    for i in range(len(xs)):
+        for j in range(i + 1, len(xs)):
+            dx, dy = xs[i] - xs[j], ys[i] - ys[j]
+            if dx == 0 and dy == 0:
+                continue
+            if dx == 0:
+                ties_x += 1
+            elif dy == 0:
+                ties_y += 1
+            elif (dx > 0) == (dy > 0):
+                concordant += 1
+            else:
+                discordant += 1
+    denominator = ((concordant + discordant + ties_x) * (concordant + discordant + ties_y)) ** 0.5
+    return (concordant - discordant) / denominator if denominator else float("nan")
+
+
+def _time_table(world: int, results: dict[tuple[str, str], Timed], models: Sequence[str],
+                refusals: dict[tuple[str, str], str]) -> list[float]:  # fmt: skip
+    """Print one world's rows; return each row's estimate / measured."""
+    ratios = []
+    for name in models:
+        rows = {kind: results[name, kind] for kind in PLANS if (name, kind) in results}
+        if not rows:
+            continue
+        fastest = min(t.measured for t in rows.values())
+        tau = kendall_tau([t.estimate for t in rows.values()], [t.measured for t in rows.values()])
+        ilp = rows["ilp"].measured / fastest if "ilp" in rows else float("nan")
+        for kind in PLANS:
+            if kind not in rows:
+                why = refusals.get((name, kind), "not run")
+                print(f"{world} | {name} | {kind} | - | - | - | refused: {why[:80]}")
+                continue
+            t = rows[kind]
+            ratios.append(t.estimate / t.measured)
+            print(f"{world} | {name} | {kind} | {t.estimate * 1e3:.1f} | {t.measured * 1e3:.1f} "
+                  f"| {t.estimate / t.measured:.2f} | {'fastest' if t.measured == fastest else ''}")  # fmt: skip
+        print(f"{world} | {name} | **tau {tau:.2f}, ilp/fastest {ilp:.2f}** | | | |", flush=True)
+    return ratios
+
+
+def _memory_rows(name: str, world: int) -> list[tuple[str, int, float]]:
+    """(plan, largest rank's measured peak bytes, estimated bytes) of each plan kind."""
+    model, inputs, loss_fn, targets = build(name)
+    program = fxpar.capture(model, inputs, loss_fn, example_targets=targets)
+    batch = [*(inputs.values() if isinstance(inputs, dict) else inputs), *targets]
+    rows = []
+    for kind, manual in PLANS.items():
+        try:
+            plan = plan_program(copy.deepcopy(program), fxpar.Cluster((world,)), manual=manual)
+        except FxparError:
+            continue
+        flat = plan.program.flat_inputs(model, *batch)
+        peaks = run_ranks(
+            fxpar.lower(plan), flat,
+            lambda module, comm, local: peak_live_bytes(module, [comm, *local]),
+        )  # fmt: skip
+        chosen = plan.program.require(ChosenStrategies)
+        estimate = chosen.problem.memory(chosen.solution.choice)
+        rows.append((kind, max(p.peak_bytes for p in peaks.values()), estimate))
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("models", nargs="*", default=list(DEFAULT_MODELS))
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--no-memory", action="store_true", help="skip the memory table")
+    args = parser.parse_args()
+    unknown = sorted(set(args.models) - set(MODELS))
+    if unknown:
+        parser.error(f"unknown models {unknown}; choose from {sorted(MODELS)}")
+    schedule = Schedule(args.warmup, args.rounds, args.steps)
+
+    print("world | model | plan | estimate ms | measured ms | est/meas | ")
+    print("-- | " * 6 + "--")
+    ratios: list[float] = []
+    taus, ilps, clusters = [], [], []
+    for world in args.worlds:
+        per_rank = spawn(_measure_world, world, args.models, schedule, timeout_s=900.0)
+        results = _slowest([r for r, _, _ in per_rank])
+        ratios += _time_table(world, results, args.models, per_rank[0][1])
+        clusters.append(f"world {world}: {per_rank[0][2]}")
+        for name in args.models:
+            rows = {k: results[name, k] for k in PLANS if (name, k) in results}
+            if len(rows) > 1:
+                taus.append(kendall_tau([t.estimate for t in rows.values()],
+                                        [t.measured for t in rows.values()]))  # fmt: skip
+            if "ilp" in rows:
+                ilps.append(rows["ilp"].measured / min(t.measured for t in rows.values()))
+    errors = sorted(abs(r - 1) for r in ratios)
+    print("\n" + "\n".join(clusters))
+    print(f"\nmedian |est/meas - 1| {statistics.median(errors):.0%} (target <= {TARGET_ERROR:.0%}); "
+          f"worst est/meas {min(ratios):.2f}-{max(ratios):.2f} (target within 2x); "
+          f"tau {min(taus):.2f}-{max(taus):.2f} (target >= {TARGET_TAU}); "
+          f"ilp/fastest {min(ilps):.2f}-{max(ilps):.2f} (target <= {TARGET_ILP})")  # fmt: skip
+
+    if not args.no_memory:
+        print("\nworld | model | plan | measured peak MiB | estimate MiB | est/meas")
+        print("-- | " * 5 + "--")
+        memory_errors = []
+        for world in args.worlds:
+            for name in args.models:
+                for kind, peak, estimate in _memory_rows(name, world):
+                    memory_errors.append(abs(estimate / peak - 1))
+                    print(f"{world} | {name} | {kind} | {peak / 2**20:.2f} | "
+                          f"{estimate / 2**20:.2f} | {estimate / peak:.2f}", flush=True)  # fmt: skip
+        print(f"\nmemory: worst |est/meas - 1| {max(memory_errors):.0%} (target <= 15%)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
