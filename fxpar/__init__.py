@@ -22,7 +22,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 from fxpar import checkpoint, errors, ir, models, optim, pipeline
-from fxpar.cluster import Cluster
+from fxpar.cluster import Cluster, CollectiveLink
 from fxpar.compiler import compile, plan
 from fxpar.ir import work_report
 from fxpar.ir.capture import capture
@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Cluster",
+    "CollectiveLink",
     "MixedPrecision",
     "ParallelModel",
     "Pipeline",

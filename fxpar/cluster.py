@@ -37,6 +37,26 @@ _PRESETS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+
+
+@dataclass(frozen=True)
+class CollectiveLink:
+    """The latency and bandwidth one kind of collective runs at on one mesh axis, where they
+    are not the axis' own (:attr:`Cluster.bandwidth` and :attr:`Cluster.latency`, which every
+    other collective of that axis takes). Calibration measures them: gloo, for one, runs a
+    reduce-scatter at a fraction of its all-reduce's speed."""
+
+    kind: str
+    axis: int
+    latency: float
+    bandwidth: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "axis": self.axis, "latency": self.latency,
+                "bandwidth": self.bandwidth}  # fmt: skip
+
+
 @dataclass(frozen=True)
 class Cluster:
     """A logical device mesh and what its devices and links can do.
@@ -45,7 +65,9 @@ class Cluster:
     ``bandwidth`` and ``latency`` per mesh axis (bytes/s each device sends along that axis, and
     seconds per collective), ``flops`` and ``memory_bandwidth`` per device, and ``memory``, the
     bytes a device may hold. Axes without a bandwidth or latency take the first one given (or
-    the defaults). :meth:`preset` builds common machines.
+    the defaults). ``collective_links`` give a kind of collective its own numbers on an axis
+    (:class:`CollectiveLink`, :meth:`link_of`; ``fxpar calibrate`` measures them).
+    :meth:`preset` builds common machines.
     """
 
     mesh_shape: tuple[int, ...]
@@ -56,6 +78,7 @@ class Cluster:
     flops: float = 1e11
     memory_bandwidth: float = 20e9
     memory: float = 16 * GiB
+    collective_links: tuple[CollectiveLink, ...] = ()
 
     def __post_init__(self) -> None:
         shape = tuple(self.mesh_shape)
@@ -76,6 +99,27 @@ class Cluster:
             object.__setattr__(self, field_name, values + (values[0],) * (len(shape) - len(values)))
         if self.flops <= 0 or self.memory <= 0 or self.memory_bandwidth <= 0:
             raise FxparError("flops, memory_bandwidth and memory must be positive")
+        links = tuple(
+            CollectiveLink(**link) if isinstance(link, Mapping) else link
+            for link in self.collective_links
+        )
+        seen = set()
+        for link in links:
+            if not isinstance(link, CollectiveLink):
+                raise FxparError(f"collective_links holds CollectiveLinks, got {link!r}")
+            if link.kind not in COLLECTIVE_KINDS or not 0 <= link.axis < len(shape):
+                raise FxparError(
+                    f"a collective link needs a kind of {COLLECTIVE_KINDS} and an axis of the "
+                    f"{len(shape)}-D mesh, got {link.kind!r} on axis {link.axis}"
+                )
+            if not (link.latency > 0 and link.bandwidth > 0):
+                raise FxparError(
+                    f"a collective link needs a positive latency and bandwidth: {link}"
+                )
+            if (link.kind, link.axis) in seen:
+                raise FxparError(f"two links for {link.kind} on axis {link.axis}")
+            seen.add((link.kind, link.axis))
+        object.__setattr__(self, "collective_links", links)
 
     @staticmethod
     def preset(name: str, mesh_shape: tuple[int, ...], **overrides: Any) -> Cluster:
@@ -127,12 +171,17 @@ class Cluster:
         return Cluster.preset(preset, mesh_shape, **overrides)
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field, as JSON writes it (tuples as lists)."""
-        return {
+        """Every field, as JSON writes it (tuples as lists); ``collective_links`` only when
+        there are some."""
+        data = {
             field.name: list(value) if isinstance(value, tuple) else value
             for field in fields(self)
             for value in (getattr(self, field.name),)
         }
+        data["collective_links"] = [link.to_dict() for link in self.collective_links]
+        if not data["collective_links"]:
+            del data["collective_links"]
+        return data
 
     @staticmethod
     def from_dict(data: Mapping[str, Any]) -> Cluster:
@@ -183,12 +232,16 @@ class Cluster:
             return saved
         if len(mesh_shape) == saved.ndim:
             return replace(saved, mesh_shape=tuple(mesh_shape))
+        last = [link for link in saved.collective_links if link.axis == saved.ndim - 1]
         return replace(
             saved,
             mesh_shape=tuple(mesh_shape),
             axis_names=(),
             bandwidth=saved.bandwidth[-1:],
             latency=saved.latency[-1:],
+            collective_links=tuple(
+                replace(link, axis=axis) for axis in range(len(mesh_shape)) for link in last
+            ),
         )
 
     @staticmethod
@@ -248,6 +301,14 @@ class Cluster:
                 return axis, block
         return None, block
 
+    def link_of(self, kind: str, axis: int) -> tuple[float, float]:
+        """Bandwidth and latency of a collective of ``kind`` on mesh axis ``axis``: its own
+        (:attr:`collective_links`) where it has them, else the axis'."""
+        for link in self.collective_links:
+            if link.axis == axis and link.kind == kind:
+                return link.bandwidth, link.latency
+        return self.bandwidth[axis], self.latency[axis]
+
     def link(self, devices: int) -> tuple[float, float]:
         """Bandwidth and latency among ``devices`` consecutive ranks: those of
         :meth:`link_axis`, or the slowest link when no block holds them evenly."""
@@ -279,7 +340,14 @@ class Cluster:
             )
         world = self.world_size
         share = world // devices if world % devices == 0 else world / devices
+        sources = [self.link_axis(math.prod(shape[axis:]))[0] for axis in range(len(shape))]
         links = [self.link(math.prod(shape[axis:])) for axis in range(len(shape))]
+        kinds = tuple(
+            replace(link, axis=axis)
+            for axis, source in enumerate(sources)
+            for link in self.collective_links
+            if link.axis == source
+        )
         if self.mesh_shape[self.ndim - len(shape) :] == shape and len(shape) < self.ndim:
             names = self.axis_names[self.ndim - len(shape) :]
         elif len(shape) == 1:
@@ -293,6 +361,7 @@ class Cluster:
             bandwidth=tuple(bandwidth for bandwidth, _ in links),
             latency=tuple(latency for _, latency in links),
             memory=self.memory * share,
+            collective_links=kinds,
         )
 
     def check_process_group(self) -> None:
@@ -370,6 +439,7 @@ _FIELD_KINDS = {
     "flops": "a finite number > 0",
     "memory_bandwidth": "a finite number > 0",
     "memory": "a finite number > 0",
+    "collective_links": "a list of {kind, axis, latency, bandwidth} objects",
 }
 
 
@@ -394,4 +464,14 @@ def _is_json_field(key: str, value: object) -> bool:
         return isinstance(value, str)
     if key in ("bandwidth", "latency"):
         return isinstance(value, list | tuple) and all(positive(number) for number in value)
+    if key == "collective_links":
+        return isinstance(value, list | tuple) and all(
+            isinstance(link, dict)
+            and set(link) == {"kind", "axis", "latency", "bandwidth"}
+            and isinstance(link["kind"], str)
+            and type(link["axis"]) is int
+            and positive(link["latency"])
+            and positive(link["bandwidth"])
+            for link in value
+        )
     return positive(value)

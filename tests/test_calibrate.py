@@ -18,9 +18,12 @@ from fxpar.cli import main
 from fxpar.errors import DistributedError, FxparError
 from fxpar.planning.cost import collective_seconds
 from fxpar.runtime.calibration import (
+    ALL_GATHER,
     ALL_REDUCE,
+    ALL_TO_ALL,
     COPY,
     MATMUL,
+    REDUCE_SCATTER,
     Calibration,
     CalibrationOptions,
     Timing,
@@ -76,15 +79,20 @@ def test_every_rank_gets_the_same_sane_cluster_on_the_same_mesh(
 def test_the_fitted_model_gives_back_the_fitted_times_and_roughly_the_one_between(
     ranks: list[dict[str, object]],
 ) -> None:
-    """The line through the small and large all-reduce (and the matmul and copy rates) gives
-    back their times under the cost model's formulas; the all-reduce of a middle size, timed
-    in the same calibration but not fitted, lies within 3x of the line (a loose bound: a
-    busy machine stalls some collectives for a scheduler slice)."""
+    """The line through the small and large all-reduce (and through those of each other kind
+    of collective, and the matmul and copy rates) gives back their times under the cost
+    model's formulas; the all-reduce of a middle size, timed in the same calibration but not
+    fitted, lies within 3x of the line (a loose bound: a busy machine stalls some collectives
+    for a scheduler slice)."""
     calibration = ranks[0]["flat"]
     assert isinstance(calibration, Calibration)
     kinds = [(t.operation, t.fitted) for t in calibration.timings]
     assert kinds == [(ALL_REDUCE, True), (ALL_REDUCE, False), (ALL_REDUCE, True),
+                     *[(kind, True) for kind in (ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL)
+                       for _ in range(2)],
                      (MATMUL, True), (COPY, True)]  # fmt: skip
+    own = {(link.kind, link.axis) for link in calibration.cluster.collective_links}
+    assert own == {(ALL_GATHER, 0), (REDUCE_SCATTER, 0), (ALL_TO_ALL, 0)}
     for timing in calibration.timings:
         model = timing.model_seconds(calibration.cluster)
         if timing.fitted:
@@ -103,7 +111,8 @@ def test_an_axis_of_one_device_keeps_its_links(ranks: list[dict[str, object]]) -
     calibration = ranks[0]["one_by_two"]
     assert isinstance(calibration, Calibration)
     cluster = calibration.cluster
-    assert {t.axis for t in calibration.timings if t.operation == ALL_REDUCE} == {1}
+    assert {t.axis for t in calibration.timings if t.axis is not None} == {1}
+    assert {link.axis for link in cluster.collective_links} == {1}
     assert (cluster.latency[0], cluster.bandwidth[0]) == (ONE_BY_TWO.latency[0],
                                                           ONE_BY_TWO.bandwidth[0])  # fmt: skip
     assert cluster.latency[1] != ONE_BY_TWO.latency[1]
@@ -140,18 +149,36 @@ def _timings_of(cluster: fxpar.Cluster, options: CalibrationOptions) -> list[Tim
         Timing(ALL_REDUCE, nbytes, 0.0, axis=0, fitted=nbytes != options.check_bytes)
         for nbytes in (itemsize, options.check_bytes, options.large_bytes)
     ]
+    step = cluster.mesh_shape[0] * itemsize
+    timings += [
+        Timing(kind, nbytes, 0.0, axis=0)
+        for kind in (ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL)
+        for nbytes in (step, options.large_bytes // step * step)
+    ]
     timings.append(Timing(MATMUL, 3 * 512 * 512 * itemsize, 0.0, flops=2 * 512**3))
     timings.append(Timing(COPY, 2 * options.copy_bytes, 0.0))
     return [dataclasses.replace(t, seconds=t.model_seconds(cluster)) for t in timings]
 
 
 def test_fit_recovers_the_cluster_that_produced_the_times() -> None:
+    """Each kind of collective gets back its own link, the all-reduce the axis' (a machine
+    whose reduce-scatter runs at a quarter of the all-reduce's speed, as gloo's does)."""
+    own = (
+        fxpar.CollectiveLink(ALL_GATHER, 0, latency=5e-4, bandwidth=4e8),
+        fxpar.CollectiveLink(REDUCE_SCATTER, 0, latency=6e-4, bandwidth=1.75e8),
+        fxpar.CollectiveLink(ALL_TO_ALL, 0, latency=2e-4, bandwidth=9e8),
+    )
     machine = fxpar.Cluster((4,), latency=(3e-4,), bandwidth=(7e8,), flops=3e10,
-                            memory_bandwidth=1.2e10)  # fmt: skip
+                            memory_bandwidth=1.2e10, collective_links=own)  # fmt: skip
     options = CalibrationOptions()
     fitted = fit(fxpar.Cluster.preset("cpu", (4,)), _timings_of(machine, options))
     assert fitted.latency[0] == pytest.approx(3e-4, rel=1e-9)
     assert fitted.bandwidth[0] == pytest.approx(7e8, rel=1e-9)
+    assert [link.kind for link in fitted.collective_links] == [link.kind for link in own]
+    for link, expected in zip(fitted.collective_links, own, strict=True):
+        assert link.axis == 0
+        assert link.latency == pytest.approx(expected.latency, rel=1e-9)
+        assert link.bandwidth == pytest.approx(expected.bandwidth, rel=1e-9)
     assert fitted.flops == pytest.approx(3e10, rel=1e-9)
     assert fitted.memory_bandwidth == pytest.approx(1.2e10, rel=1e-9)
     assert fitted.memory == fxpar.Cluster.preset("cpu", (4,)).memory
@@ -189,6 +216,19 @@ def test_a_cluster_file_loads_back_on_its_mesh_or_another(tmp_path: Path) -> Non
     flat = fxpar.Cluster.load(path, (8,))
     assert (flat.axis_names, flat.bandwidth, flat.latency) == (("axis0",), (8e9,), (3e-5,))
     assert flat.flops == 4e10
+    # A kind's own link travels with the file; on a mesh of other axes, the last axis' link
+    # goes to every axis, as the axis' own link does.
+    gathers = fxpar.CollectiveLink("all_gather", 1, latency=1e-4, bandwidth=2e9)
+    calibrated = dataclasses.replace(cluster, collective_links=(gathers,))
+    path = calibrated.save(tmp_path / "calibrated.json")
+    assert fxpar.Cluster.load(path) == calibrated
+    assert fxpar.Cluster.load(path).link_of("all_gather", 1) == (2e9, 1e-4)
+    assert fxpar.Cluster.load(path).link_of("all_gather", 0) == (1e9, 2e-4)
+    assert fxpar.Cluster.load(path).link_of("reduce_scatter", 1) == (8e9, 3e-5)
+    assert fxpar.Cluster.load(path, (2, 2, 2)).collective_links == tuple(
+        dataclasses.replace(gathers, axis=axis) for axis in range(3)
+    )
+    assert "collective_links" not in json.loads((tmp_path / "cluster.json").read_text())
     (tmp_path / "plan.json").write_text('{"format": "fxpar-plan"}')
     with pytest.raises(FxparError, match="is not a cluster file"):
         fxpar.Cluster.load(tmp_path / "plan.json")
@@ -197,6 +237,34 @@ def test_a_cluster_file_loads_back_on_its_mesh_or_another(tmp_path: Path) -> Non
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    ("links", "message"),
+    [
+        ([{"kind": "broadcast", "axis": 0, "latency": 1e-5, "bandwidth": 1e9}], "needs a kind"),
+        ([{"kind": "all_gather", "axis": 2, "latency": 1e-5, "bandwidth": 1e9}], "an axis of"),
+        ([{"kind": "all_gather", "axis": 0, "latency": -1.0, "bandwidth": 1e9}], "cannot be"),
+        ([{"kind": "all_gather", "axis": 0, "latency": 1e-5}], "cannot be"),
+        ([{"kind": "all_to_all", "axis": 0, "latency": 1e-5, "bandwidth": 1e9}] * 2, "two links"),
+    ],
+)
+def test_bad_collective_links_are_named(links: list[dict[str, object]], message: str) -> None:
+    with pytest.raises(FxparError, match=message):
+        fxpar.Cluster.from_dict({"mesh_shape": [2], "collective_links": links})
+
+
+def test_a_stage_submesh_keeps_the_links_of_the_axes_it_takes() -> None:
+    cluster = fxpar.Cluster(
+        (2, 4), bandwidth=(1e9, 8e9), latency=(2e-4, 3e-5),
+        collective_links=(fxpar.CollectiveLink("reduce_scatter", 1, 1e-4, 2e9),
+                          fxpar.CollectiveLink("reduce_scatter", 0, 9e-4, 1e8)),
+    )  # fmt: skip
+    inner = cluster.submesh((4,))  # the inner axis' four devices
+    assert inner.link_of("reduce_scatter", 0) == (2e9, 1e-4)
+    assert inner.link_of("all_gather", 0) == (8e9, 3e-5)
+    whole = cluster.submesh((2, 4))
+    assert whole.link_of("reduce_scatter", 0) == (1e8, 9e-4)
+
+
 def test_calibrate_command_prints_and_saves_a_cluster_that_plan_reads(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -31,7 +31,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 import fxpar
 from fxpar import ir, plans
-from fxpar.cluster import Cluster
+from fxpar.cluster import Cluster, CollectiveLink
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.passes import plan_program
 from fxpar.planning.collective_schedule import Reshard, StartGather
@@ -171,6 +171,33 @@ def test_resharding_costs_the_hand_formula_on_its_axis(
     cluster, src, dst, kinds, expected = case
     assert [step.kind for step in reshard_steps(src, dst, cluster.mesh_shape)] == kinds
     assert reshard_seconds(src, dst, META, cluster) == pytest.approx(expected, rel=1e-12)
+
+
+# Each kind of collective on its own link (as calibration fits them on gloo).
+OWN = Cluster(
+    (4,), bandwidth=(2e9,), latency=(10e-6,),
+    collective_links=(
+        CollectiveLink("all_gather", 0, latency=40e-6, bandwidth=1e9),
+        CollectiveLink("reduce_scatter", 0, latency=90e-6, bandwidth=5e8),
+        CollectiveLink("all_to_all", 0, latency=20e-6, bandwidth=3e9),
+    ),
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("src", "dst", "expected"),
+    [
+        ((S(0),), (R,), all_gather(WHOLE, 4, (1e9, 40e-6))),
+        ((P,), (S(0),), reduce_scatter(WHOLE, 4, (5e8, 90e-6))),
+        ((S(0),), (S(1),), all_to_all(WHOLE / 4, 4, (3e9, 20e-6))),
+        ((P,), (R,), all_reduce(WHOLE, 4, LINE_LINK)),  # no link of its own: the axis'
+    ],
+    ids=["all_gather", "reduce_scatter", "all_to_all", "all_reduce"],
+)
+def test_each_kind_of_collective_costs_its_formula_on_its_own_link(
+    src: Spec, dst: Spec, expected: float
+) -> None:
+    assert reshard_seconds(src, dst, META, OWN) == pytest.approx(expected, rel=1e-12)
 
 
 def test_results_that_leave_by_reductions_pay_their_bytes_without_latency() -> None:

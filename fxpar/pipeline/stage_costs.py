@@ -463,7 +463,7 @@ def _bucket_seconds(members: Sequence[Bucketed], mesh: Cluster) -> float:
     nbytes = sum(member.nbytes for member in members)
     return sum(
         collective_seconds(
-            route.kind, nbytes, mesh.mesh_shape[axis], mesh.bandwidth[axis], mesh.latency[axis]
+            route.kind, nbytes, mesh.mesh_shape[axis], *mesh.link_of(route.kind, axis)
         )
         for axis in route.axes
     )

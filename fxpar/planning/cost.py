@@ -96,7 +96,7 @@ def reshard_terms(src: Code, dst: Code, cluster: Cluster, price: Price = "") -> 
     steps = coded_steps(src, dst, mesh)
     route = bucket_route_of(steps) if price == "output" else None
     if route is not None:
-        per_byte = sum(collective_share(route.kind, mesh[a]) / cluster.bandwidth[a]
+        per_byte = sum(collective_share(route.kind, mesh[a]) / cluster.link_of(route.kind, a)[0]
                        for a in route.axes)  # fmt: skip
         return 0.0, per_byte / _pieces(src, mesh)
     seconds = per_byte = 0.0
@@ -104,8 +104,9 @@ def reshard_terms(src: Code, dst: Code, cluster: Cluster, price: Price = "") -> 
     for step in steps:
         share = collective_share(step.kind, mesh[step.axis])
         if share:
-            seconds += cluster.latency[step.axis]
-            per_byte += share / (_pieces(current, mesh) * cluster.bandwidth[step.axis])
+            bandwidth, latency = cluster.link_of(step.kind, step.axis)
+            seconds += latency
+            per_byte += share / (_pieces(current, mesh) * bandwidth)
         current[step.axis] = step.code_after
     if price == "regathered" and gather_route_of(steps) is not None:
         return 2 * seconds, 2 * per_byte

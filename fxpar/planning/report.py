@@ -107,9 +107,10 @@ def price_schedule(program: Program, cluster: Cluster) -> PricedSchedule:
     """The collective schedule of ``program``'s chosen strategies on ``cluster``, priced."""
     mesh = cluster.mesh_shape
     schedule = schedule_program(program, mesh)
-    links = list(zip(cluster.bandwidth, cluster.latency, strict=True))
     record_seconds = tuple(
-        cost.collective_seconds(record.kind, record.bytes, mesh[record.axis], *links[record.axis])
+        cost.collective_seconds(
+            record.kind, record.bytes, mesh[record.axis], *cluster.link_of(record.kind, record.axis)
+        )
         for record in schedule.records
     )
     specs = schedule.specs

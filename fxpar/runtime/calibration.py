@@ -17,6 +17,11 @@ What it times (:class:`CalibrationOptions` sets the sizes and repeats):
   points, so the model gives back both measured times. An all-reduce of ``check_bytes`` is
   timed too and not fitted: it shows how well the straight line holds between them. An axis of
   one device has no collective to time and keeps its numbers.
+- On the same axes, an all-gather, a reduce-scatter and an all-to-all of one element per device
+  and of ``large_bytes``, with the calls the runtime makes
+  (:class:`~fxpar.runtime.communicators.ProcessGroupCommunicator`), each kind fitted a line of
+  its own (:class:`~fxpar.cluster.CollectiveLink`): gloo runs them at speeds of their own
+  (``CalibrationOptions.each_kind`` turns this off).
 - A ``matmul_size``-cubed matrix product in ``dtype`` (``2·size³`` FLOPs over its time gives
   ``flops``) and a copy of ``copy_bytes`` (it reads and writes them: ``2·copy_bytes`` over its
   time gives ``memory_bandwidth``), the two roofline terms of
@@ -31,7 +36,7 @@ run after a barrier of its own process group; local work runs back to back, ever
 as in a step (:func:`_typical_seconds` says why). A rank keeps the lower quartile of its times
 (:attr:`CalibrationOptions.quantile`), and the slowest rank's (one all-reduce MAX) is the time
 every rank fits: every rank returns the same Cluster. With the defaults calibration takes about
-a second on local CPU processes.
+a few seconds on local CPU processes.
 
 Why a function and not a ``Cluster`` method: :mod:`fxpar.cluster` is a leaf that the cost model
 imports, and calibration needs the cost model's formulas (so that the fitted numbers give back
@@ -52,15 +57,19 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from fxpar import ir
-from fxpar.cluster import Cluster
+from fxpar.cluster import COLLECTIVE_KINDS, Cluster, CollectiveLink
 from fxpar.errors import DistributedError, FxparError
-from fxpar.planning.cost import collective_seconds, roofline_seconds
+from fxpar.planning.cost import collective_seconds, collective_share, roofline_seconds
 from fxpar.runtime import waiting
+from fxpar.runtime.communicators import all_gather_single, pending, reduce_scatter_single
 from fxpar.runtime.devices import for_collective, rank_device, synchronize
 
 logger = logging.getLogger(__name__)
 
 ALL_REDUCE, MATMUL, COPY = "all_reduce", "matmul", "copy"
+ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL = "all_gather", "reduce_scatter", "all_to_all"
+OWN_LINKS = (ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL)
+"""The collectives timed apart from the all-reduce, each fitted a link of its own."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +86,10 @@ class CalibrationOptions:
     """The copy that fits ``memory_bandwidth``."""
     dtype: torch.dtype = torch.float32
     """The element type of every tensor timed: the one training computes in."""
+    each_kind: bool = True
+    """Also time all-gathers, reduce-scatters and all-to-alls (of one element per device
+    and of ``large_bytes``) and fit each its own latency and bandwidth on every axis
+    (:class:`~fxpar.cluster.CollectiveLink`); without, they take the all-reduce's."""
     warmup: int = 2
     repeats: int = 15
     quantile: float = 0.25
@@ -127,27 +140,26 @@ class Timing:
     """One operation calibration timed, and the slowest rank's time for it."""
 
     operation: str
-    """``all_reduce``, ``matmul`` or ``copy``."""
+    """A collective (``all_reduce``, ``all_gather``, ``reduce_scatter``, ``all_to_all``),
+    ``matmul`` or ``copy``."""
     nbytes: int
-    """An all-reduce's local tensor; for a matmul or a copy, the bytes it reads and writes (as
-    the roofline counts them)."""
+    """A collective's local tensor before it (as the cost model counts it); for a matmul or a
+    copy, the bytes it reads and writes (as the roofline counts them)."""
     seconds: float
     axis: int | None = None
-    """The mesh axis of an all-reduce."""
+    """The mesh axis of a collective."""
     flops: int = 0
     fitted: bool = True
     """False for the all-reduce that only checks the fit."""
 
     def model_seconds(self, cluster: Cluster) -> float:
         """What the cost model says this operation takes on ``cluster``."""
-        if self.operation == ALL_REDUCE:
-            assert self.axis is not None
+        if self.axis is not None:
             return collective_seconds(
-                ALL_REDUCE,
+                self.operation,
                 self.nbytes,
                 cluster.mesh_shape[self.axis],
-                cluster.bandwidth[self.axis],
-                cluster.latency[self.axis],
+                *cluster.link_of(self.operation, self.axis),
             )
         work = ir.Cost(flops=self.flops, bytes_read=self.nbytes, bytes_written=0, output_bytes=0)
         return roofline_seconds(work, cluster)
@@ -156,7 +168,8 @@ class Timing:
         if self.axis is None:
             return self.operation
         role = "fit" if self.fitted else "check"
-        return f"all-reduce on {cluster.axis_names[self.axis]} ({role})"
+        kind = self.operation.replace("_", "-")
+        return f"{kind} on {cluster.axis_names[self.axis]} ({role})"
 
 
 @dataclass(frozen=True)
@@ -177,6 +190,10 @@ class Calibration:
             fields.append(
                 (f"bandwidth {name}", *(_rate(c.bandwidth[axis], "B/s") for c in clusters))
             )
+        for link in self.cluster.collective_links:
+            name = f"{link.kind} {self.cluster.axis_names[link.axis]}"
+            fields.append((f"latency {name}", "-", _seconds(link.latency)))
+            fields.append((f"bandwidth {name}", "-", _rate(link.bandwidth, "B/s")))
         fields.append(("flops", *(_rate(c.flops, "FLOP/s") for c in clusters)))
         fields.append(("memory_bandwidth", *(_rate(c.memory_bandwidth, "B/s") for c in clusters)))
         timings: list[tuple[str, ...]] = [("operation", "bytes", "measured", "model")]
@@ -246,28 +263,25 @@ def measure(
 
 def fit(cluster: Cluster, timings: Sequence[Timing]) -> Cluster:
     """``cluster`` with the fields that ``timings`` measure fitted to them (see the module's
-    docstring); other fields, and the links of axes without timings, as they were."""
+    docstring); other fields, and the links of axes without timings, as they were. A kind of
+    collective timed apart from the all-reduce gets its own link on that axis
+    (:class:`~fxpar.cluster.CollectiveLink`)."""
     latency, bandwidth = list(cluster.latency), list(cluster.bandwidth)
+    links = {(link.kind, link.axis): link for link in cluster.collective_links}
     for axis, devices in enumerate(cluster.mesh_shape):
-        points = sorted(
-            (t.nbytes, t.seconds)
-            for t in timings
-            if t.operation == ALL_REDUCE and t.axis == axis and t.fitted
-        )
-        if not points:
-            continue
-        (small, small_s), (large, large_s) = points[0], points[-1]
-        share = 2 * (devices - 1) / devices  # what collective_seconds charges an all-reduce
-        if large_s > small_s:
-            bandwidth[axis] = share * (large - small) / (large_s - small_s)
-            latency[axis] = small_s - share * small / bandwidth[axis]
-        if large_s <= small_s or latency[axis] <= 0:
-            raise FxparError(
-                f"on mesh axis {cluster.axis_names[axis]}, all-reduces of {small} and {large} "
-                f"bytes took {small_s * 1e6:.0f} and {large_s * 1e6:.0f} us: no line of a "
-                "positive latency and bandwidth goes through both (the machine is too noisy "
-                "for these sizes); calibrate again with a larger CalibrationOptions.large_bytes"
+        for kind in (ALL_REDUCE, *OWN_LINKS):
+            points = sorted(
+                (t.nbytes, t.seconds)
+                for t in timings
+                if t.operation == kind and t.axis == axis and t.fitted
             )
+            if not points:
+                continue
+            line = _line(cluster, kind, axis, devices, points[0], points[-1])
+            if kind == ALL_REDUCE:
+                latency[axis], bandwidth[axis] = line
+            else:
+                links[kind, axis] = CollectiveLink(kind, axis, *line)
     flops, memory_bandwidth = cluster.flops, cluster.memory_bandwidth
     for timing in timings:
         if timing.operation == MATMUL:
@@ -280,6 +294,34 @@ def fit(cluster: Cluster, timings: Sequence[Timing]) -> Cluster:
         bandwidth=tuple(bandwidth),
         flops=flops,
         memory_bandwidth=memory_bandwidth,
+        collective_links=tuple(
+            links[key] for key in sorted(links, key=lambda k: (k[1], COLLECTIVE_KINDS.index(k[0])))
+        ),
+    )
+
+
+def _line(
+    cluster: Cluster,
+    kind: str,
+    axis: int,
+    devices: int,
+    small: tuple[int, float],
+    large: tuple[int, float],
+) -> tuple[float, float]:
+    """The latency and bandwidth of the line of :func:`~fxpar.planning.cost.collective_seconds`
+    through a small and a large collective's (bytes, seconds)."""
+    (small_bytes, small_s), (large_bytes, large_s) = small, large
+    share = collective_share(kind, devices)  # bytes moved per local byte
+    if large_s > small_s:
+        bandwidth = share * (large_bytes - small_bytes) / (large_s - small_s)
+        latency = small_s - share * small_bytes / bandwidth
+        if latency > 0:
+            return latency, bandwidth
+    raise FxparError(
+        f"on mesh axis {cluster.axis_names[axis]}, {kind.replace('_', '-')}s of {small_bytes} "
+        f"and {large_bytes} bytes took {small_s * 1e6:.0f} and {large_s * 1e6:.0f} us: no line "
+        "of a positive latency and bandwidth goes through both (the machine is too noisy for "
+        "these sizes); calibrate again with a larger CalibrationOptions.large_bytes"
     )
 
 
@@ -297,6 +339,12 @@ def _planned_timings(cluster: Cluster, options: CalibrationOptions) -> list[Timi
         ):
             whole = nbytes // itemsize * itemsize
             planned.append(Timing(ALL_REDUCE, whole, 0.0, axis=axis, fitted=fitted))
+        if options.each_kind:
+            # One element per device, and large_bytes: sizes every kind splits evenly.
+            step = devices * itemsize
+            for kind in OWN_LINKS:
+                for nbytes in (step, max(options.large_bytes // step, 1) * step):
+                    planned.append(Timing(kind, nbytes, 0.0, axis=axis))
     size = options.matmul_size
     planned.append(Timing(MATMUL, 3 * size * size * itemsize, 0.0, flops=2 * size**3))
     copied = options.copy_bytes // itemsize * itemsize
@@ -321,6 +369,8 @@ def _runner(
         # Waited on as the runtime waits (polling small transfers), so the latency fitted is
         # the one the programs see.
         return lambda: waiting.all_reduce(buffer, group)
+    if timing.operation in OWN_LINKS:
+        return _collective_runner(timing, group, options, device)
     if timing.operation == MATMUL:
         size = options.matmul_size
         left = torch.randn(size, size, dtype=dtype, device=device)
@@ -330,6 +380,34 @@ def _runner(
     source = torch.ones(timing.nbytes // 2 // dtype.itemsize, dtype=dtype, device=device)
     target = torch.empty_like(source)
     return lambda: target.copy_(source)
+
+
+def _collective_runner(
+    timing: Timing,
+    group: ProcessGroup | None,
+    options: CalibrationOptions,
+    device: torch.device,
+) -> Callable[[], object]:
+    """A function that runs ``timing``'s collective once, with the calls the runtime makes
+    (:class:`~fxpar.runtime.communicators.ProcessGroupCommunicator`), waited for as it waits."""
+    devices = dist.get_world_size(group)
+    count = timing.nbytes // options.dtype.itemsize
+    local = for_collective(torch.zeros(count, dtype=options.dtype, device=device), group)
+    if timing.operation == ALL_GATHER:
+        gathered = local.new_empty(devices * count)
+        return lambda: pending(
+            all_gather_single(gathered, local, group=group, async_op=True), gathered, reports=True
+        ).wait()
+    if timing.operation == REDUCE_SCATTER:
+        piece = local.new_empty(count // devices)
+        return lambda: pending(
+            reduce_scatter_single(piece, local, group=group, async_op=True), piece, reports=False
+        ).wait()
+    received = torch.empty_like(local)
+    return lambda: pending(
+        dist.all_to_all_single(received, local, group=group, async_op=True), received,
+        reports=True,
+    ).wait()  # fmt: skip
 
 
 def _typical_seconds(
