@@ -33,8 +33,9 @@ What it times (:class:`CalibrationOptions` sets the sizes and repeats):
 
 Each operation runs ``warmup`` times untimed, then ``repeats`` times. A collective starts each
 run after a barrier of its own process group; local work runs back to back, every rank at once,
-as in a step (:func:`_typical_seconds` says why). A rank keeps the lower quartile of its times
-(:attr:`CalibrationOptions.quantile`), and the slowest rank's (one all-reduce MAX) is the time
+as in a step (:func:`_typical_seconds` says why). A rank keeps the lower quartile of a
+collective's times (:attr:`CalibrationOptions.quantile`) and the mean of its local work's, and
+the slowest rank's (one all-reduce MAX) is the time
 every rank fits: every rank returns the same Cluster. With the defaults calibration takes about
 a few seconds on local CPU processes.
 
@@ -92,6 +93,9 @@ class CalibrationOptions:
     (:class:`~fxpar.cluster.CollectiveLink`); without, they take the all-reduce's."""
     warmup: int = 2
     repeats: int = 15
+    local_seconds: float = 0.25
+    """Local work (the matmul, the copy) runs at least this long, and its time is the mean:
+    long enough to span many scheduler slices on a machine with fewer cores than ranks."""
     quantile: float = 0.25
     """Which of a rank's ``repeats`` times it keeps: 0.5 the median, 0 the fastest. On a busy
     machine (other programs, or more processes than cores) a collective's time is bimodal,
@@ -126,6 +130,8 @@ class CalibrationOptions:
                 f"check_bytes={self.check_bytes} must be below large_bytes={self.large_bytes}: "
                 "it checks the fitted line between one element and large_bytes"
             )
+        if self.local_seconds < 0:
+            raise FxparError(f"local_seconds must be >= 0, got {self.local_seconds}")
         if self.matmul_size < 1 or self.warmup < 0 or self.repeats < 1:
             raise FxparError(
                 f"need matmul_size >= 1, warmup >= 0 and repeats >= 1, got {self.matmul_size}, "
@@ -416,23 +422,32 @@ def _typical_seconds(
     options: CalibrationOptions,
     device: torch.device,
 ) -> float:
-    """This rank's time of ``run``: the ``quantile`` of its repeats.
+    """This rank's time of ``run``.
 
     A collective (on ``group``) starts each run together with its peers, after a barrier of
-    that group alone: a barrier of the world wakes every process at once, and on a machine with
-    fewer cores than processes some then wait a whole scheduler slice. Local work (``group``
-    None) runs back to back after one barrier of the world, so that every rank computes at once
-    throughout, as in a step: started together each time, ranks sharing a core would take
-    turns and each time a matmul with the core to itself. On a GPU each run is waited for
-    (it is queued, not run, when the call returns)."""
+    that group alone (a barrier of the world wakes every process at once, and on a machine with
+    fewer cores than processes some then wait a whole scheduler slice), and its time is the
+    ``quantile`` of its repeats. Local work (``group`` None) runs back to back after one
+    barrier of the world, every rank computing at once throughout, as in a step, and its time
+    is the mean over its repeats (``local_seconds`` of them at least): on a machine with fewer
+    cores than ranks, one run may hold a core alone for a scheduler slice, and a quantile of
+    single runs then measures a whole core where the step gets a share of one (one such
+    calibration priced a 4-rank step at half its measured time). On a GPU each run is waited
+    for (it is queued, not run, when the call returns)."""
     for _ in range(options.warmup):
         run()
     synchronize(device)
     dist.barrier(group=group)
+    if group is None:
+        start, runs = time.perf_counter(), 0
+        while runs < options.repeats or time.perf_counter() - start < options.local_seconds:
+            run()
+            synchronize(device)
+            runs += 1
+        return (time.perf_counter() - start) / runs
     samples = []
     for _ in range(options.repeats):
-        if group is not None:
-            dist.barrier(group=group)
+        dist.barrier(group=group)
         start = time.perf_counter()
         run()
         synchronize(device)
