@@ -11,11 +11,17 @@ compiles every plan kind on the calibrated cluster:
 
 - ``repl``, ``dp``, ``tp``, ``fsdp``: the manual plans (replicated, data parallel, tensor
   parallel on the mesh's axis with the default module names, fully sharded);
-- ``ilp``: the plan the ILP chooses.
+- ``ilp``: the plan the ILP chooses;
+- ``pp``: a pipeline of two stages cut at even forward FLOPs (``even_split_points``), each
+  stage data parallel over half the ranks, two micro-batches, 1F1B; its estimate is the stage
+  DP's price of that split (``fxpar.pipeline.evaluate_split``). The CNN's pipeline normalises
+  each micro-batch by its own statistics (fxpar warns that it does): its step is not the whole
+  batch's, its time still is what it costs.
 
 *estimate* is the plan's estimated step (``plan.solution.objective``, the figure ``fxpar plan``
-prints as "estimated step"); *measured* is the median over ``--rounds`` rounds of the slowest
-rank's time per step, after ``--warmup`` untimed steps. In each round every plan of the model
+prints as "estimated step", or the stage DP's for the pipeline); *measured* is the median
+over ``--rounds`` rounds of the slowest rank's time per step, after ``--warmup`` untimed
+steps. In each round every plan of the model
 runs ``--steps`` steps in turn, so a slow period of the machine hits all of them. *tau* is
 Kendall's tau-b between the estimated and the measured order of one model's plans (1: the same
 order); *ilp/fastest* is the ILP's measured step over the fastest measured plan's.
@@ -38,7 +44,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -47,6 +53,8 @@ import fxpar
 from fxpar import plans
 from fxpar.errors import FxparError
 from fxpar.passes import plan_program
+from fxpar.pipeline import Pipeline, evaluate_split
+from fxpar.pipeline.partition import even_split_points
 from fxpar.planning.plan import ChosenStrategies
 from fxpar.planning.problem import PlanOptions
 from fxpar.runtime.launch import spawn
@@ -64,7 +72,13 @@ PLANS: dict[str, Callable[..., Any] | None] = {
     "fsdp": plans.fully_sharded,
     "ilp": None,
 }
+PIPELINE = "pp"
+KINDS = (*PLANS, PIPELINE)
 TARGET_ERROR, TARGET_TAU, TARGET_ILP = 0.20, 0.8, 1.05
+
+
+class Steppable(Protocol):
+    def step(self, *batch: Any, **named_batch: Any) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -121,18 +135,38 @@ def _batch_args(inputs: Any, targets: tuple[Any, ...]) -> tuple[tuple[Any, ...],
 
 def _compiled(
     name: str, cluster: fxpar.Cluster
-) -> tuple[dict[str, fxpar.ParallelModel], dict[str, str], tuple[Any, ...], dict[str, Any]]:
-    """Every plan kind of model ``name`` that applies, compiled; why the others do not."""
+) -> tuple[dict[str, tuple[Steppable, float]], dict[str, str], tuple[Any, ...], dict[str, Any]]:
+    """Every plan kind of model ``name`` that applies, compiled, with its estimated step; why
+    the others do not apply."""
     model, inputs, loss_fn, targets = build(name)
-    compiled, refused = {}, {}
+    compiled: dict[str, tuple[Steppable, float]] = {}
+    refused = {}
+    optimizer = fxpar.optim.SGD(lr=1e-3)
     for kind, manual in PLANS.items():
         try:
-            compiled[kind] = fxpar.compile(
+            parallel = fxpar.compile(
                 copy.deepcopy(model), cluster, inputs, loss_fn, example_targets=targets,
-                optimizer=fxpar.optim.SGD(lr=1e-3), manual=manual,
+                optimizer=optimizer, manual=manual,
             )  # fmt: skip
+            compiled[kind] = (parallel, parallel.plan.solution.objective)
         except FxparError as error:
             refused[kind] = str(error).splitlines()[0]
+    try:
+        # Two stages cut at even FLOPs, each a data-parallel group of half the ranks, two
+        # micro-batches, 1F1B; the estimate is the stage DP's price of that split.
+        program = fxpar.capture(copy.deepcopy(model), inputs, loss_fn, example_targets=targets)
+        pipeline = Pipeline(
+            stages=even_split_points(program, 2), microbatches=2,
+            data_parallel=cluster.world_size // 2,
+        )  # fmt: skip
+        estimate = evaluate_split(program, cluster, pipeline, optimizer_states=0).step_time
+        pipelined = fxpar.compile(
+            copy.deepcopy(model), cluster, inputs, loss_fn, example_targets=targets,
+            optimizer=optimizer, pipeline=pipeline,
+        )  # fmt: skip
+        compiled[PIPELINE] = (pipelined, estimate)
+    except FxparError as error:
+        refused[PIPELINE] = str(error).splitlines()[0]
     args, named = _batch_args(inputs, targets)
     return compiled, refused, args, named
 
@@ -147,12 +181,12 @@ def _measure_world(
     for name in models:
         compiled, refused, args, named = _compiled(name, cluster)
         refusals.update({(name, kind): why for kind, why in refused.items()})
-        for parallel in compiled.values():
+        for parallel, _ in compiled.values():
             for _ in range(schedule.warmup):
                 parallel.step(*args, **named)
-        timed = {kind: Timed(p.plan.solution.objective) for kind, p in compiled.items()}
+        timed = {kind: Timed(estimate) for kind, (_, estimate) in compiled.items()}
         for _ in range(schedule.rounds):
-            for kind, parallel in compiled.items():
+            for kind, (parallel, _) in compiled.items():
                 dist.barrier()
                 start = time.perf_counter()
                 for _ in range(schedule.steps):
@@ -196,13 +230,13 @@ def _time_table(world: int, results: dict[tuple[str, str], Timed], models: Seque
     """Print one world's rows; return each row's estimate / measured."""
     ratios = []
     for name in models:
-        rows = {kind: results[name, kind] for kind in PLANS if (name, kind) in results}
+        rows = {kind: results[name, kind] for kind in KINDS if (name, kind) in results}
         if not rows:
             continue
         fastest = min(t.measured for t in rows.values())
         tau = kendall_tau([t.estimate for t in rows.values()], [t.measured for t in rows.values()])
         ilp = rows["ilp"].measured / fastest if "ilp" in rows else float("nan")
-        for kind in PLANS:
+        for kind in KINDS:
             if kind not in rows:
                 why = refusals.get((name, kind), "not run")
                 print(f"{world} | {name} | {kind} | - | - | - | refused: {why[:80]}")
@@ -266,7 +300,7 @@ def main() -> int:
         ratios += _time_table(world, results, args.models, per_rank[0][1])
         clusters.append(f"world {world}: {per_rank[0][2]}")
         for name in args.models:
-            rows = {k: results[name, k] for k in PLANS if (name, k) in results}
+            rows = {k: results[name, k] for k in KINDS if (name, k) in results}
             if len(rows) > 1:
                 taus.append(kendall_tau([t.estimate for t in rows.values()],
                                         [t.measured for t in rows.values()]))  # fmt: skip
