@@ -99,13 +99,21 @@ class Cluster:
             object.__setattr__(self, field_name, values + (values[0],) * (len(shape) - len(values)))
         if self.flops <= 0 or self.memory <= 0 or self.memory_bandwidth <= 0:
             raise FxparError("flops, memory_bandwidth and memory must be positive")
-        links = tuple(
-            CollectiveLink(**link) if isinstance(link, Mapping) else link
-            for link in self.collective_links
-        )
+        try:
+            links = tuple(
+                CollectiveLink(**link) if isinstance(link, Mapping) else link
+                for link in self.collective_links
+            )
+        except TypeError as error:
+            raise FxparError(
+                f"a collective link has a kind, axis, latency and bandwidth: {error}"
+            ) from error
         seen = set()
         for link in links:
-            if not isinstance(link, CollectiveLink):
+            if not isinstance(link, CollectiveLink) or not all(
+                isinstance(number, int | float) for number in (link.axis, link.latency,
+                                                                link.bandwidth)
+            ):  # fmt: skip
                 raise FxparError(f"collective_links holds CollectiveLinks, got {link!r}")
             if link.kind not in COLLECTIVE_KINDS or not 0 <= link.axis < len(shape):
                 raise FxparError(

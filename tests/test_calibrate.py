@@ -252,6 +252,18 @@ def test_bad_collective_links_are_named(links: list[dict[str, object]], message:
         fxpar.Cluster.from_dict({"mesh_shape": [2], "collective_links": links})
 
 
+def test_links_given_in_code_are_checked_too() -> None:
+    with pytest.raises(FxparError, match="has a kind, axis, latency and bandwidth"):
+        fxpar.Cluster((2,), collective_links=({"kind": "all_gather"},))  # type: ignore[arg-type]
+    with pytest.raises(FxparError, match="holds CollectiveLinks"):
+        fxpar.Cluster((2,), collective_links=(("all_gather", 0, 1e-5, 1e9),))  # type: ignore[arg-type]
+    with pytest.raises(FxparError, match="holds CollectiveLinks"):
+        fxpar.Cluster(
+            (2,),
+            collective_links=(fxpar.CollectiveLink("all_gather", 0, "fast", 1e9),),  # type: ignore[arg-type]
+        )
+
+
 def test_a_stage_submesh_keeps_the_links_of_the_axes_it_takes() -> None:
     cluster = fxpar.Cluster(
         (2, 4), bandwidth=(1e9, 8e9), latency=(2e-4, 3e-5),
