@@ -18,8 +18,8 @@ What it times (:class:`CalibrationOptions` sets the sizes and repeats):
   timed too and not fitted: it shows how well the straight line holds between them. An axis of
   one device has no collective to time and keeps its numbers.
 - On the same axes, an all-gather, a reduce-scatter and an all-to-all of one element per device
-  and of ``large_bytes``, with the calls the runtime makes
-  (:class:`~fxpar.runtime.communicators.ProcessGroupCommunicator`), each kind fitted a line of
+  and of ``large_bytes``, through the runtime's own
+  :class:`~fxpar.runtime.communicators.ProcessGroupCommunicator`, each kind fitted a line of
   its own (:class:`~fxpar.cluster.CollectiveLink`): gloo runs them at speeds of their own
   (``CalibrationOptions.each_kind`` turns this off).
 - A ``matmul_size``-cubed matrix product in ``dtype`` (``2·size³`` FLOPs over its time gives
@@ -62,7 +62,7 @@ from fxpar.cluster import COLLECTIVE_KINDS, Cluster, CollectiveLink
 from fxpar.errors import DistributedError, FxparError
 from fxpar.planning.cost import collective_seconds, collective_share, roofline_seconds
 from fxpar.runtime import waiting
-from fxpar.runtime.communicators import all_gather_single, pending, reduce_scatter_single
+from fxpar.runtime.communicators import ProcessGroupCommunicator
 from fxpar.runtime.devices import for_collective, rank_device, synchronize
 
 logger = logging.getLogger(__name__)
@@ -251,10 +251,14 @@ def measure(
         )
     start = time.perf_counter()
     planned = _planned_timings(cluster, options)
+    communicator = ProcessGroupCommunicator(device_mesh)
     kept = []
     for timing in planned:
         group = None if timing.axis is None else device_mesh.get_group(timing.axis)
-        run = _runner(timing, group, options, device)
+        if timing.operation in OWN_LINKS:
+            run = _collective_runner(timing, communicator, group, options, device)
+        else:
+            run = _runner(timing, group, options, device)
         kept.append(_typical_seconds(run, group, options, device))
     slowest = torch.tensor(kept, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
@@ -375,8 +379,6 @@ def _runner(
         # Waited on as the runtime waits (polling small transfers), so the latency fitted is
         # the one the programs see.
         return lambda: waiting.all_reduce(buffer, group)
-    if timing.operation in OWN_LINKS:
-        return _collective_runner(timing, group, options, device)
     if timing.operation == MATMUL:
         size = options.matmul_size
         left = torch.randn(size, size, dtype=dtype, device=device)
@@ -390,30 +392,22 @@ def _runner(
 
 def _collective_runner(
     timing: Timing,
+    communicator: ProcessGroupCommunicator,
     group: ProcessGroup | None,
     options: CalibrationOptions,
     device: torch.device,
 ) -> Callable[[], object]:
-    """A function that runs ``timing``'s collective once, with the calls the runtime makes
-    (:class:`~fxpar.runtime.communicators.ProcessGroupCommunicator`), waited for as it waits."""
-    devices = dist.get_world_size(group)
+    """A function that runs ``timing``'s collective once, as the per-rank programs run it: a
+    call of the runtime's communicator on tensor dim 0 (output made and waited for by it)."""
+    assert timing.axis is not None
+    axis = timing.axis
     count = timing.nbytes // options.dtype.itemsize
     local = for_collective(torch.zeros(count, dtype=options.dtype, device=device), group)
     if timing.operation == ALL_GATHER:
-        gathered = local.new_empty(devices * count)
-        return lambda: pending(
-            all_gather_single(gathered, local, group=group, async_op=True), gathered, reports=True
-        ).wait()
+        return lambda: communicator.all_gather(local, 0, axis)
     if timing.operation == REDUCE_SCATTER:
-        piece = local.new_empty(count // devices)
-        return lambda: pending(
-            reduce_scatter_single(piece, local, group=group, async_op=True), piece, reports=False
-        ).wait()
-    received = torch.empty_like(local)
-    return lambda: pending(
-        dist.all_to_all_single(received, local, group=group, async_op=True), received,
-        reports=True,
-    ).wait()  # fmt: skip
+        return lambda: communicator.reduce_scatter(local, 0, axis)
+    return lambda: communicator.all_to_all(local, 0, 0, axis)
 
 
 def _typical_seconds(

@@ -95,7 +95,7 @@ class ProcessGroupCommunicator:
         front = tensor.movedim(dim, 0).contiguous()
         output = front.new_empty((self._size(axis) * front.shape[0], *front.shape[1:]))
         work = all_gather_single(output, front, group=self._groups[axis], async_op=True)
-        pending(work, output, reports=True).wait()
+        _handle(work, output, reports=True).wait()
         return output.movedim(0, dim).contiguous()
 
     def all_reduce(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
@@ -108,17 +108,17 @@ class ProcessGroupCommunicator:
     def start_all_reduce(self, flat: torch.Tensor, axis: int) -> Pending:
         self.settle()
         work = dist.all_reduce(flat, group=self._groups[axis], async_op=True)
-        return pending(work, flat, reports=True)
+        return _handle(work, flat, reports=True)
 
     def start_reduce_scatter(self, output: torch.Tensor, flat: torch.Tensor, axis: int) -> Pending:
         self.settle()
         work = reduce_scatter_single(output, flat, group=self._groups[axis], async_op=True)
-        return pending(work, output, reports=False)
+        return _handle(work, output, reports=False)
 
     def start_all_gather(self, output: torch.Tensor, flat: torch.Tensor, axis: int) -> Pending:
         self.settle()
         work = all_gather_single(output, flat, group=self._groups[axis], async_op=True)
-        return pending(work, output, reports=True)
+        return _handle(work, output, reports=True)
 
     def reduce_scatter(self, tensor: torch.Tensor, dim: int, axis: int) -> torch.Tensor:
         self.settle()
@@ -137,7 +137,7 @@ class ProcessGroupCommunicator:
         front = tensor.movedim(split_dim, 0).contiguous()
         received = torch.empty_like(front)
         work = dist.all_to_all_single(received, front, group=self._groups[axis], async_op=True)
-        pending(work, received, reports=True).wait()
+        _handle(work, received, reports=True).wait()
         piece = (front.shape[0] // size, *front.shape[1:])
         stacked = received.view(size, *piece)
         # Where concat_dim sits among a piece's dims (split_dim first, the others in order).
@@ -148,7 +148,7 @@ class ProcessGroupCommunicator:
         return merged.reshape(shape).movedim(0, split_dim).contiguous()
 
 
-def pending(work: object, output: torch.Tensor, *, reports: bool) -> Pending:
+def _handle(work: object, output: torch.Tensor, *, reports: bool) -> Pending:
     """The handle of the torch.distributed ``work`` that writes ``output`` (``None`` where the
     call ran synchronously). Its wait polls (:mod:`fxpar.runtime.waiting`) if the work
     ``reports`` its completion and ``output`` is :func:`~fxpar.runtime.waiting.pollable`."""
