@@ -43,7 +43,7 @@ import numpy.typing as npt
 
 from fxpar.errors import FxparError
 from fxpar.sharding import Spec
-from fxpar.sharding.reshard import Code, spec_code
+from fxpar.sharding.reshard import Code, SpecCoder
 from fxpar.solvers.errors import check_memory_feasible
 from fxpar.solvers.greedy import GreedySolver
 from fxpar.solvers.ilp_model import distinct_rows, memory_over
@@ -147,18 +147,12 @@ class _Restrictor:
 
     def __init__(self, problem: IntraOpProblem) -> None:
         self.source = problem
-        codes: dict[int, tuple[Spec, Code]] = {}  # by identity: a node's strategies share specs
-
+        coder = SpecCoder()  # a node's strategies share spec objects
         ndim = len(problem.mesh_shape)
         missing = (_MISSING,) * ndim
 
         def code(spec: Spec | None) -> Code:
-            if spec is None:
-                return missing
-            found = codes.get(id(spec))
-            if found is None:
-                found = codes[id(spec)] = (spec, spec_code(spec))
-            return found[1]
+            return missing if spec is None else coder(spec)
 
         self.keys: list[npt.NDArray[np.intp]] = []
         """Per node, an id per strategy and axis of its placements there (inputs and outputs)."""

@@ -35,7 +35,7 @@ from fxpar.errors import FxparError
 from fxpar.ir.program import Program
 from fxpar.rules.registry import tensor_inputs
 from fxpar.sharding import Sharding, Spec, Strategies, Strategy, is_valid, replicated, spec_str
-from fxpar.sharding.reshard import PARTIAL, Code, coded_steps, spec_code
+from fxpar.sharding.reshard import PARTIAL, Code, SpecCoder, coded_steps
 
 SpecChooser = Callable[[str, ir.TensorMeta], Spec]
 aten = torch.ops.aten
@@ -62,7 +62,7 @@ def propagate(program: Program, cluster: Cluster, placeholder_spec: SpecChooser)
     layout: dict[fx.Node, tuple[Spec | None, ...]] = {}
     steps = functools.lru_cache(maxsize=None)(functools.partial(_steps, mesh=mesh))
     known: dict[tuple[object, ...], Strategy] = {}
-    code = _Coder()
+    code = SpecCoder()
     for node in program.graph.nodes:
         if node.op == "placeholder":
             meta = ir.require(node, ir.ValueMeta).tensor
@@ -96,21 +96,6 @@ _Coded = tuple[tuple[Code, ...], list[bool]]
 """A candidate's input codes, and whether each of its outputs is partial."""
 
 
-class _Coder:
-    """Spec codes (:func:`fxpar.sharding.reshard.spec_code`) remembered by the spec's identity:
-    the specs of a step are a few shared objects met many times, and hashing their torch
-    placements is what made propagating a three-axis Llama slow."""
-
-    def __init__(self) -> None:
-        self._codes: dict[int, tuple[Spec, Code]] = {}  # the spec is kept, so its id stays its
-
-    def __call__(self, spec: Spec) -> Code:
-        found = self._codes.get(id(spec))
-        if found is None:
-            found = self._codes[id(spec)] = (spec, spec_code(spec))
-        return found[1]
-
-
 _CODED: OrderedDict[int, tuple[tuple[Strategy, ...], list[_Coded]]] = OrderedDict()
 """The last :data:`_CODED_KEPT` tuples of candidates coded, by identity (each kept, so that its
 id stays its own): identical ops share one tuple, and the hand-written plans propagate over the
@@ -122,7 +107,7 @@ def _coded(candidates: tuple[Strategy, ...]) -> list[_Coded]:
     """Each candidate's input codes and whether each of its outputs is partial."""
     found = _CODED.get(id(candidates))
     if found is None:
-        code = _Coder()  # the candidates of one op share spec objects among themselves
+        code = SpecCoder()  # the candidates of one op share spec objects among themselves
         coded = [
             (tuple(map(code, c.inputs)), [s is not None and PARTIAL in code(s) for s in c.outputs])
             for c in candidates
@@ -140,7 +125,7 @@ def _cheapest(
     layout: Mapping[fx.Node, tuple[Spec | None, ...]],
     steps: Callable[[Code, Code], tuple[tuple[str, bool], ...]],
     known: dict[tuple[object, ...], Strategy],
-    code: _Coder,
+    code: SpecCoder,
 ) -> Strategy:
     """The first candidate of ``node`` with the least (bytes gathered, partial bytes left,
     collectives) for the layouts its inputs arrive in. ``known`` remembers the answer for each
