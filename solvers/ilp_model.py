@@ -333,10 +333,13 @@ def _prune_dominated(problem: IntraOpProblem, candidates: list[list[int]]) -> li
         if edge.source != edge.target:
             incident[edge.source].append((index, True))
             incident[edge.target].append((index, False))
-    neighbours: list[set[int]] = [set() for _ in candidates]
-    for edge in problem.edges:
-        neighbours[edge.source].add(edge.target)
-        neighbours[edge.target].add(edge.source)
+    neighbours = [
+        {
+            problem.edges[index].target if out else problem.edges[index].source
+            for index, out in edges
+        }
+        for edges in incident
+    ]
     kept = [list(c) for c in candidates]
     # Sweeps in node order until one changes nothing, visiting only the nodes a neighbour's
     # pruning may have changed since their last visit: a node behind the sweep waits for the
@@ -369,7 +372,7 @@ def _prune_dominated(problem: IntraOpProblem, candidates: list[list[int]]) -> li
             if not beaten.any():
                 continue
             kept[v] = [s for s, gone in zip(alive, beaten, strict=True) if not gone]
-            for w in neighbours[v] - {v}:
+            for w in neighbours[v]:
                 if w < v:
                     following.add(w)
                 elif w not in waiting:
