@@ -57,6 +57,7 @@ from fxpar.pipeline import Pipeline, evaluate_split
 from fxpar.pipeline.partition import even_split_points
 from fxpar.planning.plan import ChosenStrategies
 from fxpar.planning.problem import PlanOptions
+from fxpar.planning.step_time import price_schedule, step_overlap
 from fxpar.runtime.launch import spawn
 from fxpar.testing.memory import peak_live_bytes
 from fxpar.testing.simulate import run_ranks
@@ -93,6 +94,8 @@ class Timed:
     """One (model, plan) on one rank, or merged over the ranks (the slowest rank per round)."""
 
     estimate: float
+    overlapped: float
+    """The estimate with communication behind compute taken off (:func:`step_overlap`)."""
     seconds: list[float] = field(default_factory=list)
 
     @property
@@ -135,11 +138,16 @@ def _batch_args(inputs: Any, targets: tuple[Any, ...]) -> tuple[tuple[Any, ...],
 
 def _compiled(
     name: str, cluster: fxpar.Cluster
-) -> tuple[dict[str, tuple[Steppable, float]], dict[str, str], tuple[Any, ...], dict[str, Any]]:
+) -> tuple[dict[str, tuple[Steppable, float, float]], dict[str, str], tuple[Any, ...],
+           dict[str, Any]]:  # fmt: skip
     """Every plan kind of model ``name`` that applies, compiled, with its estimated step; why
-    the others do not apply."""
+    the others do not apply. ``cluster``'s per-op speeds are first fitted to the model's own
+    ops (:func:`fxpar.calibrate_ops`)."""
     model, inputs, loss_fn, targets = build(name)
-    compiled: dict[str, tuple[Steppable, float]] = {}
+    program = fxpar.capture(copy.deepcopy(model), inputs, loss_fn, example_targets=targets)
+    batch = [*(inputs.values() if isinstance(inputs, dict) else inputs), *targets]
+    cluster = fxpar.calibrate_ops(cluster, program, program.flat_inputs(model, *batch))
+    compiled: dict[str, tuple[Steppable, float, float]] = {}
     refused = {}
     optimizer = fxpar.optim.SGD(lr=1e-3)
     for kind, manual in PLANS.items():
@@ -148,13 +156,15 @@ def _compiled(
                 copy.deepcopy(model), cluster, inputs, loss_fn, example_targets=targets,
                 optimizer=optimizer, manual=manual,
             )  # fmt: skip
-            compiled[kind] = (parallel, parallel.plan.solution.objective)
+            plan = parallel.plan
+            nodes = list(plan.program.graph.nodes)
+            overlap = step_overlap(price_schedule(plan.program, cluster), nodes)
+            compiled[kind] = (parallel, plan.solution.objective, overlap.step)
         except FxparError as error:
             refused[kind] = str(error).splitlines()[0]
     try:
         # Two stages cut at even FLOPs, each a data-parallel group of half the ranks, two
         # micro-batches, 1F1B; the estimate is the stage DP's price of that split.
-        program = fxpar.capture(copy.deepcopy(model), inputs, loss_fn, example_targets=targets)
         pipeline = Pipeline(
             stages=even_split_points(program, 2), microbatches=2,
             data_parallel=cluster.world_size // 2,
@@ -164,7 +174,7 @@ def _compiled(
             copy.deepcopy(model), cluster, inputs, loss_fn, example_targets=targets,
             optimizer=optimizer, pipeline=pipeline,
         )  # fmt: skip
-        compiled[PIPELINE] = (pipelined, estimate)
+        compiled[PIPELINE] = (pipelined, estimate, estimate)
     except FxparError as error:
         refused[PIPELINE] = str(error).splitlines()[0]
     args, named = _batch_args(inputs, targets)
@@ -181,12 +191,13 @@ def _measure_world(
     for name in models:
         compiled, refused, args, named = _compiled(name, cluster)
         refusals.update({(name, kind): why for kind, why in refused.items()})
-        for parallel, _ in compiled.values():
+        for parallel, _, _ in compiled.values():
             for _ in range(schedule.warmup):
                 parallel.step(*args, **named)
-        timed = {kind: Timed(estimate) for kind, (_, estimate) in compiled.items()}
+        timed = {kind: Timed(estimate, overlapped) for kind, (_, estimate, overlapped)
+                 in compiled.items()}  # fmt: skip
         for _ in range(schedule.rounds):
-            for kind, (parallel, _) in compiled.items():
+            for kind, (parallel, _, _) in compiled.items():
                 dist.barrier()
                 start = time.perf_counter()
                 for _ in range(schedule.steps):
@@ -200,7 +211,7 @@ def _slowest(per_rank: list[dict[tuple[str, str], Timed]]) -> dict[tuple[str, st
     merged = {}
     for key, first in per_rank[0].items():
         rounds = zip(*(ranks[key].seconds for ranks in per_rank), strict=True)
-        merged[key] = Timed(first.estimate, [max(times) for times in rounds])
+        merged[key] = Timed(first.estimate, first.overlapped, [max(times) for times in rounds])
     return merged
 
 
@@ -239,15 +250,16 @@ def _time_table(world: int, results: dict[tuple[str, str], Timed], models: Seque
         for kind in KINDS:
             if kind not in rows:
                 why = refusals.get((name, kind), "not run")
-                print(f"{world} | {name} | {kind} | - | - | - | refused: {why[:80]}")
+                print(f"{world} | {name} | {kind} | - | - | - | - | refused: {why[:80]}")
                 continue
             t = rows[kind]
             ratios.append(t.estimate / t.measured)
             mark = "fastest" if t.measured == fastest else ""
             cells = (f"{t.estimate * 1e3:.1f}", f"{t.measured * 1e3:.1f}",
-                     f"{t.estimate / t.measured:.2f}", mark)  # fmt: skip
+                     f"{t.estimate / t.measured:.2f}", f"{t.overlapped / t.measured:.2f}",
+                     mark)  # fmt: skip
             print(" | ".join((str(world), name, kind, *cells)))
-        print(f"{world} | {name} | **tau {tau:.2f}, ilp/fastest {ilp:.2f}** | | | |", flush=True)
+        print(f"{world} | {name} | **tau {tau:.2f}, ilp/fastest {ilp:.2f}** | | | | |", flush=True)
     return ratios
 
 
@@ -290,8 +302,8 @@ def main() -> int:
         parser.error(f"unknown models {unknown}; choose from {sorted(MODELS)}")
     schedule = Schedule(args.warmup, args.rounds, args.steps)
 
-    print("world | model | plan | estimate ms | measured ms | est/meas | ")
-    print("-- | " * 6 + "--")
+    print("world | model | plan | estimate ms | measured ms | est/meas | overlapped/meas | ")
+    print("-- | " * 7 + "--")
     ratios: list[float] = []
     taus, ilps, clusters = [], [], []
     for world in args.worlds:

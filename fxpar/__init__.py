@@ -36,7 +36,7 @@ from fxpar.planning import plan_file as plan_io
 from fxpar.planning.plan import Plan
 from fxpar.planning.problem import PlanOptions
 from fxpar.runtime import launch as _launch
-from fxpar.runtime.calibration import calibrate
+from fxpar.runtime.calibration import calibrate, calibrate_ops
 from fxpar.runtime.deferred import deferred_init
 from fxpar.runtime.parallel import ParallelModel
 
@@ -60,6 +60,7 @@ __all__ = [
     "Signature",
     "StepResult",
     "calibrate",
+    "calibrate_ops",
     "capture",
     "checkpoint",
     "compile",

@@ -6,7 +6,8 @@ fxpar plan   plan a model, small or large (built on the meta device, no weights 
              a mesh of a cluster preset or cluster file, and print the plan report
 fxpar calibrate
              measure latency, bandwidth, FLOP/s and memory bandwidth on local gloo processes
-             and print (or save as a cluster file) the Cluster fitted to them
+             (and, with --model, the speed of each of that model's ops in its step) and print
+             (or save as a cluster file) the Cluster fitted to them
 """
 
 from __future__ import annotations
@@ -230,11 +231,12 @@ class Target:
     example_targets: Sequence[torch.Tensor] = ()
 
 
-def build_target(spec: str, batch: int, length: int) -> Target:
+def build_target(spec: str, batch: int, length: int, device: str = "meta") -> Target:
     """A named model shape, or ``module:attr`` naming a function that returns an nn.Module
-    or a tuple ``(model, example_inputs[, loss_fn[, example_targets]])``, built on meta."""
+    or a tuple ``(model, example_inputs[, loss_fn[, example_targets]])``, built on ``device``
+    (meta: no weights allocated)."""
     tokens = torch.zeros(batch, length, dtype=torch.long)
-    with torch.device("meta"):
+    with torch.device(device):
         if spec in GPT2_SHAPES:
             layers, width, heads = GPT2_SHAPES[spec]
             config = GPTConfig(50257, max(1024, length), layers, heads, width)
@@ -441,7 +443,12 @@ def calibrate_command(args: argparse.Namespace) -> int:
         flush=True,
     )
     start = time.perf_counter()
-    calibration = spawn(_calibrate_rank, args.world, given, threads)[0]
+    target = None
+    if args.model:
+        # Built with real weights, on this machine: its step runs once per timing pass.
+        target = build_target(args.model, args.batch, args.length, device="cpu")
+        print(f"timing the ops of {args.model} (batch {args.batch}, length {args.length})")
+    calibration = spawn(_calibrate_rank, args.world, given, threads, target)[0]
     print(f"measured in {time.perf_counter() - start:.1f} s (start-up included)\n")
     print(calibration.table(given=f"{args.cluster} preset"))
     if args.output:
@@ -450,9 +457,17 @@ def calibrate_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _calibrate_rank(rank: int, world_size: int, given: fxpar.Cluster, threads: int) -> Calibration:
+def _calibrate_rank(
+    rank: int, world_size: int, given: fxpar.Cluster, threads: int, target: Target | None
+) -> Calibration:
     torch.set_num_threads(threads)
-    return measure(given)
+    if target is None:
+        return measure(given)
+    program = fxpar.capture(target.model, target.example_inputs, target.loss_fn,
+                            example_targets=target.example_targets)  # fmt: skip
+    inputs = target.example_inputs
+    batch = [*(inputs.values() if isinstance(inputs, dict) else inputs), *target.example_targets]
+    return measure(given, program=program, inputs=program.flat_inputs(target.model, *batch))
 
 
 # -- entry point -----------------------------------------------------------------------------
@@ -519,6 +534,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     calibrate_parser.add_argument("--threads", type=int, default=0,
                                   help="torch threads a process (default: cores/N)")  # fmt: skip
     calibrate_parser.add_argument("--output", help="write the fitted cluster here (JSON)")
+    calibrate_parser.add_argument("--model", help="also fit per-op speeds to this model's step "
+                                  "(as fxpar plan --model; built with real weights)")
+    calibrate_parser.add_argument("--batch", type=int, default=2)
+    calibrate_parser.add_argument("--length", type=int, default=64)
     calibrate_parser.set_defaults(run=calibrate_command)
 
     args = parser.parse_args(argv)

@@ -8,6 +8,7 @@ collectives of the per-rank programs.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -67,7 +68,11 @@ class Cluster:
     bytes a device may hold. Axes without a bandwidth or latency take the first one given (or
     the defaults). ``collective_links`` give a kind of collective its own numbers on an axis
     (:class:`CollectiveLink`, :meth:`link_of`; ``fxpar calibrate`` measures them).
-    :meth:`preset` builds common machines.
+    ``op_overhead`` (seconds every ATen op costs beyond its work: dispatch, allocation) and
+    ``op_slowdown`` (per ATen op, such as ``"aten.mm"``, how many times its roofline time it
+    takes; ``"*"`` for the ops not named; a mapping or ``(op, slowdown)`` pairs) refine the
+    roofline per op (:meth:`op_seconds`); :func:`fxpar.calibrate` measures them on a model's
+    own ops. :meth:`preset` builds common machines.
     """
 
     mesh_shape: tuple[int, ...]
@@ -79,6 +84,11 @@ class Cluster:
     memory_bandwidth: float = 20e9
     memory: float = 16 * GiB
     collective_links: tuple[CollectiveLink, ...] = ()
+    op_overhead: float = 0.0
+    op_slowdown: tuple[tuple[str, float], ...] = ()
+
+    # The op every op not in ``op_slowdown`` takes the slowdown of.
+    OTHER_OPS = "*"
 
     def __post_init__(self) -> None:
         shape = tuple(self.mesh_shape)
@@ -128,6 +138,22 @@ class Cluster:
                 raise FxparError(f"two links for {link.kind} on axis {link.axis}")
             seen.add((link.kind, link.axis))
         object.__setattr__(self, "collective_links", links)
+        slowdown = self.op_slowdown
+        pairs = tuple(slowdown.items()) if isinstance(slowdown, Mapping) else tuple(slowdown)
+        if not all(
+            isinstance(pair, tuple | list)
+            and len(pair) == 2
+            and isinstance(pair[0], str)
+            and _positive(pair[1])
+            for pair in pairs
+        ) or len({op for op, _ in pairs}) != len(pairs):
+            raise FxparError(
+                "op_slowdown maps distinct op names (such as 'aten.mm', or '*' for the others) "
+                f"to positive numbers, got {slowdown!r}"
+            )
+        object.__setattr__(self, "op_slowdown", tuple(sorted((op, float(s)) for op, s in pairs)))
+        if not (_finite(self.op_overhead) and self.op_overhead >= 0):
+            raise FxparError(f"op_overhead must be a finite number >= 0, got {self.op_overhead}")
 
     @staticmethod
     def preset(name: str, mesh_shape: tuple[int, ...], **overrides: Any) -> Cluster:
@@ -179,16 +205,18 @@ class Cluster:
         return Cluster.preset(preset, mesh_shape, **overrides)
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field, as JSON writes it (tuples as lists); ``collective_links`` only when
-        there are some."""
+        """Every field, as JSON writes it (tuples as lists, ``op_slowdown`` as an object);
+        ``collective_links``, ``op_overhead`` and ``op_slowdown`` only when set."""
         data = {
             field.name: list(value) if isinstance(value, tuple) else value
             for field in fields(self)
             for value in (getattr(self, field.name),)
         }
         data["collective_links"] = [link.to_dict() for link in self.collective_links]
-        if not data["collective_links"]:
-            del data["collective_links"]
+        data["op_slowdown"] = dict(self.op_slowdown)
+        for name in ("collective_links", "op_overhead", "op_slowdown"):
+            if not data[name]:
+                del data[name]
         return data
 
     @staticmethod
@@ -205,7 +233,9 @@ class Cluster:
                 raise FxparError(f"a cluster's {key} cannot be {value!r}: {_FIELD_KINDS[key]}")
         try:
             values: dict[str, Any] = {
-                key: tuple(value) if isinstance(value, list) else value
+                key: tuple(value)
+                if isinstance(value, list | dict) and key != "op_slowdown"
+                else value
                 for key, value in data.items()
             }
             return Cluster(**values)
@@ -316,6 +346,17 @@ class Cluster:
             if link.axis == axis and link.kind == kind:
                 return link.bandwidth, link.latency
         return self.bandwidth[axis], self.latency[axis]
+
+    def op_seconds(self, op: str, roofline: float) -> float:
+        """Time one device takes for an ATen op ``op`` (``"aten.mm"``) whose roofline time on
+        this cluster is ``roofline``: ``op_overhead`` plus ``roofline`` times the op's
+        slowdown (:attr:`op_slowdown`, else that of ``"*"``, else 1)."""
+        slowdowns = self._slowdowns
+        return self.op_overhead + roofline * slowdowns.get(op, slowdowns.get(self.OTHER_OPS, 1.0))
+
+    @functools.cached_property
+    def _slowdowns(self) -> dict[str, float]:
+        return dict(self.op_slowdown)
 
     def link(self, devices: int) -> tuple[float, float]:
         """Bandwidth and latency among ``devices`` consecutive ranks: those of
@@ -448,19 +489,23 @@ _FIELD_KINDS = {
     "memory_bandwidth": "a finite number > 0",
     "memory": "a finite number > 0",
     "collective_links": "a list of {kind, axis, latency, bandwidth} objects",
+    "op_overhead": "a finite number >= 0",
+    "op_slowdown": "an object of op names to finite numbers > 0",
 }
+
+
+def _finite(number: object) -> bool:
+    return (
+        isinstance(number, int | float) and not isinstance(number, bool) and math.isfinite(number)
+    )
+
+
+def _positive(number: object) -> bool:
+    return _finite(number) and number > 0  # type: ignore[operator]
 
 
 def _is_json_field(key: str, value: object) -> bool:
     """Whether ``value``, read from JSON, has the type of the cluster's field ``key``."""
-
-    def positive(number: object) -> bool:
-        return (
-            isinstance(number, int | float)
-            and not isinstance(number, bool)
-            and math.isfinite(number)
-            and number > 0
-        )
 
     if key == "mesh_shape":
         return isinstance(value, list | tuple) and all(
@@ -471,15 +516,19 @@ def _is_json_field(key: str, value: object) -> bool:
     if key == "device_type":
         return isinstance(value, str)
     if key in ("bandwidth", "latency"):
-        return isinstance(value, list | tuple) and all(positive(number) for number in value)
+        return isinstance(value, list | tuple) and all(_positive(number) for number in value)
     if key == "collective_links":
         return isinstance(value, list | tuple) and all(
             isinstance(link, dict)
             and set(link) == {"kind", "axis", "latency", "bandwidth"}
             and isinstance(link["kind"], str)
             and type(link["axis"]) is int
-            and positive(link["latency"])
-            and positive(link["bandwidth"])
+            and _positive(link["latency"])
+            and _positive(link["bandwidth"])
             for link in value
         )
-    return positive(value)
+    if key == "op_overhead":
+        return _finite(value) and value >= 0  # type: ignore[operator]
+    if key == "op_slowdown":
+        return isinstance(value, dict) and all(_positive(number) for number in value.values())
+    return _positive(value)

@@ -44,8 +44,9 @@ class AnnotateCost(Pass):
 def node_cost(node: fx.Node, flops: FlopRegistry) -> ir.Cost:
     outputs = ir.require(node, ir.ValueMeta).tensors
     output_bytes = ir.total(t.nbytes for t in outputs)
+    op = op_name(node.target) if node.op == "call_function" else ""
     if node.op != "call_function" or not outputs or _moves_no_data(node.target):
-        return ir.Cost(flops=0, bytes_read=0, bytes_written=0, output_bytes=output_bytes)
+        return ir.Cost(flops=0, bytes_read=0, bytes_written=0, output_bytes=output_bytes, op=op)
     args, kwargs = fx.node.map_arg((node.args, node.kwargs), _tensor_meta)  # type: ignore[arg-type]
     inputs = [a for a in _flatten((args, kwargs)) if isinstance(a, ir.TensorMeta)]
     formula = flops.formula(node.target)
@@ -60,7 +61,16 @@ def node_cost(node: fx.Node, flops: FlopRegistry) -> ir.Cost:
         bytes_read=ir.total(t.nbytes for t in inputs),
         bytes_written=output_bytes,
         output_bytes=output_bytes,
+        op=op,
     )
+
+
+def op_name(target: object) -> str:
+    """``"aten.mm"`` for ``aten.mm.default``: the name an ATen op's speed is measured and looked
+    up by (:attr:`fxpar.ir.Cost.op`); empty for a target that is not an ATen op."""
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target.overloadpacket)
+    return ""
 
 
 def _moves_no_data(target: Any) -> bool:

@@ -281,16 +281,20 @@ def test_calibrate_command_prints_and_saves_a_cluster_that_plan_reads(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     output = tmp_path / "cluster.json"
-    assert main(["calibrate", "--world", "2", "--output", str(output)]) == 0
+    argv = ["calibrate", "--world", "2", "--output", str(output), "--model", "test_cli:tiny_target"]
+    assert main(argv) == 0
     out = capsys.readouterr().out
     assert re.search(r"on 2 local gloo processes, \d+ torch threads? each", out)
     for row in ("latency axis0", "bandwidth axis0", "flops", "memory_bandwidth",
-                "all-reduce on axis0 (check)", "matmul", "copy"):  # fmt: skip
+                "all-reduce on axis0 (check)", "matmul", "copy", "timing the ops of",
+                "aten.mm"):  # fmt: skip
         assert row in out
     assert f"cluster written to {output}" in out
     cluster = fxpar.Cluster.load(output)
     assert cluster.mesh_shape == (2,) and cluster.memory == GIVEN.memory
     assert all(math.isfinite(v) and v > 0 for v in _all_fitted(cluster))
+    # The model's ops got their speeds, saved in the file.
+    assert cluster.op_overhead > 0 and "aten.mm" in dict(cluster.op_slowdown)
     argv = ["plan", "--model", "test_cli:tiny_target", "--mesh", "2", "--cluster-file", str(output)]
     assert main(argv) == 0
     assert "plan: ilp, optimal" in capsys.readouterr().out

@@ -14,7 +14,7 @@ links of that axis) costs, as the textbook ring algorithms do:
 step; the reshardings, results and re-gathered parameters the ILP prices
 (:func:`~fxpar.planning.cost.reshard_seconds`, :func:`~fxpar.planning.cost.output_seconds`,
 :func:`~fxpar.planning.cost.regathered_seconds`) and the collectives the plan report prices
-(:func:`fxpar.planning.report.price_schedule`, from the schedule's
+(:func:`fxpar.planning.step_time.price_schedule`, from the schedule's
 :class:`~fxpar.planning.collective_schedule.CollectiveRecord` bytes) must all mean the same.
 Every expected value below is written from the hand formulas and the tensor's sizes, never
 from the cost model; the clusters give each mesh axis its own links, so a collective priced on
@@ -42,7 +42,8 @@ from fxpar.planning.cost import (
     reshard_seconds,
     split_factor,
 )
-from fxpar.planning.report import compact_spec, price_schedule
+from fxpar.planning.report import compact_spec
+from fxpar.planning.step_time import price_schedule
 from fxpar.sharding import Sharding, Spec
 from fxpar.sharding.reshard import reshard_steps
 

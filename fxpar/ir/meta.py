@@ -271,6 +271,10 @@ class Cost:
     bytes_read: Size
     bytes_written: Size
     output_bytes: Size
+    op: str = ""
+    """The ATen op the node calls, as ``"aten.mm"`` (its overload packet): the key of its
+    measured speed (:meth:`fxpar.Cluster.op_seconds`); empty for a node that calls none (a
+    placeholder, ``getitem``, symbolic-size arithmetic)."""
 
 
 def total(values: Iterable[Size]) -> Size:

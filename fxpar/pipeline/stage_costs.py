@@ -44,11 +44,11 @@ consecutive ranks with the links of the innermost mesh axis that holds them, or 
 ``(r, C)``, ``r`` whole rows of ``C`` devices, each axis with the links of the cluster axis it runs
 along (:meth:`Cluster.submesh <fxpar.cluster.Cluster.submesh>`). For every distinct shape, the whole
 step is planned once on that mesh (``stage_planner(program, stage_mesh)``, the ILP by default), and
-the plan is read the way the plan report reads it (:func:`fxpar.planning.report.price_schedule`: the
-plan's collective schedule, priced): per node, its roofline seconds under its strategy and the
-collectives the schedule runs for it, with the bytes each device holds of every value. Layers ``[i,
-j)`` then cost, per micro-batch (``1/M`` of the planned step's work, assumed linear in the batch as
-above):
+the plan is read the way the plan report reads it
+(:func:`fxpar.planning.step_time.price_schedule`: the plan's collective schedule, priced): per
+node, its roofline seconds under its strategy and the collectives the schedule runs for it, with
+the bytes each device holds of every value. Layers ``[i, j)`` then cost, per micro-batch
+(``1/M`` of the planned step's work, assumed linear in the batch as above):
 
     time   = (T_fwd + T_bwd + [remat] T_fwd + C) / M + C_grad / M + sends of local bytes
     static = (2 + optimizer_states) G_local + S_local   (+ [remat] A_saved_local / M)
@@ -95,7 +95,7 @@ from fxpar.planning.cost import (
     value_bytes,
 )
 from fxpar.planning.grouping import BUCKET_BYTES, Bucketed, cut_buckets
-from fxpar.planning.report import price_schedule
+from fxpar.planning.step_time import price_schedule
 from fxpar.solvers.errors import InfeasiblePlanError, format_bytes
 from fxpar.solvers.stages import StageCost
 

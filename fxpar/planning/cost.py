@@ -14,7 +14,9 @@ all price work and memory here, so that they never disagree on what a plan costs
 - A node's compute time is a roofline, ``max(flops / F, bytes / memory_bandwidth)``
   (:func:`roofline_seconds`). Under a strategy the node's FLOPs and bytes are divided by the
   devices of every mesh axis on which the strategy splits it (an axis where any input or output
-  is sharded, or an output is partial); replicated work is done in full.
+  is sharded, or an output is partial); replicated work is done in full. On a cluster with
+  per-op speeds (:func:`fxpar.calibrate_ops`) an ATen op then takes its overhead plus its
+  slowdown times that (:meth:`fxpar.Cluster.op_seconds`).
 
 **Memory.**
 
@@ -163,10 +165,13 @@ def split_factor(strategy: Strategy, mesh_shape: tuple[int, ...]) -> int:
 
 
 def roofline_seconds(cost: ir.Cost, cluster: Cluster, share: int = 1) -> float:
-    """The roofline time of ``1 / share`` of a node's work on one device of ``cluster``."""
+    """The time of ``1 / share`` of a node's work on one device of ``cluster``: its roofline,
+    and for a node that calls an ATen op (``cost.op``) that op's measured slowdown and
+    overhead (:meth:`~fxpar.Cluster.op_seconds`)."""
     flops = ir.evaluate(cost.flops) / share
     moved = (ir.evaluate(cost.bytes_read) + ir.evaluate(cost.bytes_written)) / share
-    return max(flops / cluster.flops, moved / cluster.memory_bandwidth)
+    roofline = max(flops / cluster.flops, moved / cluster.memory_bandwidth)
+    return cluster.op_seconds(cost.op, roofline) if cost.op else roofline
 
 
 def compute_seconds(cost: ir.Cost, strategy: Strategy, cluster: Cluster) -> float:

@@ -41,14 +41,9 @@ from fxpar.cluster import Cluster
 from fxpar.errors import FxparError
 from fxpar.ir.program import Program
 from fxpar.planning import cost
-from fxpar.planning.collective_schedule import (
-    CollectiveRecord,
-    CollectiveSchedule,
-    schedule_program,
-)
-from fxpar.planning.grouping import casts_parameter, reread_in_backward
+from fxpar.planning.collective_schedule import CollectiveRecord, schedule_program
+from fxpar.planning.step_time import PricedSchedule, price_schedule, step_overlap
 from fxpar.rules import coverage
-from fxpar.rules.registry import tensor_inputs
 from fxpar.sharding import Sharding, Spec
 
 if TYPE_CHECKING:
@@ -74,83 +69,6 @@ def compact_spec(spec: Spec | None) -> str:
         else:
             tokens.append("R")
     return "".join(tokens)
-
-
-# -- the schedule, priced ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class PricedSchedule:
-    """A planned Program's collective schedule with the cost model's prices (see the module
-    docstring)."""
-
-    schedule: CollectiveSchedule
-    record_seconds: tuple[float, ...]
-    """Alpha-beta seconds of each of ``schedule.records``, by
-    :func:`fxpar.planning.cost.collective_seconds`."""
-    compute: dict[fx.Node, float]
-    """Roofline seconds of each op under its chosen strategy."""
-    edge_seconds: float
-    """Resharding seconds summed per consumer, as the cost model charges them."""
-
-    @property
-    def records(self) -> tuple[CollectiveRecord, ...]:
-        return self.schedule.records
-
-    @property
-    def specs(self) -> dict[fx.Node, tuple[Spec | None, ...]]:
-        """The layout of every value: what each node produces under its strategy."""
-        return self.schedule.specs
-
-
-def price_schedule(program: Program, cluster: Cluster) -> PricedSchedule:
-    """The collective schedule of ``program``'s chosen strategies on ``cluster``, priced."""
-    mesh = cluster.mesh_shape
-    schedule = schedule_program(program, mesh)
-    record_seconds = tuple(
-        cost.collective_seconds(
-            record.kind, record.bytes, mesh[record.axis], *cluster.link_of(record.kind, record.axis)
-        )
-        for record in schedule.records
-    )
-    specs = schedule.specs
-    compute: dict[fx.Node, float] = {}
-    edge_seconds = 0.0
-    for node in program.graph.nodes:
-        if node.op == "output":
-            results = node.args[0]
-            assert isinstance(results, (tuple, list))
-            for result, spec in zip(results, schedule.leaving.specs, strict=True):
-                if not isinstance(result, fx.Node):
-                    continue
-                current = specs[result][0]
-                assert current is not None
-                meta = ir.require(result, ir.ValueMeta).tensor
-                # Priced as the cost model prices a result: in a bucket if only reductions.
-                edge_seconds += cost.output_seconds(current, spec, meta, cluster)
-            continue
-        if node not in schedule.inputs:
-            continue
-        strategy = ir.require(node, Sharding).strategy
-        phase = ir.require(node, ir.Region).phase
-        for source, want in zip(tensor_inputs(node), strategy.inputs, strict=True):
-            if want is None or (
-                phase is ir.Phase.BACKWARD and (source, want) in schedule.gathers.chains
-            ):
-                continue  # a recomputed view: its gathers are priced at the forward's view
-            current = specs[source][0]
-            assert current is not None
-            meta = ir.require(source, ir.ValueMeta).tensor
-            # As the problem prices it: a parameter a forward view reads for the backward too
-            # is gathered twice (fxpar.planning.grouping.ViewChain).
-            parameter = source.op == "placeholder" or casts_parameter(source)
-            regathered = parameter and reread_in_backward(node)
-            price = cost.regathered_seconds if regathered else cost.reshard_seconds
-            edge_seconds += price(current, want, meta, cluster)
-        work = ir.get(node, ir.Cost)
-        if work is not None:
-            compute[node] = cost.compute_seconds(work, strategy, cluster)
-    return PricedSchedule(schedule, record_seconds, compute, edge_seconds)
 
 
 def plan_collectives(program: Program, cluster: Cluster) -> list[CollectiveRecord]:
@@ -274,6 +192,7 @@ def report_data(plan: Plan) -> dict[str, Any]:
         layer.collective_bytes[key] += record.bytes
         layer.collective_seconds[key] += seconds
 
+    overlap = step_overlap(found, list(program.graph.nodes))
     ordered = sorted(layers.values(), key=lambda layer: layer.first)
     layer_rows = [_layer_row(layer, found, cluster) for layer in ordered]
     compute = sum(found.compute.values())
@@ -290,6 +209,8 @@ def report_data(plan: Plan) -> dict[str, Any]:
         "objective_seconds": solution.objective,
         "compute_seconds": compute,
         "communication_seconds": found.edge_seconds,
+        "exposed_seconds": overlap.exposed,
+        "hidden_seconds": overlap.hidden,
         "collectives": len(found.records),
         "collective_bytes": sum(r.bytes for r in found.records),
         "collective_seconds": sum(found.record_seconds),
@@ -457,7 +378,10 @@ def render_text(data: Mapping[str, Any], width: int = 100) -> str:
         f"{_ms(header['compute_seconds'])} ms + communication "
         f"{_ms(header['communication_seconds'])} ms",
         f"collectives     {header['collectives']} as lowered, {_size(header['collective_bytes'])}"
-        f" and {_ms(header['collective_seconds'])} ms per device",
+        f" and {_ms(header['collective_seconds'])} ms per device,",
+        f"{pad}{_ms(header['hidden_seconds'])} ms of it behind compute and "
+        f"{_ms(header['exposed_seconds'])} ms exposed: step "
+        f"{_ms(header['compute_seconds'] + header['exposed_seconds'])} ms if overlapped",
         f"memory          {_size(used)} per device of {_size(limit or 0)} allowed{share}:",
         pad + ", ".join(f"{kind} {_size(memory[kind])}" for kind in MEMORY_KINDS),
         f"graph           {header['graph_nodes']} nodes, {header['decision_nodes']} decisions, "

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
@@ -60,10 +61,12 @@ from torch.distributed.device_mesh import DeviceMesh
 from fxpar import ir
 from fxpar.cluster import COLLECTIVE_KINDS, Cluster, CollectiveLink
 from fxpar.errors import DistributedError, FxparError
+from fxpar.ir.program import Program
 from fxpar.planning.cost import collective_seconds, collective_share, roofline_seconds
 from fxpar.runtime import waiting
 from fxpar.runtime.communicators import ProcessGroupCommunicator
 from fxpar.runtime.devices import for_collective, rank_device, synchronize
+from fxpar.runtime.op_timing import OpTiming, time_ops
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +74,9 @@ ALL_REDUCE, MATMUL, COPY = "all_reduce", "matmul", "copy"
 ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL = "all_gather", "reduce_scatter", "all_to_all"
 OWN_LINKS = (ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL)
 """The collectives timed apart from the all-reduce, each fitted a link of its own."""
+MIN_SLOWDOWN = 1e-3
+"""The least slowdown an op is fitted: one whose calls all take no more than the overhead
+(a copy that is a view in practice) costs about nothing beyond it."""
 
 
 @dataclass(frozen=True)
@@ -96,6 +102,9 @@ class CalibrationOptions:
     local_seconds: float = 0.25
     """Local work (the matmul, the copy) runs at least this long, and its time is the mean:
     long enough to span many scheduler slices on a machine with fewer cores than ranks."""
+    op_passes: int = 5
+    """Timed steps of a program given to :func:`calibrate` (or :func:`calibrate_ops`): each op
+    call takes the median of its times in them (:func:`~fxpar.runtime.op_timing.time_ops`)."""
     quantile: float = 0.25
     """Which of a rank's ``repeats`` times it keeps: 0.5 the median, 0 the fastest. On a busy
     machine (other programs, or more processes than cores) a collective's time is bimodal,
@@ -132,6 +141,8 @@ class CalibrationOptions:
             )
         if self.local_seconds < 0:
             raise FxparError(f"local_seconds must be >= 0, got {self.local_seconds}")
+        if self.op_passes < 1:
+            raise FxparError(f"op_passes must be >= 1, got {self.op_passes}")
         if self.matmul_size < 1 or self.warmup < 0 or self.repeats < 1:
             raise FxparError(
                 f"need matmul_size >= 1, warmup >= 0 and repeats >= 1, got {self.matmul_size}, "
@@ -185,6 +196,8 @@ class Calibration:
     given: Cluster
     cluster: Cluster
     timings: tuple[Timing, ...]
+    ops: tuple[OpTiming, ...] = ()
+    """The program's ops, when one was given: each node's op and the ranks' mean time."""
 
     def table(self, given: str = "given") -> str:
         """The fitted fields beside the given ones (a column headed ``given``), then every
@@ -213,30 +226,59 @@ class Calibration:
                     _seconds(model),
                 )
             )
-        return f"{_columns(fields)}\n\n{_columns(timings)}"
+        tables = [_columns(fields), _columns(timings)]
+        if self.ops:
+            tables.append(_columns(self._op_rows()))
+        return "\n\n".join(tables)
+
+    def _op_rows(self) -> list[tuple[str, ...]]:
+        """Per op of the program, its calls, their summed measured time and the fitted model's
+        (the overhead and the slowdown's roofline), the slowest first."""
+        totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+        for timing in self.ops:
+            row = totals[timing.cost.op]
+            row[0] += 1
+            row[1] += timing.seconds
+            row[2] += roofline_seconds(timing.cost, self.cluster)
+        rows: list[tuple[str, ...]] = [("op", "calls", "measured", "model", "slowdown")]
+        for op, (calls, measured, model) in sorted(totals.items(), key=lambda kv: -kv[1][1]):
+            slowdown = dict(self.cluster.op_slowdown).get(op)
+            rows.append((op, str(int(calls)), _seconds(measured), _seconds(model),
+                         "-" if slowdown is None else f"{slowdown:.2f}"))  # fmt: skip
+        return rows
 
 
 def calibrate(
     cluster: Cluster,
     device_mesh: DeviceMesh | None = None,
     options: CalibrationOptions | None = None,
+    *,
+    program: Program | None = None,
+    inputs: Sequence[object] = (),
 ) -> Cluster:
     """``cluster`` with its links and devices measured on the processes of this job.
 
     Call it on every rank, like a collective. ``device_mesh`` defaults to
     ``cluster.device_mesh()``; :func:`measure` says what is timed and keeps the timings.
+    Given a ``program`` (:func:`fxpar.capture`'s) and its real flat ``inputs``
+    (:meth:`~fxpar.Program.flat_inputs`), every ATen op of its step is timed too, on the
+    shapes and values of that step, and the cluster's ``op_overhead`` and ``op_slowdown`` are
+    fitted to them (:func:`fit_ops`).
 
     Raises:
         DistributedError: torch.distributed is not initialized, its world is not the mesh's,
             or ``device_mesh`` has another shape.
     """
-    return measure(cluster, device_mesh, options).cluster
+    return measure(cluster, device_mesh, options, program=program, inputs=inputs).cluster
 
 
 def measure(
     cluster: Cluster,
     device_mesh: DeviceMesh | None = None,
     options: CalibrationOptions | None = None,
+    *,
+    program: Program | None = None,
+    inputs: Sequence[object] = (),
 ) -> Calibration:
     """:func:`calibrate`, keeping what was timed and the cluster it was given."""
     options = options or CalibrationOptions.for_device(cluster.device_type)
@@ -267,8 +309,83 @@ def measure(
         for timing, seconds in zip(planned, slowest.tolist(), strict=True)
     )
     fitted = fit(cluster, timings)
+    ops: tuple[OpTiming, ...] = ()
+    if program is not None:
+        ops = _mean_ops(program, inputs, options, device)
+        fitted = fit_ops(fitted, ops)
     logger.info("calibrated %s in %.2f s", cluster, time.perf_counter() - start)
-    return Calibration(cluster, fitted, timings)
+    return Calibration(cluster, fitted, timings, ops)
+
+
+def calibrate_ops(
+    cluster: Cluster,
+    program: Program,
+    inputs: Sequence[object],
+    options: CalibrationOptions | None = None,
+) -> Cluster:
+    """``cluster`` with its ``op_overhead`` and ``op_slowdown`` fitted to ``program``'s ops
+    timed on its flat ``inputs`` (:func:`fit_ops`), its links and rooflines kept: after
+    :func:`calibrate`, to fit the ops of each model apart. Call it on every rank at once.
+
+    Raises:
+        DistributedError: torch.distributed is not initialized, or the ranks' programs
+            differ in their number of ops.
+    """
+    if not dist.is_initialized():
+        raise DistributedError("calibrate_ops runs on every rank: initialize torch.distributed")
+    options = options or CalibrationOptions.for_device(cluster.device_type)
+    ops = _mean_ops(program, inputs, options, rank_device(cluster.device_type))
+    return fit_ops(cluster, ops)
+
+
+def _mean_ops(
+    program: Program, inputs: Sequence[object], options: CalibrationOptions, device: torch.device
+) -> tuple[OpTiming, ...]:
+    """Every rank times ``program``'s ops at once (:func:`~fxpar.runtime.op_timing.time_ops`),
+    and each op takes the ranks' mean time: the ranks run the same ops in a step, sharing the
+    machine as they do here, and the slowest rank's time of each op would add the noise of
+    every op's worst rank."""
+    dist.barrier()
+    mine = time_ops(program, inputs, passes=options.op_passes, device=device)
+    counts = torch.tensor([len(mine), -len(mine)], dtype=torch.int64)
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+    if counts[0] != -counts[1]:
+        raise DistributedError(
+            f"the ranks timed between {-counts[1]} and {counts[0]} ops: calibrate every rank "
+            "on the same program"
+        )
+    total = torch.tensor([timing.seconds for timing in mine], dtype=torch.float64)
+    dist.all_reduce(total)
+    mean = (total / dist.get_world_size()).tolist()
+    return tuple(replace(t, seconds=s) for t, s in zip(mine, mean, strict=True))
+
+
+def fit_ops(cluster: Cluster, timings: Sequence[OpTiming]) -> Cluster:
+    """``cluster`` with ``op_overhead`` and ``op_slowdown`` fitted to ``timings``.
+
+    The overhead is the lower quartile of the times of ops that do no work by the roofline
+    (views: what any op costs to dispatch). Each op's slowdown is its nodes' measured time
+    beyond the overhead over their roofline time on ``cluster`` (its ``flops`` and
+    ``memory_bandwidth``), both summed over its nodes, so large calls weigh most; ``"*"``,
+    which ops the timings did not see take, is the same over every op."""
+    bare = replace(cluster, op_overhead=0.0, op_slowdown=())
+    idle: list[float] = []
+    sums: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
+    for timing in timings:
+        roofline = roofline_seconds(replace(timing.cost, op=""), bare)
+        if roofline == 0:
+            idle.append(timing.seconds)
+            continue
+        for op in (timing.cost.op, Cluster.OTHER_OPS):
+            sums[op][0] += 1
+            sums[op][1] += timing.seconds
+            sums[op][2] += roofline
+    overhead = sorted(idle)[len(idle) // 4] if idle else 0.0
+    slowdown = {
+        op: max(measured - calls * overhead, MIN_SLOWDOWN * roofline) / roofline
+        for op, (calls, measured, roofline) in sums.items()
+    }
+    return replace(cluster, op_overhead=overhead, op_slowdown=tuple(slowdown.items()))
 
 
 def fit(cluster: Cluster, timings: Sequence[Timing]) -> Cluster:

@@ -1,0 +1,244 @@
+"""A planned step's time: its collective schedule priced, and how much of that communication
+the compute between a collective's start and its wait hides.
+
+:func:`price_schedule` prices the collectives of a planned Program's schedule (the ones the
+lowering emits) and every edge as the cost model does, per consumer and without reuse (the
+solver's communication term); the plan report and the stage DP read it.
+
+The lowering does not run every collective where its value is needed: an all-reduce starts
+right after its input is made and is waited for where it is read, a group of parameters'
+all-gathers starts one layer ahead, and the gradients' buckets start as soon as their last
+gradient exists and are waited for where the step returns (:mod:`fxpar.planning.collective_schedule`
+decides all of it). :func:`step_overlap` walks that schedule as one device runs it, with two
+kinds of clocks: the device's compute, which runs the ops in graph order, each taking its
+priced seconds (:func:`price_schedule`), and one link per mesh axis,
+which runs that axis' collectives one at a time in the order they are issued, each taking its
+alpha-beta seconds. A collective starts when its input exists and its link is free; the ops
+after its start run meanwhile; an op that reads its result waits for it. A collective started
+where it is needed (a blocking one) stops the compute for all of its time. The step is where
+the compute clock ends, after the last wait.
+
+This is the critical path of one device over its compute and its links, not the sum of the two:
+communication is *exposed* where the compute waits for it and *hidden* where it runs beside
+compute. It assumes a collective in flight slows no op down, which holds where the links have
+engines of their own (GPUs); on CPU processes whose collectives share the cores with the ops,
+the hidden part is partly paid for in slower ops.
+
+The ILP keeps pricing every collective in full (its objective stays linear, one term per edge):
+the exposed part of a collective depends on the compute scheduled between its start and its
+wait, which depends on the plan of every op in between, a product of decisions. Pricing in full
+is an upper bound that is exact for blocking collectives; the plan report gives both figures,
+and docs/planning.md says how they compare with measured steps.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch.fx as fx
+
+from fxpar import ir
+from fxpar.cluster import Cluster
+from fxpar.ir.program import Program
+from fxpar.planning import cost
+from fxpar.planning.collective_schedule import (
+    Action,
+    CollectiveRecord,
+    CollectiveSchedule,
+    Reshard,
+    StartGather,
+    WaitGather,
+    schedule_program,
+)
+from fxpar.planning.grouping import casts_parameter, reread_in_backward
+from fxpar.rules.registry import tensor_inputs
+from fxpar.sharding import Sharding, Spec
+
+# -- the schedule, priced ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PricedSchedule:
+    """A planned Program's collective schedule with the cost model's prices (see the module
+    docstring)."""
+
+    schedule: CollectiveSchedule
+    record_seconds: tuple[float, ...]
+    """Alpha-beta seconds of each of ``schedule.records``, by
+    :func:`fxpar.planning.cost.collective_seconds`."""
+    compute: dict[fx.Node, float]
+    """Roofline seconds of each op under its chosen strategy."""
+    edge_seconds: float
+    """Resharding seconds summed per consumer, as the cost model charges them."""
+
+    @property
+    def records(self) -> tuple[CollectiveRecord, ...]:
+        return self.schedule.records
+
+    @property
+    def specs(self) -> dict[fx.Node, tuple[Spec | None, ...]]:
+        """The layout of every value: what each node produces under its strategy."""
+        return self.schedule.specs
+
+
+def price_schedule(program: Program, cluster: Cluster) -> PricedSchedule:
+    """The collective schedule of ``program``'s chosen strategies on ``cluster``, priced."""
+    mesh = cluster.mesh_shape
+    schedule = schedule_program(program, mesh)
+    record_seconds = tuple(
+        cost.collective_seconds(
+            record.kind, record.bytes, mesh[record.axis], *cluster.link_of(record.kind, record.axis)
+        )
+        for record in schedule.records
+    )
+    specs = schedule.specs
+    compute: dict[fx.Node, float] = {}
+    edge_seconds = 0.0
+    for node in program.graph.nodes:
+        if node.op == "output":
+            results = node.args[0]
+            assert isinstance(results, (tuple, list))
+            for result, spec in zip(results, schedule.leaving.specs, strict=True):
+                if not isinstance(result, fx.Node):
+                    continue
+                current = specs[result][0]
+                assert current is not None
+                meta = ir.require(result, ir.ValueMeta).tensor
+                # Priced as the cost model prices a result: in a bucket if only reductions.
+                edge_seconds += cost.output_seconds(current, spec, meta, cluster)
+            continue
+        if node not in schedule.inputs:
+            continue
+        strategy = ir.require(node, Sharding).strategy
+        phase = ir.require(node, ir.Region).phase
+        for source, want in zip(tensor_inputs(node), strategy.inputs, strict=True):
+            if want is None or (
+                phase is ir.Phase.BACKWARD and (source, want) in schedule.gathers.chains
+            ):
+                continue  # a recomputed view: its gathers are priced at the forward's view
+            current = specs[source][0]
+            assert current is not None
+            meta = ir.require(source, ir.ValueMeta).tensor
+            # As the problem prices it: a parameter a forward view reads for the backward too
+            # is gathered twice (fxpar.planning.grouping.ViewChain).
+            parameter = source.op == "placeholder" or casts_parameter(source)
+            regathered = parameter and reread_in_backward(node)
+            price = cost.regathered_seconds if regathered else cost.reshard_seconds
+            edge_seconds += price(current, want, meta, cluster)
+        work = ir.get(node, ir.Cost)
+        if work is not None:
+            compute[node] = cost.compute_seconds(work, strategy, cluster)
+    return PricedSchedule(schedule, record_seconds, compute, edge_seconds)
+
+
+# -- the critical path --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepOverlap:
+    """One device's step: its compute, its collectives' time, and how much of that the compute
+    waited for."""
+
+    compute: float
+    communication: float
+    """Seconds of every collective the device runs (the schedule's, priced)."""
+    exposed: float
+    """Seconds the compute waited for communication."""
+
+    @property
+    def hidden(self) -> float:
+        """Seconds of communication that ran beside compute."""
+        return self.communication - self.exposed
+
+    @property
+    def step(self) -> float:
+        """The step's time: its compute and the waits."""
+        return self.compute + self.exposed
+
+
+class _Clocks:
+    """The device's compute clock and one clock per mesh axis' link."""
+
+    def __init__(self, seconds: dict[int, float]) -> None:
+        self.seconds = seconds
+        self.now = 0.0
+        self.link: defaultdict[int, float] = defaultdict(float)
+        self.exposed = 0.0
+
+    def send(self, record: CollectiveRecord, ready: float) -> float:
+        """Issue ``record`` on its link once ``ready``; when it ends."""
+        start = max(ready, self.link[record.axis])
+        end = self.link[record.axis] = start + self.seconds[id(record)]
+        return end
+
+    def wait(self, until: float) -> None:
+        if until > self.now:
+            self.exposed += until - self.now
+            self.now = until
+
+
+def step_overlap(priced: PricedSchedule, nodes: list[fx.Node]) -> StepOverlap:
+    """Walk ``priced``'s schedule over ``nodes`` (the planned graph's, in order) as in the
+    module docstring."""
+    schedule = priced.schedule
+    clocks = _Clocks(
+        {id(r): s for r, s in zip(schedule.records, priced.record_seconds, strict=True)}
+    )
+    done: dict[fx.Node, float] = {}
+    gathered: dict[int, float] = {}
+    late: dict[int, tuple[CollectiveRecord, ...]] = {}
+
+    def run(actions: tuple[Action, ...]) -> None:
+        for action in actions:
+            if isinstance(action, Reshard):
+                _reshard(action, done.get(action.source, 0.0), clocks)
+            elif isinstance(action, StartGather):
+                # The first axis' gather travels until its wait; the others run at the wait.
+                index = action.group.index
+                first, *rest = action.records or (None,)
+                gathered[index] = clocks.now if first is None else clocks.send(first, clocks.now)
+                late[index] = tuple(rest)
+            elif isinstance(action, WaitGather):
+                index = action.group.index
+                clocks.wait(gathered.get(index, clocks.now))
+                for record in late.pop(index, ()):
+                    clocks.wait(clocks.send(record, clocks.now))
+
+    for node in nodes:
+        inputs = schedule.inputs.get(node)
+        if inputs is not None:
+            run(inputs.actions)
+        clocks.now += priced.compute.get(node, 0.0)
+        done[node] = clocks.now
+    leaving = schedule.leaving
+    ends = []
+    for bucket in leaving.buckets:
+        ready = done[bucket.starts_after]
+        for record in bucket.records:  # one per mesh axis of its route, in turn
+            ready = clocks.send(record, ready)
+        ends.append(ready)
+    run(leaving.actions)
+    clocks.wait(max(ends, default=0.0))
+    return StepOverlap(
+        compute=sum(priced.compute.values()),
+        communication=sum(priced.record_seconds),
+        exposed=clocks.exposed,
+    )
+
+
+def _reshard(action: Reshard, ready: float, clocks: _Clocks) -> None:
+    """Run ``action``'s collective steps: one started early travels from when its input
+    exists, the others run where the value is needed; the value is waited for there."""
+    records = iter(action.records)
+    for step, early in zip(action.steps, action.started_early, strict=True):
+        if not step.is_collective:
+            continue
+        record = next(records)
+        if early:
+            ready = clocks.send(record, ready)
+        else:
+            clocks.wait(ready)
+            ready = clocks.send(record, clocks.now)
+            clocks.wait(ready)
+    clocks.wait(ready)

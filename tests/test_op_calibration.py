@@ -1,0 +1,218 @@
+"""Per-op speeds: a cluster prices each ATen op as its overhead plus its slowdown times its
+roofline, calibration times a program's real op calls and fits those numbers so that they give
+back what was measured, and the numbers travel in cluster files."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import fxpar
+from fxpar import ir
+from fxpar.errors import DistributedError, FxparError
+from fxpar.models import GPT, GPTConfig, gpt_loss
+from fxpar.planning.cost import compute_seconds, roofline_seconds
+from fxpar.runtime.calibration import MIN_SLOWDOWN, CalibrationOptions, fit_ops, measure
+from fxpar.runtime.launch import spawn
+from fxpar.runtime.op_timing import OpTiming, time_ops
+from fxpar.sharding import R, S, Strategy
+
+CLUSTER = fxpar.Cluster((2,), flops=1e9, memory_bandwidth=1e9)
+
+
+def _cost(flops: int, moved: int, op: str) -> ir.Cost:
+    return ir.Cost(flops=flops, bytes_read=moved, bytes_written=0, output_bytes=0, op=op)
+
+
+def test_an_op_costs_its_overhead_plus_its_slowdown_times_its_share_of_the_roofline() -> None:
+    cluster = dataclasses.replace(CLUSTER, op_overhead=5e-6, op_slowdown={"aten.mm": 2.0, "*": 3.0})
+    matmul = _cost(4_000_000, 1_000, "aten.mm")  # 4 ms of FLOPs, compute-bound
+    assert roofline_seconds(matmul, cluster) == pytest.approx(5e-6 + 2 * 4e-3)
+    assert roofline_seconds(matmul, cluster, share=2) == pytest.approx(5e-6 + 2 * 2e-3)
+    gelu = _cost(1_000, 2_000_000, "aten.gelu")  # 2 ms of bytes, memory-bound; not named
+    assert roofline_seconds(gelu, cluster) == pytest.approx(5e-6 + 3 * 2e-3)
+    view = _cost(0, 0, "aten.view")
+    assert roofline_seconds(view, cluster) == pytest.approx(5e-6)
+    placeholder = _cost(0, 0, "")  # calls no op: no overhead
+    assert roofline_seconds(placeholder, cluster) == 0.0
+    # A strategy that splits the op over the axis halves the slowed roofline, not the overhead.
+    split = Strategy(outputs=((S(0),),), inputs=((S(0),), (R,)))
+    assert compute_seconds(matmul, split, cluster) == pytest.approx(5e-6 + 2 * 2e-3)
+    # Without per-op numbers an op costs its roofline.
+    assert roofline_seconds(matmul, CLUSTER) == pytest.approx(4e-3)
+
+
+def test_fit_ops_recovers_the_overhead_and_slowdowns_that_made_the_times() -> None:
+    overhead, slowdown = 4e-6, {"aten.mm": 1.25, "aten._log_softmax": 3.0}
+    truth = dataclasses.replace(CLUSTER, op_overhead=overhead, op_slowdown=slowdown)
+    costs = [
+        _cost(2_000_000, 10, "aten.mm"),
+        _cost(8_000_000, 10, "aten.mm"),
+        _cost(10, 500_000, "aten._log_softmax"),
+        *(_cost(0, 0, "aten.view") for _ in range(4)),
+        _cost(0, 0, "aten.t"),
+    ]
+    timings = [OpTiming(f"n{i}", c, roofline_seconds(c, truth)) for i, c in enumerate(costs)]
+    fitted = fit_ops(CLUSTER, timings)
+    assert fitted.op_overhead == pytest.approx(overhead)
+    found = dict(fitted.op_slowdown)
+    assert found["aten.mm"] == pytest.approx(1.25)
+    assert found["aten._log_softmax"] == pytest.approx(3.0)
+    # '*' is every op's time beyond the overhead over every op's roofline.
+    roofline = 2e-3 + 8e-3 + 0.5e-3
+    assert found["*"] == pytest.approx((1.25 * 10e-3 + 3.0 * 0.5e-3) / roofline)
+    # The fitted cluster gives back every measured time.
+    for timing in timings:
+        assert roofline_seconds(timing.cost, fitted) == pytest.approx(timing.seconds)
+    # The links and rooflines are the given cluster's.
+    assert dataclasses.replace(fitted, op_overhead=0.0, op_slowdown=()) == CLUSTER
+
+
+def test_an_op_faster_than_its_overhead_gets_the_least_slowdown() -> None:
+    timings = [
+        OpTiming("v", _cost(0, 0, "aten.view"), 5e-6),
+        OpTiming("u", _cost(0, 1_000_000, "aten._unsafe_view"), 3e-6),  # a view in practice
+    ]
+    assert dict(fit_ops(CLUSTER, timings).op_slowdown)["aten._unsafe_view"] == MIN_SLOWDOWN
+
+
+def _gpt() -> tuple[fxpar.Program, list[torch.Tensor]]:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
+    tokens = torch.randint(0, 64, (2, 16))
+    program = fxpar.capture(model, (tokens,), gpt_loss, example_targets=(tokens,))
+    return program, program.flat_inputs(model, tokens, tokens)
+
+
+def test_time_ops_times_every_aten_call_in_place_and_the_times_add_up_to_a_step() -> None:
+    program, inputs = _gpt()
+    timings = time_ops(program, inputs, passes=3)
+    calls = [
+        node
+        for node in program.graph.nodes
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+    ]
+    assert [t.node for t in timings] == [node.name for node in calls]
+    assert all(t.seconds > 0 and t.cost.op for t in timings)
+    assert {"aten.mm", "aten.view", "aten._log_softmax"} <= {t.cost.op for t in timings}
+    # A product typically takes longer than a view.
+    seconds = {t.node: t.seconds for t in timings}
+    products = [seconds[n.name] for n in calls if str(n.target.overloadpacket) == "aten.mm"]
+    views = [seconds[n.name] for n in calls if str(n.target.overloadpacket) == "aten.view"]
+    assert statistics.median(products) > statistics.median(views)
+    # The clock readings cover the whole step: the calls' times add up to about a step's.
+    with torch.no_grad():
+        program.graph_module(*inputs)
+        start = time.perf_counter()
+        for _ in range(3):
+            program.graph_module(*inputs)
+        step = (time.perf_counter() - start) / 3
+    assert 0.3 * step < sum(seconds.values()) < 3 * step
+
+
+class _Scaled(torch.nn.Module):
+    """A model whose step holds a tensor constant (an attribute of the captured program)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * torch.tensor([2.0])
+
+
+def test_time_ops_runs_programs_that_hold_constants() -> None:
+    model, batch = _Scaled(), torch.randn(4, 8)
+    program = fxpar.capture(model, (batch,), lambda out: out.sum())
+    assert any(node.op == "get_attr" for node in program.graph.nodes)
+    timings = time_ops(program, program.flat_inputs(model, batch), passes=1)
+    assert "aten.mul" in {t.cost.op for t in timings}
+
+
+def _calibrate_ops_rank(rank: int, world_size: int) -> tuple[object, ...]:
+    torch.set_num_threads(1)
+    program, inputs = _gpt()
+    options = CalibrationOptions(op_passes=2, repeats=3)
+    calibration = measure(fxpar.Cluster((world_size,)), options=options, program=program,
+                          inputs=inputs)  # fmt: skip
+    refused = ""
+    try:
+        # Another rank's program has fewer ops: refused on every rank, no hang.
+        fxpar.calibrate_ops(calibration.cluster, *(_gpt() if rank == 0 else _short()), options)
+    except DistributedError as error:
+        refused = str(error)
+    return calibration, refused
+
+
+def _short() -> tuple[fxpar.Program, list[torch.Tensor]]:
+    model = torch.nn.Linear(4, 4)
+    batch = torch.randn(2, 4)
+    program = fxpar.capture(model, (batch,), lambda out: out.sum())
+    return program, program.flat_inputs(model, batch)
+
+
+@pytest.mark.slow
+def test_calibrated_op_speeds_are_shared_and_give_back_each_ops_measured_time() -> None:
+    (first, refused), (second, _) = spawn(_calibrate_ops_rank, 2, timeout_s=120)
+    assert first.cluster == second.cluster
+    assert first.ops == second.ops  # the ranks' mean time of each call
+    assert {t.cost.op for t in first.ops} >= {"aten.mm", "aten.view"}
+    cluster = first.cluster
+    assert 0 < cluster.op_overhead < 1e-3
+    slowdown = dict(cluster.op_slowdown)
+    assert {"*", "aten.mm", "aten.addmm"} <= set(slowdown)
+    # Per op, the fitted model gives back its calls' summed time (unless it got the least
+    # slowdown: then it is faster than the model's overhead).
+    for op in {t.cost.op for t in first.ops} & set(slowdown):
+        calls = [t for t in first.ops if t.cost.op == op]
+        modelled = sum(roofline_seconds(t.cost, cluster) for t in calls)
+        measured = sum(t.seconds for t in calls)
+        if slowdown[op] > MIN_SLOWDOWN:
+            assert modelled == pytest.approx(measured, rel=1e-6), op
+    assert "aten.mm" in first.table()
+    assert "timed between" in refused
+
+
+def test_calibrate_ops_without_a_process_group_says_so() -> None:
+    program, inputs = _gpt()
+    with pytest.raises(DistributedError, match="every rank"):
+        fxpar.calibrate_ops(CLUSTER, program, inputs)
+
+
+def test_op_speeds_round_trip_through_a_cluster_file(tmp_path: Path) -> None:
+    cluster = dataclasses.replace(CLUSTER, op_overhead=3e-6, op_slowdown={"aten.mm": 1.1, "*": 1.5})
+    loaded = fxpar.Cluster.load(cluster.save(tmp_path / "c.json"))
+    assert loaded == cluster
+    assert loaded.op_seconds("aten.bmm", 1e-3) == pytest.approx(3e-6 + 1.5e-3)
+    # Clusters without them write no such fields.
+    assert "op_slowdown" not in CLUSTER.to_dict() and "op_overhead" not in CLUSTER.to_dict()
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"op_overhead": -1.0}, "op_overhead must be"),
+        ({"op_overhead": math.inf}, "op_overhead must be"),
+        ({"op_slowdown": {"aten.mm": 0.0}}, "op_slowdown maps"),
+        ({"op_slowdown": {"aten.mm": "fast"}}, "op_slowdown maps"),
+        ({"op_slowdown": [("aten.mm", 1.0), ("aten.mm", 2.0)]}, "op_slowdown maps"),
+    ],
+)
+def test_bad_op_speeds_are_named(fields: dict[str, object], message: str) -> None:
+    with pytest.raises(FxparError, match=message):
+        fxpar.Cluster((2,), **fields)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("op_overhead", -1), ("op_slowdown", {"aten.mm": -2}), ("op_slowdown", [1, 2])],
+)
+def test_bad_op_speeds_in_a_cluster_file_are_named(field: str, value: object) -> None:
+    with pytest.raises(FxparError, match=f"cluster's {field} cannot be"):
+        fxpar.Cluster.from_dict({"mesh_shape": [2], field: value})
