@@ -7,7 +7,8 @@ processes on the development machine's two cores, so each gets about half a core
 ``fxpar.calibrate`` measures that share). Every rank first calibrates ``fxpar.Cluster((world,))``
 on the running processes, then, for each model (``benchmarks/plan_quality.py``'s zoo: fxpar's
 GPT, HF Llama, Mixtral, T5 and ViT, and a BatchNorm CNN, each from seed 0 with real weights)
-compiles every plan kind on the calibrated cluster:
+fits the cluster's per-op speeds to that model's own step (``fxpar.calibrate_ops``) and
+compiles every plan kind on it:
 
 - ``repl``, ``dp``, ``tp``, ``fsdp``: the manual plans (replicated, data parallel, tensor
   parallel on the mesh's axis with the default module names, fully sharded);
@@ -18,6 +19,8 @@ compiles every plan kind on the calibrated cluster:
   each micro-batch by its own statistics (fxpar warns that it does): its step is not the whole
   batch's, its time still is what it costs.
 
+*overlapped* is the estimate less the communication the plan's schedule runs behind compute
+(``fxpar.planning.step_time.step_overlap``; the pipeline's is its estimate).
 *estimate* is the plan's estimated step (``plan.solution.objective``, the figure ``fxpar plan``
 prints as "estimated step", or the stage DP's for the pipeline); *measured* is the median
 over ``--rounds`` rounds of the slowest rank's time per step, after ``--warmup`` untimed
@@ -58,6 +61,7 @@ from fxpar.pipeline.partition import even_split_points
 from fxpar.planning.plan import ChosenStrategies
 from fxpar.planning.problem import PlanOptions
 from fxpar.planning.step_time import price_schedule, step_overlap
+from fxpar.runtime.calibration import CalibrationOptions
 from fxpar.runtime.launch import spawn
 from fxpar.testing.memory import peak_live_bytes
 from fxpar.testing.simulate import run_ranks
@@ -87,6 +91,7 @@ class Schedule:
     warmup: int
     rounds: int
     steps: int
+    calibration: CalibrationOptions = field(default_factory=CalibrationOptions)
 
 
 @dataclass
@@ -185,7 +190,7 @@ def _measure_world(
     rank: int, world: int, models: Sequence[str], schedule: Schedule
 ) -> tuple[dict[tuple[str, str], Timed], dict[tuple[str, str], str], str]:
     torch.set_num_threads(1)
-    cluster = fxpar.calibrate(fxpar.Cluster((world,)))
+    cluster = fxpar.calibrate(fxpar.Cluster((world,)), options=schedule.calibration)
     results: dict[tuple[str, str], Timed] = {}
     refusals: dict[tuple[str, str], str] = {}
     for name in models:
@@ -296,11 +301,18 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--no-memory", action="store_true", help="skip the memory table")
+    parser.add_argument(
+        "--quantile",
+        type=float,
+        default=CalibrationOptions.quantile,
+        help="which of its repeats' times calibration keeps per collective",
+    )
     args = parser.parse_args()
     unknown = sorted(set(args.models) - set(MODELS))
     if unknown:
         parser.error(f"unknown models {unknown}; choose from {sorted(MODELS)}")
-    schedule = Schedule(args.warmup, args.rounds, args.steps)
+    calibration = CalibrationOptions(quantile=args.quantile)
+    schedule = Schedule(args.warmup, args.rounds, args.steps, calibration)
 
     print("world | model | plan | estimate ms | measured ms | est/meas | overlapped/meas | ")
     print("-- | " * 7 + "--")

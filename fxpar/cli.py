@@ -534,8 +534,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     calibrate_parser.add_argument("--threads", type=int, default=0,
                                   help="torch threads a process (default: cores/N)")  # fmt: skip
     calibrate_parser.add_argument("--output", help="write the fitted cluster here (JSON)")
-    calibrate_parser.add_argument("--model", help="also fit per-op speeds to this model's step "
-                                  "(as fxpar plan --model; built with real weights)")
+    calibrate_parser.add_argument(
+        "--model",
+        help="also fit per-op speeds to this model's step "
+        "(as fxpar plan --model; built with real weights)",
+    )
     calibrate_parser.add_argument("--batch", type=int, default=2)
     calibrate_parser.add_argument("--length", type=int, default=64)
     calibrate_parser.set_defaults(run=calibrate_command)

@@ -18,7 +18,13 @@ from fxpar import ir
 from fxpar.errors import DistributedError, FxparError
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.planning.cost import compute_seconds, roofline_seconds
-from fxpar.runtime.calibration import MIN_SLOWDOWN, CalibrationOptions, fit_ops, measure
+from fxpar.runtime.calibration import (
+    MIN_SLOWDOWN,
+    CalibrationOptions,
+    fit_ops,
+    measure,
+    shared_op_times,
+)
 from fxpar.runtime.launch import spawn
 from fxpar.runtime.op_timing import OpTiming, time_ops
 from fxpar.sharding import R, S, Strategy
@@ -147,7 +153,12 @@ def _calibrate_ops_rank(rank: int, world_size: int) -> tuple[object, ...]:
         fxpar.calibrate_ops(calibration.cluster, *(_gpt() if rank == 0 else _short()), options)
     except DistributedError as error:
         refused = str(error)
-    return calibration, refused
+    # Rank 1 took twice as long as rank 0 for the first op and three times for the second:
+    # each op takes the ranks' mean, scaled up to the slowest rank's step.
+    cost = _cost(1, 1, "aten.mm")
+    mine = [OpTiming("a", cost, (rank + 1) * 1e-3), OpTiming("b", cost, (2 * rank + 1) * 1e-3)]
+    shared = [t.seconds for t in shared_op_times(mine)]
+    return calibration, refused, shared
 
 
 def _short() -> tuple[fxpar.Program, list[torch.Tensor]]:
@@ -159,9 +170,12 @@ def _short() -> tuple[fxpar.Program, list[torch.Tensor]]:
 
 @pytest.mark.slow
 def test_calibrated_op_speeds_are_shared_and_give_back_each_ops_measured_time() -> None:
-    (first, refused), (second, _) = spawn(_calibrate_ops_rank, 2, timeout_s=120)
+    (first, refused, shared), (second, _, shared_too) = spawn(_calibrate_ops_rank, 2,
+                                                            timeout_s=120)  # fmt: skip
+    # Means 1.5 and 2 ms (3.5 ms in all), scaled to the slower rank's 5 ms.
+    assert shared == shared_too == pytest.approx([1.5e-3 * 5 / 3.5, 2e-3 * 5 / 3.5])
     assert first.cluster == second.cluster
-    assert first.ops == second.ops  # the ranks' mean time of each call
+    assert first.ops == second.ops  # the ranks' mean time of each call, scaled alike
     assert {t.cost.op for t in first.ops} >= {"aten.mm", "aten.view"}
     cluster = first.cluster
     assert 0 < cluster.op_overhead < 1e-3

@@ -197,7 +197,8 @@ class Calibration:
     cluster: Cluster
     timings: tuple[Timing, ...]
     ops: tuple[OpTiming, ...] = ()
-    """The program's ops, when one was given: each node's op and the ranks' mean time."""
+    """The program's ops, when one was given: each node's op and the ranks' mean time, scaled
+    to the slowest rank's step."""
 
     def table(self, given: str = "given") -> str:
         """The fitted fields beside the given ones (a column headed ``given``), then every
@@ -342,11 +343,18 @@ def _mean_ops(
     program: Program, inputs: Sequence[object], options: CalibrationOptions, device: torch.device
 ) -> tuple[OpTiming, ...]:
     """Every rank times ``program``'s ops at once (:func:`~fxpar.runtime.op_timing.time_ops`),
-    and each op takes the ranks' mean time: the ranks run the same ops in a step, sharing the
-    machine as they do here, and the slowest rank's time of each op would add the noise of
-    every op's worst rank."""
+    and each op takes the ranks' mean time, scaled so that the ops add up to the slowest rank's
+    step: the ranks run the same ops in a step, sharing the machine as they do here, and a step
+    waits for its slowest rank. (The slowest rank's time of each op would add every op's worst
+    noise; the mean alone misses that on a machine with fewer cores than ranks, a rank that is
+    done runs no more, and the last ones time their ops with the machine to themselves.)"""
     dist.barrier()
-    mine = time_ops(program, inputs, passes=options.op_passes, device=device)
+    return shared_op_times(time_ops(program, inputs, passes=options.op_passes, device=device))
+
+
+def shared_op_times(mine: Sequence[OpTiming]) -> tuple[OpTiming, ...]:
+    """This rank's op timings made the same on every rank (see :func:`_mean_ops`): each op's
+    mean over the ranks, scaled so that they add up to the largest rank's sum."""
     counts = torch.tensor([len(mine), -len(mine)], dtype=torch.int64)
     dist.all_reduce(counts, op=dist.ReduceOp.MAX)
     if counts[0] != -counts[1]:
@@ -354,10 +362,14 @@ def _mean_ops(
             f"the ranks timed between {-counts[1]} and {counts[0]} ops: calibrate every rank "
             "on the same program"
         )
-    total = torch.tensor([timing.seconds for timing in mine], dtype=torch.float64)
-    dist.all_reduce(total)
-    mean = (total / dist.get_world_size()).tolist()
-    return tuple(replace(t, seconds=s) for t, s in zip(mine, mean, strict=True))
+    summed = torch.tensor([timing.seconds for timing in mine], dtype=torch.float64)
+    dist.all_reduce(summed)
+    mean = summed / dist.get_world_size()
+    slowest = torch.tensor([sum(timing.seconds for timing in mine)], dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    if mean.sum() > 0:
+        mean *= slowest / mean.sum()
+    return tuple(replace(t, seconds=s) for t, s in zip(mine, mean.tolist(), strict=True))
 
 
 def fit_ops(cluster: Cluster, timings: Sequence[OpTiming]) -> Cluster:
