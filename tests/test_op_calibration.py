@@ -80,6 +80,17 @@ def test_fit_ops_recovers_the_overhead_and_slowdowns_that_made_the_times() -> No
     assert dataclasses.replace(fitted, op_overhead=0.0, op_slowdown=()) == CLUSTER
 
 
+def test_calls_whose_roofline_is_a_sliver_of_the_overhead_fit_no_rate() -> None:
+    """A one-element ``ones_like`` taking 60 us would fit a slowdown of 10^5: it is left out,
+    and the op takes ``"*"``'s slowdown."""
+    views = [OpTiming(f"v{i}", _cost(0, 0, "aten.view"), 5e-6) for i in range(4)]
+    product = OpTiming("m", _cost(2_000_000, 10, "aten.mm"), 3e-3)  # 2 ms roofline
+    tiny = OpTiming("o", _cost(1, 4, "aten.ones_like"), 60e-6)  # 4 ns roofline
+    fitted = dict(fit_ops(CLUSTER, [*views, product, tiny]).op_slowdown)
+    assert "aten.ones_like" not in fitted
+    assert fitted["*"] == fitted["aten.mm"] == pytest.approx((3e-3 - 5e-6) / 2e-3)
+
+
 def test_an_op_faster_than_its_overhead_gets_the_least_slowdown() -> None:
     timings = [
         OpTiming("v", _cost(0, 0, "aten.view"), 5e-6),

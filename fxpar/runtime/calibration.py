@@ -77,6 +77,9 @@ OWN_LINKS = (ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL)
 MIN_SLOWDOWN = 1e-3
 """The least slowdown an op is fitted: one whose calls all take no more than the overhead
 (a copy that is a view in practice) costs about nothing beyond it."""
+TINY_CALL = 0.01
+"""A call whose roofline time is below this share of the op overhead fits no slowdown
+(:func:`fit_ops`)."""
 
 
 @dataclass(frozen=True)
@@ -379,20 +382,23 @@ def fit_ops(cluster: Cluster, timings: Sequence[OpTiming]) -> Cluster:
     (views: what any op costs to dispatch). Each op's slowdown is its nodes' measured time
     beyond the overhead over their roofline time on ``cluster`` (its ``flops`` and
     ``memory_bandwidth``), both summed over its nodes, so large calls weigh most; ``"*"``,
-    which ops the timings did not see take, is the same over every op."""
+    which ops the timings did not see take, is the same over every op. A call whose roofline
+    is below :data:`TINY_CALL` of the overhead is left out: its time is all the call itself,
+    and a rate fitted to it (a one-element ``ones_like`` taking 60 us is 10⁵ times its
+    roofline) would price the op absurdly at any other size. An op with only such calls gets
+    no slowdown of its own."""
     bare = replace(cluster, op_overhead=0.0, op_slowdown=())
-    idle: list[float] = []
+    rooflines = [roofline_seconds(replace(t.cost, op=""), bare) for t in timings]
+    idle = sorted(t.seconds for t, r in zip(timings, rooflines, strict=True) if r == 0)
+    overhead = idle[len(idle) // 4] if idle else 0.0
     sums: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
-    for timing in timings:
-        roofline = roofline_seconds(replace(timing.cost, op=""), bare)
-        if roofline == 0:
-            idle.append(timing.seconds)
+    for timing, roofline in zip(timings, rooflines, strict=True):
+        if roofline == 0 or roofline < TINY_CALL * overhead:
             continue
         for op in (timing.cost.op, Cluster.OTHER_OPS):
             sums[op][0] += 1
             sums[op][1] += timing.seconds
             sums[op][2] += roofline
-    overhead = sorted(idle)[len(idle) // 4] if idle else 0.0
     slowdown = {
         op: max(measured - calls * overhead, MIN_SLOWDOWN * roofline) / roofline
         for op, (calls, measured, roofline) in sums.items()
