@@ -155,7 +155,9 @@ def test_time_ops_runs_programs_that_hold_constants() -> None:
 def _calibrate_ops_rank(rank: int, world_size: int) -> tuple[object, ...]:
     torch.set_num_threads(1)
     program, inputs = _gpt()
-    options = CalibrationOptions(op_passes=2, repeats=3)
+    # The default repeats, as tests/test_calibrate.py: a link fitted from 3 is at the mercy of
+    # a loaded machine.
+    options = CalibrationOptions(op_passes=2)
     calibration = measure(fxpar.Cluster((world_size,)), options=options, program=program,
                           inputs=inputs)  # fmt: skip
     refused = ""

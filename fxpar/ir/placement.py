@@ -100,7 +100,7 @@ def _place(graph_module: fx.GraphModule, device: torch.device) -> fx.GraphModule
         _set_attribute(root, name, value.to(device))
     for target in {n.target for n in graph.nodes if n.op in ("call_module", "get_attr")}:
         if not _has_attribute(root, target):
-            _set_attribute(root, target, _get_attribute(graph_module, target))
+            _set_attribute(root, target, get_attribute(graph_module, target))
     placed = fx.GraphModule(root, graph, class_name=type(graph_module).__name__)
     placed.meta = dict(getattr(graph_module, "meta", {}))
     return placed
@@ -116,13 +116,15 @@ def _tensor_attributes(graph_module: fx.GraphModule) -> dict[str, torch.Tensor]:
     found = {}
     for node in graph_module.graph.nodes:
         if node.op == "get_attr":
-            value = _get_attribute(graph_module, node.target)
+            value = get_attribute(graph_module, node.target)
             if isinstance(value, torch.Tensor):
                 found[node.target] = value
     return found
 
 
-def _get_attribute(module: torch.nn.Module, target: str) -> Any:
+def get_attribute(module: torch.nn.Module, target: str) -> Any:
+    """``module``'s attribute at the dotted path ``target`` (a ``get_attr`` node's target:
+    a constant, buffer or submodule)."""
     value: Any = module
     for part in target.split("."):
         value = getattr(value, part)
@@ -131,7 +133,7 @@ def _get_attribute(module: torch.nn.Module, target: str) -> Any:
 
 def _has_attribute(module: torch.nn.Module, target: str) -> bool:
     try:
-        _get_attribute(module, target)
+        get_attribute(module, target)
     except AttributeError:
         return False
     return True
@@ -525,4 +527,12 @@ _TRANSLATED: dict[Any, Any] = {
 """The CPU-only kernels a captured program may call, and what runs them elsewhere."""
 
 
-__all__ = ["as_device", "attention", "attention_backward", "device_of", "devices_named", "place"]
+__all__ = [
+    "as_device",
+    "attention",
+    "attention_backward",
+    "device_of",
+    "devices_named",
+    "get_attribute",
+    "place",
+]

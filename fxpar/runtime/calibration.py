@@ -244,9 +244,10 @@ class Calibration:
             row[0] += 1
             row[1] += timing.seconds
             row[2] += roofline_seconds(timing.cost, self.cluster)
+        slowdowns = dict(self.cluster.op_slowdown)
         rows: list[tuple[str, ...]] = [("op", "calls", "measured", "model", "slowdown")]
         for op, (calls, measured, model) in sorted(totals.items(), key=lambda kv: -kv[1][1]):
-            slowdown = dict(self.cluster.op_slowdown).get(op)
+            slowdown = slowdowns.get(op)
             rows.append((op, str(int(calls)), _seconds(measured), _seconds(model),
                          "-" if slowdown is None else f"{slowdown:.2f}"))  # fmt: skip
         return rows
@@ -387,8 +388,8 @@ def fit_ops(cluster: Cluster, timings: Sequence[OpTiming]) -> Cluster:
     and a rate fitted to it (a one-element ``ones_like`` taking 60 us is 10⁵ times its
     roofline) would price the op absurdly at any other size. An op with only such calls gets
     no slowdown of its own."""
-    bare = replace(cluster, op_overhead=0.0, op_slowdown=())
-    rooflines = [roofline_seconds(replace(t.cost, op=""), bare) for t in timings]
+    # A cost naming no op is priced by the roofline alone, whatever the cluster's op speeds.
+    rooflines = [roofline_seconds(replace(t.cost, op=""), cluster) for t in timings]
     idle = sorted(t.seconds for t, r in zip(timings, rooflines, strict=True) if r == 0)
     overhead = idle[len(idle) // 4] if idle else 0.0
     sums: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])

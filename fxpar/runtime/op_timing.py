@@ -30,6 +30,7 @@ import torch.fx as fx
 
 from fxpar import ir
 from fxpar.ir.flops import default_flop_registry
+from fxpar.ir.placement import get_attribute
 from fxpar.ir.program import Program
 from fxpar.passes.annotate_cost import node_cost
 from fxpar.runtime import fastcall
@@ -112,16 +113,9 @@ def _instrumented(
         timed.append(original)
     # The program's own attributes (constants, submodules) and the readings list.
     attributes: dict[str, Any] = {
-        str(node.target): _attribute(runnable, str(node.target))
+        str(node.target): get_attribute(runnable, str(node.target))
         for node in graph.nodes
         if node.op in ("get_attr", "call_module") and node is not clock
     }
     attributes["readings"] = readings
     return fx.GraphModule(attributes, graph), timed
-
-
-def _attribute(module: torch.nn.Module, path: str) -> Any:
-    value: Any = module
-    for name in path.split("."):
-        value = getattr(value, name)
-    return value
