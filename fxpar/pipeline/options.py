@@ -11,6 +11,11 @@ from fxpar.errors import FxparError
 
 ScheduleName = Literal["gpipe", "1f1b", "interleaved"]
 SCHEDULES: tuple[ScheduleName, ...] = ("gpipe", "1f1b", "interleaved")
+"""The schedules a pipeline runs."""
+ZeroBubbleName = Literal["zb-h1", "zb-v"]
+ZERO_BUBBLE_SCHEDULES: tuple[ZeroBubbleName, ...] = ("zb-h1", "zb-v")
+"""Schedules with the backward split into input and weight gradients: built and checked as
+instruction lists (:func:`fxpar.pipeline.schedule.build_schedule`), not run yet."""
 
 
 class PipelineError(FxparError):
@@ -75,6 +80,12 @@ class Pipeline:
             )
         if self.microbatches < 1:
             raise PipelineError(f"microbatches must be >= 1, got {self.microbatches}")
+        if self.schedule in ZERO_BUBBLE_SCHEDULES:
+            raise PipelineError(
+                f"schedule {self.schedule!r} splits each backward into input and weight "
+                "gradients, which the pipeline runtime does not run yet: choose one of "
+                f"{SCHEDULES} (fxpar.pipeline.schedule.build_schedule builds its lists)"
+            )
         if self.schedule not in SCHEDULES:
             raise PipelineError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.data_parallel < 1:

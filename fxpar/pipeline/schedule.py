@@ -7,11 +7,11 @@ replica of a stage runs the same list. Sends never block (the runtime posts them
 the end of the step); receives block, so a list is correct when, with every rank running its
 own list, each receive eventually finds its message: :func:`simulate` checks exactly that.
 
-GPipe runs all ``M`` forwards, then all backwards, so stage ``s`` holds the stash of all ``M``
-micro-batches at once. 1F1B (PipeDream-flush) lets stage ``s`` run ``K - s - 1`` warm-up
-forwards, then alternates one forward and one backward, and ends with the remaining backwards:
-at most ``min(K - s, M)`` stashes are alive, for the same bubble ``(K-1)/(M+K-1)`` when forward
-and backward times are equal across stages.
+GPipe runs all ``M`` forwards, then all backwards in the same order (micro-batch 0 first), so
+stage ``s`` holds the stash of all ``M`` micro-batches at once. 1F1B (PipeDream-flush) lets
+stage ``s`` run ``K - s - 1`` warm-up forwards, then alternates one forward and one backward,
+and ends with the remaining backwards: at most ``min(K - s, M)`` stashes are alive, for the
+same bubble ``(K-1)/(M+K-1)`` when forward and backward times are equal across stages.
 
 Interleaved 1F1B (Megatron-LM's) cuts the model into ``K V`` chunks and gives stage ``s`` the
 ``V`` chunks ``s, s + K, ..., s + (V-1) K``: an instruction names its chunk (the local index
@@ -22,6 +22,33 @@ same on chunk 1, ..., then ``K..2K-1`` on chunk 0), and backwards in the same gr
 last chunk down, with ``(V-1) K + 2 (K-s-1)`` warm-up forwards, then one forward and one
 backward in turn. A chunk is ``1/V`` of a stage's work, so the fill and drain shrink ``V``
 times: the bubble is about ``(K-1)/(V M + K-1)``, for ``V`` times more messages.
+
+**Zero-bubble schedules** (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024) split each
+backward in two: ``backward_input`` (B, the gradients of what the stage received, which the
+previous stage waits for) and ``backward_weight`` (W, the gradients of the stage's weights, which
+nobody waits for), so W can be moved into the gaps the pipeline would otherwise idle in. A W
+follows the B of its micro-batch and chunk, and the stash is freed after the W (only what W
+reads need stay from B to W: :mod:`.backward_split`). With forward, B and W taking equal time:
+
+- ZB-H1 is 1F1B with W delayed: stage ``s`` runs the warm-up and the one-forward-one-B order of
+  1F1B, but the W of micro-batch ``m`` only after the B of micro-batch ``m + s``, and the W's left
+  at the end after its last B. Every stage keeps at most ``K`` stashes, stage 0's 1F1B peak (so
+  1F1B's memory), the later stages' W's fill the drain, and every stage ends at once: the
+  bubble is ``(K-1)/(3 M + K-1)``, a third of 1F1B's idle time.
+- ZB-V gives stage ``s`` two chunks in a V: chunk 0 is virtual stage ``s`` and chunk 1 virtual
+  stage ``2K-1-s`` (:data:`Placement` ``"v"``), so the last stage's chunk 0 sends to its own
+  chunk 1 and stage 0 computes both the first and the last chunk (the loss). Per stage:
+  ``2(K-s)-1`` forwards of chunk 0; ``s`` pairs (forward chunk 1, forward chunk 0); ``K-s``
+  triples (forward, B, W) of chunk 1; then rounds of (forward chunk 0 while any is left, B and
+  W of chunk 0, forward, B and W of chunk 1) until every forward has run; then ``s`` pairs (B
+  chunk 0, B chunk 1), ``K-s`` pairs (B chunk 0, the oldest pending W of chunk 0), and the
+  pending W's, chunk 1's first. The lists are built for ``max(M, 2K-1)`` micro-batches (the
+  fewest that fill the V) and those past ``M`` left out. A stage keeps at most ``2K`` chunk
+  stashes (``K`` stage stashes, 1F1B's stage 0 again), and only the fill is idle:
+  ``(K-1)/(6 M + K-1)`` for ``M >= 2K-1``.
+
+The runtime does not run B and W yet (:class:`~fxpar.pipeline.Pipeline` refuses these names);
+the lists exist so that their order, memory and bubble can be checked and priced first.
 """
 
 from __future__ import annotations
@@ -30,8 +57,15 @@ import enum
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
-from fxpar.pipeline.options import SCHEDULES, PipelineError, ScheduleName
+from fxpar.pipeline.options import (
+    SCHEDULES,
+    ZERO_BUBBLE_SCHEDULES,
+    PipelineError,
+    ScheduleName,
+    ZeroBubbleName,
+)
 
 
 class Op(enum.Enum):
@@ -40,8 +74,41 @@ class Op(enum.Enum):
     SEND_ACTIVATION = "send_activation"
     RECV_GRAD = "recv_grad"
     BACKWARD = "backward"
+    """The whole backward: input and weight gradients."""
+    BACKWARD_INPUT = "backward_input"
+    """B of a zero-bubble schedule: the gradients of what the stage received."""
+    BACKWARD_WEIGHT = "backward_weight"
+    """W of a zero-bubble schedule: the gradients of the stage's weights, after its B."""
     SEND_GRAD = "send_grad"
     FREE = "free"
+
+
+Placement = Literal["loop", "v"]
+"""Where a stage's chunks sit in the model: ``"loop"``, chunk ``c`` of stage ``s`` is virtual
+stage ``c K + s`` (one chunk per stage, and the interleaved schedule); ``"v"``, chunk 0 is
+virtual stage ``s`` and chunk 1 is ``2K-1-s`` (ZB-V)."""
+
+
+def placement_of(name: ScheduleName | ZeroBubbleName) -> Placement:
+    """How the schedule ``name`` places chunks on stages."""
+    return "v" if name == "zb-v" else "loop"
+
+
+def virtual_stage(stage: int, chunk: int, num_stages: int, placement: Placement = "loop") -> int:
+    """The place in the model of chunk ``chunk`` of stage ``stage``."""
+    if placement == "v":
+        return stage if chunk == 0 else 2 * num_stages - 1 - stage
+    return chunk * num_stages + stage
+
+
+def stage_and_chunk(
+    virtual: int, num_stages: int, placement: Placement = "loop"
+) -> tuple[int, int]:
+    """The stage and chunk of virtual stage ``virtual``: :func:`virtual_stage` undone."""
+    if placement == "v":
+        return (virtual, 0) if virtual < num_stages else (2 * num_stages - 1 - virtual, 1)
+    chunk, stage = divmod(virtual, num_stages)
+    return stage, chunk
 
 
 @dataclass(frozen=True)
@@ -60,22 +127,30 @@ StageSchedule = tuple[Instruction, ...]
 
 
 def build_schedule(
-    name: ScheduleName, num_stages: int, num_microbatches: int, virtual_stages: int = 1
+    name: ScheduleName | ZeroBubbleName,
+    num_stages: int,
+    num_microbatches: int,
+    virtual_stages: int = 1,
 ) -> tuple[StageSchedule, ...]:
     """The instruction list of every stage, by stage (``virtual_stages``: chunks per stage,
-    for ``"interleaved"``).
+    for ``"interleaved"``, and 2 for ``"zb-v"``). Check ``"zb-v"`` lists with
+    ``simulate(lists, placement="v")``.
 
     Raises:
-        PipelineError: an unknown schedule name, a non-positive count, or an interleaved
-            schedule whose micro-batches are not a multiple of its stages.
+        PipelineError: an unknown schedule name, a non-positive count, an interleaved
+            schedule whose micro-batches are not a multiple of its stages, or a chunk count
+            the schedule does not run.
     """
-    if name not in SCHEDULES:
-        raise PipelineError(f"unknown schedule {name!r}; choose one of {SCHEDULES}")
+    if name not in SCHEDULES and name not in ZERO_BUBBLE_SCHEDULES:
+        raise PipelineError(
+            f"unknown schedule {name!r}; choose one of {SCHEDULES + ZERO_BUBBLE_SCHEDULES}"
+        )
     if num_stages < 1 or num_microbatches < 1:
         raise PipelineError(
             f"a pipeline needs at least one stage and one micro-batch, got {num_stages} stages "
             f"and {num_microbatches} micro-batches"
         )
+    stages = range(num_stages)
     if name == "interleaved":
         if virtual_stages < 1:
             raise PipelineError(f"a stage needs at least one chunk, got {virtual_stages}")
@@ -86,13 +161,20 @@ def build_schedule(
             )
         return tuple(
             _interleaved_list(stage, num_stages, virtual_stages, num_microbatches)
-            for stage in range(num_stages)
+            for stage in stages
         )
+    if name == "zb-v":
+        if virtual_stages != 2:
+            raise PipelineError(
+                f"ZB-V runs exactly two chunks per stage: pass virtual_stages=2, not "
+                f"{virtual_stages}"
+            )
+        return tuple(_zb_v_list(stage, num_stages, num_microbatches) for stage in stages)
     if virtual_stages != 1:
         raise PipelineError(f"the {name} schedule runs one chunk per stage, not {virtual_stages}")
-    return tuple(
-        _stage_list(name, stage, num_stages, num_microbatches) for stage in range(num_stages)
-    )
+    if name == "zb-h1":
+        return tuple(_zb_h1_list(stage, num_stages, num_microbatches) for stage in stages)
+    return tuple(_stage_list(name, stage, num_stages, num_microbatches) for stage in stages)
 
 
 def _forward(m: int, chunk: int, virtual: int, chunks: int) -> list[Instruction]:
@@ -105,11 +187,27 @@ def _forward(m: int, chunk: int, virtual: int, chunks: int) -> list[Instruction]
 
 
 def _backward(m: int, chunk: int, virtual: int, chunks: int) -> list[Instruction]:
+    """Receive, run, send and free on one backward of virtual stage ``virtual``."""
+    return [
+        *_backward_input(m, chunk, virtual, chunks, Op.BACKWARD),
+        Instruction(Op.FREE, m, chunk),
+    ]
+
+
+def _backward_input(
+    m: int, chunk: int, virtual: int, chunks: int, op: Op = Op.BACKWARD_INPUT
+) -> list[Instruction]:
+    """Receive the output gradients, run ``op``, send the input gradients (no free)."""
     steps = [Instruction(Op.RECV_GRAD, m, chunk)] if virtual < chunks - 1 else []
-    steps.append(Instruction(Op.BACKWARD, m, chunk))
+    steps.append(Instruction(op, m, chunk))
     if virtual > 0:
         steps.append(Instruction(Op.SEND_GRAD, m, chunk))
-    return [*steps, Instruction(Op.FREE, m, chunk)]
+    return steps
+
+
+def _backward_weight(m: int, chunk: int) -> list[Instruction]:
+    """The weight gradients of a B already run, then the stash freed."""
+    return [Instruction(Op.BACKWARD_WEIGHT, m, chunk), Instruction(Op.FREE, m, chunk)]
 
 
 def _stage_list(name: ScheduleName, stage: int, num_stages: int, count: int) -> StageSchedule:
@@ -173,6 +271,77 @@ def _one_forward_one_backward(
     return tuple(instructions)
 
 
+def _zb_h1_list(stage: int, num_stages: int, count: int) -> StageSchedule:
+    """Stage ``stage``'s ZB-H1 list: 1F1B's order of forwards and B's, each W run after the B
+    ``stage`` micro-batches later (see the module docstring)."""
+    pending: deque[int] = deque()  # micro-batches whose B ran and whose W waits
+
+    def forward(m: int) -> list[Instruction]:
+        return _forward(m, 0, stage, num_stages)
+
+    def backward(m: int) -> list[Instruction]:
+        steps = _backward_input(m, 0, stage, num_stages)
+        pending.append(m)
+        if len(pending) > stage:
+            steps += _backward_weight(pending.popleft(), 0)
+        return steps
+
+    instructions = list(_one_forward_one_backward(forward, backward, count, num_stages - stage - 1))
+    while pending:
+        instructions += _backward_weight(pending.popleft(), 0)
+    return tuple(instructions)
+
+
+def _zb_v_list(stage: int, num_stages: int, count: int) -> StageSchedule:
+    """Stage ``stage``'s ZB-V list, the phases of the module docstring, built for at least
+    ``2K - 1`` micro-batches (the fewest that fill the V) and cut back to ``count``."""
+    built = max(count, 2 * num_stages - 1)
+    virtual = (stage, 2 * num_stages - 1 - stage)  # of chunks 0 and 1
+    chunks = 2 * num_stages
+    forwards, inputs, weights = [0, 0], [0, 0], [0, 0]  # run so far, per chunk
+    steps: list[Instruction] = []
+
+    def forward(chunk: int) -> None:
+        steps.extend(_forward(forwards[chunk], chunk, virtual[chunk], chunks))
+        forwards[chunk] += 1
+
+    def backward_input(chunk: int) -> None:
+        steps.extend(_backward_input(inputs[chunk], chunk, virtual[chunk], chunks))
+        inputs[chunk] += 1
+
+    def backward_weight(chunk: int) -> None:
+        steps.extend(_backward_weight(weights[chunk], chunk))
+        weights[chunk] += 1
+
+    for _ in range(2 * (num_stages - stage) - 1):
+        forward(0)
+    for _ in range(stage):
+        forward(1)
+        forward(0)
+    for _ in range(num_stages - stage):
+        forward(1)
+        backward_input(1)
+        backward_weight(1)
+    while forwards[1] < forwards[0] or forwards[0] < built:
+        if forwards[0] < built:
+            forward(0)
+        backward_input(0)
+        backward_weight(0)
+        forward(1)
+        backward_input(1)
+        backward_weight(1)
+    for _ in range(stage):
+        backward_input(0)
+        backward_input(1)
+    for _ in range(num_stages - stage):
+        backward_input(0)
+        backward_weight(0)
+    for chunk in (1, 0):
+        while weights[chunk] < built:
+            backward_weight(chunk)
+    return tuple(step for step in steps if step.microbatch < count)
+
+
 def forward_only(instructions: Sequence[Instruction]) -> StageSchedule:
     """The forward half of a stage's list, in its order: receive, forward and send activations
     of every micro-batch, without the backward, the gradients' messages or the frees. Taken
@@ -194,33 +363,37 @@ def max_in_flight(instructions: Sequence[Instruction]) -> int:
     return peak
 
 
-def simulate(schedules: Sequence[Sequence[Instruction]]) -> list[list[tuple[int, Instruction]]]:
+def simulate(
+    schedules: Sequence[Sequence[Instruction]], placement: Placement = "loop"
+) -> list[list[tuple[int, Instruction]]]:
     """Run every stage's list against the others with non-blocking sends and blocking receives.
 
-    With ``V`` chunks per stage (the largest chunk named, plus one), messages go between
-    virtual stages ``c K + s`` and its neighbours, so the last stage's chunk ``c`` sends to
-    stage 0's chunk ``c + 1`` and back.
+    With ``V`` chunks per stage (the largest chunk named, plus one; 2 for ``placement="v"``),
+    messages go between a virtual stage (:func:`virtual_stage`) and its neighbours: looped, the
+    last stage's chunk ``c`` sends to stage 0's chunk ``c + 1`` and back; in a V, the last
+    stage's chunk 0 sends to its own chunk 1.
 
     Returns the order in which instructions completed, as rounds of ``(stage, instruction)``
     (a round is what all stages could do without waiting on each other).
 
     Raises:
         PipelineError: a receive gets another micro-batch's message than it expects, a stage
-            runs a backward before its forward or frees what it never computed, or the ranks
-            deadlock (the message names what each blocked stage waits for).
+            runs a backward (or a B) before its forward, a W before its B, frees what it
+            never computed or a stash whose W has not run, or the ranks deadlock (the message
+            names what each blocked stage waits for).
     """
     num_stages = len(schedules)
-    chunks = 1 + max((i.chunk for instructions in schedules for i in instructions), default=0)
+    pipe = _Pipe(num_stages, _chunk_count(schedules, placement), placement)
     queues: dict[tuple[int, int], deque[int]] = {}
     cursor = [0] * num_stages
-    forwarded: list[set[tuple[int, int]]] = [set() for _ in range(num_stages)]
+    progress: list[dict[tuple[int, int], Op]] = [{} for _ in range(num_stages)]
     rounds: list[list[tuple[int, Instruction]]] = []
     while any(cursor[s] < len(schedules[s]) for s in range(num_stages)):
         done: list[tuple[int, Instruction]] = []
         for stage in range(num_stages):
             while cursor[stage] < len(schedules[stage]):
                 instruction = schedules[stage][cursor[stage]]
-                if not _try(stage, instruction, num_stages, chunks, queues, forwarded[stage]):
+                if not _try(stage, instruction, pipe, queues, progress[stage]):
                     break
                 done.append((stage, instruction))
                 cursor[stage] += 1
@@ -238,28 +411,65 @@ def simulate(schedules: Sequence[Sequence[Instruction]]) -> list[list[tuple[int,
     return rounds
 
 
+def _chunk_count(schedules: Sequence[Sequence[Instruction]], placement: Placement) -> int:
+    named = 1 + max((i.chunk for instructions in schedules for i in instructions), default=0)
+    if placement == "v":
+        if named > 2:
+            raise PipelineError(f"a V places two chunks per stage, but chunk {named - 1} is named")
+        return 2
+    return named
+
+
+@dataclass(frozen=True)
+class _Pipe:
+    """The shape the lists run on: stages, chunks per stage, and where chunks sit."""
+
+    num_stages: int
+    chunks: int
+    placement: Placement
+
+    @property
+    def count(self) -> int:
+        return self.num_stages * self.chunks
+
+    def virtual(self, stage: int, chunk: int) -> int:
+        return virtual_stage(stage, chunk, self.num_stages, self.placement)
+
+    def describe(self, virtual: int) -> str:
+        stage, chunk = stage_and_chunk(virtual, self.num_stages, self.placement)
+        return f"stage {stage}" + (f" (chunk {chunk})" if self.chunks > 1 else "")
+
+
+# What a (chunk, micro-batch) must have run last before each compute op, and what it has run
+# after it: a stash is alive from its forward to its free, and its free follows its backward
+# or its W.
+_NEEDS = {
+    Op.FORWARD: (None,),
+    Op.BACKWARD: (Op.FORWARD,),
+    Op.BACKWARD_INPUT: (Op.FORWARD,),
+    Op.BACKWARD_WEIGHT: (Op.BACKWARD_INPUT,),
+    Op.FREE: (Op.BACKWARD, Op.BACKWARD_WEIGHT),
+}
+
+
 def _try(
     stage: int,
     instruction: Instruction,
-    num_stages: int,
-    chunks: int,
+    pipe: _Pipe,
     queues: dict[tuple[int, int], deque[int]],
-    forwarded: set[tuple[int, int]],
+    progress: dict[tuple[int, int], Op],
 ) -> bool:
     """Perform ``instruction`` if it need not wait; False if it must."""
     op, m = instruction.op, instruction.microbatch
-    key = (instruction.chunk, m)
-    virtual, count = instruction.chunk * num_stages + stage, num_stages * chunks
+    virtual = pipe.virtual(stage, instruction.chunk)
     # Queue keys: (source, destination) virtual stages; activations flow up, gradients down.
-    if op is Op.SEND_ACTIVATION:
-        _check_peer(virtual + 1, count, instruction)
-        queues.setdefault((virtual, virtual + 1), deque()).append(m)
-    elif op is Op.SEND_GRAD:
-        _check_peer(virtual - 1, count, instruction)
-        queues.setdefault((virtual, virtual - 1), deque()).append(m)
-    elif op in (Op.RECV_ACTIVATION, Op.RECV_GRAD):
+    if op is Op.SEND_ACTIVATION or op is Op.SEND_GRAD:
+        peer = virtual + 1 if op is Op.SEND_ACTIVATION else virtual - 1
+        _check_peer(peer, pipe.count, instruction)
+        queues.setdefault((virtual, peer), deque()).append(m)
+    elif op is Op.RECV_ACTIVATION or op is Op.RECV_GRAD:
         source = virtual - 1 if op is Op.RECV_ACTIVATION else virtual + 1
-        _check_peer(source, count, instruction)
+        _check_peer(source, pipe.count, instruction)
         queue = queues.get((source, virtual))
         if not queue:
             return False
@@ -267,22 +477,30 @@ def _try(
         if arrived != m:
             raise PipelineError(
                 f"stage {stage} expects micro-batch {m} in {instruction} but "
-                f"{_describe(source, num_stages, chunks)} sent micro-batch {arrived} first"
+                f"{pipe.describe(source)} sent micro-batch {arrived} first"
             )
-    elif op is Op.FORWARD:
-        forwarded.add(key)
-    elif op is Op.BACKWARD and key not in forwarded:
-        raise PipelineError(f"stage {stage} runs {instruction} before its forward")
-    elif op is Op.FREE:
-        if key not in forwarded:
-            raise PipelineError(f"stage {stage} frees {instruction} it never computed")
-        forwarded.discard(key)
+    else:
+        _advance(stage, instruction, progress)
     return True
 
 
-def _describe(virtual: int, num_stages: int, chunks: int) -> str:
-    chunk, stage = divmod(virtual, num_stages)
-    return f"stage {stage}" + (f" (chunk {chunk})" if chunks > 1 else "")
+def _advance(stage: int, instruction: Instruction, progress: dict[tuple[int, int], Op]) -> None:
+    """Record a compute or a free of a (chunk, micro-batch), checking it comes in its turn."""
+    key = (instruction.chunk, instruction.microbatch)
+    last = progress.get(key)
+    if last not in _NEEDS[instruction.op]:
+        if instruction.op is Op.FREE:
+            what = "it never computed" if last is None else "before its backward or W"
+            raise PipelineError(f"stage {stage} frees {instruction} {what}")
+        if instruction.op is Op.FORWARD:
+            raise PipelineError(f"stage {stage} runs {instruction} twice")
+        needed = _NEEDS[instruction.op][0]
+        assert needed is not None
+        raise PipelineError(f"stage {stage} runs {instruction} before its {needed.value}")
+    if instruction.op is Op.FREE:
+        del progress[key]
+    else:
+        progress[key] = instruction.op
 
 
 def _check_peer(peer: int, count: int, instruction: Instruction) -> None:
@@ -291,21 +509,34 @@ def _check_peer(peer: int, count: int, instruction: Instruction) -> None:
 
 
 def modelled_bubble(
-    schedules: Sequence[Sequence[Instruction]], forward: float = 1.0, backward: float = 2.0
+    schedules: Sequence[Sequence[Instruction]],
+    forward: float = 1.0,
+    backward: float = 2.0,
+    *,
+    weight: float | None = None,
+    placement: Placement = "loop",
 ) -> list[float]:
     """Per stage, the idle share of a step run by ``schedules`` on devices that take
     ``forward`` and ``backward`` time for a stage's forward and backward of one micro-batch
     (``1/V`` of that per chunk, with ``V`` chunks per stage) and exchange messages in no time:
-    the bubble the order itself makes. 1F1B's is ``(K-1)/(M+K-1)``, interleaved 1F1B's
-    ``(K-1)/(V M+K-1)`` (:func:`fxpar.pipeline.ideal_bubble`); a measured bubble above it is
-    the machine's (messages, stages of unequal cost, shared cores).
+    the bubble the order itself makes. Of the backward, ``weight`` (half by default) is its W
+    and the rest its B, in the lists that split it. 1F1B's is ``(K-1)/(M+K-1)``, interleaved
+    1F1B's ``(K-1)/(V M+K-1)`` (:func:`fxpar.pipeline.ideal_bubble`), and with forward, B and W
+    equal ZB-H1's ``(K-1)/(3 M+K-1)`` and ZB-V's ``(K-1)/(6 M+K-1)`` for ``M >= 2K-1``; a
+    measured bubble above it is the machine's (messages, stages of unequal cost, shared cores).
 
     Raises:
         PipelineError: the lists deadlock (check them with :func:`simulate` first).
     """
     num_stages = len(schedules)
-    chunks = 1 + max((i.chunk for instructions in schedules for i in instructions), default=0)
-    took = {Op.FORWARD: forward / chunks, Op.BACKWARD: backward / chunks}
+    pipe = _Pipe(num_stages, _chunk_count(schedules, placement), placement)
+    weight = backward / 2 if weight is None else weight
+    took = {
+        Op.FORWARD: forward / pipe.chunks,
+        Op.BACKWARD: backward / pipe.chunks,
+        Op.BACKWARD_INPUT: (backward - weight) / pipe.chunks,
+        Op.BACKWARD_WEIGHT: weight / pipe.chunks,
+    }
     clock, busy, cursor = [0.0] * num_stages, [0.0] * num_stages, [0] * num_stages
     arrivals: dict[tuple[Op, int, int], float] = {}  # (receive, virtual stage, m) -> time
     progressed = True
@@ -315,7 +546,7 @@ def modelled_bubble(
             while cursor[stage] < len(instructions):
                 instruction = instructions[cursor[stage]]
                 op, m = instruction.op, instruction.microbatch
-                virtual = instruction.chunk * num_stages + stage
+                virtual = pipe.virtual(stage, instruction.chunk)
                 if op in (Op.RECV_ACTIVATION, Op.RECV_GRAD):
                     arrival = arrivals.get((op, virtual, m))
                     if arrival is None:
