@@ -1,0 +1,257 @@
+"""A stage's backward cut in two on its graph: B, the input gradients, and W, the rest.
+
+A zero-bubble schedule (:mod:`.schedule`) runs a stage's backward as two instructions: B
+computes what the previous stage waits for (the gradients of what this stage received, and
+anything else it sends back), and W, run later, computes the gradients of the stage's weights.
+fxpar holds the backward as a graph, so the cut is made once, here, on that graph, and nothing
+is differentiated again at run time:
+
+- **B** is every node the sent values depend on. It takes the backward's inputs it reads and
+  returns the sent values, then the *kept* values: what B computed that W reads (for a linear
+  layer, the gradient of its output, which both the input gradient and the weight gradient
+  multiply).
+- **W** is every other node the weight gradients need. It takes the backward's inputs it reads
+  (for a linear layer, its stashed input) and then the kept values, and returns the weight
+  gradients in the backward's order.
+
+Every node is computed once, by one part, from the same values as in the whole backward, so B
+then W returns exactly what the backward returns, bit for bit. A node needed by neither is
+dropped; a constant (``get_attr``) is read by each part that needs it instead of being kept.
+``getitem`` of a value B computed rides with B, so that only single tensors are kept. So an
+ATen op that computes the input and the weight gradients in one call (``convolution_backward``,
+``native_layer_norm_backward``) stays whole in B, weight gradients included: for such layers W
+has nothing left to do (splitting those calls by their ``output_mask`` is not done here).
+
+From B to W a stage keeps the kept values and the backward inputs W reads besides its state
+(:func:`held_for_weights`); what only B reads can go after B. Their bytes come from the shapes
+recorded at capture, so the memory of a schedule can be counted before anything runs.
+
+The first stage sends nothing back: its B computes nothing and returns nothing, and W is the
+whole backward (a schedule may still name its B, which then costs nothing). A stage without
+weights has an empty W. Units lowered to a stage mesh (with collectives) are not split yet.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from fxpar import ir
+from fxpar.pipeline.options import PipelineError
+from fxpar.pipeline.partition import Half
+from fxpar.pipeline.split import StageProgram
+
+
+@dataclass(frozen=True)
+class SavedValue:
+    """A tensor alive from B to W: its node's name in the backward graph, its shape and dtype."""
+
+    name: str
+    meta: ir.TensorMeta
+
+    @property
+    def nbytes(self) -> ir.Size:
+        return self.meta.nbytes
+
+
+def saved_bytes(values: Iterable[SavedValue]) -> ir.Size:
+    """The bytes of ``values`` together (symbolic where a shape is)."""
+    return ir.total(value.nbytes for value in values)
+
+
+@dataclass(frozen=True)
+class BackwardSplit:
+    """A backward GraphModule as B then W (see the module docstring).
+
+    Positions count the backward's placeholders and the values its output tuple returns.
+    """
+
+    input_backward: fx.GraphModule
+    """B: takes the inputs at :attr:`input_reads`, returns the outputs at
+    :attr:`input_results`, then :attr:`kept`."""
+    weight_backward: fx.GraphModule
+    """W: takes the inputs at :attr:`weight_reads`, then :attr:`kept`; returns the outputs at
+    :attr:`weight_results`."""
+    input_reads: tuple[int, ...]
+    weight_reads: tuple[int, ...]
+    input_results: tuple[int, ...]
+    weight_results: tuple[int, ...]
+    kept: tuple[SavedValue, ...]
+    """What B computes and W reads, in the backward's order."""
+    weight_inputs: tuple[SavedValue, ...]
+    """The backward's inputs W reads (those at :attr:`weight_reads`)."""
+
+    def run(self, inputs: Sequence[object]) -> list[object]:
+        """B, then W, on the backward's inputs: the backward's outputs, in its order."""
+        first = self.input_backward(*(inputs[i] for i in self.input_reads))
+        results: list[object] = [None] * (len(self.input_results) + len(self.weight_results))
+        for position, value in zip(self.input_results, first, strict=False):
+            results[position] = value
+        kept = first[len(self.input_results) :]
+        second = self.weight_backward(*(inputs[i] for i in self.weight_reads), *kept)
+        for position, value in zip(self.weight_results, second, strict=True):
+            results[position] = value
+        return results
+
+
+def split_backward(module: fx.GraphModule, input_results: Iterable[int]) -> BackwardSplit:
+    """Cut ``module``, a graph returning a tuple of values, into B (the values at positions
+    ``input_results`` and everything they depend on) and W (the other values).
+
+    Raises:
+        PipelineError: a position the output has not, an output that is not a node of the
+            graph, or a value W needs from B that is not a single tensor.
+    """
+    graph = module.graph
+    placeholders = [node for node in graph.nodes if node.op == "placeholder"]
+    results = _results(graph)
+    wanted = sorted(set(input_results))
+    if any(not 0 <= position < len(results) for position in wanted):
+        raise PipelineError(
+            f"positions {wanted} name outputs the backward has not: it returns {len(results)}"
+        )
+    others = [position for position in range(len(results)) if position not in wanted]
+    input_nodes = _ancestors(results[position] for position in wanted)
+    kept: list[fx.Node] = []  # computed by B, read by W
+    kept_set: set[fx.Node] = set()
+    weight_nodes: set[fx.Node] = set()
+    pending = [results[position] for position in others]
+    while pending:
+        node = pending.pop()
+        if node in weight_nodes or node in kept_set:
+            continue
+        if _computed_by(node, input_nodes) or _rides_with(node, input_nodes):
+            input_nodes.add(node)
+            kept.append(node)
+            kept_set.add(node)
+            continue
+        weight_nodes.add(node)
+        pending.extend(node.all_input_nodes)
+    order = {node: index for index, node in enumerate(graph.nodes)}
+    kept.sort(key=order.__getitem__)
+    input_reads = [node for node in placeholders if node in input_nodes]
+    weight_reads = [node for node in placeholders if node in weight_nodes]
+    input_part = _build(
+        module, input_reads, input_nodes, [*(results[p] for p in wanted), *kept], "InputBackward"
+    )
+    weight_part = _build(
+        module,
+        [*weight_reads, *kept],
+        weight_nodes,
+        [results[position] for position in others],
+        "WeightBackward",
+    )
+    return BackwardSplit(
+        input_backward=input_part,
+        weight_backward=weight_part,
+        input_reads=tuple(placeholders.index(node) for node in input_reads),
+        weight_reads=tuple(placeholders.index(node) for node in weight_reads),
+        input_results=tuple(wanted),
+        weight_results=tuple(others),
+        kept=tuple(_saved(node) for node in kept),
+        weight_inputs=tuple(_saved(node) for node in weight_reads),
+    )
+
+
+def split_stage_backward(stage: StageProgram) -> BackwardSplit:
+    """B and W of a stage's backward unit: B returns what the unit sends to the previous stage,
+    W its gradients.
+
+    Raises:
+        PipelineError: ``stage`` is a forward unit, or a unit lowered to a stage mesh.
+    """
+    if stage.unit.half is not Half.BACKWARD:
+        raise PipelineError(f"{stage.unit} is a forward unit: only a backward splits into B and W")
+    if stage.communicator is not None:
+        raise PipelineError(
+            f"{stage.unit} runs on a stage mesh (it calls collectives), which B/W splitting "
+            "does not handle yet: split the stage's unlowered backward"
+        )
+    return split_backward(stage.graph_module, range(len(stage.sent)))
+
+
+def held_for_weights(stage: StageProgram, split: BackwardSplit) -> tuple[SavedValue, ...]:
+    """What stays alive from ``stage``'s B to its W besides the parameters, buffers and batch
+    the stage holds anyway: the kept values, and the received gradients and stashed
+    activations W reads."""
+    resident = len(stage.parameters) + len(stage.buffers) + len(stage.batch)
+    read = zip(split.weight_reads, split.weight_inputs, strict=True)
+    return split.kept + tuple(value for position, value in read if position >= resident)
+
+
+def _results(graph: fx.Graph) -> list[fx.Node]:
+    (output,) = (node for node in graph.nodes if node.op == "output")
+    values = output.args[0]
+    if not isinstance(values, (tuple, list)):
+        values = (values,)
+    for value in values:
+        if not isinstance(value, fx.Node):
+            raise PipelineError(f"the backward returns {value!r}, not a value it computes")
+    return list(values)
+
+
+def _ancestors(roots: Iterable[fx.Node]) -> set[fx.Node]:
+    """``roots`` and every node they are computed from."""
+    found: set[fx.Node] = set()
+    pending = list(roots)
+    while pending:
+        node = pending.pop()
+        if node not in found:
+            found.add(node)
+            pending.extend(node.all_input_nodes)
+    return found
+
+
+def _computed_by(node: fx.Node, part: set[fx.Node]) -> bool:
+    """``node`` is a value ``part`` computes (not an input, nor a constant both may read)."""
+    return node in part and node.op not in ("placeholder", "get_attr")
+
+
+def _rides_with(node: fx.Node, part: set[fx.Node]) -> bool:
+    """``node`` takes one element of a tuple that ``part`` computes: it goes with ``part``."""
+    producer = node.args[0] if node.args else None
+    return (
+        node.op == "call_function"
+        and node.target is operator.getitem
+        and isinstance(producer, fx.Node)
+        and _computed_by(producer, part)
+    )
+
+
+def _build(
+    module: fx.GraphModule,
+    inputs: Sequence[fx.Node],
+    computed: set[fx.Node],
+    outputs: Sequence[fx.Node],
+    name: str,
+) -> fx.GraphModule:
+    """A GraphModule taking ``inputs``, computing the nodes of ``computed`` that are not
+    inputs in ``module``'s order, and returning ``outputs``."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in inputs:
+        env[node] = graph.placeholder(node.name)
+        env[node].meta = dict(node.meta)
+    for node in module.graph.nodes:
+        if node in computed and node not in env and node.op != "placeholder":
+            env[node] = graph.node_copy(node, env.__getitem__)
+    graph.output(tuple(env[node] for node in outputs))
+    graph.lint()
+    return fx.GraphModule(module, graph, class_name=name)
+
+
+def _saved(node: fx.Node) -> SavedValue:
+    """``node``'s value as a :class:`SavedValue`, from its ValueMeta (or its example value)."""
+    meta = ir.get(node, ir.ValueMeta)
+    if meta is not None and not meta.multiple and meta.outputs and meta.outputs[0] is not None:
+        return SavedValue(node.name, meta.outputs[0])
+    example = node.meta.get("val")
+    if isinstance(example, torch.Tensor):
+        return SavedValue(node.name, ir.TensorMeta.of(example))
+    raise PipelineError(
+        f"{node.name!r} ({node.target}) is kept from B for W but is not a single tensor"
+    )

@@ -1,0 +1,167 @@
+"""A stage's backward cut into B (input gradients) and W (weight gradients) on its graph
+(fxpar/pipeline/backward_split.py): over random small models, split points and remat, B then W
+returns the whole backward's values bit for bit, computing each of its ops once, and the
+values kept from B for W have the bytes the real tensors have; a first stage's B and a
+weightless stage's W are empty; a linear layer's weight-gradient product is W's."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import fxpar
+from fxpar.pipeline import PipelineError, SplitProgram, partition, split_program
+from fxpar.pipeline.backward_split import (
+    BackwardSplit,
+    held_for_weights,
+    saved_bytes,
+    split_stage_backward,
+)
+from fxpar.testing import ModelCase
+from fxpar.testing import strategies as fst
+
+
+def _module_order(model: nn.Module) -> list[str]:
+    """The model's top-level modules, with the children of its Sequential containers, in the
+    order the test models run them."""
+    names = []
+    for name, child in model.named_children():
+        if isinstance(child, nn.Sequential):
+            names += [f"{name}.{inner}" for inner, _ in child.named_children()]
+        else:
+            names.append(name)
+    return names
+
+
+def _backward_inputs(split: SplitProgram, state: dict[str, torch.Tensor], piece: dict) -> list:
+    """Each backward unit's inputs, by stage, as one micro-batch of the step gives them (in
+    the order StageProgram.run passes them)."""
+    (batch,) = split.unit_inputs([piece])
+    buffers = {name: state[name] for name in split.program.signature.buffers}
+    stashes, message = [], ()
+    with torch.no_grad():
+        for unit in split.forward:
+            out = unit.run(state, buffers, batch, list(message))
+            message = out.sent
+            stashes.append(out.stashed)
+            buffers.update(out.buffer_updates)
+        inputs: list = [None] * split.num_stages
+        message = ()
+        for unit in reversed(split.backward):
+            stage = unit.unit.stage
+            inputs[stage] = [
+                *(state[name] for name in unit.parameters),
+                *(buffers[name] for name in unit.buffers),
+                *(batch[name] for name in unit.batch),
+                *message,
+                *stashes[stage],
+            ]
+            message = tuple(unit.graph_module(*inputs[stage])[: len(unit.sent)])
+    return inputs
+
+
+def _compute_ops(module: torch.fx.GraphModule) -> int:
+    return sum(node.op == "call_function" for node in module.graph.nodes)
+
+
+def _check(split: BackwardSplit, whole: torch.fx.GraphModule, inputs: Sequence) -> None:
+    """B then W equals the whole backward bit for bit, each op in one part; kept values and
+    W's inputs are described as the tensors they are."""
+    with torch.no_grad():
+        expected = whole(*inputs)
+        got = split.run(inputs)
+        first = split.input_backward(*(inputs[i] for i in split.input_reads))
+    assert len(got) == len(expected)
+    for value, reference in zip(got, expected, strict=True):
+        assert torch.equal(value, reference)
+    count = _compute_ops(split.input_backward) + _compute_ops(split.weight_backward)
+    assert count == _compute_ops(whole)
+    kept = first[len(split.input_results) :]
+    assert len(kept) == len(split.kept)
+    for value, tensor in zip(split.kept, kept, strict=True):
+        assert (value.meta.shape, value.meta.dtype) == (tuple(tensor.shape), tensor.dtype)
+        assert value.nbytes == tensor.numel() * tensor.element_size()
+    for value, position in zip(split.weight_inputs, split.weight_reads, strict=True):
+        assert value.meta.shape == tuple(inputs[position].shape)
+
+
+@settings(max_examples=20, deadline=None)
+@given(case=fst.models(), data=st.data(), remat=st.booleans())
+def test_input_then_weight_gradients_give_the_whole_backward_bit_for_bit(
+    case: ModelCase, data: st.DataObject, remat: bool
+) -> None:
+    candidates = _module_order(case.model)[1:]
+    chosen = data.draw(st.sets(st.sampled_from(candidates), min_size=1, max_size=3))
+    points = tuple(name for name in candidates if name in chosen)
+    program = fxpar.capture(case.model, case.inputs, case.loss_fn, example_targets=case.targets)
+    split = split_program(program, partition(program, points), remat=remat)
+    state = {**dict(case.model.named_parameters()), **dict(case.model.named_buffers())}
+    state = {name: tensor.detach() for name, tensor in state.items()}
+    piece = dict(zip(program.signature.inputs, (*case.inputs, *case.targets), strict=True))
+    inputs = _backward_inputs(split, state, piece)
+    for unit in split.backward:
+        cut = split_stage_backward(unit)
+        _check(cut, unit.graph_module, inputs[unit.unit.stage])
+        assert cut.input_results == tuple(range(len(unit.sent)))
+    first = split_stage_backward(split.backward[0])
+    assert _compute_ops(first.input_backward) == 0 and first.kept == ()
+
+
+def _three_stages() -> tuple[SplitProgram, list]:
+    """Linear | Tanh | Linear and the loss, each a stage."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 4))
+    x, y = torch.randn(4, 8), torch.randint(0, 4, (4,))
+    program = fxpar.capture(model, (x,), F.cross_entropy, example_targets=(y,))
+    split = split_program(program, partition(program, ("1", "2")), remat=False)
+    state = {name: tensor.detach() for name, tensor in model.named_parameters()}
+    return split, _backward_inputs(split, state, {"input_0": x, "target_0": y})
+
+
+def test_the_first_and_a_weightless_stage() -> None:
+    """Stage 0 sends nothing back: its B computes and returns nothing, its W is the whole
+    backward and holds only the gradient it received. The Tanh stage has no weights: its W
+    computes and returns nothing, and nothing is kept for it."""
+    split, inputs = _three_stages()
+    first = split_stage_backward(split.backward[0])
+    assert _compute_ops(first.input_backward) == 0 and first.input_backward() == ()
+    assert _compute_ops(first.weight_backward) == _compute_ops(split.backward[0].graph_module)
+    assert first.kept == ()
+    held = held_for_weights(split.backward[0], first)
+    assert [value.name for value in held] == ["received_tanh_backward"]
+    _check(first, split.backward[0].graph_module, inputs[0])
+    tanh = split_stage_backward(split.backward[1])
+    assert _compute_ops(tanh.weight_backward) == 0 and tanh.weight_backward() == ()
+    assert tanh.kept == () and tanh.weight_reads == () and tanh.weight_results == ()
+    _check(tanh, split.backward[1].graph_module, inputs[1])
+
+
+def test_a_linear_layer_keeps_its_output_gradient_for_its_weight_gradient() -> None:
+    """The last stage's B computes the loss's gradient and the input gradient product; W
+    reads that output gradient (kept, 4 x 4 floats) and the stashed input (4 x 8 floats) and
+    computes the weight gradient product and the bias sum."""
+    split, inputs = _three_stages()
+    last = split.backward[2]
+    cut = split_stage_backward(last)
+    aten = torch.ops.aten
+    targets_b = [n.target for n in cut.input_backward.graph.nodes if n.op == "call_function"]
+    targets_w = [n.target for n in cut.weight_backward.graph.nodes if n.op == "call_function"]
+    assert targets_b.count(aten.mm.default) == 1 and aten.nll_loss_backward.default in targets_b
+    assert targets_w.count(aten.mm.default) == 1 and aten.sum.dim_IntList in targets_w
+    assert [value.name for value in cut.kept] == ["_log_softmax_backward_data"]
+    held = held_for_weights(last, cut)
+    assert [value.name for value in held] == ["_log_softmax_backward_data", "stashed_tanh"]
+    assert saved_bytes(held) == (4 * 4 + 4 * 8) * 4
+    _check(cut, last.graph_module, inputs[2])
+
+
+def test_only_unlowered_backward_units_split() -> None:
+    split, _ = _three_stages()
+    with pytest.raises(PipelineError, match="forward unit"):
+        split_stage_backward(split.forward[0])
