@@ -34,8 +34,9 @@ weights has an empty W. Units lowered to a stage mesh (with collectives) are not
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.fx as fx
@@ -44,6 +45,7 @@ from fxpar import ir
 from fxpar.pipeline.options import PipelineError
 from fxpar.pipeline.partition import Half
 from fxpar.pipeline.split import StageProgram
+from fxpar.runtime import fastcall
 
 
 @dataclass(frozen=True)
@@ -172,6 +174,67 @@ def split_stage_backward(stage: StageProgram) -> BackwardSplit:
             "does not handle yet: split the stage's unlowered backward"
         )
     return split_backward(stage.graph_module, range(len(stage.sent)))
+
+
+@dataclass(frozen=True)
+class StageBackward:
+    """A stage's backward unit run as two calls, B (:meth:`run_input`) and later W
+    (:meth:`run_weight`), as a zero-bubble schedule's runtime runs it. Between them the caller
+    keeps what :meth:`run_input` returned for W, and nothing else of the micro-batch."""
+
+    stage: StageProgram
+    split: BackwardSplit
+
+    @classmethod
+    def of(cls, stage: StageProgram) -> StageBackward:
+        """``stage`` cut by :func:`split_stage_backward`.
+
+        Raises:
+            PipelineError: as :func:`split_stage_backward` does.
+        """
+        split = split_stage_backward(stage)
+        sent = len(stage.sent)
+        if split.weight_results != tuple(range(sent, sent + len(stage.gradients))):
+            raise PipelineError(
+                f"{stage.unit} returns more than what it sends and its gradients, which "
+                "B/W splitting does not expect"
+            )
+        return cls(stage, split)
+
+    @property
+    def resident_reads(self) -> int:
+        """How many of W's inputs are the stage's parameters, buffers and batch, which come
+        first in what :meth:`run_input` returns for W; the rest stays alive only for W."""
+        resident = len(self.stage.parameters) + len(self.stage.buffers) + len(self.stage.batch)
+        return sum(position < resident for position in self.split.weight_reads)
+
+    def run_input(
+        self,
+        parameters: Mapping[str, torch.Tensor],
+        batch: Mapping[str, torch.Tensor],
+        received: Sequence[torch.Tensor],
+        restored: Sequence[torch.Tensor],
+    ) -> tuple[tuple[torch.Tensor, ...], list[torch.Tensor]]:
+        """B on one micro-batch: the tensors the stage sends back, and what its W reads (W's
+        backward inputs, then the kept values). ``received`` and ``restored`` given as lists
+        are emptied, so that what only B reads is freed when B is done with it."""
+        inputs = self.stage.inputs(parameters, {}, batch, received, restored)
+        split = self.split
+        reads = [inputs[position] for position in split.input_reads]
+        held = cast(list[torch.Tensor], [inputs[position] for position in split.weight_reads])
+        inputs.clear()
+        with torch.no_grad():
+            flat = list(fastcall.run_boxed(split.input_backward, reads))
+        count = len(split.input_results)
+        held += flat[count:]
+        return tuple(flat[:count]), held
+
+    def run_weight(self, held: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """W on what :meth:`run_input` returned for it (emptied): the stage's gradients of
+        the micro-batch, by parameter name."""
+        with torch.no_grad():
+            flat = fastcall.run_boxed(self.split.weight_backward, held)
+        return dict(zip(self.stage.gradients, flat, strict=True))
 
 
 def held_for_weights(stage: StageProgram, split: BackwardSplit) -> tuple[SavedValue, ...]:

@@ -9,6 +9,13 @@ data can arrive while that computes) and waited for where the list receives. Tog
 :func:`fxpar.pipeline.schedule.simulate`'s check of the lists (a receive posted early blocks
 nothing), that rules out deadlock.
 
+A zero-bubble list (:mod:`.schedule`) runs a backward as two instructions: at
+``backward_input`` the worker runs B (:class:`~fxpar.pipeline.backward_split.StageBackward`),
+sends its results as a backward's, and keeps in place of the micro-batch's stash only what W
+reads; at ``backward_weight`` it runs W and adds its gradients to the sums as a backward's are
+added. The sums leave the worker when the list is done, so the gradient reductions that follow
+(over replicas, over tied weights' holders) start after the last W.
+
 Every message carries one tensor per :class:`~fxpar.pipeline.split.Value` of the channel, in
 the channel's order, with a tag made of the micro-batch, the direction, the sending virtual
 stage and the index, so messages cannot be confused even if the transport reorders them. The
@@ -37,6 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fxpar.pipeline.backward_split import StageBackward
 from fxpar.pipeline.crossings import Crossing, Transfer
 from fxpar.pipeline.options import PipelineError
 from fxpar.pipeline.schedule import Instruction, Op
@@ -46,6 +54,8 @@ from fxpar.runtime.devices import stages_through_host
 _MAX_VALUES = 1024
 _ACTIVATION, _GRADIENT = 0, 1
 _MESSAGES = frozenset((Op.RECV_ACTIVATION, Op.SEND_ACTIVATION, Op.RECV_GRAD, Op.SEND_GRAD))
+_COMPUTES = frozenset((Op.FORWARD, Op.BACKWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT))
+_COMPUTE_NAMES = frozenset(op.value for op in _COMPUTES)
 _CPU = torch.device("cpu")
 
 
@@ -70,12 +80,13 @@ class StageTrace:
     end: float = 0.0
     events: list[Event] = field(default_factory=list)
     peak_stash_bytes: int = 0
-    """The most bytes the stashes of micro-batches in flight held at once (tensors that share
+    """The most bytes the stashes of micro-batches in flight held at once, a stash being,
+    between the B and the W of a zero-bubble schedule, what B keeps for W (tensors that share
     storage with parameters are not counted)."""
 
     @property
     def compute_seconds(self) -> float:
-        return sum(e.end - e.start for e in self.events if e.op in ("forward", "backward"))
+        return sum(e.end - e.start for e in self.events if e.op in _COMPUTE_NAMES)
 
     def idle_fraction(self, start: float | None = None, end: float | None = None) -> float:
         """The part of ``[start, end]`` (default: this rank's step) spent not computing."""
@@ -224,7 +235,15 @@ class StageWorker:
         self.backward = tuple(backward)
         self.instructions = tuple(instructions)
         self._backwards = frozenset(
-            (i.chunk, i.microbatch) for i in self.instructions if i.op is Op.BACKWARD
+            (i.chunk, i.microbatch)
+            for i in self.instructions
+            if i.op is Op.BACKWARD or i.op is Op.BACKWARD_INPUT
+        )
+        # Each chunk's backward cut into B and W, where the list runs them apart.
+        split = {i.chunk for i in self.instructions if i.op is Op.BACKWARD_INPUT}
+        self._parts = tuple(
+            StageBackward.of(program) if chunk in split else None
+            for chunk, program in enumerate(self.backward)
         )
         self.rank = rank
         self.stage = forward[0].unit.stage
@@ -288,9 +307,11 @@ class StageWorker:
         # Keyed by chunk and micro-batch (and the op that fills or drains them).
         received: dict[tuple[Op, int, int], tuple[torch.Tensor, ...]] = {}
         outgoing: dict[tuple[Op, int, int], tuple[torch.Tensor, ...]] = {}
-        stashes: dict[tuple[int, int], list[torch.Tensor]] = {}
+        # What a forward stashed for its backward, and from a B to its W what W reads.
+        stashes: dict[tuple[int, int], list[Any]] = {}
         stash_bytes: dict[tuple[int, int], int] = {}
         chunk_stash_bytes: dict[int, int] = {}
+        chunk_held_bytes: dict[int, int] = {}
         parameter_storages = {p.untyped_storage().data_ptr() for p in parameters.values()}
         gradients: dict[str, torch.Tensor] = {}
         summed: set[str] = set()  # gradients that are sums this run made, added to in place
@@ -339,15 +360,25 @@ class StageWorker:
                 out = None  # the last forward's outputs may hold this stash too
                 out = self.backward[c].run(parameters, {}, microbatches[m], inputs, stashes[(c, m)])
                 outgoing[(Op.SEND_GRAD, c, m)] = out.sent
-                for name, gradient in out.gradients.items():
-                    total = gradients.get(name)
-                    if total is None:  # may alias what a program still holds: not written
-                        gradients[name] = gradient
-                    elif name in summed:
-                        total.add_(gradient)
-                    else:
-                        gradients[name] = total + gradient
-                        summed.add(name)
+                _accumulate(gradients, summed, out.gradients)
+            elif op is Op.BACKWARD_INPUT:
+                part = self._parts[c]
+                assert part is not None  # made for every chunk whose list runs a B
+                inputs = list(received.pop((Op.RECV_GRAD, c, m), ()))
+                out = None
+                sent, held = part.run_input(parameters, microbatches[m], inputs, stashes[(c, m)])
+                outgoing[(Op.SEND_GRAD, c, m)] = sent
+                stashes[(c, m)] = held  # the stash is now what W reads
+                if c not in chunk_held_bytes:
+                    transient = held[part.resident_reads :]
+                    chunk_held_bytes[c] = _storage_bytes(transient, parameter_storages)
+                stash_bytes[(c, m)] = chunk_held_bytes[c]
+                peak = max(trace.peak_stash_bytes, sum(stash_bytes.values()))
+                trace.peak_stash_bytes = peak
+            elif op is Op.BACKWARD_WEIGHT:
+                part = self._parts[c]
+                assert part is not None
+                _accumulate(gradients, summed, part.run_weight(stashes[(c, m)]))
             elif op is Op.SEND_ACTIVATION or op is Op.SEND_GRAD:
                 sends += self._channels[c][op].send(outgoing.pop((op, c, m)), m)
             elif op is Op.FREE:
@@ -382,18 +413,34 @@ def receives_ahead(instructions: Sequence[Instruction]) -> list[int | None]:
     before the next compute (None where there is none, and for every other instruction):
     :meth:`StageWorker.run` posts that receive before the compute starts."""
     ahead: list[int | None] = [None] * len(instructions)
-    computes = (Op.FORWARD, Op.BACKWARD)
     for index, instruction in enumerate(instructions):
-        if instruction.op not in computes:
+        if instruction.op not in _COMPUTES:
             continue
         for later in range(index + 1, len(instructions)):
             op = instructions[later].op
-            if op in computes:
+            if op in _COMPUTES:
                 break
             if op is Op.RECV_ACTIVATION or op is Op.RECV_GRAD:
                 ahead[index] = later
                 break
     return ahead
+
+
+def _accumulate(
+    gradients: dict[str, torch.Tensor], summed: set[str], new: Mapping[str, torch.Tensor]
+) -> None:
+    """Add one backward's (or W's) gradients to the stage's sums. A first gradient is kept as
+    it is (it may alias what a program still holds, so it is never written); the second makes
+    a sum of this run's (named in ``summed``), which later ones are added to in place."""
+    for name, gradient in new.items():
+        total = gradients.get(name)
+        if total is None:
+            gradients[name] = gradient
+        elif name in summed:
+            total.add_(gradient)
+        else:
+            gradients[name] = total + gradient
+            summed.add(name)
 
 
 def _sum(losses: list[torch.Tensor]) -> torch.Tensor | None:

@@ -3,7 +3,8 @@
 It reads like the runtime half of the stages in docs/pipelines.md::
 
     capture at micro-batch size -> partition into stages -> split into forward/backward
-    programs -> schedule (GPipe, 1F1B, interleaved) -> this rank's StageWorker -> reduce -> update
+    programs -> schedule (GPipe, 1F1B, interleaved, ZB-H1) -> this rank's StageWorker
+    -> reduce -> update
 
 Ranks are laid out stage-major: stage ``s`` runs on ranks ``s*D .. s*D + D-1`` for ``D``
 devices per stage (``Pipeline.data_parallel``), and replica ``d`` of every stage forms one

@@ -9,13 +9,16 @@ from typing import Literal
 
 from fxpar.errors import FxparError
 
-ScheduleName = Literal["gpipe", "1f1b", "interleaved"]
-SCHEDULES: tuple[ScheduleName, ...] = ("gpipe", "1f1b", "interleaved")
+ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zb-h1"]
+SCHEDULES: tuple[ScheduleName, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1")
 """The schedules a pipeline runs."""
 ZeroBubbleName = Literal["zb-h1", "zb-v"]
 ZERO_BUBBLE_SCHEDULES: tuple[ZeroBubbleName, ...] = ("zb-h1", "zb-v")
-"""Schedules with the backward split into input and weight gradients: built and checked as
-instruction lists (:func:`fxpar.pipeline.schedule.build_schedule`), not run yet."""
+"""Schedules with the backward split into input and weight gradients
+(:mod:`fxpar.pipeline.backward_split`)."""
+LISTS_ONLY: tuple[ZeroBubbleName, ...] = ("zb-v",)
+"""Schedules built and checked as instruction lists
+(:func:`fxpar.pipeline.schedule.build_schedule`) that the runtime does not run yet."""
 
 
 class PipelineError(FxparError):
@@ -39,8 +42,10 @@ class Pipeline:
         schedule: ``"gpipe"`` (all forwards, then all backwards: ``M`` micro-batches of
             activations in flight) or ``"1f1b"`` (one forward, one backward: at most ``K - s``
             in flight on stage ``s``), or ``"interleaved"`` (1F1B over ``virtual_stages``
-            model chunks per stage: a smaller bubble for more messages). All compute the
-            same step.
+            model chunks per stage: a smaller bubble for more messages), or ``"zb-h1"``
+            (zero-bubble: each backward run as its input gradients, on 1F1B's path, and its
+            weight gradients, deferred into the idle time; at most ``K`` micro-batches in
+            flight on every stage). All compute the same step.
         remat: keep only the activations that cross stage boundaries and recompute the rest of
             a stage's forward inside its backward (about a third more compute, far less memory).
         data_parallel: devices per stage; each holds a copy of the stage and takes an equal
@@ -80,11 +85,11 @@ class Pipeline:
             )
         if self.microbatches < 1:
             raise PipelineError(f"microbatches must be >= 1, got {self.microbatches}")
-        if self.schedule in ZERO_BUBBLE_SCHEDULES:
+        if self.schedule in LISTS_ONLY:
             raise PipelineError(
-                f"schedule {self.schedule!r} splits each backward into input and weight "
-                "gradients, which the pipeline runtime does not run yet: choose one of "
-                f"{SCHEDULES} (fxpar.pipeline.schedule.build_schedule builds its lists)"
+                f"schedule {self.schedule!r} is built as instruction lists only, which the "
+                f"pipeline runtime does not run yet: choose one of {SCHEDULES} "
+                "(fxpar.pipeline.schedule.build_schedule builds its lists)"
             )
         if self.schedule not in SCHEDULES:
             raise PipelineError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
@@ -114,6 +119,12 @@ class Pipeline:
             raise PipelineError(
                 "stages='auto' chooses the stage meshes itself: leave stage_meshes out, or give "
                 "the stages"
+            )
+        if self.schedule in ZERO_BUBBLE_SCHEDULES:
+            raise PipelineError(
+                f"schedule {self.schedule!r} splits each stage's backward into input and "
+                "weight gradients, which is not done for a backward lowered to a stage mesh "
+                "yet: choose '1f1b' with stage_meshes"
             )
         if self.data_parallel != 1 or self.virtual_stages != 1:
             raise PipelineError(

@@ -47,8 +47,9 @@ reads need stay from B to W: :mod:`.backward_split`). With forward, B and W taki
   stashes (``K`` stage stashes, 1F1B's stage 0 again), and only the fill is idle:
   ``(K-1)/(6 M + K-1)`` for ``M >= 2K-1``.
 
-The runtime does not run B and W yet (:class:`~fxpar.pipeline.Pipeline` refuses these names);
-the lists exist so that their order, memory and bubble can be checked and priced first.
+The runtime runs ZB-H1 (:class:`~fxpar.pipeline.executor.StageWorker` runs B and W apart);
+ZB-V's lists are checked and timed here but not run yet (:class:`~fxpar.pipeline.Pipeline`
+refuses the name).
 """
 
 from __future__ import annotations

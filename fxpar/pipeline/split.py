@@ -127,21 +127,9 @@ class StageProgram:
         """Run on real tensors; parameters, buffers and batch tensors are looked up by name.
         ``received`` and ``restored`` given as lists are emptied: the tensors in them are
         freed as soon as the program is done with them, unless the caller keeps others."""
-        if len(received) != len(self.received) or len(restored) != len(self.restored):
-            raise PipelineError(
-                f"{self.unit} expects {len(self.received)} received and {len(self.restored)} "
-                f"stashed tensors, got {len(received)} and {len(restored)}"
-            )
-        inputs: list[object] = [parameters[n] for n in self.parameters]
-        inputs += [buffers[n] for n in self.buffers]
-        inputs += [batch[n] for n in self.batch]
+        inputs = self.inputs(parameters, buffers, batch, received, restored)
         if self.communicator is not None:
             inputs.insert(0, self.communicator)
-        inputs += received
-        inputs += restored
-        for consumed in (received, restored):
-            if isinstance(consumed, list):
-                consumed.clear()
         with torch.no_grad():
             flat = list(fastcall.run_boxed(self.graph_module, inputs))
         sent = tuple(flat[: len(self.sent)])
@@ -155,6 +143,32 @@ class StageProgram:
         del flat[: len(self.buffer_updates)]
         gradients = dict(zip(self.gradients, flat, strict=True))
         return StageOutputs(sent, stashed, loss, updates, gradients, outputs)
+
+    def inputs(
+        self,
+        parameters: Mapping[str, torch.Tensor],
+        buffers: Mapping[str, torch.Tensor],
+        batch: Mapping[str, torch.Tensor],
+        received: Sequence[torch.Tensor] = (),
+        restored: Sequence[torch.Tensor] = (),
+    ) -> list[object]:
+        """The module's inputs in placeholder order (the communicator of a stage mesh left
+        out): as :meth:`run` reads its arguments, emptying ``received`` and ``restored``
+        when they are lists."""
+        if len(received) != len(self.received) or len(restored) != len(self.restored):
+            raise PipelineError(
+                f"{self.unit} expects {len(self.received)} received and {len(self.restored)} "
+                f"stashed tensors, got {len(received)} and {len(restored)}"
+            )
+        inputs: list[object] = [parameters[n] for n in self.parameters]
+        inputs += [buffers[n] for n in self.buffers]
+        inputs += [batch[n] for n in self.batch]
+        inputs += received
+        inputs += restored
+        for consumed in (received, restored):
+            if isinstance(consumed, list):
+                consumed.clear()
+        return inputs
 
     def code(self) -> str:
         return self.graph_module.code
