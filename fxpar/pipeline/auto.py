@@ -556,10 +556,10 @@ def _check_schedule(pipeline: Pipeline) -> None:
             "interleaved schedule: choose its split points yourself (K * virtual_stages - 1 "
             "module names), or plan stages for schedule='1f1b'"
         )
-    if pipeline.schedule == "zb-h1":
+    if pipeline.schedule in ("zb-h1", "zb-v"):
         raise PipelineError(
-            "the stage DP does not price the zero-bubble schedule zb-h1 yet: choose its split "
-            "points yourself, or plan stages for schedule='1f1b'"
+            f"the stage DP does not price the zero-bubble schedule {pipeline.schedule} yet: "
+            "choose its split points yourself, or plan stages for schedule='1f1b'"
         )
 
 

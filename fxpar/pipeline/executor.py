@@ -47,7 +47,7 @@ import torch.distributed as dist
 from fxpar.pipeline.backward_split import StageBackward
 from fxpar.pipeline.crossings import Crossing, Transfer
 from fxpar.pipeline.options import PipelineError
-from fxpar.pipeline.schedule import Instruction, Op
+from fxpar.pipeline.schedule import Instruction, Op, Placement, virtual_stage
 from fxpar.pipeline.split import StageProgram, Value
 from fxpar.runtime.devices import stages_through_host
 
@@ -120,11 +120,14 @@ class _Channel:
         senders: int = 1,
         routes: Sequence[tuple[Transfer, ...]] | None = None,
         device: torch.device = _CPU,
+        mailbox: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] | None = None,
     ) -> None:
         """``sender``: the virtual stage that sends on this channel, of ``senders``.
         ``routes``: this rank's messages for each value, when the neighbouring stage runs
         another mesh (:mod:`.crossings`); else every value goes whole to or from ``peer``.
-        ``device``: where the stage's tensors live (module docstring)."""
+        ``device``: where the stage's tensors live (module docstring). ``mailbox``: the
+        channel joins two chunks of this rank (ZB-V's turn), whose tensors are handed over
+        in it, by reference, instead of being sent."""
         if len(values) > _MAX_VALUES:
             raise PipelineError(
                 f"{len(values)} tensors cross one stage boundary; at most {_MAX_VALUES} are "
@@ -138,6 +141,7 @@ class _Channel:
         self.device = device
         self.wire = torch.device("cpu") if stages_through_host(device) else device
         """Where messages travel from and land: the host for a GPU's tensors over gloo."""
+        self.mailbox = mailbox
 
     def _tag(self, microbatch: int, index: int) -> int:
         message = (microbatch * 2 + self.direction) * self.senders + self.sender
@@ -145,6 +149,9 @@ class _Channel:
 
     def send(self, tensors: Sequence[torch.Tensor], microbatch: int) -> list[Any]:
         if not self.values:
+            return []
+        if self.mailbox is not None:
+            self.mailbox[(self.direction, self.sender, microbatch)] = tuple(tensors)
             return []
         works = []
         for index, tensor in enumerate(tensors):
@@ -165,6 +172,9 @@ class _Channel:
         them and returns the tensors."""
         if not self.values:
             return tuple
+        if self.mailbox is not None:  # handed over before the list receives it
+            mailbox, key = self.mailbox, (self.direction, self.sender, microbatch)
+            return lambda: mailbox.pop(key)
         if self.peer is None and self.routes is None:
             raise PipelineError("a stage with no neighbour was asked to receive")
         shapes = [[int(size) for size in value.meta.shape] for value in self.values]
@@ -203,12 +213,15 @@ class StageWorker:
     """Runs the instruction list of one stage replica.
 
     ``forward[c]``/``backward[c]`` are the programs of its chunk ``c``, virtual stage
-    ``c * num_stages + stage`` (a single chunk, except with the interleaved schedule).
+    ``c * num_stages + stage`` (a single chunk, except with the interleaved schedule), or with
+    ``placement="v"`` (ZB-V) virtual stages ``stage`` and ``2 num_stages - 1 - stage``.
     ``previous_rank`` and ``next_rank`` are the ranks of the same replica index in the stages
-    before and after (None at the ends; with several chunks they wrap around, the last
-    stage's next being stage 0). A list without backwards (``schedule.forward_only``) runs the
-    forwards alone: it returns the losses (or a forward program's outputs) and no gradients,
-    and keeps no stash.
+    before and after (None at the ends; with several chunks looped they wrap around, the last
+    stage's next being stage 0). In a V, chunk 0 receives activations from the previous rank
+    and sends them to the next, chunk 1 the other way, and on the last stage chunk 0 hands its
+    activations to chunk 1, and chunk 1 its gradients to chunk 0, without a message. A list
+    without backwards (``schedule.forward_only``) runs the forwards alone: it returns the
+    losses (or a forward program's outputs) and no gradients, and keeps no stash.
     """
 
     def __init__(
@@ -223,9 +236,10 @@ class StageWorker:
         num_stages: int,
         crossings: Mapping[str, Sequence[Crossing]] | None = None,
         device: torch.device = _CPU,
+        placement: Placement = "loop",
     ) -> None:
         """``device``: where the stage's parameters, batches and programs are (its channels
-        move tensors from and to it)."""
+        move tensors from and to it). ``placement``: where the chunks sit in the model."""
         if len(forward) != len(backward) or not forward:
             raise PipelineError(
                 f"a stage needs as many backward as forward chunks, got {len(forward)} and "
@@ -249,10 +263,13 @@ class StageWorker:
         self.stage = forward[0].unit.stage
         count = num_stages * len(forward)
         virtual = [program.unit.stage for program in forward]
-        if virtual != list(range(self.stage, count, num_stages)):
+        expected = [
+            virtual_stage(self.stage, chunk, num_stages, placement) for chunk in range(len(forward))
+        ]
+        if virtual != expected or (placement == "v" and len(forward) != 2):
             raise PipelineError(
                 f"stage {self.stage} of {num_stages} was given chunks {virtual}; it runs "
-                f"chunks {self.stage}, {self.stage} + {num_stages}, ... of the split"
+                f"chunks {expected} of the split ({placement!r} placement)"
             )
         self._next_receive = receives_ahead(self.instructions)
         # The index of the list's last forward that computes a loss (-1: none on this stage).
@@ -265,25 +282,30 @@ class StageWorker:
             default=-1,
         )
         routes = _routes(crossings, rank, len(forward))
+        self._mailbox: dict[tuple[int, int, int], tuple[torch.Tensor, ...]] = {}
         # Tags name the sending virtual stage, which both ends of a message know.
-        self._channels = [
-            {
+        self._channels = []
+        for chunk, (v, f, b) in enumerate(zip(virtual, forward, backward, strict=True)):
+            before, after = _peers(chunk, rank, previous_rank, next_rank, placement)
+            local = {peer: self._mailbox if peer == rank else None for peer in (before, after)}
+            self._channels.append({
                 Op.RECV_ACTIVATION: _Channel(
-                    f.received, previous_rank, _ACTIVATION, v - 1, count,
-                    routes[Op.RECV_ACTIVATION], device,
+                    f.received, before, _ACTIVATION, v - 1, count,
+                    routes[Op.RECV_ACTIVATION], device, local[before],
                 ),
                 Op.SEND_ACTIVATION: _Channel(
-                    f.sent, next_rank, _ACTIVATION, v, count, routes[Op.SEND_ACTIVATION], device
+                    f.sent, after, _ACTIVATION, v, count, routes[Op.SEND_ACTIVATION], device,
+                    local[after],
                 ),
                 Op.RECV_GRAD: _Channel(
-                    b.received, next_rank, _GRADIENT, v + 1, count, routes[Op.RECV_GRAD], device
+                    b.received, after, _GRADIENT, v + 1, count, routes[Op.RECV_GRAD], device,
+                    local[after],
                 ),
                 Op.SEND_GRAD: _Channel(
-                    b.sent, previous_rank, _GRADIENT, v, count, routes[Op.SEND_GRAD], device
+                    b.sent, before, _GRADIENT, v, count, routes[Op.SEND_GRAD], device,
+                    local[before],
                 ),
-            }
-            for v, f, b in zip(virtual, forward, backward, strict=True)
-        ]  # fmt: skip
+            })  # fmt: skip
 
     def run(
         self,
@@ -394,10 +416,13 @@ class StageWorker:
         for work, _payload in sends:
             work.wait()
         trace.end = clock()
-        if stashes or received:
+        if stashes or received or self._mailbox:
+            handed = sorted(self._mailbox)
+            self._mailbox.clear()
             raise PipelineError(
                 f"stage {self.stage}'s schedule left (chunk, micro-batch) {sorted(stashes)} "
-                f"stashed or {sorted(received)} received but unused"
+                f"stashed, {sorted(received)} received but unused, or {handed} handed over "
+                "between its chunks but never received"
             )
         return StageResult(
             loss_sum=_sum(losses),
@@ -441,6 +466,17 @@ def _accumulate(
         else:
             gradients[name] = total + gradient
             summed.add(name)
+
+
+def _peers(
+    chunk: int, rank: int, previous_rank: int | None, next_rank: int | None, placement: Placement
+) -> tuple[int | None, int | None]:
+    """The ranks of the virtual stages before and after chunk ``chunk`` of this rank (its own
+    rank where the neighbour is its other chunk, at a V's turn)."""
+    if placement == "loop":
+        return previous_rank, next_rank
+    turn = rank if next_rank is None else next_rank
+    return (previous_rank, turn) if chunk == 0 else (turn, previous_rank)
 
 
 def _sum(losses: list[torch.Tensor]) -> torch.Tensor | None:

@@ -3,7 +3,7 @@
 It reads like the runtime half of the stages in docs/pipelines.md::
 
     capture at micro-batch size -> partition into stages -> split into forward/backward
-    programs -> schedule (GPipe, 1F1B, interleaved, ZB-H1) -> this rank's StageWorker
+    programs -> schedule (GPipe, 1F1B, interleaved, ZB-H1, ZB-V) -> this rank's StageWorker
     -> reduce -> update
 
 Ranks are laid out stage-major: stage ``s`` runs on ranks ``s*D .. s*D + D-1`` for ``D``
@@ -89,9 +89,9 @@ from fxpar.pipeline.groups import (
 )
 from fxpar.pipeline.intra_op import ShardedStage, local_batch, planned_specs
 from fxpar.pipeline.meshes import StageMeshes, meshes_of, plan_each
-from fxpar.pipeline.options import Pipeline, PipelineError
+from fxpar.pipeline.options import ZERO_BUBBLE_SCHEDULES, Pipeline, PipelineError
 from fxpar.pipeline.partition import even_split_points, partition
-from fxpar.pipeline.schedule import build_schedule, simulate
+from fxpar.pipeline.schedule import build_schedule, placement_of, simulate
 from fxpar.pipeline.semantics import PipelineSemantics
 from fxpar.pipeline.split import SplitProgram, split_program
 from fxpar.pipeline.stage_programs import (
@@ -188,6 +188,12 @@ class PipelineModel(Trainer):
         self.check_batches = check_batches
         self.optimizer_spec = check_optimizer(optimizer if optimizer is not None else AdamW())
         meshes = meshes_of(pipeline, stage_cluster)
+        if meshes is not None and pipeline.schedule in ZERO_BUBBLE_SCHEDULES:
+            raise PipelineError(
+                f"schedule {pipeline.schedule!r} splits each stage's backward into input and "
+                "weight gradients, which is not done for a backward lowered to a stage mesh "
+                "yet: choose schedule='1f1b' with a stage cluster"
+            )
         self._meshes = meshes
         per_stage = meshes.clusters[0].world_size if meshes else pipeline.data_parallel
         world_size = meshes.world_size if meshes else pipeline.num_stages * per_stage
@@ -258,7 +264,7 @@ class PipelineModel(Trainer):
         self.schedule = build_schedule(
             pipeline.schedule, pipeline.num_stages, pipeline.microbatches, pipeline.virtual_stages
         )
-        simulate(self.schedule)
+        simulate(self.schedule, placement_of(pipeline.schedule))
         self.signature = program.signature
         self.semantics: PipelineSemantics = self.split.semantics
         if self.rank == 0:

@@ -9,16 +9,13 @@ from typing import Literal
 
 from fxpar.errors import FxparError
 
-ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zb-h1"]
-SCHEDULES: tuple[ScheduleName, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1")
+ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"]
+SCHEDULES: tuple[ScheduleName, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 """The schedules a pipeline runs."""
 ZeroBubbleName = Literal["zb-h1", "zb-v"]
 ZERO_BUBBLE_SCHEDULES: tuple[ZeroBubbleName, ...] = ("zb-h1", "zb-v")
 """Schedules with the backward split into input and weight gradients
 (:mod:`fxpar.pipeline.backward_split`)."""
-LISTS_ONLY: tuple[ZeroBubbleName, ...] = ("zb-v",)
-"""Schedules built and checked as instruction lists
-(:func:`fxpar.pipeline.schedule.build_schedule`) that the runtime does not run yet."""
 
 
 class PipelineError(FxparError):
@@ -45,15 +42,19 @@ class Pipeline:
             model chunks per stage: a smaller bubble for more messages), or ``"zb-h1"``
             (zero-bubble: each backward run as its input gradients, on 1F1B's path, and its
             weight gradients, deferred into the idle time; at most ``K`` micro-batches in
-            flight on every stage). All compute the same step.
+            flight on every stage), or ``"zb-v"`` (zero-bubble over two model chunks per
+            stage in a V, ``virtual_stages=2``: a smaller bubble still, for the same
+            memory). All compute the same step.
         remat: keep only the activations that cross stage boundaries and recompute the rest of
             a stage's forward inside its backward (about a third more compute, far less memory).
         data_parallel: devices per stage; each holds a copy of the stage and takes an equal
             piece of every micro-batch, and their gradients are all-reduced once per step.
-        virtual_stages: ``V``, model chunks per stage, for the interleaved schedule only: the
-            model is cut into ``K * V`` chunks and stage ``s`` runs chunks ``s, s + K, ...,
-            s + (V-1) K`` (split points: ``K * V - 1`` module names). The bubble shrinks to
-            about ``(K-1)/(V M + K-1)``; ``M`` must be a multiple of ``K``.
+        virtual_stages: ``V``, model chunks per stage, for the interleaved schedule and ZB-V:
+            the model is cut into ``K * V`` chunks (split points: ``K * V - 1`` module
+            names). Interleaved, stage ``s`` runs chunks ``s, s + K, ..., s + (V-1) K``, the
+            bubble shrinks to about ``(K-1)/(V M + K-1)``, and ``M`` must be a multiple of
+            ``K``. ZB-V runs ``V = 2`` (set for it when left at 1): stage ``s`` runs chunks
+            ``s`` and ``2K - 1 - s``.
         stage_meshes: a mesh shape per stage, e.g. ``((1,), (2,))``: stage ``s`` runs on a
             mesh of its own shape, with an intra-op plan made for that mesh, and values
             crossing a stage boundary are resharded between the two stages' layouts (see
@@ -85,12 +86,6 @@ class Pipeline:
             )
         if self.microbatches < 1:
             raise PipelineError(f"microbatches must be >= 1, got {self.microbatches}")
-        if self.schedule in LISTS_ONLY:
-            raise PipelineError(
-                f"schedule {self.schedule!r} is built as instruction lists only, which the "
-                f"pipeline runtime does not run yet: choose one of {SCHEDULES} "
-                "(fxpar.pipeline.schedule.build_schedule builds its lists)"
-            )
         if self.schedule not in SCHEDULES:
             raise PipelineError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
         if self.data_parallel < 1:
@@ -140,6 +135,9 @@ class Pipeline:
 
     def _check_interleaving(self) -> None:
         chunks = self.virtual_stages
+        if self.schedule == "zb-v":
+            self._check_v()
+            return
         if self.schedule != "interleaved":
             if chunks != 1:
                 raise PipelineError(
@@ -171,6 +169,31 @@ class Pipeline:
                 f"{self.num_stages} stages"
             )
 
+    def _check_v(self) -> None:
+        if self.virtual_stages == 1:
+            object.__setattr__(self, "virtual_stages", 2)
+        if self.virtual_stages != 2:
+            raise PipelineError(
+                f"ZB-V runs exactly two model chunks per stage: virtual_stages must be 2, not "
+                f"{self.virtual_stages!r}"
+            )
+        if self.stages == "auto":
+            raise PipelineError(
+                "stages='auto' cannot plan ZB-V (the stage DP prices one chunk per stage): "
+                "give stages=K or 2 K - 1 split points"
+            )
+        if isinstance(self.stages, tuple) and len(self.stages) % 2 == 0:
+            raise PipelineError(
+                f"{len(self.stages)} split points make {len(self.stages) + 1} chunks, which "
+                "do not divide into 2 per stage: give 2 K - 1 split points"
+            )
+
+    @property
+    def v_shaped(self) -> bool:
+        """Whether stage ``s`` holds chunks ``s`` and ``2K - 1 - s`` (ZB-V) rather than
+        ``s, s + K, ...``."""
+        return self.schedule == "zb-v"
+
     @property
     def num_stages(self) -> int:
         if self.stages == "auto":
@@ -189,18 +212,24 @@ class Pipeline:
 
     def chunks_of(self, stage: int) -> tuple[int, ...]:
         """The pieces of the split (its stages) that stage ``stage`` runs, in chunk order:
-        ``stage, stage + K, ..., stage + (V-1) K``."""
+        ``stage, stage + K, ..., stage + (V-1) K``, or with ZB-V ``stage, 2K - 1 - stage``
+        (:func:`fxpar.pipeline.schedule.virtual_stage`)."""
+        if self.v_shaped:
+            return (stage, 2 * self.num_stages - 1 - stage)
         return tuple(range(stage, self.num_chunks, self.num_stages))
 
     def neighbour(self, stage: int, step: int) -> int | None:
-        """The stage ``step`` (1 or -1) after ``stage`` that activations (1) or gradients (-1)
-        go to; None past the ends, around which the interleaved schedule's messages wrap."""
-        if self.virtual_stages > 1:
+        """The stage ``step`` (1 or -1) after ``stage`` that a stage's first chunk sends
+        activations (1) or gradients (-1) to; None past the ends, around which the
+        interleaved schedule's messages wrap (ZB-V's turn back at the last stage instead)."""
+        if self.schedule == "interleaved":
             return (stage + step) % self.num_stages
         return stage + step if 0 <= stage + step < self.num_stages else None
 
     def stage_of(self, chunk: int) -> int:
         """The stage that runs piece ``chunk`` of the split."""
+        if self.v_shaped and chunk >= self.num_stages:
+            return 2 * self.num_stages - 1 - chunk
         return chunk % self.num_stages
 
     @property

@@ -47,9 +47,8 @@ reads need stay from B to W: :mod:`.backward_split`). With forward, B and W taki
   stashes (``K`` stage stashes, 1F1B's stage 0 again), and only the fill is idle:
   ``(K-1)/(6 M + K-1)`` for ``M >= 2K-1``.
 
-The runtime runs ZB-H1 (:class:`~fxpar.pipeline.executor.StageWorker` runs B and W apart);
-ZB-V's lists are checked and timed here but not run yet (:class:`~fxpar.pipeline.Pipeline`
-refuses the name).
+The runtime runs both (:class:`~fxpar.pipeline.executor.StageWorker` runs B and W apart, and
+hands ZB-V's turn from chunk 0 to chunk 1 of the last stage over inside the process).
 """
 
 from __future__ import annotations

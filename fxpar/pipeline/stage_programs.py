@@ -74,7 +74,7 @@ from fxpar.pipeline.intra_op import ShardedStage, neighbour_sides, shard_stage
 from fxpar.pipeline.meshes import Shape, StageMeshes, plan_each
 from fxpar.pipeline.options import Pipeline, PipelineError
 from fxpar.pipeline.partition import partition
-from fxpar.pipeline.schedule import StageSchedule, forward_only, simulate
+from fxpar.pipeline.schedule import StageSchedule, forward_only, placement_of, simulate
 from fxpar.pipeline.split import SplitProgram, StageProgram, split_program
 from fxpar.planning.plan import Plan
 from fxpar.runtime.batches import BatchSignature
@@ -157,7 +157,8 @@ class StageLayout:
     previous_rank: int | None
     next_rank: int | None
     """The same replica's ranks in the stages before and after (wrapping around, from the
-    last stage to the first, with the interleaved schedule's several chunks per stage)."""
+    last stage to the first, with the interleaved schedule's several chunks per stage; ZB-V's
+    turn back at the last stage)."""
     meshes: StageMeshes | None
     """Every stage's mesh (with an intra-op plan inside the stages)."""
     coordinate: Coordinate
@@ -210,7 +211,7 @@ class StageLayout:
         worker = self._worker(forward, backward, self.schedule[self.stage], crossings)
         # The forwards alone, which cannot deadlock either.
         forward_lists = [forward_only(instructions) for instructions in self.schedule]
-        simulate(forward_lists)
+        simulate(forward_lists, placement_of(self.pipeline.schedule))
         forward_worker = self._worker(forward, backward, forward_lists[self.stage], crossings)
         return StageStep(kind, training, split, sharded, worker, forward_worker, batch, splits)
 
@@ -237,6 +238,7 @@ class StageLayout:
             forward, backward, instructions,
             rank=self.rank, previous_rank=self.previous_rank, next_rank=self.next_rank,
             num_stages=self.pipeline.num_stages, crossings=crossings, device=self.device,
+            placement=placement_of(self.pipeline.schedule),
         )  # fmt: skip
 
     def gather_outputs(
@@ -247,7 +249,8 @@ class StageLayout:
         replica ``d``) is broadcast from replica ``d`` of the last stage, or from its stage
         mesh's first device, where every device holds it whole. A collective."""
         microbatches, replicas = self.pipeline.microbatches, self.pipeline.data_parallel
-        last = (self.pipeline.num_stages - 1) * self.per_stage
+        # The stage of the model's last chunk: stage 0 in ZB-V's V.
+        last = self.pipeline.stage_of(self.pipeline.num_chunks - 1) * self.per_stage
         if self.meshes is not None:
             last = self.meshes.ranks(self.pipeline.num_stages - 1)[0]
         world = dist.get_world_size() if self.distributed else 1

@@ -14,7 +14,12 @@ from collections.abc import Sequence
 from fxpar.pipeline.executor import StageTrace
 from fxpar.pipeline.options import PipelineError
 
-_COLORS = {"forward": "#4C72B0", "backward": "#DD8452"}
+_COLORS = {
+    "forward": "#4C72B0",
+    "backward": "#DD8452",
+    "backward_input": "#DD8452",
+    "backward_weight": "#55A868",
+}
 
 
 def step_window(traces: Sequence[StageTrace]) -> tuple[float, float]:
@@ -43,9 +48,9 @@ def plot_timeline(
     traces: Sequence[StageTrace], path: str | os.PathLike[str], *, title: str = ""
 ) -> None:
     """Write a Gantt chart of one step: a row per rank, a bar per forward (blue) and backward
-    (orange) labelled with its micro-batch (and ``/c`` its chunk, for chunks after a stage's
-    first, interleaved); gaps are the bubble. Needs matplotlib
-    (``pip install fxpar[plot]``)."""
+    (orange; a zero-bubble schedule's B orange and W green) labelled with its micro-batch
+    (and ``/c`` its chunk, for chunks after a stage's first); gaps are the bubble. Needs
+    matplotlib (``pip install fxpar[plot]``)."""
     try:
         import matplotlib
 
@@ -79,7 +84,9 @@ def plot_timeline(
     axes.invert_yaxis()
     axes.set_xlabel("time in step (ms)")
     axes.set_title(title or "pipeline timeline")
-    axes.legend(handles=[Patch(color=c, label=op) for op, c in _COLORS.items()], loc="upper right")
+    shown = {event.op for trace in ordered for event in trace.events}
+    handles = [Patch(color=c, label=op) for op, c in _COLORS.items() if op in shown]
+    axes.legend(handles=handles, loc="upper right")
     figure.tight_layout()
     figure.savefig(os.fspath(path), dpi=120)
     plt.close(figure)
