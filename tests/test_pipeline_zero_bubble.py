@@ -18,6 +18,7 @@ eager PyTorch, and a replica's gradient all-reduce starts after its last W.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import threading
 import time
@@ -32,6 +33,7 @@ from conftest import eager_step
 import fxpar
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.optim import SGD
+from fxpar.passes import default_passes, for_compile
 from fxpar.pipeline import (
     Pipeline,
     PipelineError,
@@ -40,12 +42,13 @@ from fxpar.pipeline import (
     build_schedule,
     even_split_points,
     partition,
-    plan_stages,
     split_program,
 )
 from fxpar.pipeline import executor as executor_module
+from fxpar.pipeline.auto import evaluate_split, plan_stages, search_pipelines
 from fxpar.pipeline.executor import StageResult, StageWorker
 from fxpar.pipeline.schedule import placement_of, virtual_stage
+from fxpar.pipeline.stage_programs import PassPlanner
 from fxpar.runtime.launch import spawn
 
 CONFIG = GPTConfig(n_layer=4, n_embd=32, n_head=4, vocab_size=64, block_size=16)
@@ -277,7 +280,8 @@ def test_a_one_stage_zb_v_pipeline_trains_and_evaluates_like_eager() -> None:
 def test_zero_bubble_options_are_checked() -> None:
     """ZB-H1 runs one chunk per stage, ZB-V two (in a V: stage 1 of 2 holds chunks 1 and 2,
     and chunk 3 is stage 0's), given as 2 K - 1 split points; neither splits a backward
-    lowered to a stage mesh, and the stage DP does not price them yet."""
+    lowered to a stage mesh, and the stage DP, which prices one chunk per stage, refuses
+    ZB-V."""
     assert Pipeline(stages=2, schedule="zb-h1").schedule == "zb-h1"
     v = Pipeline(stages=("blocks.1", "blocks.2", "blocks.3"), schedule="zb-v")
     assert (v.num_stages, v.virtual_stages, v.chunks_of(1), v.stage_of(3)) == (2, 2, (1, 2), 0)
@@ -295,8 +299,49 @@ def test_zero_bubble_options_are_checked() -> None:
         Pipeline(stages="auto", schedule="zb-v")
     model, tokens, targets = _gpt()
     program = fxpar.capture(model, (tokens[:2],), gpt_loss, example_targets=(targets[:2],))
-    with pytest.raises(PipelineError, match="does not price the zero-bubble"):
-        plan_stages(program, fxpar.Cluster((2,)), Pipeline(stages="auto", schedule="zb-h1"))
+    with pytest.raises(PipelineError, match="not the zb-v schedule"):
+        evaluate_split(program, fxpar.Cluster((2,)), dataclasses.replace(v, microbatches=4))
+
+
+def test_the_stage_dp_prices_zb_h1_and_picks_it_where_faster_and_it_fits() -> None:
+    """The stage DP prices ZB-H1 on data-parallel stages: on the split 1F1B would be priced
+    for, its step is 1F1B's less what its W's fill (at most K - 1 stage times), with every
+    stage keeping min(K, M) micro-batches, each its stash and what B keeps for W (so the last
+    stage needs more memory than under 1F1B). search_pipelines picks it where it fits, and
+    1F1B where the memory lies between what the two need. Stage meshes are refused."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=4, n_embd=64, n_head=4, vocab_size=64, block_size=16))
+    tokens = torch.randint(0, 64, (16, 16), generator=torch.Generator().manual_seed(1))
+    program = fxpar.capture(model, (tokens,), gpt_loss, example_targets=(tokens,))
+    slow = dict(bandwidth=(1e9,))  # links slow enough that pipelining beats data parallelism
+    settings = [Pipeline(stages="auto", microbatches=4, schedule=s) for s in ("1f1b", "zb-h1")]
+    search = search_pipelines(program, fxpar.Cluster((4,), **slow), settings)
+    one_f_one_b, zero_bubble = (outcome.choice for outcome in search.outcomes)
+    assert one_f_one_b is not None and zero_bubble is not None
+    assert search.choice is zero_bubble and zero_bubble.step_time < one_f_one_b.step_time
+    stages = zero_bubble.pipeline.num_stages
+    assert stages > 1
+    same = dataclasses.replace(zero_bubble.pipeline, schedule="1f1b")
+    priced = evaluate_split(program, fxpar.Cluster((4,), **slow), same)
+    assert priced.step_time == pytest.approx(zero_bubble.plan.objective)
+    saved = priced.step_time - zero_bubble.step_time
+    assert 0 < saved < (stages - 1) * max(stage.time for stage in zero_bubble.plan.stages)
+    assert [stage.in_flight for stage in zero_bubble.plan.stages] == [min(stages, 4)] * stages
+    assert zero_bubble.memory[-1] > priced.memory[-1]
+    starved = search_pipelines(program, fxpar.Cluster((4,), memory=1.0, **slow), settings)
+    need = {o.pipeline.schedule: o.least_memory for o in starved.outcomes}
+    assert need["1f1b"] is not None and need["zb-h1"] is not None
+    assert need["1f1b"] < need["zb-h1"]
+    memory = (need["1f1b"] + need["zb-h1"]) / 2
+    limited = search_pipelines(program, fxpar.Cluster((4,), memory=memory, **slow), settings)
+    assert limited.choice is not None and limited.choice.pipeline.schedule == "1f1b"
+    with pytest.raises(PipelineError, match="data-parallel stages only"):
+        plan_stages(
+            program,
+            fxpar.Cluster((4,)),
+            settings[1],
+            stage_planner=PassPlanner(for_compile(default_passes())),
+        )
 
 
 # -- gloo processes ---------------------------------------------------------------------------

@@ -29,6 +29,13 @@ solves a problem on mesh ``(D,)`` whose only submesh is ``(d,)``, minimizing
 micro-batches in flight; the best ``d`` wins. This is Alpa's "intra-op plan cost for each
 (layer range, submesh)", restricted to the one intra-op plan replicas run: data parallelism.
 
+**Zero-bubble** (``schedule="zb-h1"``, data-parallel stages only). The DP picks the split by
+the same objective (ZB-H1 keeps 1F1B's steady state, so the same stages balance it), with every
+stage keeping ``min(K, M)`` micro-batches, each holding its stash and what B keeps for W; the
+choice's step is that objective less what ZB-H1 saves over 1F1B
+(:meth:`~fxpar.pipeline.stage_costs.StageCostModel.step_time`), and it is this step that
+:func:`search_pipelines` compares with other schedules'.
+
 **Submeshes** (``stage_planner``). Each stage runs an intra-op plan on a mesh of its own, and the
 stage DP chooses the meshes too, among several shapes at once (Alpa's inter-op pass): on a 2-D
 cluster ``(R, C)`` Alpa's ``(1, w)``, ``w`` a power of two dividing ``C``, and whole rows
@@ -224,7 +231,7 @@ def search_pipelines(
             "capture and search each count on its own"
         )
     for pipeline in pipelines:
-        _check_schedule(pipeline)
+        _check_schedule(pipeline, stage_planner)
     model, starts, layer_names = _layers(
         program, cluster, pipelines[0], optimizer_states, layers, stage_planner, microbatch
     )
@@ -385,9 +392,12 @@ def evaluate_split(
     layer_names = tuple(atoms.modules)
     if meshes is None:
         d = pipeline.data_parallel
-        problem = _problem(model, starts, (world,), ((d,),), lambda a, b, shape: shape)
-        plan = evaluate_stages(problem, boundaries, [(d,)] * stages)
-        return _choice(atoms, starts, layer_names, plan, pipeline, cluster, d)
+        problem = _problem(model, starts, (world,), ((d,),), lambda a, b, shape: shape, stages)
+        step, plan = _scheduled(
+            model, starts, evaluate_stages(problem, boundaries, [(d,)] * stages)
+        )
+        choice = _choice(atoms, starts, layer_names, plan, pipeline, cluster, d)
+        return dataclasses.replace(choice, step_time=step)
     # Price each stage on its own mesh; the DP's shapes only count its devices.
     ranges = itertools.pairwise((0, *boundaries, atoms.count))
     mesh_of = dict(zip(ranges, meshes, strict=True))
@@ -431,7 +441,7 @@ def _plan_replicas(
     atoms, pipeline, cluster = model.atoms, model.pipeline, model.cluster
     world = cluster.world_size
     outcomes: list[DegreeOutcome] = []
-    best: StagePlan | None = None
+    best: tuple[float, StagePlan] | None = None
     memory_errors: list[StageMemoryError] = []
     for d in divisors(world):
         stages = world // d
@@ -439,7 +449,7 @@ def _plan_replicas(
         if reason:
             outcomes.append(DegreeOutcome(d, stages, None, reason))
             continue
-        problem = _problem(model, starts, (world,), ((d,),), lambda a, b, shape: shape)
+        problem = _problem(model, starts, (world,), ((d,),), lambda a, b, shape: shape, stages)
         try:
             plan = solve_stages(problem, stages)
         except StageMemoryError as error:
@@ -448,14 +458,16 @@ def _plan_replicas(
                 DegreeOutcome(d, stages, None, f"needs {format_bytes(error.least_memory)}")
             )
             continue
-        outcomes.append(DegreeOutcome(d, stages, plan.objective))
-        logger.debug("%d devices per stage: step %.3g s", d, plan.objective)
-        if best is None or plan.objective < best.objective:
-            best = plan
+        step, plan = _scheduled(model, starts, plan)
+        outcomes.append(DegreeOutcome(d, stages, step))
+        logger.debug("%d devices per stage: step %.3g s", d, step)
+        if best is None or step < best[0]:
+            best = (step, plan)
     if best is None:
         raise _no_pipeline_error(cluster, outcomes, memory_errors)
-    choice = _choice(atoms, starts, layer_names, best, pipeline, cluster, best.stages[0].devices)
-    return dataclasses.replace(choice, degrees=tuple(outcomes))
+    step, plan = best
+    choice = _choice(atoms, starts, layer_names, plan, pipeline, cluster, plan.stages[0].devices)
+    return dataclasses.replace(choice, degrees=tuple(outcomes), step_time=step)
 
 
 def _plan_submeshes(
@@ -533,7 +545,7 @@ def _cost_model(
     extra_points: Sequence[str],
     microbatch: bool,
 ) -> StageCostModel:
-    _check_schedule(pipeline)
+    _check_schedule(pipeline, stage_planner)
     atoms = Atoms.build(program, extra_points)
     if stage_planner is None:
         return StageCostModel(atoms, cluster, pipeline, optimizer_states, microbatch=microbatch)
@@ -549,17 +561,18 @@ def _cost_model(
     )  # fmt: skip
 
 
-def _check_schedule(pipeline: Pipeline) -> None:
-    if pipeline.schedule == "interleaved":
+def _check_schedule(pipeline: Pipeline, stage_planner: StagePlanner | None = None) -> None:
+    if pipeline.schedule in ("interleaved", "zb-v"):
         raise PipelineError(
-            "the stage DP prices one model chunk per stage (GPipe or 1F1B), not the "
-            "interleaved schedule: choose its split points yourself (K * virtual_stages - 1 "
-            "module names), or plan stages for schedule='1f1b'"
+            f"the stage DP prices one model chunk per stage (GPipe, 1F1B, ZB-H1), not the "
+            f"{pipeline.schedule} schedule: choose its split points yourself "
+            "(K * virtual_stages - 1 module names), or plan stages for schedule='1f1b'"
         )
-    if pipeline.schedule in ("zb-h1", "zb-v"):
+    if pipeline.schedule == "zb-h1" and stage_planner is not None:
         raise PipelineError(
-            f"the stage DP does not price the zero-bubble schedule {pipeline.schedule} yet: "
-            "choose its split points yourself, or plan stages for schedule='1f1b'"
+            "zb-h1 runs data-parallel stages only (a stage mesh's backward is not split into "
+            "input and weight gradients): plan stages without a stage planner, or for "
+            "schedule='1f1b'"
         )
 
 
@@ -636,18 +649,28 @@ def _problem(
     mesh_shape: Shape,
     shapes: tuple[Submesh, ...],
     mesh_of: Callable[[int, int, Submesh], Shape],
+    stages: int | None = None,
 ) -> StageProblem:
     """The stage problem over the layers beginning at ``starts``: layers ``[i, j)`` on the
     DP's ``shape`` cost what atoms ``[starts[i], starts[j])`` cost on stage mesh
-    ``mesh_of(starts[i], starts[j], shape)``."""
+    ``mesh_of(starts[i], starts[j], shape)``, with the micro-batches in flight of a pipeline
+    of ``stages`` stages (which ZB-H1 needs, :meth:`StageCostModel.in_flight`)."""
     stops = (*starts[1:], model.atoms.count)
     schedule = model.pipeline.schedule
-    if schedule == "interleaved":
-        raise AssertionError("_cost_model refuses the interleaved schedule")
+    if schedule in ("interleaved", "zb-v"):
+        raise AssertionError("_cost_model refuses schedules of several chunks per stage")
+    if schedule == "zb-h1":
+        if stages is None:
+            raise AssertionError("ZB-H1's memory needs the number of stages")
+        # Its micro-batches in flight are in the costs' static memory.
+        schedule = "1f1b"
 
     def table(first: int, last: int, submesh: Submesh) -> StageCost:
         start, stop = starts[first], stops[last - 1]
-        return model.cost(start, stop, mesh_of(start, stop, submesh))
+        cost = model.cost(start, stop, mesh_of(start, stop, submesh))
+        if stages is None:
+            return cost
+        return model.in_flight(cost, stages)
 
     return StageProblem(
         num_layers=len(starts),
@@ -658,6 +681,21 @@ def _problem(
         memory_limit=model.cluster.memory,
         schedule=schedule,
     )
+
+
+def _scheduled(
+    model: StageCostModel, starts: Sequence[int], plan: StagePlan
+) -> tuple[float, StagePlan]:
+    """``plan``'s step under the model's schedule (:meth:`StageCostModel.step_time`: its
+    objective, but for ZB-H1), and the plan with the micro-batches each stage keeps under it
+    (``min(K, M)`` on every stage of ZB-H1, whose costs hold them as static memory)."""
+    stops = (*starts[1:], model.atoms.count)
+    stages = [(starts[s.start], stops[s.stop - 1], tuple(s.submesh)) for s in plan.stages]
+    if model.pipeline.schedule != "zb-h1":
+        return plan.objective, plan
+    held = min(len(plan.stages), model.pipeline.microbatches)
+    kept = tuple(dataclasses.replace(stage, in_flight=held) for stage in plan.stages)
+    return model.step_time(stages, plan.objective), dataclasses.replace(plan, stages=kept)
 
 
 def _no_pipeline_error(

@@ -508,35 +508,44 @@ def _check_peer(peer: int, count: int, instruction: Instruction) -> None:
         raise PipelineError(f"{instruction} has no peer stage {peer} in a {count}-stage pipe")
 
 
-def modelled_bubble(
+@dataclass(frozen=True)
+class StageTimes:
+    """How long one stage takes per micro-batch: its forward, and its backward's B (input
+    gradients) and W (weight gradients); a whole backward takes ``input + weight``. With
+    ``V`` chunks per stage, each chunk takes ``1/V`` of each."""
+
+    forward: float
+    input: float
+    weight: float
+
+
+def replay(
     schedules: Sequence[Sequence[Instruction]],
-    forward: float = 1.0,
-    backward: float = 2.0,
+    times: Sequence[StageTimes],
     *,
-    weight: float | None = None,
     placement: Placement = "loop",
-) -> list[float]:
-    """Per stage, the idle share of a step run by ``schedules`` on devices that take
-    ``forward`` and ``backward`` time for a stage's forward and backward of one micro-batch
-    (``1/V`` of that per chunk, with ``V`` chunks per stage) and exchange messages in no time:
-    the bubble the order itself makes. Of the backward, ``weight`` (half by default) is its W
-    and the rest its B, in the lists that split it. 1F1B's is ``(K-1)/(M+K-1)``, interleaved
-    1F1B's ``(K-1)/(V M+K-1)`` (:func:`fxpar.pipeline.ideal_bubble`), and with forward, B and W
-    equal ZB-H1's ``(K-1)/(3 M+K-1)`` and ZB-V's ``(K-1)/(6 M+K-1)`` for ``M >= 2K-1``; a
-    measured bubble above it is the machine's (messages, stages of unequal cost, shared cores).
+) -> tuple[float, list[float]]:
+    """Run ``schedules`` on stages that take ``times`` (one per stage) and exchange messages
+    in no time: the step's length, and each stage's busy time. A receive waits for its
+    message; nothing else waits.
 
     Raises:
-        PipelineError: the lists deadlock (check them with :func:`simulate` first).
+        PipelineError: the lists deadlock (check them with :func:`simulate` first), or
+            ``times`` has not one entry per stage.
     """
     num_stages = len(schedules)
+    if len(times) != num_stages:
+        raise PipelineError(f"{len(times)} stage times for {num_stages} stages")
     pipe = _Pipe(num_stages, _chunk_count(schedules, placement), placement)
-    weight = backward / 2 if weight is None else weight
-    took = {
-        Op.FORWARD: forward / pipe.chunks,
-        Op.BACKWARD: backward / pipe.chunks,
-        Op.BACKWARD_INPUT: (backward - weight) / pipe.chunks,
-        Op.BACKWARD_WEIGHT: weight / pipe.chunks,
-    }
+    took = [
+        {
+            Op.FORWARD: each.forward / pipe.chunks,
+            Op.BACKWARD: (each.input + each.weight) / pipe.chunks,
+            Op.BACKWARD_INPUT: each.input / pipe.chunks,
+            Op.BACKWARD_WEIGHT: each.weight / pipe.chunks,
+        }
+        for each in times
+    ]
     clock, busy, cursor = [0.0] * num_stages, [0.0] * num_stages, [0] * num_stages
     arrivals: dict[tuple[Op, int, int], float] = {}  # (receive, virtual stage, m) -> time
     progressed = True
@@ -552,9 +561,9 @@ def modelled_bubble(
                     if arrival is None:
                         break
                     clock[stage] = max(clock[stage], arrival)
-                elif op in took:
-                    clock[stage] += took[op]
-                    busy[stage] += took[op]
+                elif op in took[stage]:
+                    clock[stage] += took[stage][op]
+                    busy[stage] += took[stage][op]
                 elif op is Op.SEND_ACTIVATION:
                     arrivals[(Op.RECV_ACTIVATION, virtual + 1, m)] = clock[stage]
                 elif op is Op.SEND_GRAD:
@@ -563,5 +572,31 @@ def modelled_bubble(
                 progressed = True
     if any(cursor[s] < len(schedules[s]) for s in range(num_stages)):
         raise PipelineError("the schedule deadlocks: simulate() says where")
-    end = max(clock, default=0.0)
+    return max(clock, default=0.0), busy
+
+
+def modelled_bubble(
+    schedules: Sequence[Sequence[Instruction]],
+    forward: float = 1.0,
+    backward: float = 2.0,
+    *,
+    weight: float | None = None,
+    placement: Placement = "loop",
+) -> list[float]:
+    """Per stage, the idle share of a step run by ``schedules`` on devices that take
+    ``forward`` and ``backward`` time for a stage's forward and backward of one micro-batch
+    (``1/V`` of that per chunk, with ``V`` chunks per stage) and exchange messages in no time
+    (:func:`replay`): the bubble the order itself makes. Of the backward, ``weight`` (half by
+    default) is its W and the rest its B, in the lists that split it. 1F1B's is
+    ``(K-1)/(M+K-1)``, interleaved 1F1B's ``(K-1)/(V M+K-1)``
+    (:func:`fxpar.pipeline.ideal_bubble`), and with forward, B and W equal ZB-H1's
+    ``(K-1)/(3 M+K-1)`` and ZB-V's ``(K-1)/(6 M+K-1)`` for ``M >= 2K-1``; a measured bubble
+    above it is the machine's (messages, stages of unequal cost, shared cores).
+
+    Raises:
+        PipelineError: the lists deadlock (check them with :func:`simulate` first).
+    """
+    weight = backward / 2 if weight is None else weight
+    times = [StageTimes(forward, backward - weight, weight)] * len(schedules)
+    end, busy = replay(schedules, times, placement=placement)
     return [1.0 - time / end if end else 0.0 for time in busy]

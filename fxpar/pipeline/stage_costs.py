@@ -37,6 +37,16 @@ charged ``1/M`` of it per micro-batch, so it enters the step time once per step 
 stage. Costs are cached per (atom range, stage mesh shape); data-parallel replicas only read the
 shape's number of devices ``d``.
 
+**Zero-bubble** (``schedule="zb-h1"``). ``T_w`` is the part of ``T_bwd`` only weight
+gradients need: backward nodes no gradient sent back across an atom boundary depends on, found
+once on the whole step (what a stage's W runs, :mod:`fxpar.pipeline.backward_split`, wherever
+the stages are cut; a tied weight's gradient terms joined across atoms count in B). ``A_kept``
+are the bytes of the other backward values those nodes read, the range's or received from the
+next stage (what B keeps for W). A micro-batch
+in flight then holds ``(A_saved + A_kept) / (M d)`` (with remat: what it received, plus
+``A_saved`` recomputed for W, plus ``A_kept``), and every stage holds up to ``min(K, M)`` of them
+(:meth:`StageCostModel.in_flight`).
+
 **Intra-op plans inside stages** (``stage_planner``, which :func:`fxpar.compile` passes when a
 solver, pins, options or rules are given with ``stages="auto"``). Then a stage runs an intra-op plan
 on its own stage mesh, and the costs come from that plan. A stage mesh is a shape: ``(d,)``, ``d``
@@ -87,7 +97,8 @@ from fxpar.cluster import Cluster
 from fxpar.ir.fold import fold
 from fxpar.ir.program import Program
 from fxpar.pipeline.atoms import Atoms, crossings, output_bytes, region
-from fxpar.pipeline.options import Pipeline, PipelineError
+from fxpar.pipeline.options import ZERO_BUBBLE_SCHEDULES, Pipeline, PipelineError
+from fxpar.pipeline.schedule import StageTimes, build_schedule, replay
 from fxpar.planning.cost import (
     collective_seconds,
     node_seconds,
@@ -119,12 +130,14 @@ StagePlanner = Callable[[Program, Cluster], "Plan"]
 class _AtomValues:
     read: frozenset[fx.Node]
     saved: frozenset[fx.Node]
+    kept: frozenset[fx.Node] = frozenset()
 
 
 @dataclass(frozen=True)
 class RangeFacts:
     """What a range of atoms holds, priced per node and per value: ``T_fwd``, ``T_bwd``, ``G``,
-    ``S``, ``A_saved`` and ``A_batch`` of the module docstring."""
+    ``S``, ``A_saved`` and ``A_batch`` of the module docstring; ``T_w`` and ``A_kept`` of its
+    zero-bubble paragraph."""
 
     forward_seconds: float
     backward_seconds: float
@@ -132,6 +145,11 @@ class RangeFacts:
     frozen_bytes: int
     saved_bytes: int
     batch_bytes: int
+    weight_seconds: float = 0.0
+    """The part of :attr:`backward_seconds` only weight gradients need (a zero-bubble W)."""
+    kept_bytes: int = 0
+    """Values of the input-gradient part (B), this range's or received, that the weight part
+    (W) reads."""
 
     @property
     def seconds(self) -> float:
@@ -163,8 +181,9 @@ class StageCostModel:
         self.phases = {node: region(node).phase for node in atoms.atom_of}
         self._ranges: dict[tuple[int, int, Shape | None], RangeFacts] = {}
         self._costs: dict[tuple[int, int, Shape], StageCost] = {}
-        self._seconds: dict[tuple[object, int], tuple[float, float]] = {}
+        self._seconds: dict[tuple[object, int], tuple[float, float, float]] = {}
         self._values: dict[int, _AtomValues] = {}
+        self._weights: tuple[frozenset[fx.Node], frozenset[fx.Node]] | None = None
 
     def with_pipeline(self, pipeline: Pipeline) -> StageCostModel:
         """This model for another schedule or remat setting of the same micro-batches: what
@@ -205,13 +224,15 @@ class StageCostModel:
         ``nbytes`` (per device). ``key`` names the pricing: each atom's seconds are summed
         once per key, and a range unions its atoms' sets of values."""
         atoms = range(start, stop)
-        forward_seconds = backward_seconds = 0.0
+        forward_seconds = backward_seconds = weight_seconds = 0.0
         for atom in atoms:
-            forward, backward = self._atom_seconds(atom, seconds, key)
+            forward, backward, weight = self._atom_seconds(atom, seconds, key)
             forward_seconds += forward
             backward_seconds += backward
+            weight_seconds += weight
         read: set[fx.Node] = set().union(*(self._sets(atom).read for atom in atoms))
         saved: set[fx.Node] = set().union(*(self._sets(atom).saved for atom in atoms))
+        kept: set[fx.Node] = set().union(*(self._sets(atom).kept for atom in atoms))
         return RangeFacts(
             forward_seconds=forward_seconds,
             backward_seconds=backward_seconds,
@@ -219,22 +240,50 @@ class StageCostModel:
             frozen_bytes=sum(nbytes(n) for n in read if n in self.atoms.frozen),
             saved_bytes=sum(nbytes(n) for n in saved),
             batch_bytes=sum(nbytes(n) for n in read if n in self.atoms.batch),
+            weight_seconds=weight_seconds,
+            kept_bytes=sum(nbytes(n) for n in kept),
         )
 
     def _atom_seconds(
         self, atom: int, seconds: Callable[[fx.Node], float], key: object
-    ) -> tuple[float, float]:
-        """The forward and backward seconds of one atom's nodes, priced by ``seconds``."""
+    ) -> tuple[float, float, float]:
+        """The forward and backward seconds of one atom's nodes, priced by ``seconds``, and
+        the part of the backward's that only weight gradients need."""
         found = self._seconds.get((key, atom))
         if found is None:
-            forward = backward = 0.0
+            weights = self._weight_split()[0]
+            forward = backward = weight = 0.0
             for node in self.atoms.nodes[atom]:
                 if self.phases[node] is ir.Phase.BACKWARD:
                     backward += seconds(node)
+                    if node in weights:
+                        weight += seconds(node)
                 else:
                     forward += seconds(node)
-            found = self._seconds[(key, atom)] = (forward, backward)
+            found = self._seconds[(key, atom)] = (forward, backward, weight)
         return found
+
+    def _weight_split(self) -> tuple[frozenset[fx.Node], frozenset[fx.Node]]:
+        """The backward nodes that only weight gradients need (what a zero-bubble W runs
+        wherever the stages are cut: no gradient sent back across an atom boundary depends
+        on them), and the other backward nodes (B's). Found once, on the whole step."""
+        if self._weights is None:
+            atom_of = self.atoms.atom_of
+            backward = {n for n, phase in self.phases.items() if phase is ir.Phase.BACKWARD}
+            sent = [
+                node
+                for node in backward
+                if any(atom_of.get(user, atom_of[node]) < atom_of[node] for user in node.users)
+            ]
+            needed: set[fx.Node] = set()
+            while sent:
+                node = sent.pop()
+                if node in backward and node not in needed:
+                    needed.add(node)
+                    sent.extend(node.all_input_nodes)
+            weights = frozenset(backward - needed)
+            self._weights = (weights, frozenset(needed))
+        return self._weights
 
     def _sets(self, atom: int) -> _AtomValues:
         """What one atom's nodes read, and what its backward keeps of the forward; a range's
@@ -250,8 +299,51 @@ class StageCostModel:
                 for value in saved_for_backward(nodes)
                 if value.op != "placeholder" or value in self.atoms.batch
             )
-            found = self._values[atom] = _AtomValues(read, saved)
+            # What its W reads of B's values, wherever computed (a received gradient too).
+            weights, needed = self._weight_split()
+            kept = frozenset(
+                value
+                for node in nodes
+                if node in weights
+                for value in node.all_input_nodes
+                if value in needed
+            )
+            found = self._values[atom] = _AtomValues(read, saved, kept)
         return found
+
+    def in_flight(self, cost: StageCost, stages: int) -> StageCost:
+        """``cost`` as the stage DP counts it in a pipeline of ``stages`` stages. Under ZB-H1
+        every stage keeps up to ``min(K, M)`` micro-batches (where 1F1B keeps ``K - k`` on
+        stage ``k``, the count the DP knows): their activations are folded into the static
+        memory."""
+        if self.pipeline.schedule != "zb-h1":
+            return cost
+        held = min(stages, self.pipeline.microbatches) * cost.activation_memory
+        return StageCost(cost.time, cost.static_memory + held, 0.0)
+
+    def step_time(self, stages: Sequence[tuple[int, int, Shape]], objective: float) -> float:
+        """The step of the stages ``(start, stop, shape)`` whose stage DP objective (1F1B's
+        ``sum t + (M - 1) max t``) is ``objective``, under this model's schedule. For ZB-H1,
+        the objective less what ZB-H1's lists save over 1F1B's when both are replayed
+        (:func:`~fxpar.pipeline.schedule.replay`) on stages whose time splits into forward,
+        B and W as their nodes' seconds do (a remat recompute counted in B)."""
+        if self.pipeline.schedule != "zb-h1":
+            return objective
+        times = []
+        for start, stop, shape in stages:
+            facts = self.facts(start, stop, shape)
+            weight = facts.weight_seconds
+            forward = facts.forward_seconds
+            backward = facts.backward_seconds - weight
+            if self.pipeline.remat:
+                backward += forward
+            total = forward + backward + weight
+            scale = self.cost(start, stop, shape).time / total if total else 0.0
+            times.append(StageTimes(forward * scale, backward * scale, weight * scale))
+        count, microbatches = len(times), self.pipeline.microbatches
+        one_f_one_b, _ = replay(build_schedule("1f1b", count, microbatches), times)
+        zero_bubble, _ = replay(build_schedule("zb-h1", count, microbatches), times)
+        return objective - (one_f_one_b - zero_bubble)
 
     def cost(self, start: int, stop: int, shape: Shape) -> StageCost:
         """The cost of atoms ``[start, stop)`` on a stage mesh of ``shape``."""
@@ -304,6 +396,10 @@ class StageCostModel:
             static += facts.saved_bytes / share
         else:
             activation = facts.saved_bytes / share
+        if pipeline.schedule in ZERO_BUBBLE_SCHEDULES:
+            # From B to W a micro-batch keeps what W reads: the kept values, and under remat
+            # the recomputed forward values (at most what the stash would have held).
+            activation += (facts.kept_bytes + (facts.saved_bytes if pipeline.remat else 0)) / share
         return StageCost(
             time=compute / share + per_step / pipeline.microbatches + send,
             static_memory=static,
