@@ -6,9 +6,10 @@ and ``remat`` "none" and "all":
 
 - **peak memory per rank, measured**: every rank's lowered program runs on real tensors in
   simulated ranks (:mod:`fxpar.testing.simulate`), each node by node under
-  :func:`fxpar.testing.memory.peak_live_bytes`, which adds up the storages alive after every
-  op (values freed after their last use, as the generated code frees them). The largest rank's
-  peak is shown, and the part of it above the rank's inputs (parameters, batch, random draws);
+  :func:`fxpar.testing.memory.rank_peaks`, which adds up the storages alive after every op
+  (values freed after their last use, as the generated code frees them; inputs throughout).
+  The largest rank's peak is shown, and the part of it above the rank's inputs (parameters,
+  batch, random draws);
 - **estimate**: the plan's memory per device from the cost model (parameters, gradients,
   optimizer state, batch and saved activations; transient values are not modelled);
 - **step time**: median wall time of ``ParallelModel.step`` (SGD) over ``--steps`` steps in
@@ -32,8 +33,7 @@ from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.passes import ChosenStrategies, ManualPlan, plan_program
 from fxpar.planning.problem import PlanOptions
 from fxpar.runtime.launch import spawn
-from fxpar.testing.memory import peak_live_bytes
-from fxpar.testing.simulate import run_ranks
+from fxpar.testing.memory import rank_peaks
 
 CONFIG = GPTConfig(n_layer=4, n_embd=128, n_head=4, vocab_size=256, block_size=128, dropout=0.1)
 BATCH, LENGTH = 8, 128
@@ -71,9 +71,7 @@ def _memory(world: int, manual: ManualPlan, precision: str, remat: str) -> tuple
         options=PlanOptions(remat=remat),
     )  # fmt: skip
     flat = plan.program.flat_inputs(model, tokens, targets)
-    peaks = run_ranks(
-        fxpar.lower(plan), flat, lambda module, comm, local: peak_live_bytes(module, [comm, *local])
-    )
+    peaks = rank_peaks(fxpar.lower(plan), flat)
     worst = max(peaks.values(), key=lambda peak: peak.peak_bytes)
     chosen = plan.program.require(ChosenStrategies)
     return worst.peak_bytes, worst.activation_bytes, chosen.problem.memory(chosen.solution.choice)

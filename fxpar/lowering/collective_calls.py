@@ -118,6 +118,10 @@ class Bucket:
     then_all_reduce: tuple[int, ...] = ()
     then_all_gather: tuple[tuple[int, int], ...] = ()
     """Further (mesh axis, devices) to gather the whole buffer over, in order."""
+    sent: torch.Tensor | None = None
+    """The packed buffer the collective reads when that is not ``result`` (a reduce-scatter's
+    or all-gather's input): an asynchronous collective reads it until it is waited for, so
+    the bucket holds it as long, where a memory count sees it."""
 
 
 def start_all_reduce_bucket(
@@ -158,7 +162,7 @@ def start_reduce_scatter_bucket(
             for piece, chunk, dim in zip(pieces, chunks, dims, strict=True)
         )
 
-    return Bucket(comm.start_reduce_scatter(output, flat, axis), output, unpack)
+    return Bucket(comm.start_reduce_scatter(output, flat, axis), output, unpack, sent=flat)
 
 
 def start_all_gather_bucket(
@@ -189,7 +193,7 @@ def start_all_gather_bucket(
 
     pending = comm.start_all_gather(output, flat, axes[0])
     rest = tuple(zip(axes[1:], sizes[1:], strict=True))
-    return Bucket(pending, output, unpack, then_all_gather=rest)
+    return Bucket(pending, output, unpack, then_all_gather=rest, sent=flat)
 
 
 def wait_bucket(comm: Communicator, bucket: Bucket) -> tuple[torch.Tensor, ...]:

@@ -3,8 +3,11 @@
 :func:`peak_live_bytes` runs the module node by node (an ``fx.Interpreter``, which drops each
 value after its last use, as the module's generated code does) and after every node adds up the
 storages of every tensor still alive, each storage once however many views of it are alive.
-The peak of that sum is the memory the step needs at its fullest, inputs included: what a
-caching allocator would have to hold, before fragmentation. It counts exactly the tensors the
+The inputs count throughout: their caller (the model holding its parameters, the loop holding
+its batch) keeps them alive for the whole step, even where the program has read them for the
+last time. The peak of that sum is the memory the step needs at its fullest, inputs included:
+what a caching allocator would have to hold, before fragmentation. :func:`rank_peaks` measures
+every rank of a lowered plan so, each on pieces of its own. It counts exactly the tensors the
 program holds, which neither ``tracemalloc`` (blind to torch's allocator) nor the process's
 resident size (noisy, never shrinking) can do on a CPU.
 
@@ -16,6 +19,7 @@ entry, from the kernel's high-water mark (Linux only).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +27,10 @@ from pathlib import Path
 import torch
 import torch.fx as fx
 from torch.utils._pytree import tree_leaves
+
+from fxpar.cluster import Coordinate
+from fxpar.lowering import SPMDProgram
+from fxpar.testing.simulate import run_ranks
 
 
 @dataclass(frozen=True)
@@ -43,19 +51,26 @@ class MemoryPeak:
 
 def storage_bytes(values: Iterable[object]) -> int:
     """Bytes of the distinct storages of the tensors among ``values`` (nested in tuples and
-    lists too)."""
+    lists too, and in the fields of dataclasses: a per-rank program holds a collective in
+    flight as one, :class:`fxpar.lowering.collective_calls.Bucket`, with its flat buffer)."""
     seen: dict[int, int] = {}
-    for value in values:
-        for leaf in tree_leaves(value):
-            if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta":
-                storage = leaf.untyped_storage()
-                seen[storage.data_ptr()] = storage.nbytes()
+    pending = list(values)
+    while pending:
+        for leaf in tree_leaves(pending.pop()):
+            if isinstance(leaf, torch.Tensor):
+                if leaf.device.type != "meta":
+                    storage = leaf.untyped_storage()
+                    seen[storage.data_ptr()] = storage.nbytes()
+            elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+                pending.extend(getattr(leaf, field.name) for field in dataclasses.fields(leaf))
     return sum(seen.values())
 
 
 class _Measuring(fx.Interpreter):
-    def __init__(self, module: fx.GraphModule, input_bytes: int) -> None:
+    def __init__(self, module: fx.GraphModule, inputs: Sequence[object]) -> None:
         super().__init__(module)
+        self.inputs = list(inputs)
+        input_bytes = storage_bytes(self.inputs)
         self.peak = MemoryPeak(input_bytes, input_bytes, "<inputs>")
 
     def run_node(self, node: fx.Node) -> object:
@@ -63,7 +78,7 @@ class _Measuring(fx.Interpreter):
         if node.op != "output":
             # Values the node read for the last time are still in env here; the Interpreter
             # drops them after run_node returns, so this counts the moment both exist.
-            alive = storage_bytes([*self.env.values(), result])
+            alive = storage_bytes([*self.inputs, *self.env.values(), result])
             if alive > self.peak.peak_bytes:
                 self.peak = MemoryPeak(alive, self.peak.input_bytes, node.name)
         return result
@@ -71,10 +86,25 @@ class _Measuring(fx.Interpreter):
 
 def peak_live_bytes(module: fx.GraphModule, inputs: Sequence[object]) -> MemoryPeak:
     """Run ``module`` on ``inputs`` and return the most bytes of tensors alive at once."""
-    measuring = _Measuring(module, storage_bytes(inputs))
+    measuring = _Measuring(module, inputs)
     with torch.no_grad():
         measuring.run(*inputs)
     return measuring.peak
+
+
+def rank_peaks(
+    spmd: SPMDProgram, flat_inputs: Sequence[torch.Tensor]
+) -> dict[Coordinate, MemoryPeak]:
+    """:func:`peak_live_bytes` of every rank's program of ``spmd`` on its pieces of the global
+    ``flat_inputs``, by coordinate. Each piece is copied first: a rank holds its piece as a
+    tensor of its own, where the slice of the global tensor would count the whole storage."""
+    return run_ranks(
+        spmd,
+        flat_inputs,
+        lambda module, comm, local: peak_live_bytes(
+            module, [comm, *(piece.clone() for piece in local)]
+        ),
+    )
 
 
 @dataclass
