@@ -481,14 +481,24 @@ def overlap_all_reduces(graph: fx.Graph) -> None:
         graph.find_nodes(op="call_function", target=collective_calls.start_all_reduce)
     ):
         # Ops before the start that the summed value does not need go after it, in order.
+        # An element taken out of an op's tuple stays with the op: moved alone, it would keep
+        # the whole tuple (a BatchNorm's output beside its statistics) alive until the start.
         needed = set(start.all_input_nodes)
+        moved: set[fx.Node] = set()
         node = start.prev
         while node.op == "call_function" and node.target not in _ORDERED:
             previous = node.prev
             if node in needed:
                 needed.update(node.all_input_nodes)
-            else:
+            elif node.target is not operator.getitem:
                 start.append(node)
+                moved.add(node)
+                anchor = node
+                for user in list(node.users):
+                    if user.target is operator.getitem and user not in moved:
+                        anchor.append(user)
+                        moved.add(user)
+                        anchor = user
             node = previous
     for wait in list(graph.find_nodes(op="call_function", target=collective_calls.wait_all_reduce)):
         needs_sum = {wait}
