@@ -29,11 +29,12 @@ from pathlib import Path
 
 from fxpar import ir
 from fxpar.cluster import Cluster
-from fxpar.errors import FxparError
+from fxpar.errors import FxparError, LoweringError
 from fxpar.ir.fold import fold
 from fxpar.ir.program import Program
 from fxpar.passes.base import Pass
 from fxpar.passes.remat import recompute_in_backward, saved_bytes_by_layer
+from fxpar.planning.peak_memory import PeakMemory, peak_memory
 from fxpar.planning.plan import ChosenStrategies, Plan
 from fxpar.planning.plan_file import apply_plan, read_plan
 from fxpar.planning.problem import (
@@ -47,7 +48,7 @@ from fxpar.planning.problem import (
 from fxpar.planning.propagate import starting_plans
 from fxpar.planning.rank_zero import SolvedOnRankZero
 from fxpar.sharding import Sharding, Strategies, spec_str
-from fxpar.solvers.errors import NoPlanFoundError
+from fxpar.solvers.errors import InfeasiblePlanError, NoPlanFoundError, format_bytes
 from fxpar.solvers.ilp import ILPSolver
 from fxpar.solvers.problem import IntraOpProblem, IntraOpSolution, IntraOpSolver
 
@@ -114,8 +115,69 @@ class SolveStrategies(Pass):
         self, program: Program, problem: IntraOpProblem, layout: Layout, solution: IntraOpSolution
     ) -> Program:
         apply_solution(program, layout, solution.choice)
+        solution = self._within_peak(program, problem, layout, solution)
         program.annotate(ChosenStrategies(problem, solution, layout, self.options))
         return program
+
+    def _within_peak(
+        self, program: Program, problem: IntraOpProblem, layout: Layout, solution: IntraOpSolution
+    ) -> IntraOpSolution:
+        """``solution``, or one solved again, whose peak on a device stays under the memory
+        limit (applied to ``program``).
+
+        The solver bounds the problem's memory row, a sum over nodes that is no moment of the
+        step: it holds every gradient with every saved activation at once (too much for data
+        parallelism), and misses the copies the plan's collectives make (too little for a
+        fully sharded layer's gathered weights). Where the row comes within a quarter of the
+        limit, the chosen plan's peak is walked through its collective schedule
+        (:func:`fxpar.planning.peak_memory.peak_memory`). Over the limit, the problem is
+        solved again with its row bounded by the limit scaled by the row over the peak, up to
+        :data:`PEAK_ROUNDS` times; a plan that still does not fit is an
+        :class:`~fxpar.solvers.errors.InfeasiblePlanError`. Under it, the problem is solved
+        once more with the bound scaled up the same way (the row may have kept out a faster
+        plan that fits), and such a plan is taken if its walked peak fits."""
+        limit = problem.memory_limit
+        if limit is None or not math.isfinite(limit):
+            return solution
+        if problem.memory(solution.choice) < ROW_SHARE * limit:
+            return solution
+        cluster = program.require_cluster(f"the {self.name!r} pass")
+        states = self.options.optimizer_states
+        try:
+            peak = peak_memory(program, cluster, optimizer_states=states)
+        except LoweringError:  # symbolic shapes: no bytes to walk
+            return solution
+        solver = self._solver()
+        for _ in range(PEAK_ROUNDS):
+            if peak.peak_bytes <= limit:
+                break
+            bound = problem.memory(solution.choice) * limit / peak.peak_bytes
+            logger.info(
+                "the plan's peak, %s after %s, is over the limit %s: solving again with the "
+                "memory row under %s", format_bytes(peak.peak_bytes), peak.peak_node,
+                format_bytes(limit), format_bytes(bound),
+            )  # fmt: skip
+            try:
+                solution = solver.solve(replace(problem, memory_limit=bound))
+            except InfeasiblePlanError as error:
+                raise _over_peak(peak, limit) from error
+            apply_solution(program, layout, solution.choice)
+            peak = peak_memory(program, cluster, optimizer_states=states)
+        if peak.peak_bytes > limit:
+            raise _over_peak(peak, limit)
+        if peak.peak_bytes == limit:
+            return solution
+        row = problem.memory(solution.choice)
+        try:
+            relaxed = solver.solve(replace(problem, memory_limit=row * limit / peak.peak_bytes))
+        except FxparError:  # no plan under the wider bound in time: keep the one found
+            return solution
+        if relaxed.objective < solution.objective:
+            apply_solution(program, layout, relaxed.choice)
+            if peak_memory(program, cluster, optimizer_states=states).peak_bytes <= limit:
+                return relaxed
+            apply_solution(program, layout, solution.choice)
+        return solution
 
     def _solver(self) -> IntraOpSolver:
         solver: IntraOpSolver = self.solver if self.solver is not None else ILPSolver()
@@ -166,7 +228,10 @@ class SolveStrategies(Pass):
             trial, trial_problem, trial_layout = recomputing(count)
             if trial_problem.least_memory() > limit:
                 continue
-            planned = self._plan(trial, cluster, trial_problem, trial_layout)
+            try:
+                planned = self._plan(trial, cluster, trial_problem, trial_layout)
+            except InfeasiblePlanError:  # its row fits, its walked peak does not
+                continue
             objective = planned.require(ChosenStrategies).solution.objective
             logger.info("remat of %d of %d layers: %.6g s per step", count, len(order), objective)
             if best is None or objective < best[0]:
@@ -175,6 +240,26 @@ class SolveStrategies(Pass):
             trial, trial_problem, trial_layout = recomputing(len(order))
             return self._plan(trial, cluster, trial_problem, trial_layout)
         return best[1]
+
+
+PEAK_ROUNDS = 3
+"""How many times a plan whose walked peak is over the memory limit is solved again."""
+ROW_SHARE = 0.25
+"""A plan whose memory row is below this share of the limit is not walked: the row has been
+at least half the walked peak on every plan measured (benchmarks/cost_model.py)."""
+
+
+def _over_peak(peak: PeakMemory, limit: float) -> InfeasiblePlanError:
+    largest = ", ".join(f"{name} {format_bytes(nbytes)}" for name, nbytes in peak.largest)
+    return InfeasiblePlanError(
+        f"no sharding plan found keeps its peak under the memory limit of "
+        f"{format_bytes(limit)} per device: the last one tried holds "
+        f"{format_bytes(peak.peak_bytes)} at once after {peak.peak_node} (the inputs "
+        f"{format_bytes(peak.input_bytes)}; the largest values besides: {largest}). Use more "
+        "devices, raise the memory limit, or rematerialize activations (remat='auto').",
+        least_memory=peak.peak_bytes,
+        memory_limit=limit,
+    )
 
 
 REMAT_TRIALS = 6

@@ -121,6 +121,8 @@ logger = logging.getLogger(__name__)
 FRUGAL_ROOM = 1.05
 """A stage mesh on which no plan of the whole step fits its share of memory is planned with
 this multiple of the most frugal plan's memory per device."""
+FRUGAL_TRIES = 3
+"""How many times such a mesh is planned again with the memory the last refusal named."""
 
 StagePlanner = Callable[[Program, Cluster], "Plan"]
 """Plans a captured step on a stage mesh, e.g. ``fxpar.passes.plan_program``."""
@@ -436,6 +438,18 @@ class PlannedStageCostModel(StageCostModel):
             self._plans[shape] = self._plan(shape)
         return self._plans[shape]
 
+    def _most_frugal(self, planned: Program, mesh: Cluster, error: InfeasiblePlanError) -> Plan:
+        """``planned`` on ``mesh`` with room for its most frugal plan: the memory the refusal
+        names, a little more (a plan that fits the solver's memory row may still be refused
+        for its walked peak, which the next refusal names)."""
+        for _ in range(FRUGAL_TRIES):
+            room = dataclasses.replace(mesh, memory=error.least_memory * FRUGAL_ROOM)
+            try:
+                return self.planner(planned, room)
+            except InfeasiblePlanError as again:
+                error = again
+        raise error
+
     def _plan(self, shape: Shape) -> PlannedStep:
         mesh = self.cluster.submesh(shape)
         program = self.atoms.program
@@ -452,8 +466,7 @@ class PlannedStageCostModel(StageCostModel):
                 "stage mesh %s: the whole step needs %s per device, planned at its most frugal",
                 shape, format_bytes(error.least_memory),
             )  # fmt: skip
-            room = dataclasses.replace(mesh, memory=error.least_memory * FRUGAL_ROOM)
-            plan = self.planner(planned, room)
+            plan = self._most_frugal(planned, mesh, error)
         found = price_schedule(plan.program, mesh)
         compute = {node.name: seconds for node, seconds in found.compute.items()}
         values: dict[str, int] = {}

@@ -15,7 +15,10 @@ reusing conversions.
 
 Every op's compute time and every value's bytes come from the cost and memory model
 (:mod:`fxpar.planning.cost`) that the problem builder uses, so the layers' memory adds up to the
-solver's and their compute plus the priced communication to its objective.
+solver's and their compute plus the priced communication to its objective. That sum is the
+solver's memory row, every gradient and saved activation at once; the header's peak is a moment
+of the step instead, the most one device holds at once, walked through the schedule
+(:func:`fxpar.planning.peak_memory.peak_memory`), with the largest values alive then.
 
 Layers are module path prefixes: ``blocks.3``, ``transformer.h.3``, ``model.layers.3`` for
 numbered layers (:func:`fxpar.planning.cost.numbered_layer`); other modules are cut at the
@@ -42,6 +45,7 @@ from fxpar.errors import FxparError
 from fxpar.ir.program import Program
 from fxpar.planning import cost
 from fxpar.planning.collective_schedule import CollectiveRecord, schedule_program
+from fxpar.planning.peak_memory import peak_memory
 from fxpar.planning.step_time import PricedSchedule, price_schedule, step_overlap
 from fxpar.rules import coverage
 from fxpar.sharding import Sharding, Spec
@@ -193,6 +197,9 @@ def report_data(plan: Plan) -> dict[str, Any]:
         layer.collective_seconds[key] += seconds
 
     overlap = step_overlap(found, list(program.graph.nodes))
+    peak = peak_memory(
+        program, cluster, found.schedule, optimizer_states=plan.options.optimizer_states
+    )
     ordered = sorted(layers.values(), key=lambda layer: layer.first)
     layer_rows = [_layer_row(layer, found, cluster) for layer in ordered]
     compute = sum(found.compute.values())
@@ -216,6 +223,9 @@ def report_data(plan: Plan) -> dict[str, Any]:
         "collective_seconds": sum(found.record_seconds),
         "memory_bytes": sum(memory_total.values()),
         "memory": memory_total,
+        "peak_bytes": peak.peak_bytes,
+        "peak_at": peak.peak_node,
+        "peak_largest": [list(item) for item in peak.largest],
         "memory_limit_bytes": plan.problem.memory_limit,
         "device_memory_bytes": cluster.memory,
         "graph_nodes": plan.stats.get("graph_nodes", 0),
@@ -384,6 +394,9 @@ def render_text(data: Mapping[str, Any], width: int = 100) -> str:
         f"{_ms(header['compute_seconds'] + header['exposed_seconds'])} ms if overlapped",
         f"memory          {_size(used)} per device of {_size(limit or 0)} allowed{share}:",
         pad + ", ".join(f"{kind} {_size(memory[kind])}" for kind in MEMORY_KINDS),
+        f"peak            {_size(header['peak_bytes'])} per device at once, after "
+        f"{header['peak_at']}; largest besides the inputs:",
+        pad + ", ".join(f"{name} {_size(nbytes)}" for name, nbytes in header["peak_largest"]),
         f"graph           {header['graph_nodes']} nodes, {header['decision_nodes']} decisions, "
         f"{header['layers_merged']} merged with repeated layers",
         *_precision_and_remat_lines(header),
