@@ -8,14 +8,19 @@ lengths, drops and re-plans old ones (``fxpar.compile(max_kept_steps=...)``). Ev
 ``--save-every`` steps it saves a step checkpoint (``fxpar.checkpoint.save_step``, the two
 newest kept). Every ``--every`` steps rank 0 records its resident memory (``VmRSS``), open
 file descriptors, threads and the steps its driver keeps; the table shows them, and the last
-row's growth over the first sample taken after every length has been seen once.
+row's growth over the first sample taken after every length has been seen once. With
+``--trim``, each sample first hands the C heap's free pages back to the system
+(``malloc_trim``), so that what remains resident is memory in use rather than memory glibc
+keeps for later allocations.
 
     python benchmarks/soak.py                     # 10,000 steps on 2 processes
+    python benchmarks/soak.py --trim              # the same, free heap pages returned first
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import shutil
 import tempfile
@@ -66,6 +71,8 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> list[tuple[int, ...
                 for old in sorted(os.listdir(args.root))[:-2]:
                     shutil.rmtree(os.path.join(args.root, old))
         if step % args.every == args.every - 1:
+            if args.trim:  # hand glibc's free heap pages back first: what stays is in use
+                ctypes.CDLL("libc.so.6").malloc_trim(0)
             samples.append((
                 step + 1, round(time.perf_counter() - start, 1), round(_resident_mib(), 1),
                 len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task")),
@@ -84,6 +91,11 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=1000)
     parser.add_argument("--eval-every", type=int, default=500, help="0: no evaluation")
     parser.add_argument("--save-every", type=int, default=1000, help="0: no checkpoints")
+    parser.add_argument(
+        "--trim",
+        action="store_true",
+        help="return the C heap's free pages to the system (malloc_trim) before each sample",
+    )
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="fxpar-soak-") as root:
         args.root = root

@@ -19,12 +19,15 @@ import torch.nn.functional as F
 from zoo import CNN, MLP
 
 import fxpar
-from fxpar import plans
+from fxpar import ir, plans
 from fxpar.lowering import collective_calls
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.passes import ChosenStrategies, choose_strategies, plan_program
+from fxpar.planning.collective_schedule import schedule_program
+from fxpar.planning.cost import local_bytes
 from fxpar.planning.peak_memory import peak_memory
 from fxpar.planning.problem import PlanOptions
+from fxpar.planning.report import report_data
 from fxpar.solvers.errors import InfeasiblePlanError
 from fxpar.testing.memory import peak_live_bytes, rank_peaks, storage_bytes
 
@@ -256,3 +259,25 @@ def test_a_plan_whose_row_fits_but_whose_peak_does_not_is_never_chosen(
             continue
         assert _peak(plan) <= limit
     assert overshot, "no limit tested where the row alone chooses a plan that does not fit"
+
+
+def test_the_plan_report_gives_the_walked_peak_with_the_optimizer_state() -> None:
+    program, cluster = _captured("gpt")
+    plan = plan_program(program, cluster, manual=plans.fully_sharded)
+    header = report_data(plan)["header"]
+    states = plan.options.optimizer_states
+    assert states == 2  # AdamW's moments, by default
+    walked = peak_memory(plan.program, cluster, optimizer_states=states)
+    assert header["peak_bytes"] == walked.peak_bytes
+    specs = schedule_program(plan.program, cluster.mesh_shape).specs
+    placeholders = plan.program.placeholders()
+    trainable = sum(
+        local_bytes(ir.require(node, ir.ValueMeta).tensor, specs[node][0], cluster)  # type: ignore[arg-type]
+        for name, node in placeholders.items()
+        if name in plan.program.signature.gradients
+    )
+    without = peak_memory(plan.program, cluster)
+    assert walked.peak_bytes - without.peak_bytes == states * trainable
+    text = plan.report()
+    assert f"peak            {walked.peak_bytes / 2**10:.1f} KiB per device at once" in text
+    assert "largest besides: " in text
