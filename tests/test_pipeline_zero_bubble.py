@@ -11,8 +11,10 @@ those of 1F1B over its chunks, and both the loss and gradients of single-device 
 one-stage ZB-V pipeline trains and evaluates like eager PyTorch with no process group at all.
 On gloo processes (slow): fxpar's GPT with its tied embedding under ZB-H1 on 2 stages, on 4
 stages with remat and on 2 stages x 2 data-parallel replicas, a Hugging Face Llama under ZB-H1,
-and the GPT under ZB-V on 2 stages, alone and with 2 replicas, each trains two SGD steps like
-eager PyTorch, and a replica's gradient all-reduce starts after its last W.
+a Hugging Face T5 (encoder-decoder, its embedding shared by encoder, decoder and head, so held
+by both stages) under ZB-H1 and ZB-V, and the GPT under ZB-V on 2 stages, alone and with 2
+replicas, each trains two SGD steps like eager PyTorch, and a replica's gradient all-reduce
+starts after its last W.
 """
 
 from __future__ import annotations
@@ -347,7 +349,10 @@ def test_the_stage_dp_prices_zb_h1_and_picks_it_where_faster_and_it_fits() -> No
 # -- gloo processes ---------------------------------------------------------------------------
 
 
-def _llama() -> tuple[torch.nn.Module, torch.Tensor]:
+Batch = dict[str, torch.Tensor]
+
+
+def _llama() -> tuple[torch.nn.Module, Batch]:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
@@ -355,7 +360,34 @@ def _llama() -> tuple[torch.nn.Module, torch.Tensor]:
         num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=32,
     )  # fmt: skip
     tokens = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
-    return transformers.LlamaForCausalLM(config), tokens
+    return transformers.LlamaForCausalLM(config), {"input_ids": tokens, "labels": tokens}
+
+
+def _t5() -> tuple[torch.nn.Module, Batch]:
+    """A tiny T5: an encoder and a decoder of two blocks each, its one ``shared`` embedding
+    read by the encoder, the decoder and (tied, T5's default) the head."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.T5Config(
+        vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2,
+        num_heads=2, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (4, 8), generator=generator)
+    labels = torch.randint(0, 64, (4, 6), generator=generator)
+    return transformers.T5ForConditionalGeneration(config), {"input_ids": ids, "labels": labels}
+
+
+@dataclasses.dataclass(frozen=True)
+class HFCase:
+    """A Hugging Face model under a pipeline, trained on its own batch by keyword."""
+
+    name: str
+    build: Callable[[], tuple[torch.nn.Module, Batch]]
+    pipeline: Pipeline
+
+    def __str__(self) -> str:
+        return f"{self.name} under {self.pipeline.schedule}"
 
 
 def _train(
@@ -403,16 +435,31 @@ def _gpt_pipeline(pipeline: Pipeline) -> PipelineModel:
     )
 
 
-def _llama_pipeline() -> PipelineModel:
-    model, ids = _llama()
-    pipeline = Pipeline(stages=2, microbatches=2, schedule="zb-h1")
-    return PipelineModel(model, pipeline, {"input_ids": ids, "labels": ids}, optimizer=SGD(lr=LR))
+def _hf_pipeline(case: HFCase) -> PipelineModel:
+    model, batch = case.build()
+    return PipelineModel(model, case.pipeline, batch, optimizer=SGD(lr=LR))
 
 
-GLOO_CASES: dict[int, tuple[Pipeline | str, ...]] = {
+LLAMA = HFCase("llama", _llama, Pipeline(stages=2, microbatches=2, schedule="zb-h1"))
+T5_CASES = (
+    # the encoder on stage 0, the decoder and head on stage 1: the tied embedding on both
+    HFCase("t5", _t5, Pipeline(stages=("decoder.block.0",), microbatches=2, schedule="zb-h1")),
+    # stage 0 holds chunks 0 (embedding, encoder.block.0) and 3 (decoder.block.1, head)
+    HFCase(
+        "t5",
+        _t5,
+        Pipeline(
+            stages=("encoder.block.1", "decoder.block.0", "decoder.block.1"),
+            microbatches=2,
+            schedule="zb-v",
+        ),
+    ),
+)
+GLOO_CASES: dict[int, tuple[Pipeline | HFCase, ...]] = {
     2: (
         Pipeline(stages=2, microbatches=4, schedule="zb-h1"),
-        "llama",
+        LLAMA,
+        *T5_CASES,
         Pipeline(stages=2, microbatches=4, schedule="zb-v"),
     ),
     4: (
@@ -421,7 +468,8 @@ GLOO_CASES: dict[int, tuple[Pipeline | str, ...]] = {
         Pipeline(stages=2, microbatches=2, schedule="zb-v", data_parallel=2),
     ),
 }
-"""By world size: the pipelines of fxpar's GPT (tied embedding) and the Llama (ZB-H1)."""
+"""By world size: the pipelines of fxpar's GPT (tied embedding), and the Hugging Face cases:
+the Llama (ZB-H1) and the T5 (tied embedding; ZB-H1 and ZB-V)."""
 
 
 def _on_ranks(rank: int, world_size: int) -> list[dict[str, Any]]:
@@ -429,13 +477,12 @@ def _on_ranks(rank: int, world_size: int) -> list[dict[str, Any]]:
     also evaluate the trained model."""
     torch.set_num_threads(1)
     _, tokens, targets = _gpt()
-    _, ids = _llama()
     outcomes = []
     for case in GLOO_CASES[world_size]:
-        if case == "llama":
-            outcomes.append(_train(_llama_pipeline, named={"input_ids": ids, "labels": ids}))
+        if isinstance(case, HFCase):
+            _, batch = case.build()
+            outcomes.append(_train(functools.partial(_hf_pipeline, case), named=batch))
         else:
-            assert isinstance(case, Pipeline)
             probe = tokens if case.schedule == "zb-v" else None
             build = functools.partial(_gpt_pipeline, case)
             outcomes.append(_train(build, (tokens, targets), probe=probe))
@@ -447,14 +494,14 @@ def gloo_runs(request: pytest.FixtureRequest) -> tuple[int, list[list[dict[str, 
     return request.param, spawn(_on_ranks, request.param, timeout_s=240)
 
 
-def _eager(case: Pipeline | str) -> dict[str, Any]:
+def _eager(case: Pipeline | HFCase) -> dict[str, Any]:
     """Two eager SGD steps of the case's model on its batch: the losses and the trained
     parameters; for the GPT, the trained model's loss and logits."""
-    if case == "llama":
-        model, ids = _llama()
+    if isinstance(case, HFCase):
+        model, batch = case.build()
 
         def step(module: torch.nn.Module) -> torch.Tensor:
-            return module(input_ids=ids, labels=ids).loss
+            return module(**batch).loss
     else:
         model, tokens, targets = _gpt()
 
@@ -474,7 +521,7 @@ def _eager(case: Pipeline | str) -> dict[str, Any]:
         "losses": losses,
         "parameters": {n: p.detach() for n, p in reference.named_parameters()},
     }
-    if case != "llama":
+    if not isinstance(case, HFCase):
         with torch.no_grad():
             expected["outputs"] = reference(tokens)
             expected["eval_loss"] = gpt_loss(expected["outputs"], targets)
@@ -487,15 +534,16 @@ def test_zero_bubble_pipelines_train_like_one_device_on_gloo(
 ) -> None:
     """Each case's two steps give every rank eager PyTorch's losses, and every parameter on
     every rank holding it (the tied embedding on the first and last stage, or under ZB-V
-    twice on stage 0) its eagerly trained value; every parameter is held somewhere. Every
-    rank runs each micro-batch's B and W (each chunk's, under ZB-V), and a data-parallel rank
-    starts its gradient all-reduces after its last W. The trained ZB-V pipelines' loss and
-    outputs (from stage 0, which computes the last chunk) are eager's too."""
+    twice on stage 0) its eagerly trained value; every parameter is held somewhere, T5's
+    shared embedding on every rank. Every rank runs each micro-batch's B and W (each chunk's,
+    under ZB-V), and a data-parallel rank starts its gradient all-reduces after its last W.
+    The trained ZB-V GPT pipelines' loss and outputs (from stage 0, which computes the last
+    chunk) are eager's too."""
     world_size, ranks = gloo_runs
     for index, case in enumerate(GLOO_CASES[world_size]):
         expected = _eager(case)
-        microbatches = case.microbatches if isinstance(case, Pipeline) else 2
-        chunks = case.virtual_stages if isinstance(case, Pipeline) else 1
+        pipeline = case.pipeline if isinstance(case, HFCase) else case
+        microbatches, chunks = pipeline.microbatches, pipeline.virtual_stages
         held: set[str] = set()
         for rank, outcomes in enumerate(ranks):
             found = outcomes[index]
@@ -514,7 +562,9 @@ def test_zero_bubble_pipelines_train_like_one_device_on_gloo(
                 done = sorted((e.chunk, e.microbatch) for e in events if e.op == op)
                 assert done == [(c, m) for c in range(chunks) for m in range(microbatches)], what
             assert not any(e.op == "backward" for e in events), what
-            if isinstance(case, Pipeline) and case.data_parallel > 1:
+            if isinstance(case, HFCase) and case.name == "t5":  # read on every stage
+                assert "shared.weight" in found["parameters"], what
+            if pipeline.data_parallel > 1:
                 last_weight = max(e.end for e in events if e.op == "backward_weight")
                 assert found["reduced"] and min(found["reduced"]) >= last_weight, what
         assert held == set(expected["parameters"]), case
