@@ -86,7 +86,8 @@ def plot_timeline(
     axes.set_title(title or "pipeline timeline")
     shown = {event.op for trace in ordered for event in trace.events}
     handles = [Patch(color=c, label=op) for op, c in _COLORS.items() if op in shown]
-    axes.legend(handles=handles, loc="upper right")
+    # Outside the axes, right of them: inside, it hid the last stage's final bars.
+    axes.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     figure.tight_layout()
     figure.savefig(os.fspath(path), dpi=120)
     plt.close(figure)
