@@ -133,9 +133,10 @@ class SolveStrategies(Pass):
         (:func:`fxpar.planning.peak_memory.peak_memory`). Over the limit, the problem is
         solved again with its row bounded by the limit scaled by the row over the peak, up to
         :data:`PEAK_ROUNDS` times; a plan that still does not fit is an
-        :class:`~fxpar.solvers.errors.InfeasiblePlanError`. Under it, the problem is solved
-        once more with the bound scaled up the same way (the row may have kept out a faster
-        plan that fits), and such a plan is taken if its walked peak fits."""
+        :class:`~fxpar.solvers.errors.InfeasiblePlanError`. Under it with the row at the
+        bound (:data:`RELAX_SHARE`), the problem is solved once more with the bound scaled up
+        the same way (the row may have kept out a faster plan that fits), and such a plan is
+        taken if its walked peak fits."""
         limit = problem.memory_limit
         if limit is None or not math.isfinite(limit):
             return solution
@@ -165,9 +166,9 @@ class SolveStrategies(Pass):
             peak = peak_memory(program, cluster, optimizer_states=states)
         if peak.peak_bytes > limit:
             raise _over_peak(peak, limit)
-        if peak.peak_bytes == limit:
-            return solution
         row = problem.memory(solution.choice)
+        if row < RELAX_SHARE * limit or peak.peak_bytes == limit:
+            return solution  # the row did not decide the plan
         try:
             relaxed = solver.solve(replace(problem, memory_limit=row * limit / peak.peak_bytes))
         except FxparError:  # no plan under the wider bound in time: keep the one found
@@ -247,6 +248,9 @@ PEAK_ROUNDS = 3
 ROW_SHARE = 0.25
 """A plan whose memory row is below this share of the limit is not walked: the row has been
 at least half the walked peak on every plan measured (benchmarks/cost_model.py)."""
+RELAX_SHARE = 0.95
+"""A plan under the limit whose row is at least this share of it was chosen with the row
+bound deciding: it is solved once more with the bound widened."""
 
 
 def _over_peak(peak: PeakMemory, limit: float) -> InfeasiblePlanError:
