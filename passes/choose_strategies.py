@@ -247,7 +247,8 @@ PEAK_ROUNDS = 3
 """How many times a plan whose walked peak is over the memory limit is solved again."""
 ROW_SHARE = 0.25
 """A plan whose memory row is below this share of the limit is not walked: the row has been
-at least half the walked peak on every plan measured (benchmarks/cost_model.py)."""
+0.46 of the walked peak or more on every plan measured (benchmarks/cost_model.py), so such a
+plan's peak is under the limit."""
 RELAX_SHARE = 0.95
 """A plan under the limit whose row is at least this share of it was chosen with the row
 bound deciding: it is solved once more with the bound widened."""
