@@ -1,8 +1,10 @@
 """A stage's backward cut into B (input gradients) and W (weight gradients) on its graph
 (fxpar/pipeline/backward_split.py): over random small models, split points and remat, B then W
-returns the whole backward's values bit for bit, computing each of its ops once, and the
-values kept from B for W have the bytes the real tensors have; a first stage's B and a
-weightless stage's W are empty; a linear layer's weight-gradient product is W's."""
+returns the whole backward's values bit for bit, computing each of its ops once (a divided
+fused op twice, each call for its own outputs), and the values kept from B for W have the bytes
+the real tensors have; a first stage's B and a weightless stage's W are empty; a linear layer's
+weight-gradient product is W's, and so are a convolution's and a layer norm's weight gradients,
+their fused backward called by B for the input gradient alone and by W for the rest."""
 
 from __future__ import annotations
 
@@ -16,13 +18,15 @@ from hypothesis import strategies as st
 from torch import nn
 
 import fxpar
-from fxpar.pipeline import PipelineError, SplitProgram, partition, split_program
+from fxpar.pipeline import Pipeline, PipelineError, SplitProgram, partition, split_program
+from fxpar.pipeline.atoms import Atoms
 from fxpar.pipeline.backward_split import (
     BackwardSplit,
     held_for_weights,
     saved_bytes,
     split_stage_backward,
 )
+from fxpar.pipeline.stage_costs import StageCostModel
 from fxpar.testing import ModelCase
 from fxpar.testing import strategies as fst
 
@@ -71,8 +75,8 @@ def _compute_ops(module: torch.fx.GraphModule) -> int:
 
 
 def _check(split: BackwardSplit, whole: torch.fx.GraphModule, inputs: Sequence) -> None:
-    """B then W equals the whole backward bit for bit, each op in one part; kept values and
-    W's inputs are described as the tensors they are."""
+    """B then W equals the whole backward bit for bit, each op in one part but the divided
+    fused ops, in both; kept values and W's inputs are described as the tensors they are."""
     with torch.no_grad():
         expected = whole(*inputs)
         got = split.run(inputs)
@@ -81,7 +85,7 @@ def _check(split: BackwardSplit, whole: torch.fx.GraphModule, inputs: Sequence) 
     for value, reference in zip(got, expected, strict=True):
         assert torch.equal(value, reference)
     count = _compute_ops(split.input_backward) + _compute_ops(split.weight_backward)
-    assert count == _compute_ops(whole)
+    assert count == _compute_ops(whole) + len(split.divided)
     kept = first[len(split.input_results) :]
     assert len(kept) == len(split.kept)
     for value, tensor in zip(split.kept, kept, strict=True):
@@ -165,3 +169,65 @@ def test_only_unlowered_backward_units_split() -> None:
     split, _ = _three_stages()
     with pytest.raises(PipelineError, match="forward unit"):
         split_stage_backward(split.forward[0])
+
+
+def _conv_norm_model() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
+    """Conv, ReLU, Conv, LayerNorm over each channel's pixels, Linear, as atoms 0-6."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
+        nn.Flatten(2), nn.LayerNorm(64), nn.Flatten(1), nn.Linear(512, 4),
+    )  # fmt: skip
+    return model, torch.randn(4, 3, 8, 8), torch.randint(0, 4, (4,))
+
+
+def test_fused_convolution_and_layer_norm_backwards_are_divided_between_b_and_w() -> None:
+    """Conv | ReLU, Conv, LayerNorm, Linear and the loss: the second stage's B calls
+    ``convolution_backward`` and ``native_layer_norm_backward`` for their input gradients
+    alone (mask ``[True, False, False]``), W for their weight and bias gradients alone, on
+    the output gradients B keeps for it; B then W is the backward bit for bit. Stage 0's
+    convolution, whose input gradient nobody needs, stays one call, in W."""
+    model, x, y = _conv_norm_model()
+    program = fxpar.capture(model, (x,), F.cross_entropy, example_targets=(y,))
+    split = split_program(program, partition(program, ("2",)), remat=False)
+    state = {name: tensor.detach() for name, tensor in model.named_parameters()}
+    inputs = _backward_inputs(split, state, {"input_0": x, "target_0": y})
+    aten = torch.ops.aten
+    fused = (aten.convolution_backward.default, aten.native_layer_norm_backward.default)
+
+    def masks(module: torch.fx.GraphModule) -> dict[object, list[list[bool]]]:
+        found: dict[object, list[list[bool]]] = {}
+        for node in module.graph.nodes:
+            if node.target in fused:
+                found.setdefault(node.target, []).append(list(node.args[-1]))
+        return found
+
+    first = split_stage_backward(split.backward[0])
+    assert first.divided == () and masks(first.input_backward) == {}
+    assert masks(first.weight_backward) == {fused[0]: [[False, True, True]]}
+    cut = split_stage_backward(split.backward[1])
+    assert sorted(cut.divided) == ["convolution_backward", "native_layer_norm_backward"]
+    assert masks(cut.input_backward) == {target: [[True, False, False]] for target in fused}
+    assert masks(cut.weight_backward) == {target: [[False, True, True]] for target in fused}
+    assert len(cut.kept) == 3  # the logits' gradient, and each fused op's output gradient
+    _check(first, split.backward[0].graph_module, inputs[0])
+    _check(cut, split.backward[1].graph_module, inputs[1])
+
+
+def test_the_stage_dp_prices_half_a_divided_op_in_w_and_keeps_its_output_gradient() -> None:
+    """Priced for ZB-H1, the second convolution's and the layer norm's atoms (each one fused
+    backward op, divided) put half their backward seconds in W, and keep for W their output
+    gradient (4 x 8 x 64 floats each); the first convolution's backward, whose input
+    gradient nothing needs, is W's whole; the ReLU's is B's."""
+    model, x, y = _conv_norm_model()
+    program = fxpar.capture(model, (x,), F.cross_entropy, example_targets=(y,))
+    atoms = Atoms.build(program, ())
+    pipeline = Pipeline(stages="auto", microbatches=2, schedule="zb-h1")
+    costs = StageCostModel(atoms, fxpar.Cluster((2,)), pipeline, optimizer_states=2)
+    facts = [costs.facts(atom, atom + 1) for atom in range(4)]
+    gradient_bytes = 4 * 8 * 64 * 4
+    assert facts[0].weight_seconds == facts[0].backward_seconds > 0
+    assert facts[1].weight_seconds == 0 < facts[1].backward_seconds
+    for fact in (facts[2], costs.facts(4, 5)):
+        assert fact.weight_seconds == pytest.approx(fact.backward_seconds / 2)
+        assert fact.kept_bytes == gradient_bytes

@@ -14,13 +14,22 @@ is differentiated again at run time:
   (for a linear layer, its stashed input) and then the kept values, and returns the weight
   gradients in the backward's order.
 
-Every node is computed once, by one part, from the same values as in the whole backward, so B
-then W returns exactly what the backward returns, bit for bit. A node needed by neither is
+Every node is computed once, by one part, from the same values as in the whole backward (but
+the divided fused ops below), so B then W returns exactly what the backward returns, bit for
+bit. A node needed by neither is
 dropped; a constant (``get_attr``) is read by each part that needs it instead of being kept.
-``getitem`` of a value B computed rides with B, so that only single tensors are kept. So an
-ATen op that computes the input and the weight gradients in one call (``convolution_backward``,
-``native_layer_norm_backward``) stays whole in B, weight gradients included: for such layers W
-has nothing left to do (splitting those calls by their ``output_mask`` is not done here).
+``getitem`` of a value B computed rides with B, so that only single tensors are kept.
+
+An ATen op that computes a layer's input and weight gradients in one call
+(``convolution_backward``, ``native_layer_norm_backward``: :data:`DIVIDED_BACKWARDS`) is
+divided by its ``output_mask`` argument when B needs its input gradient and W its weight
+gradients: B calls it for the input gradient alone, W again for the weight (and bias)
+gradients alone, on the same inputs (the output gradient kept from B). Each output comes from
+the kernel code that computes it in the whole call, so the results are the same bits
+(``tests/test_backward_split.py`` compares them with ``torch.equal``, on CPU kernels), and no
+output is computed twice: each call skips what its mask leaves out. Ops whose outputs all read
+the same reductions (batch and group norm) stay whole in B, where dividing them would compute
+those reductions twice.
 
 From B to W a stage keeps the kept values and the backward inputs W reads besides its state
 (:func:`held_for_weights`); what only B reads can go after B. Their bytes come from the shapes
@@ -34,7 +43,8 @@ weights has an empty W. Units lowered to a stage mesh (with collectives) are not
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterable, Mapping, Sequence
+import types
+from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass
 from typing import cast
 
@@ -46,6 +56,23 @@ from fxpar.pipeline.options import PipelineError
 from fxpar.pipeline.partition import Half
 from fxpar.pipeline.split import StageProgram
 from fxpar.runtime import fastcall
+
+aten = torch.ops.aten
+
+DIVIDED_WEIGHT_SHARE = 0.5
+"""The part of a divided fused op's time its W call takes, as priced: a convolution's input
+and weight gradients each cost its forward's FLOPs; a layer norm's make about equal passes
+over its input and output gradient."""
+
+DIVIDED_BACKWARDS: Mapping[object, frozenset[int]] = types.MappingProxyType(
+    {
+        aten.convolution_backward.default: frozenset({1, 2}),
+        aten.native_layer_norm_backward.default: frozenset({1, 2}),
+    }
+)
+"""Fused backward ops that :func:`split_backward` divides between B and W, each with the
+positions of its outputs that are weight gradients (the input gradient is output 0); each
+takes its ``output_mask`` as its last positional argument."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +113,9 @@ class BackwardSplit:
     """What B computes and W reads, in the backward's order."""
     weight_inputs: tuple[SavedValue, ...]
     """The backward's inputs W reads (those at :attr:`weight_reads`)."""
+    divided: tuple[str, ...] = ()
+    """The fused backward ops called twice, by B for their input gradient and by W for their
+    weight gradients (:data:`DIVIDED_BACKWARDS`), by node name in the backward graph."""
 
     def run(self, inputs: Sequence[object]) -> list[object]:
         """B, then W, on the backward's inputs: the backward's outputs, in its order."""
@@ -108,14 +138,16 @@ def split_backward(module: fx.GraphModule, input_results: Iterable[int]) -> Back
         PipelineError: a position the output has not, an output that is not a node of the
             graph, or a value W needs from B that is not a single tensor.
     """
-    graph = module.graph
-    placeholders = [node for node in graph.nodes if node.op == "placeholder"]
-    results = _results(graph)
+    results = _results(module.graph)
     wanted = sorted(set(input_results))
     if any(not 0 <= position < len(results) for position in wanted):
         raise PipelineError(
             f"positions {wanted} name outputs the backward has not: it returns {len(results)}"
         )
+    module, divided = _divide_fused(module, wanted)
+    graph = module.graph
+    placeholders = [node for node in graph.nodes if node.op == "placeholder"]
+    results = _results(graph)
     others = [position for position in range(len(results)) if position not in wanted]
     input_nodes = _ancestors(results[position] for position in wanted)
     kept: list[fx.Node] = []  # computed by B, read by W
@@ -156,7 +188,72 @@ def split_backward(module: fx.GraphModule, input_results: Iterable[int]) -> Back
         weight_results=tuple(others),
         kept=tuple(_saved(node) for node in kept),
         weight_inputs=tuple(_saved(node) for node in weight_reads),
+        divided=divided,
     )
+
+
+def _divide_fused(
+    module: fx.GraphModule, wanted: Sequence[int]
+) -> tuple[fx.GraphModule, tuple[str, ...]]:
+    """``module`` with each fused backward op that B needs for its input gradient and W for
+    its weight gradients called twice, on a copy of its graph: once with the input gradient's
+    part of the ``output_mask`` (B's), once with the weight gradients' part (W's), whose
+    ``getitem`` users it takes over. The names of the divided ops; ``module`` itself when
+    there are none."""
+    results = _results(module.graph)
+    needed = _ancestors(results[position] for position in wanted)
+    fused = [node for node in module.graph.nodes if node in needed and divisible(node, needed)]
+    if not fused:
+        return module, ()
+    graph = fx.Graph()
+    copies: dict[fx.Node, fx.Node] = {}
+    graph.output(graph.graph_copy(module.graph, copies))
+    for node in fused:
+        _divide(graph, copies[node])
+    graph.lint()
+    return fx.GraphModule(module, graph, class_name=type(module).__name__), tuple(
+        node.name for node in fused
+    )
+
+
+def divisible(node: fx.Node, needed: Set[fx.Node]) -> bool:
+    """``node``, which B needs (one of ``needed``), is a fused backward op that B and W
+    share (:data:`DIVIDED_BACKWARDS`): its users take its outputs one by one, and some of its
+    weight gradients are read outside ``needed`` (by W), none inside."""
+    weights = DIVIDED_BACKWARDS.get(node.target)
+    if weights is None or node.kwargs or not isinstance(node.args[-1], (list, tuple)):
+        return False
+    taken = {user: _taken(user) for user in node.users}
+    if None in taken.values():
+        return False
+    by_weights = [user for user, position in taken.items() if position in weights]
+    return bool(by_weights) and not any(user in needed for user in by_weights)
+
+
+def _taken(node: fx.Node) -> int | None:
+    """The output position ``node`` takes of a tuple, or None if it is no ``getitem``."""
+    if node.op == "call_function" and node.target is operator.getitem:
+        position = node.args[1]
+        return position if isinstance(position, int) else None
+    return None
+
+
+def _divide(graph: fx.Graph, node: fx.Node) -> None:
+    """Call the fused ``node`` a second time right after it, for its weight gradients; hand
+    the ``getitem`` users of those to the new call, and leave ``node`` the rest of its
+    mask."""
+    weights = DIVIDED_BACKWARDS[node.target]
+    mask = [bool(flag) for flag in node.args[-1]]  # type: ignore[union-attr]
+    with graph.inserting_after(node):
+        second = graph.call_function(
+            cast(torch._ops.OpOverload, node.target),
+            (*node.args[:-1], [flag and i in weights for i, flag in enumerate(mask)]),
+        )
+    second.meta = dict(node.meta)
+    node.args = (*node.args[:-1], [flag and i not in weights for i, flag in enumerate(mask)])
+    for user in list(node.users):
+        if user is not second and _taken(user) in weights:
+            user.replace_input_with(node, second)
 
 
 def split_stage_backward(stage: StageProgram) -> BackwardSplit:

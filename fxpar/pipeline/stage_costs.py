@@ -40,9 +40,12 @@ shape's number of devices ``d``.
 **Zero-bubble** (``schedule="zb-h1"``). ``T_w`` is the part of ``T_bwd`` only weight
 gradients need: backward nodes no gradient sent back across an atom boundary depends on, found
 once on the whole step (what a stage's W runs, :mod:`fxpar.pipeline.backward_split`, wherever
-the stages are cut; a tied weight's gradient terms joined across atoms count in B). ``A_kept``
+the stages are cut; a tied weight's gradient terms joined across atoms count in B), plus
+``DIVIDED_WEIGHT_SHARE`` (a half) of each fused backward op B and W divide (a convolution's or
+layer norm's: W calls it again for the weight gradients). ``A_kept``
 are the bytes of the other backward values those nodes read, the range's or received from the
-next stage (what B keeps for W). A micro-batch
+next stage (what B keeps for W; a divided op's inputs B computes, such as its output
+gradient, rather than the op). A micro-batch
 in flight then holds ``(A_saved + A_kept) / (M d)`` (with remat: what it received, plus
 ``A_saved`` recomputed for W, plus ``A_kept``), and every stage holds up to ``min(K, M)`` of them
 (:meth:`StageCostModel.in_flight`).
@@ -97,6 +100,7 @@ from fxpar.cluster import Cluster
 from fxpar.ir.fold import fold
 from fxpar.ir.program import Program
 from fxpar.pipeline.atoms import Atoms, crossings, output_bytes, region
+from fxpar.pipeline.backward_split import DIVIDED_WEIGHT_SHARE, divisible
 from fxpar.pipeline.options import ZERO_BUBBLE_SCHEDULES, Pipeline, PipelineError
 from fxpar.pipeline.schedule import StageTimes, build_schedule, replay
 from fxpar.planning.cost import (
@@ -158,6 +162,16 @@ class RangeFacts:
         return self.forward_seconds + self.backward_seconds
 
 
+@dataclass(frozen=True)
+class _WeightSplit:
+    """The step's backward nodes as a zero-bubble schedule's W and B run them: W's alone,
+    B's (``needed``), and those of B's fused ops that W calls again (``divided``)."""
+
+    weights: frozenset[fx.Node]
+    needed: frozenset[fx.Node]
+    divided: frozenset[fx.Node]
+
+
 class StageCostModel:
     """Stage costs of atom ranges, cached per range and per (range, stage mesh shape); the
     stages are ``prod(shape)`` data-parallel replicas."""
@@ -185,7 +199,7 @@ class StageCostModel:
         self._costs: dict[tuple[int, int, Shape], StageCost] = {}
         self._seconds: dict[tuple[object, int], tuple[float, float, float]] = {}
         self._values: dict[int, _AtomValues] = {}
-        self._weights: tuple[frozenset[fx.Node], frozenset[fx.Node]] | None = None
+        self._weights: _WeightSplit | None = None
 
     def with_pipeline(self, pipeline: Pipeline) -> StageCostModel:
         """This model for another schedule or remat setting of the same micro-batches: what
@@ -253,22 +267,25 @@ class StageCostModel:
         the part of the backward's that only weight gradients need."""
         found = self._seconds.get((key, atom))
         if found is None:
-            weights = self._weight_split()[0]
+            split = self._weight_split()
             forward = backward = weight = 0.0
             for node in self.atoms.nodes[atom]:
                 if self.phases[node] is ir.Phase.BACKWARD:
                     backward += seconds(node)
-                    if node in weights:
+                    if node in split.weights:
                         weight += seconds(node)
+                    elif node in split.divided:
+                        weight += DIVIDED_WEIGHT_SHARE * seconds(node)
                 else:
                     forward += seconds(node)
             found = self._seconds[(key, atom)] = (forward, backward, weight)
         return found
 
-    def _weight_split(self) -> tuple[frozenset[fx.Node], frozenset[fx.Node]]:
+    def _weight_split(self) -> _WeightSplit:
         """The backward nodes that only weight gradients need (what a zero-bubble W runs
         wherever the stages are cut: no gradient sent back across an atom boundary depends
-        on them), and the other backward nodes (B's). Found once, on the whole step."""
+        on them), the other backward nodes (B's), and the fused ops of B's that W calls again
+        for their weight gradients. Found once, on the whole step."""
         if self._weights is None:
             atom_of = self.atoms.atom_of
             backward = {n for n, phase in self.phases.items() if phase is ir.Phase.BACKWARD}
@@ -283,8 +300,8 @@ class StageCostModel:
                 if node in backward and node not in needed:
                     needed.add(node)
                     sent.extend(node.all_input_nodes)
-            weights = frozenset(backward - needed)
-            self._weights = (weights, frozenset(needed))
+            divided = frozenset(node for node in needed if divisible(node, needed))
+            self._weights = _WeightSplit(frozenset(backward - needed), frozenset(needed), divided)
         return self._weights
 
     def _sets(self, atom: int) -> _AtomValues:
@@ -301,14 +318,15 @@ class StageCostModel:
                 for value in saved_for_backward(nodes)
                 if value.op != "placeholder" or value in self.atoms.batch
             )
-            # What its W reads of B's values, wherever computed (a received gradient too).
-            weights, needed = self._weight_split()
+            # What its W reads of B's values, wherever computed (a received gradient too); a
+            # divided op's W call reads the op's inputs, not the op.
+            split = self._weight_split()
+            readers = [node for node in nodes if node in split.weights or node in split.divided]
             kept = frozenset(
                 value
-                for node in nodes
-                if node in weights
+                for node in readers
                 for value in node.all_input_nodes
-                if value in needed
+                if value in split.needed and value not in split.divided
             )
             found = self._values[atom] = _AtomValues(read, saved, kept)
         return found
