@@ -41,8 +41,8 @@ shape's number of devices ``d``.
 gradients need: backward nodes no gradient sent back across an atom boundary depends on, found
 once on the whole step (what a stage's W runs, :mod:`fxpar.pipeline.backward_split`, wherever
 the stages are cut; a tied weight's gradient terms joined across atoms count in B), plus
-``DIVIDED_WEIGHT_SHARE`` (a half) of each fused backward op B and W divide (a convolution's or
-layer norm's: W calls it again for the weight gradients). ``A_kept``
+``DIVIDED_WEIGHT_SHARE`` (a half) of each fused backward op B and W divide (a convolution's:
+W calls it again for the weight gradients). ``A_kept``
 are the bytes of the other backward values those nodes read, the range's or received from the
 next stage (what B keeps for W; a divided op's inputs B computes, such as its output
 gradient, rather than the op). A micro-batch
