@@ -215,27 +215,15 @@ class _Walk:
                 self.recomputed[action.chain.views[-1]] = self.of_read(action.read)
 
     def ordered_steps(self) -> list[_Step]:
-        """The steps with those that run right after another in their place, then the ops
+        """The steps with those that run right after another in their place, and the ops
         before each early start that its input does not need moved after it."""
         steps: list[_Step] = []
         for step in self.steps:
-            steps.append(step)
-            steps.extend(self.after.get(step, ()))
-        for start in [step for step in steps if step.early]:
-            at = steps.index(start)
-            needed = set(start.needs)
-            moved = []
-            before = at - 1
-            while before >= 0 and not steps[before].ordered:
-                step = steps[before]
-                if step in needed:
-                    needed.update(step.needs)
+            for placed in (step, *self.after.get(step, ())):
+                if placed.early:
+                    _start_early(steps, placed)
                 else:
-                    moved.append(step)
-                before -= 1
-            if moved:
-                kept = [step for step in steps[: at + 1] if step not in set(moved)]
-                steps = kept + moved[::-1] + steps[at + 1 :]
+                    steps.append(placed)
         return steps
 
     def peak(self, input_bytes: int) -> PeakMemory:
@@ -261,6 +249,25 @@ class _Walk:
         live.sort(key=lambda buffer: -buffer.nbytes)
         largest = tuple((buffer.name, buffer.nbytes) for buffer in live[:LARGEST])
         return PeakMemory(best, input_bytes, steps[at].name, largest)
+
+
+def _start_early(steps: list[_Step], start: _Step) -> None:
+    """Append ``start`` to ``steps``, moving the ops after the last ordered step that its input
+    does not need to after it, in order (each start sees the moves of the ones before it, as
+    the lowering's pass runs them)."""
+    needed = set(start.needs)
+    first = len(steps)
+    while first > 0 and not steps[first - 1].ordered:
+        first -= 1
+    stay: list[_Step] = []
+    moved: list[_Step] = []
+    for step in reversed(steps[first:]):
+        if step in needed:
+            needed.update(step.needs)
+            stay.append(step)
+        else:
+            moved.append(step)
+    steps[first:] = [*reversed(stay), start, *reversed(moved)]
 
 
 def _key_name(key: ConversionKey) -> str:
