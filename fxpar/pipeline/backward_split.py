@@ -57,6 +57,7 @@ import torch.fx as fx
 from fxpar import ir
 from fxpar.pipeline.options import PipelineError
 from fxpar.pipeline.partition import Half
+from fxpar.pipeline.semantics import ancestors
 from fxpar.pipeline.split import StageProgram
 from fxpar.runtime import fastcall
 
@@ -148,7 +149,7 @@ def split_backward(module: fx.GraphModule, input_results: Iterable[int]) -> Back
     placeholders = [node for node in graph.nodes if node.op == "placeholder"]
     results = _results(graph)
     others = [position for position in range(len(results)) if position not in wanted]
-    input_nodes = _ancestors(results[position] for position in wanted)
+    input_nodes = ancestors(results[position] for position in wanted)
     kept: list[fx.Node] = []  # computed by B, read by W
     kept_set: set[fx.Node] = set()
     weight_nodes: set[fx.Node] = set()
@@ -200,7 +201,7 @@ def _divide_fused(
     ``getitem`` users it takes over. The names of the divided ops; ``module`` itself when
     there are none."""
     results = _results(module.graph)
-    needed = _ancestors(results[position] for position in wanted)
+    needed = ancestors(results[position] for position in wanted)
     fused = [node for node in module.graph.nodes if node in needed and divisible(node, needed)]
     if not fused:
         return module, ()
@@ -351,18 +352,6 @@ def _results(graph: fx.Graph) -> list[fx.Node]:
         if not isinstance(value, fx.Node):
             raise PipelineError(f"the backward returns {value!r}, not a value it computes")
     return list(values)
-
-
-def _ancestors(roots: Iterable[fx.Node]) -> set[fx.Node]:
-    """``roots`` and every node they are computed from."""
-    found: set[fx.Node] = set()
-    pending = list(roots)
-    while pending:
-        node = pending.pop()
-        if node not in found:
-            found.add(node)
-            pending.extend(node.all_input_nodes)
-    return found
 
 
 def _computed_by(node: fx.Node, part: set[fx.Node]) -> bool:

@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -302,7 +302,7 @@ def _denominator(program: Program, root: fx.Node, divisor: fx.Node) -> LossDenom
         if node in scalar or node in totals:
             continue
         if reads[node] == "constant":
-            scalar |= _ancestors([node])
+            scalar |= ancestors([node])
         elif _is_total(node):
             totals.append(node)
         elif node.op == "call_function" and _is_scalar(node):
@@ -316,7 +316,7 @@ def _denominator(program: Program, root: fx.Node, divisor: fx.Node) -> LossDenom
     order = {node: index for index, node in enumerate(program.graph.nodes)}
     totals.sort(key=order.__getitem__)
     names = program.placeholders()
-    read = _ancestors([source for total in totals for source in _total_sources(total)])
+    read = ancestors([source for total in totals for source in _total_sources(total)])
     batch = tuple(name for name in program.signature.inputs if names[name] in read)
     taken = set(program.signature.placeholder_names)
     name = DENOMINATOR_INPUT
@@ -355,7 +355,7 @@ def _totals_module(
     """One piece's batch tensors in, its totals out."""
     graph = fx.Graph()
     env = {node: graph.placeholder(node.name) for node in inputs}
-    needed = _ancestors([source for total in totals for source in _total_sources(total)])
+    needed = ancestors([source for total in totals for source in _total_sources(total)])
     for node in program.graph.nodes:
         if node in needed and node not in env:
             env[node] = graph.node_copy(node, env.__getitem__)
@@ -425,7 +425,8 @@ def _sources(node: fx.Node) -> set[fx.Node]:
     return seen
 
 
-def _ancestors(nodes: Sequence[fx.Node]) -> set[fx.Node]:
+def ancestors(nodes: Iterable[fx.Node]) -> set[fx.Node]:
+    """``nodes`` and every node they are computed from."""
     seen: set[fx.Node] = set()
     pending = list(nodes)
     while pending:

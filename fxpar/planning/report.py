@@ -371,20 +371,6 @@ def _same_layer(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     return shape(a) == shape(b)
 
 
-def _wrapped(title: str, items: list[str], pad: str, width: int) -> list[str]:
-    """``title`` and ``items`` separated by commas, on lines of at most ``width`` characters
-    (an item is never cut), each starting with ``pad``."""
-    lines, line = [], pad + title
-    for index, item in enumerate(items):
-        piece = " " + item + ("," if index < len(items) - 1 else "")
-        if len(line) + len(piece) > width and line.strip():
-            lines.append(line)
-            line = pad + "  "
-        line += piece
-    lines.append(line)
-    return lines
-
-
 def render_text(data: Mapping[str, Any], width: int = 100) -> str:
     """``Plan.report()``: the header, then one row per layer (identical consecutive layers
     collapsed) with its collectives by kind and its weights' placements underneath, then the
@@ -411,11 +397,11 @@ def render_text(data: Mapping[str, Any], width: int = 100) -> str:
         pad + ", ".join(f"{kind} {_size(memory[kind])}" for kind in MEMORY_KINDS),
         f"peak            {_size(header['peak_bytes'])} per device at once (at "
         f"{header['peak_at']}), {_size(header['peak_input_bytes'])} of it the inputs;",
-        *_wrapped(
-            "largest besides:",
-            [f"{name} {_size(nbytes)}" for name, nbytes in header["peak_largest"]],
-            pad,
+        *_wrap(
+            ["largest besides:"]
+            + [f"{name} {_size(nbytes)}" for name, nbytes in header["peak_largest"]],
             width,
+            pad,
         ),
         f"graph           {header['graph_nodes']} nodes, {header['decision_nodes']} decisions, "
         f"{header['layers_merged']} merged with repeated layers",
