@@ -10,6 +10,9 @@ Each plan fixes the spec of every placeholder (parameters, buffers, batch) and l
   split over the others.
 - :func:`fully_sharded`: data parallel compute with parameters stored ``Shard(0)``: gathered
   before use, gradients reduce-scattered (ZeRO-3 / FSDP).
+- :func:`expert_parallel`: mixture-of-experts layers' experts split by expert on one mesh
+  axis (each device holds whole experts and computes their tokens' rows); the batch split over
+  the others.
 - :func:`replicated`: everything whole on every device, no communication: the baseline every
   split must beat, and the best plan for a model too small to be worth splitting.
 - :func:`random_plan`: a random valid candidate for every node (for property tests).
@@ -38,6 +41,7 @@ __all__ = [
     "ROW",
     "SpecChooser",
     "data_parallel",
+    "expert_parallel",
     "fully_sharded",
     "prepare",
     "propagate",
@@ -100,6 +104,26 @@ def tensor_parallel(
     """
     prepared = prepare(program, cluster, rules)
     return chosen.tensor_parallel(prepared, cluster, axis=axis, column=column, row=row)
+
+
+def expert_parallel(
+    program: Program,
+    cluster: Cluster,
+    *,
+    axis: int | str = 0,
+    experts: Sequence[str] | None = None,
+    rules: RuleRegistry | None = None,
+) -> Program:
+    """Expert parallelism on mesh ``axis``; data parallelism on the others.
+
+    The stacked weights of every mixture-of-experts layer are split on the expert dim over
+    ``axis`` (``experts``: parameter-name patterns; by default the parameters a grouped
+    product reads as its experts' weights), every other parameter is replicated. Each device
+    computes the rows its own experts are routed; the tokens are whole on ``axis`` and the
+    experts' outputs are summed over it (see docs/expert_parallel.md).
+    """
+    prepared = prepare(program, cluster, rules)
+    return chosen.expert_parallel(prepared, cluster, axis=axis, experts=experts)
 
 
 def random_plan(

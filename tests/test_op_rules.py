@@ -4,7 +4,8 @@ every strategy it offers on 1-D and 2-D meshes matches the op on whole tensors. 
 that use the ops capture with no fallback, and a complex RoPE plans and lowers to per-rank
 programs equal to one device. The grouped products of mixture-of-experts layers
 (``aten._grouped_mm`` and, where transformers is installed, its custom ops) split inside each
-expert and nowhere else."""
+expert or by expert (each device its own experts' rows, through the local call the lowering
+makes), and nowhere else."""
 
 from __future__ import annotations
 
@@ -264,6 +265,7 @@ GROUPED_STRATEGIES = {
         "[(S(1)), (S(1)), (R)] -> [(P)]",  # the contraction
         "[(P), (R), (R)] -> [(P)]",  # linear in input
         "[(R), (P), (R)] -> [(P)]",  # linear in weight
+        "[(R), (S(0)), (R)] -> [(P)]",  # experts: each device its own experts' rows
     },
     "_grouped_mm (2-D x 2-D)": {  # (inputᵀ, grad_output, offs) -> grad_weight
         "[(R), (R), (R)] -> [(R)]",
@@ -271,6 +273,7 @@ GROUPED_STRATEGIES = {
         "[(R), (S(1)), (R)] -> [(S(2))]",
         "[(P), (R), (R)] -> [(P)]",
         "[(R), (P), (R)] -> [(P)]",
+        "[(R), (R), (R)] -> [(S(0))]",  # experts: each device its own experts' products
     },
     "grouped_mm_fallback": {
         "[(R), (R), (R)] -> [(R)]",
@@ -278,20 +281,22 @@ GROUPED_STRATEGIES = {
         "[(S(1)), (S(1)), (R)] -> [(P)]",
         "[(P), (R), (R)] -> [(P)]",
         "[(R), (P), (R)] -> [(P)]",
+        "[(R), (S(0)), (R)] -> [(P)]",
     },
     "grouped_mm_fallback_backward": {  # (input, weight, offs, grad_output) -> (dinput, dweight)
         "[(R), (R), (R), (R)] -> [(R), (R)]",
         "[(R), (S(2)), (R), (S(1))] -> [(P), (S(2))]",
         "[(S(1)), (S(1)), (R), (R)] -> [(S(1)), (S(1))]",
         "[(R), (R), (R), (P)] -> [(P), (P)]",
+        "[(R), (S(0)), (R), (R)] -> [(P), (S(0))]",  # experts
     },
 }
 
 
 @pytest.mark.parametrize("name", list(GROUPED_STRATEGIES))
-def test_grouped_products_split_inside_each_expert_only(name: str) -> None:
-    """Exactly the Megatron-style splits: never the rows or the experts, which ``offs``
-    addresses whole, and never ``offs`` itself."""
+def test_grouped_products_split_inside_each_expert_or_by_expert(name: str) -> None:
+    """Exactly the Megatron-style splits and the experts' split: never the rows, which
+    ``offs`` counts whole, and never ``offs`` itself."""
     if name.startswith("grouped_mm_fallback"):
         pytest.importorskip("transformers.integrations.moe")
     assert {str(s) for s in _strategies(_case(name), (2,))} == GROUPED_STRATEGIES[name]

@@ -11,6 +11,8 @@ by the collective schedule (:mod:`fxpar.planning.collective_schedule`). For each
   grouped gathers and buckets become one call per group or bucket, started and waited for where
   the schedule says;
 - ops whose arguments spell out a shape (``view``, ``expand``, ...) get the local shape;
+- a strategy whose pieces the op itself cannot compute (a grouped product's experts split)
+  becomes the local call its op family gives (:mod:`fxpar.rules.local`);
 - outputs leave in their required specs: the loss replicated (a forward's outputs as
   computed, partial sums reduced), each gradient in its parameter's
   spec (this is where data parallelism's gradient all-reduce appears), each buffer update in its
@@ -52,6 +54,8 @@ from fxpar.planning.collective_schedule import (
 )
 from fxpar.planning.grouping import BUCKET_BYTES, GatherGroup, needs_strategy
 from fxpar.planning.plan import Plan
+from fxpar.rules.local import has_local_calls, local_call
+from fxpar.rules.registry import op_call
 from fxpar.sharding import Sharding, Spec, assemble, local_shape, shard_tensor
 from fxpar.sharding.reshard import ReshardStep
 
@@ -330,10 +334,18 @@ class _RankLowering:
         self.env[node] = (self._emit_op(node, replace), self.schedule.specs[node])
 
     def _emit_op(self, node: fx.Node, replace: Callable[[fx.Node], fx.Node]) -> fx.Node:
-        """The local call of ``node`` on the local values ``replace`` gives for its inputs."""
-        outputs = ir.require(node, Sharding).strategy.outputs
+        """The local call of ``node`` on the local values ``replace`` gives for its inputs:
+        its own op, or the call its op family gives for this strategy
+        (:mod:`fxpar.rules.local`: a device's own experts' rows)."""
+        strategy = ir.require(node, Sharding).strategy
+        outputs = strategy.outputs
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), replace)
         args = localize_shape_arguments(node, tuple(args), outputs, self.mesh)
+        if has_local_calls(node.target):
+            local = local_call(op_call(node, self.mesh), strategy, self.coordinate)
+            if local is not None:
+                call_args = (*local.static, *args)
+                return self.graph.call_function(local.function, call_args, dict(kwargs))
         # A local piece may be strided where the global tensor was contiguous (a slice, a
         # transposed shard): views become reshapes, which copy only when they must.
         target: Any = _VIEWS_AS_RESHAPE.get(node.target, node.target)  # type: ignore[call-overload]

@@ -24,6 +24,7 @@ import functools
 import operator
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -33,7 +34,8 @@ from fxpar import ir
 from fxpar.cluster import Cluster
 from fxpar.errors import FxparError
 from fxpar.ir.program import Program
-from fxpar.rules.registry import tensor_inputs
+from fxpar.rules.experts import experts_spec, is_grouped_product
+from fxpar.rules.registry import op_call, tensor_inputs
 from fxpar.sharding import Sharding, Spec, Strategies, Strategy, is_valid, replicated, spec_str
 from fxpar.sharding.reshard import PARTIAL, Code, SpecCoder, coded_steps
 
@@ -54,9 +56,20 @@ ROW = (
 """Module names of the second linear of those blocks, split by input features."""
 
 
-def propagate(program: Program, cluster: Cluster, placeholder_spec: SpecChooser) -> Program:
+StrategyFilter = Callable[[fx.Node, Strategy], bool]
+
+
+def propagate(
+    program: Program,
+    cluster: Cluster,
+    placeholder_spec: SpecChooser,
+    *,
+    allowed: StrategyFilter | None = None,
+) -> Program:
     """Fix each placeholder's spec with ``placeholder_spec(name, meta)`` and choose every op's
-    strategy greedily (see the module docstring)."""
+    strategy greedily (see the module docstring). ``allowed``: where a node has candidates it
+    accepts, the choice is among those only (a plan's decision that greedy steps would not
+    reach, such as computing only a device's own experts' weight gradients)."""
     mesh = cluster.mesh_shape
     names = {node: name for name, node in program.placeholders().items()}
     layout: dict[fx.Node, tuple[Spec | None, ...]] = {}
@@ -81,7 +94,7 @@ def propagate(program: Program, cluster: Cluster, placeholder_spec: SpecChooser)
         elif node.target is operator.getitem:
             layout[node] = (layout[node.args[0]][node.args[1]],)
         elif ir.get(node, Strategies) is not None:
-            strategy = _cheapest(node, layout, steps, known, code)
+            strategy = _cheapest(node, layout, steps, known, code, allowed)
             ir.annotate(node, Sharding(strategy))
             layout[node] = strategy.outputs
     return program
@@ -126,6 +139,7 @@ def _cheapest(
     steps: Callable[[Code, Code], tuple[tuple[str, bool], ...]],
     known: dict[tuple[object, ...], Strategy],
     code: SpecCoder,
+    allowed: StrategyFilter | None = None,
 ) -> Strategy:
     """The first candidate of ``node`` with the least (bytes gathered, partial bytes left,
     collectives) for the layouts its inputs arrive in. ``known`` remembers the answer for each
@@ -138,11 +152,14 @@ def _cheapest(
     sizes = tuple(ir.evaluate(ir.require(s, ir.ValueMeta).tensor.nbytes) for s in sources)
     outputs = ir.require(node, ir.ValueMeta).outputs
     produced = tuple(None if meta is None else ir.evaluate(meta.nbytes) for meta in outputs)
-    memo = (id(all_candidates), follows, arriving, sizes, produced)
+    accepted: Sequence[int] = range(len(all_candidates))
+    if allowed is not None:
+        accepted = [i for i, c in enumerate(all_candidates) if allowed(node, c)] or accepted
+    memo = (id(all_candidates), follows, arriving, sizes, produced, tuple(accepted))
     if memo in known:
         return known[memo]
     coded = _coded(all_candidates)
-    indices: Sequence[int] = range(len(all_candidates))
+    indices = accepted
     if follows:
         # A mixed-precision cast takes its input as it arrives (where it can): a parameter is
         # cast where it is stored, a partial gradient stays partial through it.
@@ -282,6 +299,92 @@ def tensor_parallel(
         return spec if is_valid(meta.shape, spec, cluster.mesh_shape) else replicated(cluster.ndim)
 
     return propagate(program, cluster, choose)
+
+
+def expert_parallel(
+    program: Program,
+    cluster: Cluster,
+    *,
+    axis: int | str = 0,
+    experts: Sequence[str] | None = None,
+) -> Program:
+    """Expert parallelism on mesh ``axis``, data parallelism on the others.
+
+    Each device of ``axis`` holds ``1/n`` of every mixture-of-experts layer's experts, whole:
+    the stacked expert weights (``experts``: parameter-name patterns; by default every
+    parameter a grouped product reads as its stacked weights, :func:`expert_weights`) are
+    split on dim 0 over ``axis``, every other parameter is replicated, and the batch is split
+    over the other axes. The tokens reach the experts whole on ``axis``: each device computes
+    the rows routed to its own experts and the outputs are summed over ``axis``
+    (:mod:`fxpar.rules.experts`)."""
+    ep = cluster.axis_index(axis)
+    state = set(program.signature.parameters + program.signature.buffers)
+    batch = batch_spec(
+        cluster, [a for a in range(cluster.ndim) if a != ep], program.signature.random_inputs
+    )
+    split = (
+        set(expert_weights(program))
+        if experts is None
+        else {n for n in state if any(fnmatch.fnmatch(n, p) for p in experts)}
+    )
+    if not split:
+        raise FxparError(
+            "expert_parallel found no expert weights: no parameter is read by a grouped "
+            "product (aten._grouped_mm, transformers' grouped_mm_fallback) as its stacked "
+            "weights; name them with experts=[...] patterns, or use another plan"
+        )
+    by_expert = tuple(Shard(0) if a == ep else Replicate() for a in range(cluster.ndim))
+
+    def choose(name: str, meta: ir.TensorMeta) -> Spec:
+        if name not in state:
+            return batch(name, meta)
+        if name in split and is_valid(meta.shape, by_expert, cluster.mesh_shape):
+            return by_expert
+        return replicated(cluster.ndim)
+
+    def splits_experts(node: fx.Node, strategy: Strategy) -> bool:
+        # A grouped product computes its own experts' rows and weight gradients only.
+        if not is_grouped_product(node.target):
+            return True
+        spec = experts_spec(op_call(node, cluster.mesh_shape), strategy)
+        return spec is not None and spec[ep] == Shard(0)
+
+    return propagate(program, cluster, choose, allowed=splits_experts)
+
+
+def expert_weights(program: Program) -> list[str]:
+    """The parameters a grouped product reads as its stacked expert weights (its 3-D second
+    operand, experts on dim 0), directly or through casts and transposes that keep dim 0."""
+    found = []
+    placeholders = program.placeholders()
+    for name in program.signature.parameters:
+        frontier = [placeholders[name]]
+        while frontier:
+            node = frontier.pop()
+            users = list(node.users)
+            if any(is_grouped_product(u.target) and _second_operand(u) is node for u in users):
+                if len(ir.require(node, ir.ValueMeta).tensor.shape) == 3:
+                    found.append(name)
+                break
+            frontier += [u for u in users if _keeps_dim_0(u)]
+    return found
+
+
+def _second_operand(node: fx.Node) -> object:
+    return node.args[1] if len(node.args) > 1 else None
+
+
+def _keeps_dim_0(node: fx.Node) -> bool:
+    """Whether ``node`` passes its first input on with dim 0 where it was."""
+    if node.target in _PASS_THROUGH:
+        return True
+    if node.target not in (aten.transpose.int, aten.permute.default):
+        return False
+    ndim = len(ir.require(node, ir.ValueMeta).tensor.shape)
+    arguments: Any = node.args
+    if node.target is aten.transpose.int:
+        return all(int(d) % ndim != 0 for d in arguments[1:3])  # it swaps two other dims
+    return int(arguments[1][0]) % ndim == 0  # the permutation puts dim 0 first
 
 
 _PASS_THROUGH = frozenset({

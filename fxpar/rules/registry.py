@@ -9,6 +9,11 @@ a dim unevenly and always offers the all-replicated strategy, which is correct f
 
 An op without a rule gets only the replicated strategy: never an error, and
 :func:`fxpar.rules.coverage` reports it.
+
+Most strategies run the node's own op on each device's pieces. A few cannot: a device holding
+some of a grouped product's experts computes only the rows routed to them. A rule module that
+offers such a strategy also says what a device calls instead, as a :class:`LocalCall`
+(:mod:`fxpar.rules.local` finds it for the lowering and for the rule checker).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Placement
 
 from fxpar import ir
+from fxpar.cluster import Coordinate
 from fxpar.errors import SymbolicShapeError
 from fxpar.ir.op_table import OpTable
 from fxpar.sharding import Spec, Strategy, has_partial, is_valid, replicated
@@ -59,6 +65,29 @@ class AxisOption:
 
 
 Rule = Callable[[OpCall], Sequence[AxisOption | Strategy]]
+
+
+@dataclass(frozen=True)
+class LocalCall:
+    """What one device calls for its piece of a node whose strategy the node's own op, run on
+    the local pieces, would not compute: ``function(*static, *args, **kwargs)``, where
+    ``args`` and ``kwargs`` are the node's own with local values. ``static`` holds what differs
+    from device to device (which experts this one holds), plain values a program can print."""
+
+    function: Callable[..., Any]
+    static: tuple[Any, ...]
+
+
+def shard_index(
+    spec: Spec, dim: int, mesh_shape: Sequence[int], coordinate: Coordinate
+) -> tuple[int, int]:
+    """(which piece, how many pieces) of dim ``dim`` the device at ``coordinate`` holds under
+    ``spec``; an earlier mesh axis splits first, as in :func:`fxpar.sharding.shard_tensor`."""
+    index, pieces = 0, 1
+    for placement, size, position in zip(spec, mesh_shape, coordinate, strict=True):
+        if isinstance(placement, torch.distributed.tensor.Shard) and placement.dim == dim:
+            index, pieces = index * size + position, pieces * size
+    return index, pieces
 
 
 def expand(options: Sequence[AxisOption], mesh_ndim: int) -> list[Strategy]:
@@ -190,6 +219,7 @@ def all_replicated(call: OpCall) -> AxisOption:
 
 __all__ = [
     "AxisOption",
+    "LocalCall",
     "OpCall",
     "Rule",
     "RuleRegistry",
@@ -197,5 +227,6 @@ __all__ = [
     "all_replicated",
     "expand",
     "op_call",
+    "shard_index",
     "tensor_inputs",
 ]

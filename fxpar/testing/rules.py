@@ -3,9 +3,10 @@
 For every node of a Program with a rule, every strategy the rule offers on a mesh is executed
 for real: each input is split according to its spec (shards are chunks, replicas are copies, and
 a partial input is split into random addends that sum to it), the op runs on every device's
-pieces (with shape arguments localized as the lowering does), and each output is reassembled from
-its spec and compared with the op's output on whole tensors. A rule that claims a wrong strategy
-is caught here, whatever plan would have chosen it.
+pieces as the lowering runs it (shape arguments made local, and a strategy's local call where
+its op family gives one: :mod:`fxpar.rules.local`), and each output is reassembled from its
+spec and compared with the op's output on whole tensors. A rule that claims a wrong strategy is
+caught here, whatever plan would have chosen it.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from fxpar.cluster import Cluster, Coordinate
 from fxpar.ir.program import Program
 from fxpar.lowering import localize_shape_arguments
 from fxpar.rules import RuleRegistry, default_rules, op_call
+from fxpar.rules.local import local_call
 from fxpar.sharding import Spec, Strategy, assemble, spec_str
 from fxpar.testing.simulate import record_values
 
@@ -143,8 +145,10 @@ def _check(
 
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), local)  # type: ignore[arg-type]
         args = localize_shape_arguments(node, tuple(args), strategy.outputs, mesh)
+        call = local_call(op_call(node, mesh), strategy, coordinate)
+        function, static = (node.target, ()) if call is None else (call.function, call.static)
         try:
-            result = node.target(*args, **kwargs)  # type: ignore[operator]
+            result = function(*static, *args, **kwargs)  # type: ignore[operator]
         except Exception as error:
             return f"the op fails on local pieces: {type(error).__name__}: {error}"
         outputs[coordinate] = tuple(result) if isinstance(result, (tuple, list)) else (result,)
