@@ -14,22 +14,34 @@ from collections.abc import Sequence
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import draw_split_points, microbatch_program
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
 import fxpar
+from fxpar import plans
+from fxpar.cluster import Cluster, Coordinate
+from fxpar.ir.program import named_state
+from fxpar.lowering import collective_calls as collective_calls_module
+from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.pipeline import Pipeline, PipelineError, SplitProgram, partition, split_program
 from fxpar.pipeline.atoms import Atoms
 from fxpar.pipeline.backward_split import (
     BackwardSplit,
+    StageBackward,
+    collective_calls,
     held_for_weights,
     saved_bytes,
+    split_backward,
     split_stage_backward,
 )
+from fxpar.pipeline.intra_op import local_batch, shard_stage
+from fxpar.pipeline.split import StageOutputs
 from fxpar.pipeline.stage_costs import StageCostModel
 from fxpar.testing import ModelCase
 from fxpar.testing import strategies as fst
+from fxpar.testing.simulate import SimulatedMesh
 
 
 def _module_order(model: nn.Module) -> list[str]:
@@ -166,10 +178,150 @@ def test_a_linear_layer_keeps_its_output_gradient_for_its_weight_gradient() -> N
     _check(cut, last.graph_module, inputs[2])
 
 
-def test_only_unlowered_backward_units_split() -> None:
+def test_only_backward_units_split() -> None:
     split, _ = _three_stages()
     with pytest.raises(PipelineError, match="forward unit"):
         split_stage_backward(split.forward[0])
+
+
+# -- on a stage mesh: the lowered backward, collectives and all ------------------------------
+
+Lowered = dict[Coordinate, list[tuple[StageOutputs, tuple, dict, StageBackward]]]
+
+
+def _lowered_backwards(
+    split: SplitProgram, cluster: Cluster, state: dict[str, torch.Tensor], piece: dict
+) -> Lowered:
+    """Every stage of ``split`` (planned for the stage mesh ``cluster``) lowered to every
+    device of the mesh, one micro-batch run through the forwards, then, from the last stage
+    to the first, each backward whole and as B then W on the same inputs: by device, for each
+    stage, the whole backward's outputs, B's sent values, W's gradients and the split."""
+    (batch,) = split.unit_inputs([piece])
+
+    def device(coordinate: Coordinate, comm: object) -> list:
+        stages = [
+            shard_stage(split, s, cluster, coordinate, comm)  # type: ignore[arg-type]
+            for s in range(split.num_stages)
+        ]
+        parameters = [
+            {n: each.local(n, state[n]) for n in each.backward.parameters} for each in stages
+        ]
+        message: tuple = ()
+        stashes = []
+        for stage in stages:
+            buffers = {n: stage.local(n, state[n]) for n in stage.forward.buffers}
+            weights = {n: stage.local(n, state[n]) for n in stage.forward.parameters}
+            out = stage.forward.run(weights, buffers, local_batch(stage, batch), list(message))
+            message, stashes = out.sent, [*stashes, out.stashed]
+        found: list = [None] * len(stages)
+        message = ()
+        for s in reversed(range(len(stages))):
+            unit, pieces = stages[s].backward, local_batch(stages[s], batch)
+            whole = unit.run(parameters[s], {}, pieces, list(message), list(stashes[s]))
+            part = StageBackward.of(unit)
+            sent, held = part.run_input(parameters[s], pieces, list(message), list(stashes[s]))
+            found[s] = (whole, sent, part.run_weight(held), part)
+            message = whole.sent
+        return found
+
+    return SimulatedMesh(cluster.mesh_shape).run(device)  # type: ignore[arg-type]
+
+
+def _check_lowered(found: Lowered) -> None:
+    """On every device, B's sent values and W's gradients are the whole lowered backward's
+    bit for bit, and every device's B (and W) make the same collective calls in order."""
+    calls: dict[tuple[int, str], list] = {}
+    for by_stage in found.values():
+        for s, (whole, sent, gradients, part) in enumerate(by_stage):
+            assert len(sent) == len(whole.sent)
+            assert all(torch.equal(a, b) for a, b in zip(sent, whole.sent, strict=True))
+            assert gradients.keys() == whole.gradients.keys()
+            for name, gradient in gradients.items():
+                assert torch.equal(gradient, whole.gradients[name]), (s, name)
+            for half, module in (
+                ("B", part.split.input_backward),
+                ("W", part.split.weight_backward),
+            ):
+                listed = collective_calls(module)
+                assert calls.setdefault((s, half), listed) == listed, (s, half)
+
+
+STAGE_MESHES = ((2,), (1, 2), (2, 2))
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    case=fst.models(),
+    mesh=st.sampled_from(STAGE_MESHES),
+    seed=fst.plan_seeds(),
+    remat=st.booleans(),
+    data=st.data(),
+)
+def test_on_a_stage_mesh_b_then_w_is_the_lowered_backward_bit_for_bit_on_every_device(
+    case: ModelCase, mesh: tuple[int, ...], seed: int, remat: bool, data: st.DataObject
+) -> None:
+    """Random small models under random plans for 1-D and 2-D stage meshes, cut at random
+    points: on every device (threads of the simulator, whose collectives sum in a fixed
+    order), B then W of each lowered backward give its sent values and gradients bit for bit,
+    and every device's B, and every device's W, make the same collective calls in the same
+    order (so the devices of a stage meet at each of them whatever runs between B and W)."""
+    points = draw_split_points(data, case.model, 1, 2)
+    cluster = Cluster(mesh)
+    chunks, program = microbatch_program(case, 1)
+    planned = plans.random_plan(program, cluster, seed)
+    split = split_program(planned, partition(planned, points), remat=remat)
+    piece = dict(zip(planned.signature.inputs, chunks[0], strict=True))
+    torch.manual_seed(seed)
+    _check_lowered(_lowered_backwards(split, cluster, named_state(case.model), piece))
+
+
+def _gpt_on_two_devices(plan: str) -> Lowered:
+    """fxpar's GPT under ``plan`` on a stage mesh of 2, cut before ``blocks.1``, lowered."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_embd=16, n_head=2, vocab_size=32, block_size=8))
+    tokens = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(1))
+    program = fxpar.capture(model, (tokens,), gpt_loss, example_targets=(tokens,))
+    planned = getattr(plans, plan)(program, Cluster((2,)))
+    split = split_program(planned, partition(planned, ("blocks.1",)), remat=False)
+    piece = {"input_0": tokens, "target_0": tokens}
+    return _lowered_backwards(split, Cluster((2,)), named_state(model), piece)
+
+
+def test_collectives_the_input_gradient_needs_are_b_and_a_weights_gather_is_w() -> None:
+    """Tensor parallel GPT: the last stage's B all-reduces the input gradient of both
+    column-parallel layers that take the residual stream (attention's and the MLP's), each a
+    start and its wait, and its W (the weights' products, local pieces) calls none. Fully
+    sharded: the last stage's B gathers the layer norm weights its input gradient needs;
+    stage 0's W, its whole backward (it sends nothing back), gathers the first block's. What
+    a lowered B keeps has no recorded shape, and asking its bytes says so."""
+    found = _gpt_on_two_devices("tensor_parallel")
+    _check_lowered(found)
+    last = found[(0,)][1][3].split
+    assert collective_calls(last.input_backward) == [("all_reduce", (0,))] * 2
+    assert collective_calls(last.weight_backward) == []
+    assert last.kept and all(value.meta is None for value in last.kept)
+    with pytest.raises(PipelineError, match="records no shapes"):
+        saved_bytes(last.kept)
+    found = _gpt_on_two_devices("fully_sharded")
+    _check_lowered(found)
+    first, last = found[(1,)][0][3].split, found[(1,)][1][3].split
+    assert {name for name, _ in collective_calls(last.input_backward)} == {"all_gather_bucket"}
+    assert collective_calls(first.input_backward) == []
+    assert [name for name, _ in collective_calls(first.weight_backward)] == ["all_gather_bucket"]
+
+
+def test_a_collective_neither_part_needs_is_refused() -> None:
+    """A lowered backward whose all-reduce feeds none of its results (every device would
+    call it, neither B nor W would) does not split."""
+    graph = torch.fx.Graph()
+    comm, x = graph.placeholder("comm"), graph.placeholder("x")
+    started = graph.call_function(collective_calls_module.start_all_reduce, (comm, x, 0))
+    graph.call_function(collective_calls_module.wait_all_reduce, (started,))
+    doubled = graph.call_function(torch.ops.aten.mul.Tensor, (x, 2))
+    graph.output((doubled, doubled))
+    module = torch.fx.GraphModule(torch.nn.Module(), graph)
+    with pytest.raises(PipelineError, match="needed by none of its results"):
+        split_backward(module, [0])
 
 
 def _conv_norm_model() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:

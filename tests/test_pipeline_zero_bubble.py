@@ -14,7 +14,10 @@ stages with remat and on 2 stages x 2 data-parallel replicas, a Hugging Face Lla
 a Hugging Face T5 (encoder-decoder, its embedding shared by encoder, decoder and head, so held
 by both stages) under ZB-H1 and ZB-V, and the GPT under ZB-V on 2 stages, alone and with 2
 replicas, each trains two SGD steps like eager PyTorch, and a replica's gradient all-reduce
-starts after its last W.
+starts after its last W. On 2 stages x 2 devices (slow), the GPT and the Llama under ZB-H1 and
+ZB-V with a tensor parallel or fully sharded plan inside every stage (so B and W call
+collectives) train two steps like eager PyTorch, and each stage's gradient sync starts after
+its last W.
 """
 
 from __future__ import annotations
@@ -33,9 +36,10 @@ import torch
 from conftest import eager_step
 
 import fxpar
+from fxpar import plans
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.optim import SGD
-from fxpar.passes import default_passes, for_compile
+from fxpar.passes import default_passes, for_compile, plan_program
 from fxpar.pipeline import (
     Pipeline,
     PipelineError,
@@ -49,6 +53,7 @@ from fxpar.pipeline import (
 from fxpar.pipeline import executor as executor_module
 from fxpar.pipeline.auto import evaluate_split, plan_stages, search_pipelines
 from fxpar.pipeline.executor import StageResult, StageWorker
+from fxpar.pipeline.intra_op import GradientSync
 from fxpar.pipeline.schedule import placement_of, virtual_stage
 from fxpar.pipeline.stage_programs import PassPlanner
 from fxpar.runtime.launch import spawn
@@ -281,16 +286,20 @@ def test_a_one_stage_zb_v_pipeline_trains_and_evaluates_like_eager() -> None:
 
 def test_zero_bubble_options_are_checked() -> None:
     """ZB-H1 runs one chunk per stage, ZB-V two (in a V: stage 1 of 2 holds chunks 1 and 2,
-    and chunk 3 is stage 0's), given as 2 K - 1 split points; neither splits a backward
-    lowered to a stage mesh, and the stage DP, which prices one chunk per stage, refuses
-    ZB-V."""
+    and chunk 3 is stage 0's), given as 2 K - 1 split points; both run on stage meshes, ZB-V
+    only where every stage has the same mesh shape; the stage DP, which prices one chunk per
+    stage, refuses ZB-V."""
     assert Pipeline(stages=2, schedule="zb-h1").schedule == "zb-h1"
     v = Pipeline(stages=("blocks.1", "blocks.2", "blocks.3"), schedule="zb-v")
     assert (v.num_stages, v.virtual_stages, v.chunks_of(1), v.stage_of(3)) == (2, 2, (1, 2), 0)
     assert v.neighbour(1, 1) is None  # activations turn back on the last stage, not around
-    for schedule in ("zb-h1", "zb-v"):
-        with pytest.raises(PipelineError, match="stage mesh"):
-            Pipeline(stages=2, schedule=schedule, stage_meshes=((1,), (2,)))
+    assert Pipeline(stages=2, schedule="zb-h1", stage_meshes=((1,), (2,))).world_size == 3
+    on_meshes = Pipeline(stages=v.stages, schedule="zb-v", stage_meshes=((2,), (2,)))
+    assert (on_meshes.num_stages, on_meshes.virtual_stages) == (2, 2)
+    with pytest.raises(PipelineError, match="ZB-V runs two model chunks per stage, which"):
+        Pipeline(stages=2, schedule="zb-v", stage_meshes=((1,), (2,)))
+    with pytest.raises(PipelineError, match="one mesh per stage"):
+        Pipeline(stages=v.stages, schedule="zb-v", stage_meshes=((2,),) * 4)
     with pytest.raises(PipelineError, match="virtual_stages=2 needs schedule='interleaved'"):
         Pipeline(stages=2, schedule="zb-h1", virtual_stages=2)
     with pytest.raises(PipelineError, match="exactly two model chunks"):
@@ -568,3 +577,125 @@ def test_zero_bubble_pipelines_train_like_one_device_on_gloo(
                 last_weight = max(e.end for e in events if e.op == "backward_weight")
                 assert found["reduced"] and min(found["reduced"]) >= last_weight, what
         assert held == set(expected["parameters"]), case
+
+
+# -- stage meshes on gloo ---------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshCase:
+    """A model under a zero-bubble pipeline whose stages run a manual plan on a mesh of 2."""
+
+    name: str
+    pipeline: Pipeline
+    plan: str
+    """``fxpar.plans.tensor_parallel`` or ``fully_sharded``, by name."""
+
+    def __str__(self) -> str:
+        return f"{self.name} under {self.pipeline.schedule}, {self.plan} stages"
+
+    def build(self) -> PipelineModel:
+        planner = functools.partial(plan_program, manual=getattr(plans, self.plan))
+        common: dict[str, Any] = {"optimizer": SGD(lr=LR), "planner": planner}
+        if self.pipeline.stage_meshes is None:
+            common["stage_cluster"] = fxpar.Cluster((2,))
+        if self.name == "llama":
+            model, batch = _llama()
+            return PipelineModel(model, self.pipeline, batch, **common)
+        model, tokens, targets = _gpt()
+        return PipelineModel(
+            model, self.pipeline, (tokens,), gpt_loss, example_targets=(targets,), **common
+        )
+
+
+MESHES = ((2,), (2,))
+MESH_CASES = (
+    MeshCase("gpt", Pipeline(stages=2, microbatches=4, schedule="zb-h1"), "tensor_parallel"),
+    MeshCase("gpt", Pipeline(stages=2, microbatches=2, schedule="zb-v"), "fully_sharded"),
+    MeshCase(
+        "llama",
+        Pipeline(stages=2, microbatches=2, schedule="zb-h1", stage_meshes=MESHES),
+        "fully_sharded",
+    ),
+    # chunks 0 (the embedding) and 3 (the norm, head and loss) on stage 0
+    MeshCase(
+        "llama",
+        Pipeline(
+            stages=("model.layers.0", "model.layers.1", "model.norm"),
+            microbatches=2,
+            schedule="zb-v",
+            stage_meshes=MESHES,
+        ),
+        "tensor_parallel",
+    ),
+)
+"""2 stages x 2 devices: fxpar's GPT (tied embedding and head, held by stage 0's two chunks
+under ZB-V) and a Hugging Face Llama, each under ZB-H1 and ZB-V, tensor parallel in one and
+fully sharded in the other."""
+
+
+def _mesh_cases_on_ranks(rank: int, world_size: int) -> list[dict[str, Any]]:
+    """Two SGD steps of every :data:`MESH_CASES` pipeline on this rank: the losses, the
+    whole trained model (gathered from every stage and device), the second step's
+    instructions and when each gradient sync (into the parameters' layouts) started; the
+    trained GPT's loss and outputs under ZB-V."""
+    torch.set_num_threads(1)
+    syncs: list[float] = []
+    run = GradientSync.run
+
+    def recorded(self: GradientSync, sums: Any) -> Any:
+        syncs.append(time.perf_counter())
+        return run(self, sums)
+
+    GradientSync.run = recorded  # type: ignore[method-assign]
+    outcomes = []
+    _, tokens, targets = _gpt()
+    for case in MESH_CASES:
+        pipelined = case.build()
+        batch: tuple[torch.Tensor, ...] = (tokens, targets) if case.name == "gpt" else ()
+        named = _llama()[1] if case.name == "llama" else {}
+        losses = [pipelined.step(*batch, **named)]
+        syncs.clear()
+        losses.append(pipelined.step(*batch, **named))
+        assert pipelined.trace is not None
+        outcome = {
+            "losses": losses, "state": pipelined.full_state_dict(),
+            "events": pipelined.trace.events, "synced": list(syncs),
+        }  # fmt: skip
+        if case.name == "gpt" and case.pipeline.schedule == "zb-v":
+            outcome["eval_loss"] = pipelined.loss(*batch)
+            outcome["outputs"] = pipelined(tokens)
+        outcomes.append(outcome)
+    return outcomes
+
+
+@pytest.mark.slow
+def test_zero_bubble_pipelines_on_stage_meshes_train_like_one_device_on_gloo() -> None:
+    """ZB-H1 and ZB-V with every stage's backward lowered to a mesh of 2 devices (tensor
+    parallel or fully sharded, so B and W call collectives): on every rank both steps' losses
+    are eager PyTorch's and the gathered model is the eagerly trained one (the GPT's tied
+    weight summed from two chunks of stage 0, each converting its own gradient under ZB-V);
+    each micro-batch's B and W ran for every chunk, and the gradient syncs (the fully sharded
+    plan's reduce-scatters) started after the last W. The trained ZB-V GPT's loss and
+    outputs are eager's too."""
+    ranks = spawn(_mesh_cases_on_ranks, 4, timeout_s=240)
+    for index, case in enumerate(MESH_CASES):
+        if case.name == "llama":
+            expected = _eager(HFCase("llama", _llama, case.pipeline))
+        else:
+            expected = _eager(case.pipeline)
+        microbatches, chunks = case.pipeline.microbatches, case.pipeline.virtual_stages
+        for rank, outcomes in enumerate(ranks):
+            found, what = outcomes[index], f"{case}, rank {rank}"
+            torch.testing.assert_close(found["losses"], expected["losses"], msg=what)
+            for name, value in expected["parameters"].items():
+                torch.testing.assert_close(found["state"][name], value, msg=f"{what}: {name}")
+            for key in ("eval_loss", "outputs"):
+                if key in found:
+                    torch.testing.assert_close(found[key], expected[key], msg=f"{what}: {key}")
+            events = found["events"]
+            for op in ("backward_input", "backward_weight"):
+                done = sorted((e.chunk, e.microbatch) for e in events if e.op == op)
+                assert done == [(c, m) for c in range(chunks) for m in range(microbatches)], what
+            last_weight = max(e.end for e in events if e.op == "backward_weight")
+            assert found["synced"] and min(found["synced"]) >= last_weight, what

@@ -40,7 +40,33 @@ recorded at capture, so the memory of a schedule can be counted before anything 
 
 The first stage sends nothing back: its B computes nothing and returns nothing, and W is the
 whole backward (a schedule may still name its B, which then costs nothing). A stage without
-weights has an empty W. Units lowered to a stage mesh (with collectives) are not split yet.
+weights has an empty W.
+
+**On a stage mesh.** A stage that runs an intra-op plan (:mod:`.intra_op`) runs its backward
+lowered to one device: a graph taking the communicator first, whose collective calls
+(:mod:`fxpar.lowering.collective_calls`) every device of the stage mesh must make in the same
+order. That lowered graph is what is cut, by the same rule, *after* lowering rather than
+before (cutting the planned graph and lowering B and W apart), because:
+
+- B then W stays the whole backward bit for bit: every node, collectives included, runs once
+  on the same values, so a bucket reduces the same tensors together and a conversion runs
+  where the lowering put it. Lowered apart, B and W would be bucketed, converted and overlapped
+  again, by choices of the lowering that the whole backward's equality would then rest on;
+- what runs is what the collective schedule priced and recorded for the unit
+  (``ShardedStage.backward_collectives``), split in two: nothing replays the lowering;
+- every device's lowered graph has the same nodes in the same order but for its local slices
+  and the zeros a device other than the first adds for a ``Partial`` value (each computed from
+  the value it replaces, so the data flow is the same), and the cut follows the data flow
+  alone. So every device's B makes the same collectives in the same order, and so does its W
+  (:func:`collective_calls` lists them).
+
+What that gives: a collective whose result the sent gradients need is B's; one only the weight
+gradients need (a gradient's reduction, a gather of what a weight gradient reads) is W's; a
+start and its wait go together, since only the wait reads the start's handle, and a bucket's
+wait with its start (its tensors ride with it, kept for W where W reads them). A collective in
+neither part, or a handle kept from B for W, is refused rather than dropped or split. The
+lowered graph records no shapes, so what a lowered B keeps has no recorded size
+(:attr:`SavedValue.meta` is None): the runtime measures what it holds.
 """
 
 from __future__ import annotations
@@ -55,6 +81,7 @@ import torch
 import torch.fx as fx
 
 from fxpar import ir
+from fxpar.lowering import collective_calls as collectives
 from fxpar.pipeline.options import PipelineError
 from fxpar.pipeline.partition import Half
 from fxpar.pipeline.semantics import ancestors
@@ -77,13 +104,24 @@ takes its ``output_mask`` as its last positional argument."""
 
 @dataclass(frozen=True)
 class SavedValue:
-    """A tensor alive from B to W: its node's name in the backward graph, its shape and dtype."""
+    """A tensor alive from B to W: its node's name in the backward graph, its shape and dtype
+    (None in a graph lowered to a stage mesh, which records no shapes)."""
 
     name: str
-    meta: ir.TensorMeta
+    meta: ir.TensorMeta | None
 
     @property
     def nbytes(self) -> ir.Size:
+        """Its bytes.
+
+        Raises:
+            PipelineError: its graph recorded no shape for it (a lowered unit).
+        """
+        if self.meta is None:
+            raise PipelineError(
+                f"{self.name!r} comes from a graph lowered to a stage mesh, which records no "
+                "shapes: count its bytes on the unlowered unit, or measure them"
+            )
         return self.meta.nbytes
 
 
@@ -167,6 +205,7 @@ def split_backward(module: fx.GraphModule, input_results: Iterable[int]) -> Back
         pending.extend(node.all_input_nodes)
     order = {node: index for index, node in enumerate(graph.nodes)}
     kept.sort(key=order.__getitem__)
+    _check_collectives(graph, input_nodes, weight_nodes, kept)
     input_reads = [node for node in placeholders if node in input_nodes]
     weight_reads = [node for node in placeholders if node in weight_nodes]
     input_part = _build(
@@ -260,17 +299,32 @@ def split_stage_backward(stage: StageProgram) -> BackwardSplit:
     """B and W of a stage's backward unit: B returns what the unit sends to the previous stage,
     W its gradients.
 
+    A unit lowered to a stage mesh is cut as lowered (see the module docstring): its
+    placeholders, and so the positions of the split's reads, start with the communicator.
+
     Raises:
-        PipelineError: ``stage`` is a forward unit, or a unit lowered to a stage mesh.
+        PipelineError: ``stage`` is a forward unit, or as :func:`split_backward` does.
     """
     if stage.unit.half is not Half.BACKWARD:
         raise PipelineError(f"{stage.unit} is a forward unit: only a backward splits into B and W")
-    if stage.communicator is not None:
-        raise PipelineError(
-            f"{stage.unit} runs on a stage mesh (it calls collectives), which B/W splitting "
-            "does not handle yet: split the stage's unlowered backward"
-        )
     return split_backward(stage.graph_module, range(len(stage.sent)))
+
+
+def collective_calls(module: fx.GraphModule) -> list[tuple[str, tuple[object, ...]]]:
+    """The collectives ``module`` starts, in order: each one's kind (``all_reduce``,
+    ``all_gather_bucket``, ...) and its arguments that are no values (dims, mesh axes,
+    sizes). A started collective counts where it starts and its wait not at all, so a
+    blocking all-reduce and a started one are the same entry: the lowering makes one device's
+    blocking where another's has an op to overlap (the zeros a ``Partial`` value gets on
+    devices other than the first). Devices of a stage mesh that list the same collectives for
+    a part meet at every one of them."""
+    calls = []
+    for node in module.graph.nodes:
+        name = cast(types.FunctionType, node.target).__name__ if _is_collective(node) else ""
+        if name and not name.startswith("wait_"):
+            plain = tuple(arg for arg in node.args if not _holds_node(arg))
+            calls.append((name.removeprefix("start_"), plain))
+    return calls
 
 
 @dataclass(frozen=True)
@@ -300,10 +354,10 @@ class StageBackward:
 
     @property
     def resident_reads(self) -> int:
-        """How many of W's inputs are the stage's parameters, buffers and batch, which come
-        first in what :meth:`run_input` returns for W; the rest stays alive only for W."""
-        resident = len(self.stage.parameters) + len(self.stage.buffers) + len(self.stage.batch)
-        return sum(position < resident for position in self.split.weight_reads)
+        """How many of W's inputs are the stage's parameters, buffers and batch (and, on a
+        stage mesh, its communicator), which come first in what :meth:`run_input` returns for
+        W; the rest stays alive only for W."""
+        return sum(position < _resident(self.stage) for position in self.split.weight_reads)
 
     def run_input(
         self,
@@ -311,14 +365,17 @@ class StageBackward:
         batch: Mapping[str, torch.Tensor],
         received: Sequence[torch.Tensor],
         restored: Sequence[torch.Tensor],
-    ) -> tuple[tuple[torch.Tensor, ...], list[torch.Tensor]]:
+    ) -> tuple[tuple[torch.Tensor, ...], list[object]]:
         """B on one micro-batch: the tensors the stage sends back, and what its W reads (W's
-        backward inputs, then the kept values). ``received`` and ``restored`` given as lists
-        are emptied, so that what only B reads is freed when B is done with it."""
+        backward inputs, the communicator first on a stage mesh, then the kept values).
+        ``received`` and ``restored`` given as lists are emptied, so that what only B reads
+        is freed when B is done with it."""
         inputs = self.stage.inputs(parameters, {}, batch, received, restored)
+        if self.stage.communicator is not None:
+            inputs.insert(0, self.stage.communicator)
         split = self.split
         reads = [inputs[position] for position in split.input_reads]
-        held = cast(list[torch.Tensor], [inputs[position] for position in split.weight_reads])
+        held = [inputs[position] for position in split.weight_reads]
         inputs.clear()
         with torch.no_grad():
             flat = list(fastcall.run_boxed(split.input_backward, reads))
@@ -326,7 +383,7 @@ class StageBackward:
         held += flat[count:]
         return tuple(flat[:count]), held
 
-    def run_weight(self, held: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    def run_weight(self, held: list[object]) -> dict[str, torch.Tensor]:
         """W on what :meth:`run_input` returned for it (emptied): the stage's gradients of
         the micro-batch, by parameter name."""
         with torch.no_grad():
@@ -338,9 +395,54 @@ def held_for_weights(stage: StageProgram, split: BackwardSplit) -> tuple[SavedVa
     """What stays alive from ``stage``'s B to its W besides the parameters, buffers and batch
     the stage holds anyway: the kept values, and the received gradients and stashed
     activations W reads."""
-    resident = len(stage.parameters) + len(stage.buffers) + len(stage.batch)
     read = zip(split.weight_reads, split.weight_inputs, strict=True)
-    return split.kept + tuple(value for position, value in read if position >= resident)
+    return split.kept + tuple(value for position, value in read if position >= _resident(stage))
+
+
+def _resident(stage: StageProgram) -> int:
+    """How many placeholders of ``stage``'s module come before what it receives and restores:
+    its parameters, buffers and batch, after the communicator of a lowered unit."""
+    lowered = stage.communicator is not None
+    return lowered + len(stage.parameters) + len(stage.buffers) + len(stage.batch)
+
+
+def _is_collective(node: fx.Node) -> bool:
+    """``node`` calls a collective (or waits for one) of a lowered program."""
+    return node.op == "call_function" and (
+        getattr(node.target, "__module__", None) == collectives.__name__
+    )
+
+
+def _holds_node(argument: object) -> bool:
+    if isinstance(argument, (list, tuple)):
+        return any(_holds_node(item) for item in argument)
+    return isinstance(argument, fx.Node)
+
+
+def _check_collectives(
+    graph: fx.Graph, input_nodes: Set[fx.Node], weight_nodes: Set[fx.Node], kept: Sequence[fx.Node]
+) -> None:
+    """Refuse a split of a lowered graph that drops a collective (neither part needs it, so
+    its peers would wait for it) or keeps a collective's handle from B for W (a start in B
+    whose wait is W's).
+
+    Raises:
+        PipelineError: either happened.
+    """
+    for node in graph.nodes:
+        if _is_collective(node) and node not in input_nodes and node not in weight_nodes:
+            raise PipelineError(
+                f"the backward's collective {node.name!r} is needed by none of its results, so "
+                "neither B nor W would call it while every other device's backward does"
+            )
+    for node in kept:
+        if _is_collective(node) and cast(types.FunctionType, node.target).__name__.startswith(
+            "start_"
+        ):
+            raise PipelineError(
+                f"B would start collective {node.name!r} and W wait for it: a start and its "
+                "wait must run in one part"
+            )
 
 
 def _results(graph: fx.Graph) -> list[fx.Node]:
@@ -400,6 +502,8 @@ def _saved(node: fx.Node) -> SavedValue:
     example = node.meta.get("val")
     if isinstance(example, torch.Tensor):
         return SavedValue(node.name, ir.TensorMeta.of(example))
+    if not node.meta:  # a lowered graph's node: no shapes recorded
+        return SavedValue(node.name, None)
     raise PipelineError(
         f"{node.name!r} ({node.target}) is kept from B for W but is not a single tensor"
     )

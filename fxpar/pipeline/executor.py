@@ -14,7 +14,9 @@ A zero-bubble list (:mod:`.schedule`) runs a backward as two instructions: at
 sends its results as a backward's, and keeps in place of the micro-batch's stash only what W
 reads; at ``backward_weight`` it runs W and adds its gradients to the sums as a backward's are
 added. The sums leave the worker when the list is done, so the gradient reductions that follow
-(over replicas, over tied weights' holders) start after the last W.
+(over replicas, over tied weights' holders, a stage mesh's gradient sync) start after the last
+W. On a stage mesh B and W are the halves of the lowered backward, each making its own
+collectives (:mod:`.backward_split`), and the communicator rides with what B keeps for W.
 
 Every message carries one tensor per :class:`~fxpar.pipeline.split.Value` of the channel, in
 the channel's order, with a tag made of the micro-batch, the direction, the sending virtual
@@ -237,9 +239,14 @@ class StageWorker:
         crossings: Mapping[str, Sequence[Crossing]] | None = None,
         device: torch.device = _CPU,
         placement: Placement = "loop",
+        gradient_keys: Sequence[Mapping[str, str]] = (),
     ) -> None:
         """``device``: where the stage's parameters, batches and programs are (its channels
-        move tensors from and to it). ``placement``: where the chunks sit in the model."""
+        move tensors from and to it). ``placement``: where the chunks sit in the model.
+        ``gradient_keys``: for each chunk, the key its gradient of a parameter is summed
+        under in :attr:`StageResult.gradient_sums` where that is not the parameter's name
+        (chunks of a stage mesh whose backwards lay out a shared weight's gradient each its
+        own way keep apart sums); by default every chunk sums under the names."""
         if len(forward) != len(backward) or not forward:
             raise PipelineError(
                 f"a stage needs as many backward as forward chunks, got {len(forward)} and "
@@ -259,6 +266,7 @@ class StageWorker:
             StageBackward.of(program) if chunk in split else None
             for chunk, program in enumerate(self.backward)
         )
+        self._gradient_keys = tuple(gradient_keys) or ({},) * len(forward)
         self.rank = rank
         self.stage = forward[0].unit.stage
         count = num_stages * len(forward)
@@ -382,7 +390,7 @@ class StageWorker:
                 out = None  # the last forward's outputs may hold this stash too
                 out = self.backward[c].run(parameters, {}, microbatches[m], inputs, stashes[(c, m)])
                 outgoing[(Op.SEND_GRAD, c, m)] = out.sent
-                _accumulate(gradients, summed, out.gradients)
+                _accumulate(gradients, summed, self._keyed(c, out.gradients))
             elif op is Op.BACKWARD_INPUT:
                 part = self._parts[c]
                 assert part is not None  # made for every chunk whose list runs a B
@@ -400,7 +408,7 @@ class StageWorker:
             elif op is Op.BACKWARD_WEIGHT:
                 part = self._parts[c]
                 assert part is not None
-                _accumulate(gradients, summed, part.run_weight(stashes[(c, m)]))
+                _accumulate(gradients, summed, self._keyed(c, part.run_weight(stashes[(c, m)])))
             elif op is Op.SEND_ACTIVATION or op is Op.SEND_GRAD:
                 sends += self._channels[c][op].send(outgoing.pop((op, c, m)), m)
             elif op is Op.FREE:
@@ -431,6 +439,11 @@ class StageWorker:
             trace=trace,
             outputs=outputs,
         )
+
+    def _keyed(self, chunk: int, gradients: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``chunk``'s gradients under the keys they are summed under."""
+        keys = self._gradient_keys[chunk]
+        return {keys.get(name, name): value for name, value in gradients.items()}
 
 
 def receives_ahead(instructions: Sequence[Instruction]) -> list[int | None]:
@@ -499,10 +512,13 @@ def _routes(
     }
 
 
-def _storage_bytes(tensors: Sequence[torch.Tensor], skip: set[int]) -> int:
-    """Bytes of the distinct storages ``tensors`` keep alive, except the storages in ``skip``."""
+def _storage_bytes(tensors: Sequence[object], skip: set[int]) -> int:
+    """Bytes of the distinct storages the tensors among ``tensors`` keep alive, except the
+    storages in ``skip``."""
     seen: dict[int, int] = {}
     for tensor in tensors:
+        if not isinstance(tensor, torch.Tensor):
+            continue
         storage = tensor.untyped_storage()
         pointer = storage.data_ptr()
         if pointer not in skip:

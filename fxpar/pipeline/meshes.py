@@ -135,7 +135,7 @@ def meshes_of(
                 "stage_cluster (fxpar.pipeline.meshes.stage_meshes(pipeline, cluster) makes "
                 "them from the whole pipeline's cluster), or none"
             )
-        if pipeline.data_parallel * pipeline.virtual_stages > 1:
+        if pipeline.data_parallel > 1 or (pipeline.virtual_stages > 1 and not pipeline.v_shaped):
             raise PipelineError(
                 f"{pipeline} asks for data_parallel={pipeline.data_parallel} replicas or "
                 f"virtual_stages={pipeline.virtual_stages} chunks per stage, and a stage mesh "

@@ -89,7 +89,7 @@ from fxpar.pipeline.groups import (
 )
 from fxpar.pipeline.intra_op import ShardedStage, local_batch, planned_specs
 from fxpar.pipeline.meshes import StageMeshes, meshes_of, plan_each
-from fxpar.pipeline.options import ZERO_BUBBLE_SCHEDULES, Pipeline, PipelineError
+from fxpar.pipeline.options import Pipeline, PipelineError
 from fxpar.pipeline.partition import even_split_points, partition
 from fxpar.pipeline.schedule import build_schedule, placement_of, simulate
 from fxpar.pipeline.semantics import PipelineSemantics
@@ -188,12 +188,6 @@ class PipelineModel(Trainer):
         self.check_batches = check_batches
         self.optimizer_spec = check_optimizer(optimizer if optimizer is not None else AdamW())
         meshes = meshes_of(pipeline, stage_cluster)
-        if meshes is not None and pipeline.schedule in ZERO_BUBBLE_SCHEDULES:
-            raise PipelineError(
-                f"schedule {pipeline.schedule!r} splits each stage's backward into input and "
-                "weight gradients, which is not done for a backward lowered to a stage mesh "
-                "yet: choose schedule='1f1b' with a stage cluster"
-            )
         self._meshes = meshes
         per_stage = meshes.clusters[0].world_size if meshes else pipeline.data_parallel
         world_size = meshes.world_size if meshes else pipeline.num_stages * per_stage

@@ -115,19 +115,18 @@ class Pipeline:
                 "stages='auto' chooses the stage meshes itself: leave stage_meshes out, or give "
                 "the stages"
             )
-        if self.schedule in ZERO_BUBBLE_SCHEDULES:
-            raise PipelineError(
-                f"schedule {self.schedule!r} splits each stage's backward into input and "
-                "weight gradients, which is not done for a backward lowered to a stage mesh "
-                "yet: choose '1f1b' with stage_meshes"
-            )
-        if self.data_parallel != 1 or self.virtual_stages != 1:
+        if self.data_parallel != 1 or (self.virtual_stages != 1 and not self.v_shaped):
             raise PipelineError(
                 f"stage_meshes runs one model chunk per stage on its own mesh: data_parallel="
                 f"{self.data_parallel} and virtual_stages={self.virtual_stages} must be 1 (a "
                 "stage's plan can itself be data-parallel over its mesh)"
             )
-        stages = self.stages if isinstance(self.stages, int) else len(self.stages) + 1
+        if self.v_shaped and len(set(meshes)) > 1:
+            raise PipelineError(
+                f"ZB-V runs two model chunks per stage, which stage meshes {meshes} of "
+                "different shapes do not: give every stage the same mesh, or choose 'zb-h1'"
+            )
+        stages = self.num_stages
         if stages != len(meshes):
             raise PipelineError(
                 f"{len(meshes)} stage meshes {meshes} for {stages} stages: give one mesh per stage"

@@ -70,7 +70,7 @@ from fxpar.passes import (
 from fxpar.passes.canonicalize import Canonicalize
 from fxpar.pipeline.crossings import Crossing, StageSide
 from fxpar.pipeline.executor import StageWorker
-from fxpar.pipeline.intra_op import ShardedStage, neighbour_sides, shard_stage
+from fxpar.pipeline.intra_op import GradientSync, ShardedStage, neighbour_sides, shard_stage
 from fxpar.pipeline.meshes import Shape, StageMeshes, plan_each
 from fxpar.pipeline.options import Pipeline, PipelineError
 from fxpar.pipeline.partition import partition
@@ -133,7 +133,9 @@ class StageStep:
     split: SplitProgram
     """The stages' programs, the same on every rank."""
     sharded: ShardedStage | None
-    """This stage lowered to this device of the stage mesh (with one)."""
+    """This stage lowered to this device of the stage mesh (with one). Under ZB-V, whose
+    stage runs two chunks: the first chunk's, with the gradient sync of both
+    (:class:`ChunkSyncs`)."""
     worker: StageWorker
     """Runs the schedule's instruction list (a forward program has empty backwards)."""
     forward_worker: StageWorker
@@ -188,32 +190,40 @@ class StageLayout:
         forward = [split.forward[chunk] for chunk in chunks]
         backward = [split.backward[chunk] for chunk in chunks]
         sharded = None
-        if cluster is not None:  # one chunk per stage (PipelineModel checks)
-            sharded = shard_stage(
-                split, self.stage, cluster, self.coordinate, self.communicator,
-                self._sides(splits),
-            )  # fmt: skip
-            if self.device.type != "cpu":
-                sync = sharded.sync
-                sharded = dataclasses.replace(
-                    sharded,
-                    forward=self._placed(sharded.forward),
-                    backward=self._placed(sharded.backward),
-                    sync=dataclasses.replace(
-                        sync, graph_module=place(sync.graph_module, self.device)
-                    ),
+        keys: tuple[Mapping[str, str], ...] = ()
+        if cluster is not None:  # one chunk per stage, or ZB-V's two on uniform meshes
+            sides = self._sides(splits)
+            lowered = [
+                self._placed_stage(
+                    shard_stage(split, chunk, cluster, self.coordinate, self.communicator, sides)
                 )
-            forward, backward = [sharded.forward], [sharded.backward]
+                for chunk in chunks
+            ]
+            sharded, keys = _joined(lowered)
+            forward = [each.forward for each in lowered]
+            backward = [each.backward for each in lowered]
         elif self.device.type != "cpu":
             forward = [self._placed(each) for each in forward]
             backward = [self._placed(each) for each in backward]
         crossings = sharded.crossings if sharded is not None else None
-        worker = self._worker(forward, backward, self.schedule[self.stage], crossings)
+        worker = self._worker(forward, backward, self.schedule[self.stage], crossings, keys)
         # The forwards alone, which cannot deadlock either.
         forward_lists = [forward_only(instructions) for instructions in self.schedule]
         simulate(forward_lists, placement_of(self.pipeline.schedule))
         forward_worker = self._worker(forward, backward, forward_lists[self.stage], crossings)
         return StageStep(kind, training, split, sharded, worker, forward_worker, batch, splits)
+
+    def _placed_stage(self, sharded: ShardedStage) -> ShardedStage:
+        """``sharded``'s units and gradient sync running on :attr:`device`."""
+        if self.device.type == "cpu":
+            return sharded
+        sync = sharded.sync
+        return dataclasses.replace(
+            sharded,
+            forward=self._placed(sharded.forward),
+            backward=self._placed(sharded.backward),
+            sync=dataclasses.replace(sync, graph_module=place(sync.graph_module, self.device)),
+        )
 
     def _placed(self, program: StageProgram) -> StageProgram:
         """``program`` running on :attr:`device` (:func:`fxpar.ir.placement.place`; they
@@ -233,12 +243,13 @@ class StageLayout:
         backward: Sequence[StageProgram],
         instructions: StageSchedule,
         crossings: Mapping[str, Sequence[Crossing]] | None,
+        gradient_keys: Sequence[Mapping[str, str]] = (),
     ) -> StageWorker:
         return StageWorker(
             forward, backward, instructions,
             rank=self.rank, previous_rank=self.previous_rank, next_rank=self.next_rank,
             num_stages=self.pipeline.num_stages, crossings=crossings, device=self.device,
-            placement=placement_of(self.pipeline.schedule),
+            placement=placement_of(self.pipeline.schedule), gradient_keys=gradient_keys,
         )  # fmt: skip
 
     def gather_outputs(
@@ -252,7 +263,7 @@ class StageLayout:
         # The stage of the model's last chunk: stage 0 in ZB-V's V.
         last = self.pipeline.stage_of(self.pipeline.num_chunks - 1) * self.per_stage
         if self.meshes is not None:
-            last = self.meshes.ranks(self.pipeline.num_stages - 1)[0]
+            last = self.meshes.ranks(self.pipeline.stage_of(self.pipeline.num_chunks - 1))[0]
         world = dist.get_world_size() if self.distributed else 1
         results = []
         for index, value in enumerate(step.split.forward[-1].outputs):
@@ -408,6 +419,61 @@ class StageCutter:
         return planned
 
 
+@dataclass(frozen=True)
+class ChunkSyncs(GradientSync):
+    """The gradient syncs of a stage's chunks on one stage mesh, run as one: each converts
+    the sums of its chunk (read under that chunk's keys, see :func:`_joined`) to the
+    parameters' layouts, and a weight two chunks share adds its two converted sums. Its own
+    ``graph_module`` is the first chunk's, for show; :meth:`run` runs every part's."""
+
+    parts: tuple[tuple[GradientSync, Mapping[str, str]], ...] = ()
+    """Each chunk's sync, and the key its sums of a shared weight's gradient are kept under."""
+
+    def run(self, sums: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        total: dict[str, torch.Tensor] = {}
+        for sync, keys in self.parts:
+            converted = sync.run({name: sums[keys.get(name, name)] for name in sync.gradients})
+            for name, value in converted.items():
+                total[name] = total[name] + value if name in total else value
+        return total
+
+
+def _joined(
+    lowered: Sequence[ShardedStage],
+) -> tuple[ShardedStage, tuple[Mapping[str, str], ...]]:
+    """A stage's chunks lowered to one device, as one :class:`ShardedStage` (the first
+    chunk's, with every chunk's collectives and :class:`ChunkSyncs`), and for each chunk the
+    key its gradient sum of each weight is kept under. Two chunks may each compute a gradient
+    of one weight (ZB-V's first stage: a tied embedding and head) laid out each its own way,
+    so the later chunk's is summed apart and converted by its own sync before they are added.
+    """
+    first, *others = lowered
+    if not others:
+        return first, ()
+    seen: set[str] = set()
+    keys: list[Mapping[str, str]] = []
+    for each in lowered:  # ``each.stage``: the chunk's virtual stage
+        gradients = each.backward.gradients
+        keys.append({n: f"{n} (virtual stage {each.stage})" for n in gradients if n in seen})
+        seen.update(gradients)
+    syncs = [each.sync for each in lowered]
+    joined = ChunkSyncs(
+        gradients=tuple(dict.fromkeys(n for sync in syncs for n in sync.gradients)),
+        graph_module=first.sync.graph_module,
+        records=tuple(record for sync in syncs for record in sync.records),
+        communicator=first.sync.communicator,
+        grows=any(sync.grows for sync in syncs),
+        parts=tuple(zip(syncs, keys, strict=True)),
+    )
+    stage = dataclasses.replace(
+        first,
+        sync=joined,
+        forward_collectives=tuple(r for each in lowered for r in each.forward_collectives),
+        backward_collectives=tuple(r for each in lowered for r in each.backward_collectives),
+    )
+    return stage, tuple(keys)
+
+
 def check_same_cut(splits: Mapping[Shape, SplitProgram]) -> None:
     """Refuse cuts of one program, planned for different stage meshes, whose stages exchange
     different values: each side of a boundary must agree on what crosses it.
@@ -495,6 +561,7 @@ def _check_batch_rows(piece: Program, whole: Program, pieces: int) -> None:
 
 
 __all__ = [
+    "ChunkSyncs",
     "PassPlanner",
     "PipelineKind",
     "StageCutter",
