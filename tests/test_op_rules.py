@@ -9,6 +9,7 @@ makes), and nowhere else."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,8 +24,11 @@ from fxpar import ir
 from fxpar.cluster import Cluster
 from fxpar.ir.program import Program, Signature
 from fxpar.rules import AxisOption, coverage, default_rules, op_call
+from fxpar.rules.experts import experts_spec
+from fxpar.rules.local import local_call
 from fxpar.sharding import Sharding
 from fxpar.testing import assert_equivalent, validate_rules
+from fxpar.testing.rules import distribute
 from fxpar.testing.strategies import splitting_cluster
 
 try:  # loading transformers' MoE integration registers torch.ops.transformers.grouped_mm_*
@@ -134,6 +138,30 @@ def _expert_cases() -> list[OpCase]:
     return cases
 
 
+# Every row routed to one expert: with the experts split, one device computes every row and the
+# others none (the last expert's device here, the first's below).
+ONE_EXPERT = {"last": torch.tensor([0, 0, 0, 8], dtype=torch.int32), "first": torch.full((4,), 8)}
+
+
+def _uneven_routing_cases() -> list[OpCase]:
+    last, first = ONE_EXPERT["last"], ONE_EXPERT["first"].int()
+    cases = [
+        OpCase(
+            "_grouped_mm (one expert)", aten._grouped_mm.default, (_g(8, 8), _g(4, 8, 16), last)
+        ),
+        OpCase(
+            "_grouped_mm (2-D x 2-D, one expert)",
+            aten._grouped_mm.default,
+            (_g(8, 8), _g(8, 16, seed=1), first),
+        ),
+    ]
+    if hf_moe is None:
+        return cases
+    backward = torch.ops.transformers.grouped_mm_fallback_backward.default
+    args = (_g(8, 4), _g(4, 4, 6, seed=1), last, _g(8, 6, seed=2))
+    return [*cases, OpCase("grouped_mm_fallback_backward (one expert)", backward, args)]
+
+
 CASES = [
     OpCase("hardswish", aten.hardswish.default, (_g(4, 8),)),
     OpCase("hardsigmoid", aten.hardsigmoid.default, (_g(4, 8),)),
@@ -182,6 +210,7 @@ CASES = [
     OpCase("gather", aten.gather.default, (_g(4, 8), 1, _ints(8, 4, 8))),
     OpCase("histc", aten.histc.default, (_g(4, 8), 10, -2.0, 2.0)),
     *_expert_cases(),
+    *_uneven_routing_cases(),
 ]
 
 DELIBERATELY_REPLICATED: dict[str, str] = {
@@ -387,3 +416,42 @@ def test_rope_planned_by_the_ilp_matches_one_device() -> None:
         "the plan should shard the rotation, not run it whole"
     )
     assert_equivalent(fxpar.lower(plan), plan.program.flat_inputs(model, x))
+
+
+@pytest.mark.parametrize("name", ["_grouped_mm", "_grouped_mm (2-D x 2-D)", "grouped_mm_fallback"])
+def test_splitting_experts_runs_a_local_call(name: str) -> None:
+    """With the experts split, each device gets a local call naming the piece of the experts
+    it holds (and no other strategy gets one); the op itself on a device's pieces computes
+    something else, since its ``offs`` still counts every expert's rows."""
+    if name.startswith("grouped_mm_fallback"):
+        pytest.importorskip("transformers.integrations.moe")
+    program, flat = single_op_program(_case(name))
+    node = next(n for n in program.graph.nodes if n.op == "call_function")
+    call = op_call(node, (2, 2))
+    experts = torch.arange(4)  # stands for any tensor with one entry per expert on dim 0
+    by_expert = 0
+    for strategy in default_rules().strategies(call):
+        spec = experts_spec(call, strategy)
+        for coordinate in Cluster((2, 2)).coordinates():
+            local = local_call(call, strategy, coordinate)
+            if Shard(0) not in spec:
+                assert local is None
+                continue
+            by_expert += 1
+            assert local is not None
+            piece, pieces = local.static
+            on_experts = tuple(p if p == Shard(0) else Replicate() for p in spec)
+            held = distribute(experts, on_experts, (2, 2), torch.Generator())[coordinate]
+            assert held.tolist() == experts.chunk(pieces)[piece].tolist()
+    assert by_expert
+    call = op_call(node, (2,))
+    split = next(s for s in default_rules().strategies(call) if Shard(0) in experts_spec(call, s))
+    pieces = [
+        distribute(value, spec, (2,), torch.Generator())[(1,)]
+        for value, spec in zip(flat, split.inputs, strict=True)
+    ]
+    local = local_call(call, split, (1,))
+    assert local is not None
+    right = local.function(*local.static, *pieces)
+    with contextlib.suppress(RuntimeError, IndexError):  # two experts' weights, four offsets
+        assert not torch.equal(node.target(*pieces), right)

@@ -1,0 +1,256 @@
+"""Expert parallelism: mixture-of-experts layers whose experts are split by expert, each device
+holding whole experts and computing only the rows routed to them (fxpar/rules/experts.py, run
+through the local call of fxpar/rules/local.py).
+
+Hugging Face Mixtral (with its router's load-balancing loss) and Qwen2-MoE (with a shared
+expert) train like eager PyTorch under ``plans.expert_parallel`` on (2,) and on (2, 2) with
+data parallelism on the other axis, through transformers' fp32 grouped products and through
+``aten._grouped_mm`` in bf16; so they do when every token is routed to one expert (one device
+holds all the rows, the other none); the ILP splits the experts where that is cheaper than
+anything else it may do, by the cost model's count; and on real gloo processes a few training
+steps equal eager PyTorch's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from conftest import eager_step
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+
+import fxpar
+from fxpar import ir, plans
+from fxpar.cluster import Cluster
+from fxpar.errors import FxparError
+from fxpar.models import GPT, GPTConfig, gpt_loss
+from fxpar.passes import plan_program
+from fxpar.planning.propagate import expert_weights
+from fxpar.rules import default_rules, experts, op_call
+from fxpar.runtime.launch import spawn
+from fxpar.sharding import Sharding, Spec
+from fxpar.testing import assert_equivalent, simulate
+from fxpar.testing.simulate import record_values
+
+transformers = pytest.importorskip("transformers")
+# transformers' grouped products exist once its MoE integration is loaded: before any registry.
+pytest.importorskip("transformers.integrations.moe")
+
+VOCAB = 64
+DECODER = dict(
+    vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+    num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16,
+)  # fmt: skip
+MESHES = [(2,), (2, 2)]
+
+
+def mixtral(**overrides: Any) -> nn.Module:
+    config = dict(
+        DECODER, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
+        router_aux_loss_coef=0.1,
+    )  # fmt: skip
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(**{**config, **overrides}))
+
+
+def qwen2_moe() -> nn.Module:
+    config = transformers.Qwen2MoeConfig(
+        **DECODER, moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4,
+        num_experts_per_tok=2,
+    )  # fmt: skip
+    return transformers.Qwen2MoeForCausalLM(config)
+
+
+MODELS = {"mixtral": mixtral, "qwen2_moe": qwen2_moe}
+
+
+def _inputs() -> dict[str, torch.Tensor]:
+    tokens = torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(3))
+    return {"input_ids": tokens, "labels": tokens}
+
+
+def _expert_parallel(model: nn.Module, mesh: tuple[int, ...]) -> tuple[fxpar.Program, Any]:
+    """The model captured, planned with experts on axis 0 (data on the other), lowered."""
+    program = fxpar.capture(model, _inputs())
+    planned = plan_program(program, Cluster(mesh), manual=plans.expert_parallel)
+    return planned.program, fxpar.lower(planned)
+
+
+def _specs(program: fxpar.Program) -> dict[str, Spec]:
+    return {
+        name: ir.require(node, Sharding).strategy.outputs[0]  # type: ignore[misc]
+        for name, node in program.placeholders().items()
+    }
+
+
+def _grouped_products(program: fxpar.Program) -> list[Any]:
+    return [n for n in program.graph.nodes if experts.is_grouped_product(n.target)]
+
+
+def _split_on_axis_0(program: fxpar.Program, node: Any) -> bool:
+    strategy = ir.require(node, Sharding).strategy
+    spec = experts.experts_spec(op_call(node, program.cluster.mesh_shape), strategy)
+    return spec is not None and spec[0] == Shard(0)
+
+
+def _assert_like_eager(model: nn.Module, program: fxpar.Program, spmd: Any) -> None:
+    """The simulated ranks' loss and gradients against eager PyTorch's."""
+    inputs = _inputs()
+    found = simulate(spmd, program.flat_inputs(model, *inputs.values())).result
+    loss, grads = eager_step(model, inputs)
+    torch.testing.assert_close(found.outputs[0], loss, rtol=1e-4, atol=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(found.gradients[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=["2", "2x2"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_expert_parallel_trains_like_one_device(name: str, mesh: tuple[int, ...]) -> None:
+    """Every expert weight is split by expert on axis 0 and every grouped product (forward and
+    backward) computes only its own experts' rows there; the batch is split on axis 1; loss
+    and gradients (the router's and its auxiliary loss's included) equal eager PyTorch's."""
+    model = MODELS[name]()
+    program, spmd = _expert_parallel(model, mesh)
+    specs = _specs(program)
+    weights = expert_weights(program)
+    assert weights and all(".experts." in w for w in weights)
+    for weight in weights:
+        assert specs[weight] == (Shard(0), *(Replicate(),) * (len(mesh) - 1))
+    if len(mesh) == 2:
+        assert specs["input_ids"] == (Replicate(), Shard(0))
+    products = _grouped_products(program)
+    assert len(products) == 4  # two products, each with its backward
+    assert all(_split_on_axis_0(program, n) for n in products)
+    assert_equivalent(spmd, program.flat_inputs(model, *_inputs().values()))
+    _assert_like_eager(model, program, spmd)
+
+
+def test_bf16_mixtral_expert_parallel_through_aten_grouped_mm() -> None:
+    """bf16 experts call ``aten._grouped_mm``, whose backward is two more grouped products: the
+    input gradient (split like the forward) and the weight gradient ``inputᵀ @ grad_output``,
+    which computes only the device's own experts' products (no weight gradient is summed
+    across devices). bf16 sums in another order than one device: each gradient is compared to
+    its own scale (a wrong split is off by tens of percent, bf16 rounding by about 1%)."""
+    model = mixtral().to(torch.bfloat16)
+    program, spmd = _expert_parallel(model, (2, 2))
+    products = _grouped_products(program)
+    assert {n.target for n in products} == {torch.ops.aten._grouped_mm.default}
+    assert len(products) == 6 and all(_split_on_axis_0(program, n) for n in products)
+    flat = program.flat_inputs(model, *_inputs().values())
+    expected = program.signature.name_outputs(program(*flat))
+    found = simulate(spmd, flat).result
+    torch.testing.assert_close(found.outputs[0], expected.outputs[0], rtol=1e-2, atol=0.0)
+    for name, want in expected.gradients.items():
+        error = (found.gradients[name].float() - want.float()).abs().max().item()
+        scale = want.float().abs().max().item()
+        assert error <= 0.05 * scale, f"gradient of {name}: off by {error:.3g} of {scale:.3g}"
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=["2", "2x2"])
+def test_all_tokens_routed_to_one_expert(mesh: tuple[int, ...]) -> None:
+    """A router with equal scores for every expert sends every token to the same one (top-1,
+    ties broken alike every time): the device holding that expert computes every row, the other
+    none, and the step is still exactly one device's."""
+    model = mixtral(num_experts_per_tok=1)
+    with torch.no_grad():
+        model.model.layers[0].mlp.gate.weight.zero_()
+    program, spmd = _expert_parallel(model, mesh)
+    flat = program.flat_inputs(model, *_inputs().values())
+    values = record_values(program.graph_module, flat)
+    offsets = values[_grouped_products(program)[0].args[2].name]
+    counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).tolist()
+    assert sorted(counts) == [0, 0, 0, 32], counts  # 4 x 8 tokens, all on one expert
+    _assert_like_eager(model, program, spmd)
+
+
+# Experts whose own dims split over no mesh axis (hidden 15, intermediate 127: odd), but whose
+# count does (16): the down projection can be split only by expert.
+AWKWARD = dict(
+    hidden_size=15, head_dim=8, intermediate_size=127, num_local_experts=16,
+    output_router_logits=False,
+)  # fmt: skip
+SLOW_DEVICES = Cluster((2,), flops=1e8, bandwidth=(1e9,), latency=(1e-5,))
+
+
+def test_the_ilp_splits_experts_where_that_is_cheaper() -> None:
+    """On devices slow enough that the experts' products matter, the ILP splits the down
+    projection's experts (forward and backward), and its plan costs less than the best plan
+    of a registry without expert splits (which must replicate that product or sum its
+    weight gradient over the devices), by the cost model's own count; the plan it chose
+    trains like one device."""
+    model = mixtral(**AWKWARD)
+    without = default_rules()
+    experts.register(without, split_experts=False)
+    chosen = plan_program(fxpar.capture(model, _inputs()), SLOW_DEVICES)
+    other = plan_program(fxpar.capture(model, _inputs()), SLOW_DEVICES, rules=without)
+    split = [n for n in _grouped_products(chosen.program) if _split_on_axis_0(chosen.program, n)]
+    assert len(split) >= 2, "the ILP split no grouped product by expert"
+    assert not any(_split_on_axis_0(other.program, n) for n in _grouped_products(other.program))
+    assert chosen.solution.objective < other.solution.objective
+    assert fxpar.planning.plan.score(chosen) < fxpar.planning.plan.score(other)
+    chosen_memory = chosen.problem.memory(chosen.solution.choice)
+    assert chosen_memory < other.problem.memory(other.solution.choice)
+    flat = chosen.program.flat_inputs(model, *_inputs().values())
+    assert_equivalent(fxpar.lower(chosen), flat)
+
+
+def test_expert_parallel_says_when_a_model_has_no_experts() -> None:
+    config = GPTConfig(n_layer=1, n_embd=16, n_head=2, vocab_size=VOCAB, block_size=8)
+    tokens = torch.randint(0, VOCAB, (2, 8))
+    program = fxpar.capture(GPT(config), (tokens,), gpt_loss, example_targets=(tokens,))
+    with pytest.raises(FxparError, match="no expert weights"):
+        plans.expert_parallel(program, Cluster((2,)))
+
+
+def test_expert_weights_are_found_by_their_use() -> None:
+    """The stacked weights grouped products read, and neither the router nor Qwen2-MoE's shared
+    expert (an ordinary MLP)."""
+    program = fxpar.capture(qwen2_moe(), _inputs())
+    assert sorted(expert_weights(program)) == [
+        "model.layers.0.mlp.experts.down_proj",
+        "model.layers.0.mlp.experts.gate_up_proj",
+    ]
+
+
+# -- real processes ------------------------------------------------------------------------------
+
+STEPS = 3
+LR = 0.1
+
+
+def _eager_training(seed: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    torch.manual_seed(seed)
+    model = mixtral()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for _ in range(STEPS):
+        loss, _ = eager_step(model, _inputs())
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, model.state_dict()
+
+
+def _train_expert_parallel(
+    rank: int, world_size: int, mesh: tuple[int, ...]
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    parallel = fxpar.compile(
+        mixtral(), Cluster(mesh), _inputs(), optimizer=fxpar.optim.SGD(lr=LR),
+        manual=plans.expert_parallel,
+    )  # fmt: skip
+    losses = [parallel.step(**_inputs()).item() for _ in range(STEPS)]
+    return losses, parallel.full_state_dict()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", MESHES, ids=["2", "2x2"])
+def test_expert_parallel_trains_on_gloo_like_eager(mesh: tuple[int, ...]) -> None:
+    """Three SGD steps of Mixtral under expert parallelism on gloo processes: every rank's
+    losses and full weights equal eager PyTorch's."""
+    expected_losses, expected_state = _eager_training(seed=0)
+    for losses, state in spawn(_train_expert_parallel, len(mesh) * 2, mesh):
+        assert losses == pytest.approx(expected_losses, rel=1e-4)
+        persistent = {name: state[name] for name in expected_state}  # not rotary tables
+        torch.testing.assert_close(persistent, expected_state, rtol=1e-4, atol=1e-5)
