@@ -152,14 +152,14 @@ def _cheapest(
     sizes = tuple(ir.evaluate(ir.require(s, ir.ValueMeta).tensor.nbytes) for s in sources)
     outputs = ir.require(node, ir.ValueMeta).outputs
     produced = tuple(None if meta is None else ir.evaluate(meta.nbytes) for meta in outputs)
-    accepted: Sequence[int] = range(len(all_candidates))
+    indices: Sequence[int] = range(len(all_candidates))
     if allowed is not None:
-        accepted = [i for i, c in enumerate(all_candidates) if allowed(node, c)] or accepted
-    memo = (id(all_candidates), follows, arriving, sizes, produced, tuple(accepted))
+        indices = [i for i, c in enumerate(all_candidates) if allowed(node, c)] or indices
+    restricted = None if allowed is None else tuple(indices)
+    memo = (id(all_candidates), follows, arriving, sizes, produced, restricted)
     if memo in known:
         return known[memo]
     coded = _coded(all_candidates)
-    indices = accepted
     if follows:
         # A mixed-precision cast takes its input as it arrives (where it can): a parameter is
         # cast where it is stored, a partial gradient stays partial through it.
