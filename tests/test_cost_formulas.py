@@ -44,7 +44,7 @@ from fxpar.planning.cost import (
 )
 from fxpar.planning.report import compact_spec
 from fxpar.planning.step_time import price_schedule
-from fxpar.sharding import Sharding, Spec
+from fxpar.sharding import Sharding, Spec, Strategy
 from fxpar.sharding.reshard import reshard_steps
 
 R, P = Replicate(), Partial()
@@ -337,6 +337,19 @@ def linear_program() -> fxpar.Program:
     model = nn.Linear(FEATURES, FEATURES, bias=False)
     rows = torch.randn(ROWS, FEATURES)
     return fxpar.capture(model, (rows,), lambda y: y.square().mean())
+
+
+def test_only_a_split_value_shares_the_work() -> None:
+    """An axis shares a node's work when some input or output is split on it. A matmul fed a
+    Partial input and a replicated weight makes a Partial output from a whole product on every
+    device: it shares nothing, however Partial its output (it used to count as split)."""
+    mesh = (2, 4)
+    linear_in_input = Strategy(outputs=((P, R),), inputs=((P, R), (R, R)))
+    assert split_factor(linear_in_input, mesh) == 1
+    contraction = Strategy(outputs=((P, R),), inputs=((S(1), R), (S(0), R)))
+    assert split_factor(contraction, mesh) == 2
+    rows_and_columns = Strategy(outputs=((S(0), S(1)),), inputs=((S(0), R), (R, S(1))))
+    assert split_factor(rows_and_columns, mesh) == 8
 
 
 def matmul_splits(bandwidth: tuple[float, ...]) -> tuple[list[int], list[tuple[str, int, int]]]:

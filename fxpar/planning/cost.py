@@ -45,7 +45,7 @@ from collections.abc import Collection, Iterable, Sequence
 from typing import Literal
 
 import torch.fx as fx
-from torch.distributed.tensor import Partial, Shard
+from torch.distributed.tensor import Shard
 
 from fxpar import ir
 from fxpar.cluster import Cluster
@@ -153,13 +153,14 @@ def regathered_seconds(src: Spec, dst: Spec, meta: ir.TensorMeta, cluster: Clust
 
 
 def split_factor(strategy: Strategy, mesh_shape: tuple[int, ...]) -> int:
-    """How many devices share the node's work under ``strategy``."""
+    """How many devices share the node's work under ``strategy``: the size of every mesh axis
+    on which some input or output is split. An axis on which values are only replicated or
+    partial shares nothing: a linear op given a Partial input (and the other replicated) makes
+    a Partial output from a whole-sized product on every device, not a piece of one."""
     factor = 1
     for axis, size in enumerate(mesh_shape):
         placements = [s[axis] for s in (*strategy.inputs, *strategy.outputs) if s is not None]
-        if any(isinstance(p, Shard) for p in placements) or any(
-            isinstance(s[axis], Partial) for s in strategy.outputs if s is not None
-        ):
+        if any(isinstance(p, Shard) for p in placements):
             factor *= size
     return factor
 
