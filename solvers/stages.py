@@ -20,7 +20,9 @@ subject to
   smaller cluster);
 - every stage fits: ``static_k + f_k * activation_k <= memory_limit``, where the microbatches in
   flight on stage ``k`` depend on the schedule: ``f_k = M`` under GPipe (every forward runs before
-  any backward), ``f_k = min(K - k, M)`` under 1F1B (stage ``k`` runs ``K - k`` warm-up forwards);
+  any backward), ``f_k = min(K - k, M)`` under 1F1B (stage ``k`` runs ``K - k`` warm-up forwards),
+  ``f_k = min(K, M)`` under ZB-H1 (every stage keeps what its B's leave for its deferred W's, up
+  to 1F1B's first stage's count; the caller's activation holds the stash and what B keeps);
 - ``K`` is given (``stages=k``) or free (``stages="auto"``, any ``1 <= K <= min(L, D)``).
 
 Rematerialization is not a separate case: the caller's table then reports the smaller activation
@@ -46,7 +48,11 @@ is exact.
 
 Only ``f(n)`` needs ``n``, so when ``K`` is free the count saturates: GPipe needs no count at all
 (one state, "at least one stage behind"), 1F1B needs ``n`` only up to ``M`` (``n >= M`` all hold
-``M``). The candidate ``t_max`` values form one numpy axis and the device count another, so a whole
+``M``). ZB-H1's ``f = min(K, M)`` is the same on every stage, but it is the plan's own ``K``,
+which the DP does not know while it places a stage: with ``K`` fixed ``f`` is that constant,
+and with ``K`` free each ``K`` is solved on its own (:func:`solve_each_stage_count`, at most
+``min(L, D)`` solves) and the least value wins.
+The candidate ``t_max`` values form one numpy axis and the device count another, so a whole
 batch of candidates is one pass over ``(l, n, table entry)``: ``O(L^2 S K)`` vector operations of
 size ``(candidates, D + 1)`` for ``S`` shapes. Not every candidate needs trying: the least sum
 ``G(t)`` can only fall as ``t`` grows, so a candidate ``t`` below a tried bound ``u`` is worth at
@@ -82,7 +88,8 @@ from fxpar.solvers.errors import format_bytes
 
 Submesh = tuple[int, ...]
 Coordinate = tuple[int, ...]
-Schedule = Literal["gpipe", "1f1b"]
+Schedule = Literal["gpipe", "1f1b", "zb-h1"]
+SCHEDULES: tuple[Schedule, ...] = ("gpipe", "1f1b", "zb-h1")
 StageCount = int | Literal["auto"]
 StageCostTable = (
     Callable[[int, int, Submesh], "StageCost | None"]
@@ -155,9 +162,9 @@ class StageProblem:
             raise InvalidStageProblemError(
                 f"need at least one microbatch, got num_microbatches={self.num_microbatches}"
             )
-        if self.schedule not in ("gpipe", "1f1b"):
+        if self.schedule not in SCHEDULES:
             raise InvalidStageProblemError(
-                f"schedule must be 'gpipe' or '1f1b', got {self.schedule!r}"
+                f"schedule must be one of {', '.join(map(repr, SCHEDULES))}, got {self.schedule!r}"
             )
         if self.memory_limit is not None and not self.memory_limit >= 0:
             raise InvalidStageProblemError(
@@ -258,9 +265,11 @@ def in_flight_microbatches(
     schedule: Schedule, stage_index: int, num_stages: int, num_microbatches: int
 ) -> int:
     """Microbatches stage ``stage_index`` (0-based) of ``num_stages`` keeps activations for:
-    all ``M`` under GPipe, ``min(K - k, M)`` under 1F1B."""
+    all ``M`` under GPipe, ``min(K - k, M)`` under 1F1B, ``min(K, M)`` under ZB-H1."""
     if schedule == "gpipe":
         return num_microbatches
+    if schedule == "zb-h1":
+        return min(num_stages, num_microbatches)
     return min(num_stages - stage_index, num_microbatches)
 
 
@@ -466,6 +475,9 @@ def solve_stages(problem: StageProblem, stages: StageCount = "auto") -> StagePla
     """The plan of least pipeline step time (module docstring), with ``stages`` stages or any
     number. Raises :class:`StageMemoryError` when plans exist but none fits in memory and
     :class:`NoStagePlanError` when none exists at all."""
+    if stages == "auto" and problem.schedule == "zb-h1":
+        # Its microbatches in flight depend on the plan's own K (module docstring).
+        return min(solve_each_stage_count(problem), key=lambda plan: plan.objective)
     counting = _stage_counting(problem, stages)
     entries = _entries(problem)
     # Scoring the chosen plan (and the most frugal one, on failure) reads the entries again.
@@ -485,8 +497,44 @@ def solve_stages(problem: StageProblem, stages: StageCount = "auto") -> StagePla
     return evaluate_stages(problem, boundaries, submeshes)
 
 
+def solve_each_stage_count(problem: StageProblem) -> tuple[StagePlan, ...]:
+    """The plan of least step time of every stage count that has one, fewest stages first:
+    for a caller that ranks them by another measure than the objective (a zero-bubble
+    schedule's step), and for :func:`solve_stages` under ZB-H1 with ``K`` free. Raises like
+    :func:`solve_stages` when no count has a plan; a :class:`StageMemoryError` then names the
+    most frugal plan of any count."""
+    entries = _entries(problem)
+    problem = dataclasses.replace(problem, costs=_entry_mapping(entries))
+    plans: list[StagePlan] = []
+    memory_errors: list[StageMemoryError] = []
+    for count in range(1, min(problem.num_layers, problem.num_devices) + 1):
+        try:
+            plans.append(solve_stages(problem, count))
+        except StageMemoryError as error:
+            memory_errors.append(error)
+        except NoStagePlanError:
+            continue
+    if plans:
+        return tuple(plans)
+    if memory_errors:
+        frugal = min(memory_errors, key=lambda error: error.least_memory)
+        raise StageMemoryError(
+            f"no stage count gives a plan that fits; the most frugal: {frugal}",
+            least_memory=frugal.least_memory,
+            memory_limit=frugal.memory_limit,
+        )
+    raise NoStagePlanError(
+        f"no stage plan covers layers 0..{problem.num_layers - 1} in any number of stages with "
+        f"submeshes {list(problem.submesh_shapes)} using exactly the {problem.num_devices} "
+        f"devices of mesh {problem.mesh_shape}, among the {sum(map(len, entries))} (layer range, "
+        "submesh) pairs the cost table allows; allow more pairs or shapes"
+    )
+
+
 def _stage_counting(problem: StageProblem, stages: StageCount) -> _StageCounting:
     most = min(problem.num_layers, problem.num_devices)
+    if stages == "auto" and problem.schedule == "zb-h1":
+        raise AssertionError("ZB-H1 with K free is solved one K at a time")
     if stages == "auto":
         top = 1 if problem.schedule == "gpipe" else min(problem.num_microbatches, most)
         saturating = True
@@ -498,7 +546,10 @@ def _stage_counting(problem: StageProblem, stages: StageCount) -> _StageCounting
             f"layer and per device: {problem.num_layers} layers, {problem.num_devices} devices), "
             f"got {stages!r}"
         )
-    in_flight = tuple(problem.in_flight(0, count) for count in range(top + 1))
+    if saturating:  # a stage with n - 1 stages behind it: stage 0 of n, for all we know
+        in_flight = tuple(problem.in_flight(0, count) for count in range(top + 1))
+    else:  # stage K - n of the K
+        in_flight = tuple(problem.in_flight(top - count, top) for count in range(top + 1))
     return _StageCounting(top=top, saturating=saturating, in_flight=in_flight)
 
 
@@ -707,11 +758,10 @@ def _no_plan_error(
 def brute_force_stages(problem: StageProblem, stages: StageCount = "auto") -> StagePlan:
     """The reference: every stage count, every cut of the layers into that many stages and every
     assignment of shapes, scored from scratch. Among equal step times the first found wins."""
-    counting = _stage_counting(problem, stages)
     counts = (
         range(1, min(problem.num_layers, problem.num_devices) + 1)
         if stages == "auto"
-        else [counting.top]
+        else [_stage_counting(problem, stages).top]
     )
     best: tuple[float, tuple[int, ...], tuple[Submesh, ...]] | None = None
     least_memory = math.inf

@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import math
 import threading
 import time
 import types
@@ -39,23 +40,23 @@ import fxpar
 from fxpar import plans
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.optim import SGD
-from fxpar.passes import default_passes, for_compile, plan_program
+from fxpar.passes import plan_program
 from fxpar.pipeline import (
     Pipeline,
     PipelineError,
     PipelineModel,
     SplitProgram,
     build_schedule,
+    capture_microbatch,
     even_split_points,
     partition,
     split_program,
 )
 from fxpar.pipeline import executor as executor_module
-from fxpar.pipeline.auto import evaluate_split, plan_stages, search_pipelines
+from fxpar.pipeline.auto import evaluate_split, search_pipelines
 from fxpar.pipeline.executor import StageResult, StageWorker
 from fxpar.pipeline.intra_op import GradientSync
 from fxpar.pipeline.schedule import placement_of, virtual_stage
-from fxpar.pipeline.stage_programs import PassPlanner
 from fxpar.runtime.launch import spawn
 
 CONFIG = GPTConfig(n_layer=4, n_embd=32, n_head=4, vocab_size=64, block_size=16)
@@ -319,7 +320,7 @@ def test_the_stage_dp_prices_zb_h1_and_picks_it_where_faster_and_it_fits() -> No
     for, its step is 1F1B's less what its W's fill (at most K - 1 stage times), with every
     stage keeping min(K, M) micro-batches, each its stash and what B keeps for W (so the last
     stage needs more memory than under 1F1B). search_pipelines picks it where it fits, and
-    1F1B where the memory lies between what the two need. Stage meshes are refused."""
+    1F1B where the memory lies between what the two need."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=4, n_embd=64, n_head=4, vocab_size=64, block_size=16))
     tokens = torch.randint(0, 64, (16, 16), generator=torch.Generator().manual_seed(1))
@@ -346,13 +347,66 @@ def test_the_stage_dp_prices_zb_h1_and_picks_it_where_faster_and_it_fits() -> No
     memory = (need["1f1b"] + need["zb-h1"]) / 2
     limited = search_pipelines(program, fxpar.Cluster((4,), memory=memory, **slow), settings)
     assert limited.choice is not None and limited.choice.pipeline.schedule == "1f1b"
-    with pytest.raises(PipelineError, match="data-parallel stages only"):
-        plan_stages(
-            program,
-            fxpar.Cluster((4,)),
-            settings[1],
-            stage_planner=PassPlanner(for_compile(default_passes())),
-        )
+
+
+# Links slow enough that the tensor parallel stage DP below puts its last stage on a mesh of
+# two and the first ones on one device each, where ZB-H1's W's fill part of 1F1B's bubble.
+MESH_DP_CLUSTER = fxpar.Cluster((4,), bandwidth=(2e8,))
+MESH_DP_PIPELINES = [
+    Pipeline(stages="auto", microbatches=4, schedule=schedule) for schedule in ("1f1b", "zb-h1")
+]
+TENSOR_PARALLEL = functools.partial(plan_program, manual=plans.tensor_parallel)
+
+
+def test_the_stage_dp_prices_zb_h1_on_stage_meshes_and_picks_it_where_faster() -> None:
+    """With stages running tensor parallel plans on meshes the DP chooses, ZB-H1 is priced as on
+    data-parallel stages: the search over both schedules picks it, on stage meshes of which
+    one has two devices, for a step below 1F1B's on the same stages and meshes (evaluated by
+    evaluate_split) by less than K - 1 stage times; every stage keeps min(K, M) micro-batches
+    and holds at least 1F1B's memory, the last stage more. The plans it carries are the
+    meshes' tensor parallel plans, and fxpar.compile with schedule="zb-h1" makes the same
+    choice (run on gloo ranks by the stage-mesh test below). Under a memory limit between
+    what the two schedules need, the search picks 1F1B."""
+    model, tokens, targets = _gpt()
+    pipeline = MESH_DP_PIPELINES[0]
+    program = capture_microbatch(model, pipeline, (tokens,), gpt_loss, example_targets=(targets,))
+    search = search_pipelines(
+        program, MESH_DP_CLUSTER, MESH_DP_PIPELINES, stage_planner=TENSOR_PARALLEL, microbatch=True
+    )
+    one_f_one_b, zero_bubble = (outcome.choice for outcome in search.outcomes)
+    assert one_f_one_b is not None and zero_bubble is not None
+    assert search.choice is zero_bubble and zero_bubble.step_time < one_f_one_b.step_time
+    meshes = zero_bubble.stage_mesh_shapes
+    stages = len(meshes)
+    assert stages > 1 and max(map(math.prod, meshes)) > 1, meshes
+    assert set(zero_bubble.plans) == set(meshes)
+    same = dataclasses.replace(zero_bubble.pipeline, schedule="1f1b")
+    priced = evaluate_split(
+        program, MESH_DP_CLUSTER, same, stage_planner=TENSOR_PARALLEL, microbatch=True
+    )
+    assert priced.step_time == pytest.approx(zero_bubble.plan.objective)
+    saved = priced.step_time - zero_bubble.step_time
+    assert 0 < saved < (stages - 1) * max(stage.time for stage in zero_bubble.plan.stages)
+    scored = evaluate_split(
+        program, MESH_DP_CLUSTER, zero_bubble.pipeline, stage_planner=TENSOR_PARALLEL,
+        microbatch=True,
+    )  # fmt: skip
+    assert scored.step_time == pytest.approx(zero_bubble.step_time)
+    assert [stage.in_flight for stage in zero_bubble.plan.stages] == [min(stages, 4)] * stages
+    assert all(z >= o for z, o in zip(zero_bubble.memory, priced.memory, strict=True))
+    assert zero_bubble.memory[-1] > priced.memory[-1]
+    starved = search_pipelines(
+        program, dataclasses.replace(MESH_DP_CLUSTER, memory=1.0), MESH_DP_PIPELINES,
+        stage_planner=TENSOR_PARALLEL, microbatch=True,
+    )  # fmt: skip
+    need = {o.pipeline.schedule: o.least_memory for o in starved.outcomes}
+    assert need["1f1b"] is not None and need["zb-h1"] is not None
+    assert need["1f1b"] < need["zb-h1"]
+    limited = dataclasses.replace(MESH_DP_CLUSTER, memory=(need["1f1b"] + need["zb-h1"]) / 2)
+    search = search_pipelines(
+        program, limited, MESH_DP_PIPELINES, stage_planner=TENSOR_PARALLEL, microbatch=True
+    )
+    assert search.choice is not None and search.choice.pipeline.schedule == "1f1b"
 
 
 # -- gloo processes ---------------------------------------------------------------------------
@@ -584,28 +638,41 @@ def test_zero_bubble_pipelines_train_like_one_device_on_gloo(
 
 @dataclasses.dataclass(frozen=True)
 class MeshCase:
-    """A model under a zero-bubble pipeline whose stages run a manual plan on a mesh of 2."""
+    """A model under a zero-bubble pipeline whose stages run a manual plan on a mesh of 2, or
+    (``cluster``) on the meshes ``fxpar.compile``'s stage DP chooses on that cluster."""
 
     name: str
     pipeline: Pipeline
     plan: str
     """``fxpar.plans.tensor_parallel`` or ``fully_sharded``, by name."""
+    cluster: fxpar.Cluster | None = None
 
     def __str__(self) -> str:
         return f"{self.name} under {self.pipeline.schedule}, {self.plan} stages"
 
     def build(self) -> PipelineModel:
-        planner = functools.partial(plan_program, manual=getattr(plans, self.plan))
-        common: dict[str, Any] = {"optimizer": SGD(lr=LR), "planner": planner}
+        manual = getattr(plans, self.plan)
+        common: dict[str, Any] = {"optimizer": SGD(lr=LR)}
+        if self.name in HF_MODELS:
+            model, batch = HF_MODELS[self.name]()
+        else:
+            model, tokens, targets = _gpt()
+        if self.cluster is not None:
+            return fxpar.compile(
+                model, self.cluster, (tokens,), gpt_loss, example_targets=(targets,),
+                pipeline=self.pipeline, manual=manual, **common,
+            )  # fmt: skip
+        common["planner"] = functools.partial(plan_program, manual=manual)
         if self.pipeline.stage_meshes is None:
             common["stage_cluster"] = fxpar.Cluster((2,))
-        if self.name == "llama":
-            model, batch = _llama()
+        if self.name in HF_MODELS:
             return PipelineModel(model, self.pipeline, batch, **common)
-        model, tokens, targets = _gpt()
         return PipelineModel(
             model, self.pipeline, (tokens,), gpt_loss, example_targets=(targets,), **common
         )
+
+
+HF_MODELS = {"llama": _llama, "t5": _t5}
 
 
 MESHES = ((2,), (2,))
@@ -628,10 +695,20 @@ MESH_CASES = (
         ),
         "tensor_parallel",
     ),
+    # the encoder on stage 0, the decoder and head on stage 1: the tied embedding on both
+    MeshCase(
+        "t5",
+        Pipeline(stages=("decoder.block.0",), microbatches=2, schedule="zb-h1"),
+        "fully_sharded",
+    ),
+    MeshCase("gpt", MESH_DP_PIPELINES[1], "tensor_parallel", MESH_DP_CLUSTER),
 )
 """2 stages x 2 devices: fxpar's GPT (tied embedding and head, held by stage 0's two chunks
 under ZB-V) and a Hugging Face Llama, each under ZB-H1 and ZB-V, tensor parallel in one and
-fully sharded in the other."""
+fully sharded in the other; a Hugging Face T5 (tied embedding on both stages) fully sharded
+under ZB-H1. Last, the GPT under ZB-H1 on the stages and meshes fxpar.compile's stage DP
+chooses for tensor parallel plans on 4 devices of slow links, which search_pipelines
+prefers to 1F1B's (the stage DP's test above)."""
 
 
 def _mesh_cases_on_ranks(rank: int, world_size: int) -> list[dict[str, Any]]:
@@ -653,7 +730,7 @@ def _mesh_cases_on_ranks(rank: int, world_size: int) -> list[dict[str, Any]]:
     for case in MESH_CASES:
         pipelined = case.build()
         batch: tuple[torch.Tensor, ...] = (tokens, targets) if case.name == "gpt" else ()
-        named = _llama()[1] if case.name == "llama" else {}
+        named = HF_MODELS[case.name]()[1] if case.name in HF_MODELS else {}
         losses = [pipelined.step(*batch, **named)]
         syncs.clear()
         losses.append(pipelined.step(*batch, **named))
@@ -661,6 +738,7 @@ def _mesh_cases_on_ranks(rank: int, world_size: int) -> list[dict[str, Any]]:
         outcome = {
             "losses": losses, "state": pipelined.full_state_dict(),
             "events": pipelined.trace.events, "synced": list(syncs),
+            "pipeline": pipelined.pipeline,
         }  # fmt: skip
         if case.name == "gpt" and case.pipeline.schedule == "zb-v":
             outcome["eval_loss"] = pipelined.loss(*batch)
@@ -672,18 +750,30 @@ def _mesh_cases_on_ranks(rank: int, world_size: int) -> list[dict[str, Any]]:
 @pytest.mark.slow
 def test_zero_bubble_pipelines_on_stage_meshes_train_like_one_device_on_gloo() -> None:
     """ZB-H1 and ZB-V with every stage's backward lowered to a mesh of 2 devices (tensor
-    parallel or fully sharded, so B and W call collectives): on every rank both steps' losses
-    are eager PyTorch's and the gathered model is the eagerly trained one (the GPT's tied
-    weight summed from two chunks of stage 0, each converting its own gradient under ZB-V);
+    parallel or fully sharded, so B and W call collectives), and ZB-H1 on the stage meshes
+    the stage DP chose: on every rank both steps' losses are eager PyTorch's and the gathered
+    model is the eagerly trained one (the GPT's tied weight summed from two chunks of stage 0,
+    each converting its own gradient under ZB-V; T5's shared embedding from both stages);
     each micro-batch's B and W ran for every chunk, and the gradient syncs (the fully sharded
     plan's reduce-scatters) started after the last W. The trained ZB-V GPT's loss and
-    outputs are eager's too."""
+    outputs are eager's too, and the compiled pipeline is the one search_pipelines chooses
+    over 1F1B and ZB-H1."""
     ranks = spawn(_mesh_cases_on_ranks, 4, timeout_s=240)
+    model, tokens, targets = _gpt()
+    program = capture_microbatch(
+        model, MESH_DP_PIPELINES[0], (tokens,), gpt_loss, example_targets=(targets,)
+    )
+    search = search_pipelines(
+        program, MESH_DP_CLUSTER, MESH_DP_PIPELINES, stage_planner=TENSOR_PARALLEL, microbatch=True
+    )
+    assert search.choice is not None
     for index, case in enumerate(MESH_CASES):
-        if case.name == "llama":
-            expected = _eager(HFCase("llama", _llama, case.pipeline))
+        if case.name in HF_MODELS:
+            expected = _eager(HFCase(case.name, HF_MODELS[case.name], case.pipeline))
         else:
             expected = _eager(case.pipeline)
+        if case.cluster is not None:
+            assert {r[index]["pipeline"] for r in ranks} == {search.choice.pipeline}, case
         microbatches, chunks = case.pipeline.microbatches, case.pipeline.virtual_stages
         for rank, outcomes in enumerate(ranks):
             found, what = outcomes[index], f"{case}, rank {rank}"

@@ -37,6 +37,7 @@ from fxpar.solvers.stages import (
     in_flight_microbatches,
     pipeline_step_time,
     place_submeshes,
+    solve_each_stage_count,
     solve_stages,
 )
 
@@ -74,7 +75,7 @@ def random_table(
 
 @st.composite
 def stage_problems(draw: st.DrawFn) -> tuple[StageProblem, StageCount]:
-    """1-6 layers on meshes of 1-8 devices, 1-4 shapes, M in {1, 2, 4, 8}, both schedules, no
+    """1-6 layers on meshes of 1-8 devices, 1-4 shapes, M in {1, 2, 4, 8}, every schedule, no
     memory limit or one that may bind, up to half the table infeasible; a fixed or free K."""
     mesh_shape, allowed = draw(st.sampled_from(MESHES))
     shapes = draw(st.lists(st.sampled_from(allowed), min_size=1, max_size=4, unique=True))
@@ -92,7 +93,7 @@ def stage_problems(draw: st.DrawFn) -> tuple[StageProblem, StageCount]:
         num_microbatches=draw(st.sampled_from([1, 2, 4, 8])),
         costs=table,
         memory_limit=draw(st.one_of(st.none(), st.integers(5, 60).map(float))),
-        schedule=draw(st.sampled_from(["gpipe", "1f1b"])),
+        schedule=draw(st.sampled_from(["gpipe", "1f1b", "zb-h1"])),
     )
     most = min(num_layers, problem.num_devices)
     stages: StageCount = draw(st.one_of(st.just("auto"), st.integers(1, most)))
@@ -189,6 +190,32 @@ def test_pipeline_step_time_and_in_flight_counts() -> None:
     assert [in_flight_microbatches("1f1b", k, 4, 2) for k in range(4)] == [2, 2, 2, 1]
     assert [in_flight_microbatches("1f1b", k, 4, 8) for k in range(4)] == [4, 3, 2, 1]
     assert [in_flight_microbatches("gpipe", k, 4, 8) for k in range(4)] == [8, 8, 8, 8]
+    assert [in_flight_microbatches("zb-h1", k, 4, 8) for k in range(4)] == [4, 4, 4, 4]
+    assert [in_flight_microbatches("zb-h1", k, 4, 2) for k in range(4)] == [2, 2, 2, 2]
+
+
+def test_zb_h1_with_stages_free_weighs_each_count_by_its_own_memory() -> None:
+    """Under ZB-H1 every stage keeps min(K, M) microbatches, so the memory of a stage depends
+    on how many stages the plan has: two stages on one device each (1.5 per microbatch, a step
+    of 4.5) beat one stage on both (3, a step of 6), but then both keep 2 microbatches and the
+    second needs 2 + 2 * 1 = 4 bytes, over the limit of 3; the single stage keeps one (K = 1)
+    and fits. Under 1F1B the last stage keeps one microbatch, so the pipeline fits there."""
+    table = {
+        (0, 2, (2,)): StageCost(3.0, 1.0, 1.0),
+        (0, 1, (1,)): StageCost(1.5, 1.0, 1.0),
+        (1, 2, (1,)): StageCost(1.5, 2.0, 1.0),
+    }
+    options: dict[str, Any] = dict(num_microbatches=2, memory_limit=3.0)
+    zero_bubble = two_layer_problem(table, schedule="zb-h1", **options)
+    plans = solve_each_stage_count(zero_bubble)
+    assert [plan.num_stages for plan in plans] == [1]
+    assert solve_stages(zero_bubble) == plans[0]
+    assert solve_stages(two_layer_problem(table, schedule="1f1b", **options)).num_stages == 2
+    unlimited = dataclasses.replace(zero_bubble, memory_limit=None)
+    assert [plan.num_stages for plan in solve_each_stage_count(unlimited)] == [1, 2]
+    assert [s.in_flight for s in solve_stages(unlimited).stages] == [2, 2]
+    with pytest.raises(StageMemoryError, match="no stage count gives a plan that fits"):
+        solve_each_stage_count(dataclasses.replace(zero_bubble, memory_limit=1.5))
 
 
 def test_microbatches_decide_between_one_stage_and_a_pipeline() -> None:

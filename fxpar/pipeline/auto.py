@@ -29,12 +29,17 @@ solves a problem on mesh ``(D,)`` whose only submesh is ``(d,)``, minimizing
 micro-batches in flight; the best ``d`` wins. This is Alpa's "intra-op plan cost for each
 (layer range, submesh)", restricted to the one intra-op plan replicas run: data parallelism.
 
-**Zero-bubble** (``schedule="zb-h1"``, data-parallel stages only). The DP picks the split by
-the same objective (ZB-H1 keeps 1F1B's steady state, so the same stages balance it), with every
-stage keeping ``min(K, M)`` micro-batches, each holding its stash and what B keeps for W; the
-choice's step is that objective less what ZB-H1 saves over 1F1B
-(:meth:`~fxpar.pipeline.stage_costs.StageCostModel.step_time`), and it is this step that
-:func:`search_pipelines` compares with other schedules'.
+**Zero-bubble** (``schedule="zb-h1"``, on data-parallel stages and on stage meshes alike). For
+a number of stages ``K`` the DP picks the split by the same objective (ZB-H1 keeps 1F1B's steady
+state, so the same stages balance it), with every stage keeping ``min(K, M)`` micro-batches,
+each holding its stash and what B keeps for W (the solver's ``schedule="zb-h1"``); a plan's
+step is that objective less what ZB-H1 saves over 1F1B
+(:meth:`~fxpar.pipeline.stage_costs.StageCostModel.step_time`). Plans of different ``K`` are
+compared by that step: the best ``d`` of data-parallel stages, and over stage meshes the best
+plan of each shape alone and of each ``K`` of the mix
+(:func:`~fxpar.solvers.stages.solve_each_stage_count`: the memory depends on ``K``, so the
+mix is solved one ``K`` at a time). It is this step that :func:`search_pipelines` compares
+with other schedules'.
 
 **Submeshes** (``stage_planner``). Each stage runs an intra-op plan on a mesh of its own, and the
 stage DP chooses the meshes too, among several shapes at once (Alpa's inter-op pass): on a 2-D
@@ -109,6 +114,7 @@ from fxpar.solvers.stages import (
     StageProblem,
     Submesh,
     evaluate_stages,
+    solve_each_stage_count,
     solve_stages,
 )
 
@@ -231,7 +237,7 @@ def search_pipelines(
             "capture and search each count on its own"
         )
     for pipeline in pipelines:
-        _check_schedule(pipeline, stage_planner)
+        _check_schedule(pipeline)
     model, starts, layer_names = _layers(
         program, cluster, pipelines[0], optimizer_states, layers, stage_planner, microbatch
     )
@@ -278,11 +284,17 @@ def stage_problem(
     return problem
 
 
-def search_submeshes(problem: StageProblem) -> SubmeshSearch:
+def search_submeshes(
+    problem: StageProblem, step_time: Callable[[StagePlan], float] | None = None
+) -> SubmeshSearch:
     """The best plan of ``problem`` over all its submesh shapes and stage counts, preferring
     stages all on one shape on a tie: the best plan of every shape alone (``D / devices``
     stages, for shapes whose devices divide the mesh's ``D``) and the best over every mix
-    (:func:`~fxpar.solvers.stages.solve_stages` with ``stages="auto"``)."""
+    (:func:`~fxpar.solvers.stages.solve_stages` with ``stages="auto"``). Plans are ranked by
+    ``step_time`` (default: their objective); under ZB-H1 the mix's best plan of every stage
+    count is ranked by it (:func:`~fxpar.solvers.stages.solve_each_stage_count`), as is the
+    choice between the plans of each shape alone and the mix."""
+    step = step_time if step_time is not None else _objective
     world = problem.num_devices
     outcomes: list[DegreeOutcome] = []
     memory_errors: list[StageMemoryError] = []
@@ -310,19 +322,22 @@ def search_submeshes(problem: StageProblem) -> SubmeshSearch:
         except NoStagePlanError as error:
             outcomes.append(DegreeOutcome(devices, stages, None, str(error), shape))
             continue
-        outcomes.append(DegreeOutcome(devices, stages, plan.objective, "", shape))
-        if best is None or plan.objective < best.objective:
+        outcomes.append(DegreeOutcome(devices, stages, step(plan), "", shape))
+        if best is None or step(plan) < step(best):
             best = plan
     mixed: StagePlan | None = None
     mixed_reason = ""
     try:
-        mixed = solve_stages(problem, "auto")
+        if problem.schedule == "zb-h1" and step_time is not None:
+            mixed = min(solve_each_stage_count(problem), key=step)
+        else:
+            mixed = solve_stages(problem, "auto")
     except StageMemoryError as error:
         memory_errors.append(error)
         mixed_reason = f"needs {format_bytes(error.least_memory)}"
     except NoStagePlanError as error:
         mixed_reason = str(error)
-    if mixed is not None and (best is None or mixed.objective < best.objective):
+    if mixed is not None and (best is None or step(mixed) < step(best)):
         best = mixed
     return SubmeshSearch(best, tuple(outcomes), mixed, mixed_reason, tuple(memory_errors))
 
@@ -392,22 +407,25 @@ def evaluate_split(
     layer_names = tuple(atoms.modules)
     if meshes is None:
         d = pipeline.data_parallel
-        problem = _problem(model, starts, (world,), ((d,),), lambda a, b, shape: shape, stages)
-        step, plan = _scheduled(
-            model, starts, evaluate_stages(problem, boundaries, [(d,)] * stages)
-        )
+        problem = _problem(model, starts, (world,), ((d,),), _replicas)
+        plan = evaluate_stages(problem, boundaries, [(d,)] * stages)
         choice = _choice(atoms, starts, layer_names, plan, pipeline, cluster, d)
-        return dataclasses.replace(choice, step_time=step)
+        return dataclasses.replace(choice, step_time=_step_of(model, starts, _replicas)(plan))
     # Price each stage on its own mesh; the DP's shapes only count its devices.
     ranges = itertools.pairwise((0, *boundaries, atoms.count))
     mesh_of = dict(zip(ranges, meshes, strict=True))
     shapes = tuple(dict.fromkeys((math.prod(mesh),) for mesh in meshes))
-    problem = _problem(model, starts, (world,), shapes, lambda a, b, shape: mesh_of[(a, b)])
+
+    def own_mesh(start: int, stop: int, shape: Submesh) -> Shape:
+        return mesh_of[(start, stop)]
+
+    problem = _problem(model, starts, (world,), shapes, own_mesh)
     plan = evaluate_stages(problem, boundaries, [(math.prod(mesh),) for mesh in meshes])
     choice = _with_stage_meshes(
         _choice(atoms, starts, layer_names, plan, pipeline, cluster), cluster, meshes
     )
-    return _with_plans(choice, model, meshes)
+    step = _step_of(model, starts, own_mesh)(plan)
+    return dataclasses.replace(_with_plans(choice, model, meshes), step_time=step)
 
 
 def _layers(
@@ -449,7 +467,7 @@ def _plan_replicas(
         if reason:
             outcomes.append(DegreeOutcome(d, stages, None, reason))
             continue
-        problem = _problem(model, starts, (world,), ((d,),), lambda a, b, shape: shape, stages)
+        problem = _problem(model, starts, (world,), ((d,),), _replicas)
         try:
             plan = solve_stages(problem, stages)
         except StageMemoryError as error:
@@ -458,7 +476,7 @@ def _plan_replicas(
                 DegreeOutcome(d, stages, None, f"needs {format_bytes(error.least_memory)}")
             )
             continue
-        step, plan = _scheduled(model, starts, plan)
+        step = _step_of(model, starts, _replicas)(plan)
         outcomes.append(DegreeOutcome(d, stages, step))
         logger.debug("%d devices per stage: step %.3g s", d, step)
         if best is None or step < best[0]:
@@ -481,7 +499,8 @@ def _plan_submeshes(
     if reason:
         raise PipelineError(f"no pipeline runs this step on {cluster.world_size} devices: {reason}")
     problem, tried = _submesh_problem(model, starts)
-    search = search_submeshes(problem)
+    step = _step_of(model, starts, _squeezed)
+    search = search_submeshes(problem, step)
     if search.plan is None:
         mixed = DegreeOutcome(0, 0, None, f"any mix of meshes: {search.mixed_reason}")
         raise _no_pipeline_error(cluster, [*search.uniform, mixed], list(search.memory_errors))
@@ -496,9 +515,10 @@ def _plan_submeshes(
     )
     return dataclasses.replace(
         _with_plans(choice, model, meshes),
+        step_time=step(plan),
         degrees=degrees,
         submeshes=tried,
-        mixed_step_time=search.mixed.objective if search.mixed is not None else None,
+        mixed_step_time=step(search.mixed) if search.mixed is not None else None,
         mixed_reason=search.mixed_reason,
     )
 
@@ -523,9 +543,7 @@ def _submesh_problem(
         tried.append(SubmeshOutcome(stage_mesh(shape)))
         usable.append(shape)
     try:
-        problem = _problem(
-            model, starts, mesh_shape, tuple(usable), lambda a, b, shape: stage_mesh(shape)
-        )
+        problem = _problem(model, starts, mesh_shape, tuple(usable), _squeezed)
     except InvalidStageProblemError as error:
         failures = "; ".join(f"{o.shape}: {o.reason}" for o in tried if o.reason)
         raise PipelineError(
@@ -545,7 +563,7 @@ def _cost_model(
     extra_points: Sequence[str],
     microbatch: bool,
 ) -> StageCostModel:
-    _check_schedule(pipeline, stage_planner)
+    _check_schedule(pipeline)
     atoms = Atoms.build(program, extra_points)
     if stage_planner is None:
         return StageCostModel(atoms, cluster, pipeline, optimizer_states, microbatch=microbatch)
@@ -561,18 +579,12 @@ def _cost_model(
     )  # fmt: skip
 
 
-def _check_schedule(pipeline: Pipeline, stage_planner: StagePlanner | None = None) -> None:
+def _check_schedule(pipeline: Pipeline) -> None:
     if pipeline.schedule in ("interleaved", "zb-v"):
         raise PipelineError(
             f"the stage DP prices one model chunk per stage (GPipe, 1F1B, ZB-H1), not the "
             f"{pipeline.schedule} schedule: choose its split points yourself "
             "(K * virtual_stages - 1 module names), or plan stages for schedule='1f1b'"
-        )
-    if pipeline.schedule == "zb-h1" and stage_planner is not None:
-        raise PipelineError(
-            "zb-h1 runs data-parallel stages only (a stage mesh's backward is not split into "
-            "input and weight gradients): plan stages without a stage planner, or for "
-            "schedule='1f1b'"
         )
 
 
@@ -649,28 +661,19 @@ def _problem(
     mesh_shape: Shape,
     shapes: tuple[Submesh, ...],
     mesh_of: Callable[[int, int, Submesh], Shape],
-    stages: int | None = None,
 ) -> StageProblem:
     """The stage problem over the layers beginning at ``starts``: layers ``[i, j)`` on the
     DP's ``shape`` cost what atoms ``[starts[i], starts[j])`` cost on stage mesh
-    ``mesh_of(starts[i], starts[j], shape)``, with the micro-batches in flight of a pipeline
-    of ``stages`` stages (which ZB-H1 needs, :meth:`StageCostModel.in_flight`)."""
+    ``mesh_of(starts[i], starts[j], shape)``, under the model's schedule (whose micro-batches
+    in flight the solver counts)."""
     stops = (*starts[1:], model.atoms.count)
     schedule = model.pipeline.schedule
     if schedule in ("interleaved", "zb-v"):
         raise AssertionError("_cost_model refuses schedules of several chunks per stage")
-    if schedule == "zb-h1":
-        if stages is None:
-            raise AssertionError("ZB-H1's memory needs the number of stages")
-        # Its micro-batches in flight are in the costs' static memory.
-        schedule = "1f1b"
 
     def table(first: int, last: int, submesh: Submesh) -> StageCost:
         start, stop = starts[first], stops[last - 1]
-        cost = model.cost(start, stop, mesh_of(start, stop, submesh))
-        if stages is None:
-            return cost
-        return model.in_flight(cost, stages)
+        return model.cost(start, stop, mesh_of(start, stop, submesh))
 
     return StageProblem(
         num_layers=len(starts),
@@ -683,19 +686,36 @@ def _problem(
     )
 
 
-def _scheduled(
-    model: StageCostModel, starts: Sequence[int], plan: StagePlan
-) -> tuple[float, StagePlan]:
-    """``plan``'s step under the model's schedule (:meth:`StageCostModel.step_time`: its
-    objective, but for ZB-H1), and the plan with the micro-batches each stage keeps under it
-    (``min(K, M)`` on every stage of ZB-H1, whose costs hold them as static memory)."""
+def _step_of(
+    model: StageCostModel, starts: Sequence[int], mesh_of: Callable[[int, int, Submesh], Shape]
+) -> Callable[[StagePlan], float]:
+    """A plan's step under the model's schedule (:meth:`StageCostModel.step_time`: its
+    objective, but for ZB-H1), its stages priced on the meshes ``mesh_of`` gives, as in
+    :func:`_problem`."""
     stops = (*starts[1:], model.atoms.count)
-    stages = [(starts[s.start], stops[s.stop - 1], tuple(s.submesh)) for s in plan.stages]
-    if model.pipeline.schedule != "zb-h1":
-        return plan.objective, plan
-    held = min(len(plan.stages), model.pipeline.microbatches)
-    kept = tuple(dataclasses.replace(stage, in_flight=held) for stage in plan.stages)
-    return model.step_time(stages, plan.objective), dataclasses.replace(plan, stages=kept)
+
+    def step(plan: StagePlan) -> float:
+        stages = []
+        for stage in plan.stages:
+            start, stop = starts[stage.start], stops[stage.stop - 1]
+            stages.append((start, stop, mesh_of(start, stop, tuple(stage.submesh))))
+        return model.step_time(stages, plan.objective)
+
+    return step
+
+
+def _replicas(start: int, stop: int, submesh: Submesh) -> Shape:
+    """A data-parallel stage's mesh: its replicas, the DP's shape as is."""
+    return submesh
+
+
+def _squeezed(start: int, stop: int, submesh: Submesh) -> Shape:
+    """A stage mesh: the DP's shape with its axes of one dropped (:func:`stage_mesh`)."""
+    return stage_mesh(submesh)
+
+
+def _objective(plan: StagePlan) -> float:
+    return plan.objective
 
 
 def _no_pipeline_error(

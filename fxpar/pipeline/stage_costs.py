@@ -48,7 +48,10 @@ next stage (what B keeps for W; a divided op's inputs B computes, such as its ou
 gradient, rather than the op). A micro-batch
 in flight then holds ``(A_saved + A_kept) / (M d)`` (with remat: what it received, plus
 ``A_saved`` recomputed for W, plus ``A_kept``), and every stage holds up to ``min(K, M)`` of them
-(:meth:`StageCostModel.in_flight`).
+(the stage DP's ``schedule="zb-h1"``, :mod:`fxpar.solvers.stages`). The step of a plan is its
+1F1B estimate less what ZB-H1's lists save over 1F1B's on the same stages
+(:meth:`StageCostModel.step_time`). Under stage plans the same terms are read from the plan:
+``T_w`` sums the planned seconds of the same nodes, and ``A_kept`` their bytes per device.
 
 **Intra-op plans inside stages** (``stage_planner``, which :func:`fxpar.compile` passes when a
 solver, pins, options or rules are given with ``stages="auto"``). Then a stage runs an intra-op plan
@@ -331,22 +334,14 @@ class StageCostModel:
             found = self._values[atom] = _AtomValues(read, saved, kept)
         return found
 
-    def in_flight(self, cost: StageCost, stages: int) -> StageCost:
-        """``cost`` as the stage DP counts it in a pipeline of ``stages`` stages. Under ZB-H1
-        every stage keeps up to ``min(K, M)`` micro-batches (where 1F1B keeps ``K - k`` on
-        stage ``k``, the count the DP knows): their activations are folded into the static
-        memory."""
-        if self.pipeline.schedule != "zb-h1":
-            return cost
-        held = min(stages, self.pipeline.microbatches) * cost.activation_memory
-        return StageCost(cost.time, cost.static_memory + held, 0.0)
-
     def step_time(self, stages: Sequence[tuple[int, int, Shape]], objective: float) -> float:
         """The step of the stages ``(start, stop, shape)`` whose stage DP objective (1F1B's
         ``sum t + (M - 1) max t``) is ``objective``, under this model's schedule. For ZB-H1,
         the objective less what ZB-H1's lists save over 1F1B's when both are replayed
         (:func:`~fxpar.pipeline.schedule.replay`) on stages whose time splits into forward,
-        B and W as their nodes' seconds do (a remat recompute counted in B)."""
+        B and W as their nodes' seconds do (a remat recompute counted in B; the stage's
+        collectives and sends shared by the three in proportion). ``shape`` is the stage's
+        mesh: its replicas, or the mesh its plan was made for."""
         if self.pipeline.schedule != "zb-h1":
             return objective
         times = []
