@@ -254,3 +254,101 @@ def test_expert_parallel_trains_on_gloo_like_eager(mesh: tuple[int, ...]) -> Non
         assert losses == pytest.approx(expected_losses, rel=1e-4)
         persistent = {name: state[name] for name in expected_state}  # not rotary tables
         torch.testing.assert_close(persistent, expected_state, rtol=1e-4, atol=1e-5)
+
+
+# -- tokens dispatched by all-to-all: the exchange ------------------------------------------------
+
+
+def _routed_rows(
+    mesh: tuple[int, ...], axis: int, ids_of: Any, width: int = 3
+) -> tuple[dict[Any, torch.Tensor], dict[Any, Any], dict[Any, torch.Tensor]]:
+    """On every simulated device: its rows (slot order), their experts, and what dispatch then
+    combine gives back, with the route each device computed."""
+    from fxpar.lowering import expert_dispatch as ed
+    from fxpar.testing.simulate import SimulatedMesh
+
+    experts_count = 4
+    rows = {c: torch.randn(6, width, generator=torch.Generator().manual_seed(sum(c))) for c in
+            _coordinates(mesh)}  # fmt: skip
+    routes: dict[Any, Any] = {}
+    returned: dict[Any, torch.Tensor] = {}
+    dispatched: dict[Any, torch.Tensor] = {}
+
+    def body(coordinate: Any, comm: Any) -> None:
+        ids = ids_of(coordinate)
+        piece, pieces = coordinate[axis], mesh[axis]
+        found = ed.route(comm, ids, experts_count, piece, pieces, axis, torch.int32)
+        routes[coordinate] = found
+        dispatched[coordinate] = ed.dispatch(comm, found, rows[coordinate], axis)
+        returned[coordinate] = ed.combine(comm, found, dispatched[coordinate] * 2, axis)
+
+    SimulatedMesh(mesh).run(body)
+    return rows, routes, {"dispatched": dispatched, "returned": returned}  # type: ignore[dict-item]
+
+
+def _coordinates(mesh: tuple[int, ...]) -> list[tuple[int, ...]]:
+    import itertools
+
+    return list(itertools.product(*(range(n) for n in mesh)))
+
+
+@pytest.mark.parametrize(
+    ("mesh", "axis"), [((2,), 0), ((2, 2), 0), ((2, 2), 1)], ids=["2", "2x2-axis0", "2x2-axis1"]
+)
+def test_dispatch_sends_rows_to_their_experts_and_back(mesh: tuple[int, ...], axis: int) -> None:
+    """Random routing: each device receives, grouped by expert, exactly its experts' block of
+    the rows of its group sorted stably by expert (sources in device order), its offsets
+    count them, and combine brings every row back to where it came from."""
+
+    def ids_of(c: Any) -> torch.Tensor:
+        return torch.randint(0, 4, (6,), generator=torch.Generator().manual_seed(7 + sum(c)))
+
+    rows, routes, found = _routed_rows(mesh, axis, ids_of)
+    for c in _coordinates(mesh):
+        group = [c[:axis] + (i,) + c[axis + 1 :] for i in range(mesh[axis])]
+        all_ids = torch.cat([ids_of(g) for g in group])
+        all_rows = torch.cat([rows[g] for g in group])
+        order = torch.sort(all_ids, stable=True).indices
+        per = 4 // mesh[axis]
+        mine = (all_ids[order] >= c[axis] * per) & (all_ids[order] < (c[axis] + 1) * per)
+        torch.testing.assert_close(found["dispatched"][c], all_rows[order][mine])
+        counts = torch.bincount(all_ids[order][mine] - c[axis] * per, minlength=per)
+        assert routes[c].offsets.tolist() == torch.cumsum(counts, 0).tolist()
+        assert routes[c].offsets.dtype == torch.int32
+        torch.testing.assert_close(found["returned"][c], rows[c] * 2)
+
+
+def test_dispatch_with_every_row_on_one_expert() -> None:
+    """Every row to expert 3 (device 1's): device 0 receives nothing, sends all; the counts
+    say so and the rows still come back."""
+    rows, routes, found = _routed_rows((2,), 0, lambda c: torch.full((6,), 3))
+    assert found["dispatched"][(0,)].shape == (0, 3)
+    assert found["dispatched"][(1,)].shape == (12, 3)
+    assert routes[(0,)].send_counts.tolist() == [0, 6]
+    assert routes[(1,)].receive_counts.tolist() == [6, 6]
+    assert routes[(1,)].offsets.tolist() == [0, 12]
+    for c in _coordinates((2,)):
+        torch.testing.assert_close(found["returned"][c], rows[c] * 2)
+
+
+def _exchange_on_gloo(rank: int, world_size: int) -> tuple[list[int], torch.Tensor]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fxpar.lowering.collective_calls import all_to_all_rows
+    from fxpar.runtime.communicators import ProcessGroupCommunicator
+
+    comm = ProcessGroupCommunicator(init_device_mesh("cpu", (world_size,)))
+    # Rank r sends r + 1 rows to rank 0 and none to rank 1; each row holds (sender, row).
+    send = torch.tensor([rank + 1, 0])
+    rows = torch.stack([torch.tensor([float(rank), float(i)]) for i in range(rank + 1)])
+    received, counts = all_to_all_rows(comm, rows, send, 0)
+    return counts.tolist(), received
+
+
+def test_variable_all_to_all_on_gloo() -> None:
+    """``dist.all_to_all_single`` with split sizes on gloo: rank 0 receives 1 row from itself
+    and 2 from rank 1, rank 1 none; the counts arrive first."""
+    first, second = spawn(_exchange_on_gloo, 2)
+    assert first[0] == [1, 2]
+    torch.testing.assert_close(first[1], torch.tensor([[0.0, 0.0], [1.0, 0.0], [1.0, 1.0]]))
+    assert second[0] == [0, 0] and second[1].shape == (0, 2)

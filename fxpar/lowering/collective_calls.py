@@ -47,6 +47,25 @@ class Communicator(Protocol):
         ...
 
 
+class RowCommunicator(Communicator, Protocol):
+    """A communicator that also exchanges rows by count (a variable-size all-to-all): what a
+    rank program whose mixture-of-experts tokens are dispatched by all-to-all runs on
+    (:mod:`fxpar.lowering.expert_dispatch`)."""
+
+    def all_to_all_rows(
+        self,
+        tensor: torch.Tensor,
+        send_counts: Sequence[int],
+        receive_counts: Sequence[int],
+        axis: int,
+    ) -> torch.Tensor:
+        """Send rows ``[sum(send_counts[:j]), sum(send_counts[:j+1]))`` of ``tensor`` (dim 0)
+        to the device at index ``j`` along ``axis``, and return what arrives stacked on dim 0
+        in device order, ``receive_counts[i]`` rows from device ``i``: a variable-size
+        all-to-all, whose counts every device knows beforehand (:func:`exchange_counts`)."""
+        ...
+
+
 class Pending(Protocol):
     """A collective in flight."""
 
@@ -80,6 +99,26 @@ def all_to_all(
 ) -> torch.Tensor:
     """From sharded on ``concat_dim`` to sharded on ``split_dim`` along ``axis``."""
     return comm.all_to_all(tensor, split_dim, concat_dim, axis)
+
+
+def exchange_counts(comm: RowCommunicator, send_counts: torch.Tensor, axis: int) -> torch.Tensor:
+    """What each device along ``axis`` will send this one, from what each sends every other:
+    ``send_counts[j]`` (a 1-D integer tensor with one entry per device of the axis) goes to
+    device ``j``; entry ``i`` of the result came from device ``i``. A fixed-size all-to-all,
+    run before a variable-size one (:func:`all_to_all_rows`) so that every device can size
+    what it receives."""
+    return comm.all_to_all(send_counts, 0, 0, axis)
+
+
+def all_to_all_rows(
+    comm: RowCommunicator, tensor: torch.Tensor, send_counts: torch.Tensor, axis: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of ``tensor`` sent by count along ``axis`` (``send_counts[j]`` consecutive rows to
+    device ``j``, the counts exchanged first): the rows received, stacked in device order,
+    and the counts received from each device (the counts of the reverse exchange)."""
+    receive_counts = exchange_counts(comm, send_counts, axis)
+    rows = comm.all_to_all_rows(tensor, send_counts.tolist(), receive_counts.tolist(), axis)
+    return rows, receive_counts
 
 
 @dataclass
@@ -210,7 +249,8 @@ def wait_bucket(comm: Communicator, bucket: Bucket) -> tuple[torch.Tensor, ...]:
 
 
 COLLECTIVE_FUNCTIONS = (
-    all_gather, all_reduce, reduce_scatter, all_to_all, start_all_reduce,
+    all_gather, all_reduce, reduce_scatter, all_to_all, exchange_counts, all_to_all_rows,
+    start_all_reduce,
     start_all_reduce_bucket, start_reduce_scatter_bucket, start_all_gather_bucket,
 )  # fmt: skip
 """The calls of a per-rank program that start collectives (:func:`wait_bucket` and

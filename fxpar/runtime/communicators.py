@@ -8,7 +8,7 @@ is the identity of a one-device mesh.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,6 +57,15 @@ class OneDeviceCommunicator:
 
     def all_to_all(
         self, tensor: torch.Tensor, split_dim: int, concat_dim: int, axis: int
+    ) -> torch.Tensor:
+        return tensor
+
+    def all_to_all_rows(
+        self,
+        tensor: torch.Tensor,
+        send_counts: Sequence[int],
+        receive_counts: Sequence[int],
+        axis: int,
     ) -> torch.Tensor:
         return tensor
 
@@ -146,6 +155,27 @@ class ProcessGroupCommunicator:
         shape = list(piece)
         shape[at] *= size
         return merged.reshape(shape).movedim(0, split_dim).contiguous()
+
+    def all_to_all_rows(
+        self,
+        tensor: torch.Tensor,
+        send_counts: Sequence[int],
+        receive_counts: Sequence[int],
+        axis: int,
+    ) -> torch.Tensor:
+        self.settle()
+        rows = tensor.contiguous()
+        received = rows.new_empty((sum(receive_counts), *rows.shape[1:]))
+        work = dist.all_to_all_single(
+            received,
+            rows,
+            output_split_sizes=list(receive_counts),
+            input_split_sizes=list(send_counts),
+            group=self._groups[axis],
+            async_op=True,
+        )
+        _handle(work, received, reports=True).wait()
+        return received
 
 
 def _handle(work: object, output: torch.Tensor, *, reports: bool) -> Pending:

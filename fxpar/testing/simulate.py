@@ -122,6 +122,32 @@ class SimulatedCommunicator:
             [p.chunk(size, split_dim)[index] for p in pieces], dim=concat_dim
         ).contiguous()
 
+    def all_to_all_rows(
+        self,
+        tensor: torch.Tensor,
+        send_counts: Sequence[int],
+        receive_counts: Sequence[int],
+        axis: int,
+    ) -> torch.Tensor:
+        index = self.coordinate[axis]
+        # Each device hands over its rows cut by its own counts; this one takes its piece of
+        # each, and checks that the counts it was told match what was sent.
+        sent = self._meet_pieces(list(tensor.split(list(send_counts))), axis)
+        received = [pieces[index] for pieces in sent]
+        got = [piece.shape[0] for piece in received]
+        if got != list(receive_counts):
+            raise SimulationError(
+                f"device {self.coordinate} expected rows {list(receive_counts)} on mesh axis "
+                f"{axis}, the others sent {got}"
+            )
+        return torch.cat(received).contiguous()
+
+    def _meet_pieces(self, pieces: list[torch.Tensor], axis: int) -> list[list[torch.Tensor]]:
+        sequence = self.calls[axis]
+        self.calls[axis] += 1
+        detached = [piece.detach() for piece in pieces]
+        return self.exchange.meet(axis, self.coordinate, sequence, detached)  # type: ignore[arg-type,return-value]
+
 
 @dataclass(frozen=True)
 class SimulationResult:
