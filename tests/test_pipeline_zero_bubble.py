@@ -15,9 +15,13 @@ a Hugging Face T5 (encoder-decoder, its embedding shared by encoder, decoder and
 by both stages) under ZB-H1 and ZB-V, and the GPT under ZB-V on 2 stages, alone and with 2
 replicas, each trains two SGD steps like eager PyTorch, and a replica's gradient all-reduce
 starts after its last W. On 2 stages x 2 devices (slow), the GPT and the Llama under ZB-H1 and
-ZB-V with a tensor parallel or fully sharded plan inside every stage (so B and W call
-collectives) train two steps like eager PyTorch, and each stage's gradient sync starts after
-its last W.
+ZB-V and a T5 under ZB-H1 with a tensor parallel or fully sharded plan inside every stage (so B
+and W call collectives) train two steps like eager PyTorch, and each stage's gradient sync
+starts after its last W.
+
+The stage DP prices ZB-H1 on data-parallel stages and on stage meshes under tensor parallel
+plans: it picks ZB-H1 over 1F1B where its step is shorter and its memory fits, and the GPT
+pipeline it picks on stage meshes, compiled by fxpar.compile, trains like eager on gloo.
 """
 
 from __future__ import annotations
