@@ -373,7 +373,7 @@ def _joint_plan(
     their meshes, and (``auto``) the schedule and remat. Prints it."""
     # On a tie the first wins: 1F1B keeps fewer micro-batches in flight, remat off computes less.
     schedules: tuple[ScheduleName, ...] = (
-        ("1f1b", "gpipe") if args.schedule == "auto" else (args.schedule,)
+        ("1f1b", "gpipe", "zb-h1") if args.schedule == "auto" else (args.schedule,)
     )
     remats = (False, True) if args.remat == "auto" else (args.remat == "on",)
     pipelines = [
@@ -509,7 +509,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan_parser.add_argument("--microbatches", default="0",
                              help="also plan a pipeline (stages, their meshes and plans) for M "
                                   "micro-batches; counts separated by commas try each")  # fmt: skip
-    plan_parser.add_argument("--schedule", default="auto", choices=("auto", "gpipe", "1f1b"),
+    plan_parser.add_argument("--schedule", default="auto",
+                             choices=("auto", "gpipe", "1f1b", "zb-h1"),
                              help="pipeline schedule; auto: the faster that fits")  # fmt: skip
     plan_parser.add_argument("--remat", default="auto", choices=("auto", "off", "on"),
                              help="pipeline remat; auto: whichever is faster and fits")  # fmt: skip

@@ -60,6 +60,7 @@ def test_plan_command_prints_and_saves_the_report(tmp_path, capsys) -> None:  # 
     assert "plan: tensor_parallel" in out
     assert "as a pipeline of 2 micro-batches on mesh of 4 devices" in out
     assert "split points:" in out and "settings tried: 1f1b, remat off: " in out
+    assert "zb-h1, remat off: " in out  # the zero-bubble schedule is searched too
     # A stage mesh of one row names its axis as the cluster does (axis1).
     assert "plan on stage mesh (2,): axis1 (2): tensor parallel" in out
     assert re.search(r"intra-op plan alone: \S+ \S+ per step; best pipeline: \S+ \S+; chosen", out)
