@@ -305,7 +305,7 @@ def test_dispatch_sends_rows_to_their_experts_and_back(mesh: tuple[int, ...], ax
 
     rows, routes, found = _routed_rows(mesh, axis, ids_of)
     for c in _coordinates(mesh):
-        group = [c[:axis] + (i,) + c[axis + 1 :] for i in range(mesh[axis])]
+        group = [(*c[:axis], i, *c[axis + 1 :]) for i in range(mesh[axis])]
         all_ids = torch.cat([ids_of(g) for g in group])
         all_rows = torch.cat([rows[g] for g in group])
         order = torch.sort(all_ids, stable=True).indices
@@ -352,3 +352,26 @@ def test_variable_all_to_all_on_gloo() -> None:
     assert first[0] == [1, 2]
     torch.testing.assert_close(first[1], torch.tensor([[0.0, 0.0], [1.0, 0.0], [1.0, 1.0]]))
     assert second[0] == [0, 0] and second[1].shape == (0, 2)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2_moe", "mixtral_bf16"])
+def test_moe_block_is_found_with_its_boundaries(name: str) -> None:
+    """The routing sort of each captured MoE layer is recognised as one block: its tokens'
+    and routing weights' dispatches and the backward's dispatch of the output gradient, the
+    combines back to slots and tokens, offsets from the sorted ids, and a region holding
+    every grouped product (forward and backward) and nothing made outside the block."""
+    from fxpar.planning.moe_blocks import find_blocks
+
+    model = qwen2_moe() if name == "qwen2_moe" else mixtral()
+    if name.endswith("bf16"):
+        model = model.to(torch.bfloat16)
+    program = fxpar.capture(model, _inputs())
+    blocks, refused = find_blocks(program.graph)
+    assert refused == [] and len(blocks) == 1
+    (block,) = blocks
+    assert (block.num_experts, block.top_k) == (4, 2)
+    kinds = sorted(kind for kind, _ in block.boundaries.values())
+    assert kinds == ["combine", "combine", "combine_tokens", "dispatch", "dispatch",
+                     "dispatch_tokens"]  # fmt: skip
+    assert set(_grouped_products(program)) <= set(block.region)
+    assert block.offsets.target is torch.ops.aten.cumsum.default
