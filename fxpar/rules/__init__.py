@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from fxpar import ir
 from fxpar.ir.program import Program
-from fxpar.rules import experts, indexing, matmul, nn, pointwise, reductions, scans, views
+from fxpar.rules import experts, indexing, matmul, nn, pointwise, reductions, routing, scans, views
 from fxpar.rules.registry import AxisOption, OpCall, Rule, RuleRegistry, expand, op_call
 
 __all__ = [
@@ -32,7 +32,7 @@ def default_rules() -> RuleRegistry:
     """A fresh registry holding fxpar's rules for ATen ops, and for Hugging Face transformers'
     grouped products of experts if they are loaded (see :mod:`fxpar.rules.experts`)."""
     rules = RuleRegistry()
-    for family in (pointwise, matmul, reductions, views, nn, scans, indexing, experts):
+    for family in (pointwise, matmul, reductions, views, nn, scans, indexing, experts, routing):
         family.register(rules)
     return rules
 
