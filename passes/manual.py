@@ -112,6 +112,7 @@ def expert_parallel(
     *,
     axis: int | str = 0,
     experts: Sequence[str] | None = None,
+    dispatch: str = "all_reduce",
     rules: RuleRegistry | None = None,
 ) -> Program:
     """Expert parallelism on mesh ``axis``; data parallelism on the others.
@@ -120,10 +121,12 @@ def expert_parallel(
     ``axis`` (``experts``: parameter-name patterns; by default the parameters a grouped
     product reads as its experts' weights), every other parameter is replicated. Each device
     computes the rows its own experts are routed; the tokens are whole on ``axis`` and the
-    experts' outputs are summed over it (see docs/expert_parallel.md).
+    experts' outputs are summed over it (see docs/expert_parallel.md). With
+    ``dispatch="all_to_all"`` the tokens are split over ``axis`` too, and each MoE block
+    sends its rows to their experts' devices and back by all-to-all.
     """
     prepared = prepare(program, cluster, rules)
-    return chosen.expert_parallel(prepared, cluster, axis=axis, experts=experts)
+    return chosen.expert_parallel(prepared, cluster, axis=axis, experts=experts, dispatch=dispatch)
 
 
 def random_plan(

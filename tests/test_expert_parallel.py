@@ -13,6 +13,7 @@ steps equal eager PyTorch's.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -375,3 +376,41 @@ def test_moe_block_is_found_with_its_boundaries(name: str) -> None:
                      "dispatch_tokens"]  # fmt: skip
     assert set(_grouped_products(program)) <= set(block.region)
     assert block.offsets.target is torch.ops.aten.cumsum.default
+
+
+def _all_to_all_plan(model: nn.Module, mesh: tuple[int, ...]) -> tuple[fxpar.Program, Any]:
+    program = fxpar.capture(model, _inputs())
+    manual = functools.partial(plans.expert_parallel, dispatch="all_to_all")
+    planned = plan_program(program, Cluster(mesh), manual=manual)
+    return planned.program, fxpar.lower(planned)
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=["2", "2x2"])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_tokens_dispatched_by_all_to_all_train_like_one_device(
+    name: str, mesh: tuple[int, ...]
+) -> None:
+    """Tokens split over the expert axis too, each block's rows sent to their experts'
+    devices and back: loss and gradients equal eager PyTorch's, and the expert activations
+    travel by one route, three dispatches and three combines (forward and backward), with no
+    all-reduce of an activation on the expert axis."""
+    from fxpar.lowering import expert_dispatch
+
+    model = MODELS[name]()
+    program, spmd = _all_to_all_plan(model, mesh)
+    assert _specs(program)["input_ids"] == (Shard(0),) * len(mesh)
+    graph = spmd.ranks[0].graph_module.graph
+    calls = [n.target.__name__ for n in graph.nodes if n.target in expert_dispatch.DISPATCH_CALLS]
+    assert sorted(calls) == sorted(["route", "dispatch_tokens", "dispatch", "dispatch",
+                                    "combine", "combine", "combine_tokens"])  # fmt: skip
+    assert not any(n.target is experts.local_experts_fallback for n in graph.nodes)
+    _assert_like_eager(model, program, spmd)
+
+
+def test_all_to_all_dispatch_with_every_token_on_one_expert() -> None:
+    """Every token routed to one expert: one device computes every row, the other none."""
+    model = mixtral(num_experts_per_tok=1)
+    with torch.no_grad():
+        model.model.layers[0].mlp.gate.weight.zero_()
+    program, spmd = _all_to_all_plan(model, (2, 2))
+    _assert_like_eager(model, program, spmd)

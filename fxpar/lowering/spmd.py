@@ -36,7 +36,7 @@ from fxpar import ir
 from fxpar.cluster import Cluster, Coordinate
 from fxpar.errors import LoweringError
 from fxpar.ir.program import Program, StepResult
-from fxpar.lowering import collective_calls
+from fxpar.lowering import collective_calls, expert_dispatch
 from fxpar.planning.collective_schedule import (
     Action,
     Bucket,
@@ -53,6 +53,7 @@ from fxpar.planning.collective_schedule import (
     value_spec,
 )
 from fxpar.planning.grouping import BUCKET_BYTES, GatherGroup, needs_strategy
+from fxpar.planning.moe_blocks import MoEBlock, dispatch_axis, find_blocks
 from fxpar.planning.plan import Plan
 from fxpar.rules.local import has_local_calls, local_call
 from fxpar.rules.registry import op_call
@@ -253,6 +254,17 @@ def conversion_program(
     return lower_graph(module, mesh_shape, coordinate, sources, targets, class_name=class_name)
 
 
+def dispatched_blocks(graph: fx.Graph) -> dict[fx.Node, tuple[MoEBlock, int]]:
+    """Every node of an MoE block whose tokens its plan dispatches by all-to-all
+    (:func:`fxpar.planning.moe_blocks.dispatch_axis`), with its block and the axis."""
+    found: dict[fx.Node, tuple[MoEBlock, int]] = {}
+    for block in find_blocks(graph)[0]:
+        axis = dispatch_axis(block)
+        if axis is not None:
+            found.update({node: (block, axis) for node in block.nodes()})
+    return found
+
+
 def localize_shape_arguments(
     node: fx.Node, args: tuple[Any, ...], specs: tuple[Spec | None, ...], mesh: tuple[int, ...]
 ) -> tuple[Any, ...]:
@@ -290,6 +302,9 @@ class _RankLowering:
         """The start of each gather group, by index."""
         self.recomputed: dict[fx.Node, fx.Node] = {}
         """The local value of each view the backward computes again."""
+        self.dispatched = dispatched_blocks(graph_module.graph)
+        """The MoE blocks whose tokens the plan dispatches by all-to-all, by node."""
+        self.routes: dict[fx.Node, fx.Node] = {}
 
     def run(self, class_name: str) -> fx.GraphModule:
         specs = self.schedule.specs
@@ -300,6 +315,8 @@ class _RankLowering:
                 self.graph.output(tuple(self._outputs(node)))
             elif node.op == "get_attr":
                 self.env[node] = (self.graph.get_attr(node.target), specs[node])
+            elif node in self.dispatched and node not in self.dispatched[node][0].region:
+                self._lower_dispatch(node)
             elif node.target is operator.getitem:
                 source, index = node.args
                 local = self.graph.call_function(operator.getitem, (self.env[source][0], index))
@@ -333,6 +350,50 @@ class _RankLowering:
 
         self.env[node] = (self._emit_op(node, replace), self.schedule.specs[node])
 
+    def _lower_dispatch(self, node: fx.Node) -> None:
+        """A node of a dispatched MoE block's routing or boundaries: the sort becomes the
+        route of this device's rows (:func:`expert_dispatch.route`), the offsets its own
+        experts' offsets, each boundary a dispatch or combine on that route; the rest of the
+        routing (permutations, zero buffers) has no local counterpart."""
+        block, axis = self.dispatched[node]
+        spec = self.schedule.specs[node]
+        inputs = self.schedule.inputs.get(node)
+        for action in inputs.actions if inputs is not None else ():
+            self._act(action)
+        reads = iter(inputs.reads if inputs is not None else ())
+        route = self.routes.get(block.sort)
+
+        def local(arg: fx.Node) -> fx.Node:
+            for read in reads:
+                if read.source is arg:
+                    return self._value(read)
+            return self.env[arg][0]
+
+        call = self.graph.call_function
+        if node is block.sort:
+            offsets = ir.require(block.offsets, ir.ValueMeta).tensor.dtype
+            piece = (self.coordinate[axis], self.mesh[axis], axis, offsets)
+            args = (self.comm, local(block.expert_ids), block.num_experts, *piece)
+            self.routes[node] = route = call(expert_dispatch.route, args)
+            self.env[node] = (route, spec)
+        elif route is None:
+            raise LoweringError(f"{node.name} of an MoE block comes before its routing sort")
+        elif node is block.offsets:
+            self.env[node] = (call(expert_dispatch.route_offsets, (route,)), spec)
+        elif node.target is operator.getitem and node.args == (block.sort, 0):
+            self.env[node] = (call(expert_dispatch.route_expert_ids, (route,)), spec)
+        elif node in block.boundaries:
+            kind, moved = block.boundaries[node]
+            value = local(moved)
+            if kind.endswith("_tokens"):
+                function = getattr(expert_dispatch, kind)
+                made = call(function, (self.comm, route, value, block.top_k, axis))
+            else:
+                made = call(getattr(expert_dispatch, kind), (self.comm, route, value, axis))
+            self.env[node] = (made, spec)
+        else:
+            self.env[node] = (route, spec)  # read only by the boundaries, which use the route
+
     def _emit_op(self, node: fx.Node, replace: Callable[[fx.Node], fx.Node]) -> fx.Node:
         """The local call of ``node`` on the local values ``replace`` gives for its inputs:
         its own op, or the call its op family gives for this strategy
@@ -341,7 +402,7 @@ class _RankLowering:
         outputs = strategy.outputs
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), replace)
         args = localize_shape_arguments(node, tuple(args), outputs, self.mesh)
-        if has_local_calls(node.target):
+        if has_local_calls(node.target) and node not in self.dispatched:
             local = local_call(op_call(node, self.mesh), strategy, self.coordinate)
             if local is not None:
                 call_args = (*local.static, *args)

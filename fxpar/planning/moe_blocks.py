@@ -249,8 +249,11 @@ def dispatch_strategies(
     data_axes = [a for a, p in enumerate(token_spec) if isinstance(p, Shard) and a != axis]
 
     def spec_of(node: fx.Node, shape: tuple[int, ...], output: bool) -> Spec:
-        if slots in shape and not (len(shape) == 3 and shape[0] == experts):
+        per_expert = (len(shape) == 3 and shape[0] == experts) or node is block.offsets
+        if slots in shape and not per_expert:
             return _on_dim(token_spec, shape.index(slots))
+        if shape and shape[0] == slots // block.top_k and not per_expert:
+            return _on_dim(token_spec, 0)  # the tokens, or their gradient
         placements: list[Placement] = [Replicate()] * len(token_spec)
         placements[axis] = Shard(0)
         for a in data_axes if output else ():

@@ -34,6 +34,7 @@ from fxpar import ir
 from fxpar.cluster import Cluster
 from fxpar.errors import FxparError
 from fxpar.ir.program import Program
+from fxpar.planning import moe_blocks
 from fxpar.rules.experts import experts_spec, is_grouped_product
 from fxpar.rules.registry import op_call, tensor_inputs
 from fxpar.sharding import Sharding, Spec, Strategies, Strategy, is_valid, replicated, spec_str
@@ -307,6 +308,7 @@ def expert_parallel(
     *,
     axis: int | str = 0,
     experts: Sequence[str] | None = None,
+    dispatch: str = "all_reduce",
 ) -> Program:
     """Expert parallelism on mesh ``axis``, data parallelism on the others.
 
@@ -316,12 +318,16 @@ def expert_parallel(
     split on dim 0 over ``axis``, every other parameter is replicated, and the batch is split
     over the other axes. The tokens reach the experts whole on ``axis``: each device computes
     the rows routed to its own experts and the outputs are summed over ``axis``
-    (:mod:`fxpar.rules.experts`)."""
+    (:mod:`fxpar.rules.experts`).
+
+    ``dispatch="all_to_all"`` splits the batch over ``axis`` too: each MoE block's rows are
+    sent to their experts' devices and back by all-to-all (:mod:`fxpar.planning.moe_blocks`
+    gives the block's nodes their strategies; docs/expert_parallel.md)."""
     ep = cluster.axis_index(axis)
     state = set(program.signature.parameters + program.signature.buffers)
-    batch = batch_spec(
-        cluster, [a for a in range(cluster.ndim) if a != ep], program.signature.random_inputs
-    )
+    all_to_all = _dispatch_mode(dispatch)
+    batch_axes = [a for a in range(cluster.ndim) if a != ep or all_to_all]
+    batch = batch_spec(cluster, batch_axes, program.signature.random_inputs)
     split = (
         set(expert_weights(program))
         if experts is None
@@ -349,7 +355,30 @@ def expert_parallel(
         spec = experts_spec(op_call(node, cluster.mesh_shape), strategy)
         return spec is not None and spec[ep] == Shard(0)
 
+    if all_to_all:
+        token_spec = tuple(
+            Shard(0) if a in batch_axes else Replicate() for a in range(cluster.ndim)
+        )
+        blocks, refused = moe_blocks.find_blocks(program.graph)
+        if not blocks:
+            raise FxparError(
+                f"expert_parallel(dispatch='all_to_all') found no MoE block to dispatch "
+                f"({'; '.join(refused) or 'no routing sort'}); use dispatch='all_reduce'"
+            )
+        for block in blocks:
+            planned = moe_blocks.dispatch_strategies(block, ep, token_spec, {})
+            for node, strategy in planned.items():
+                ir.annotate(node, Strategies(cluster.mesh_shape, (strategy,)))
     return propagate(program, cluster, choose, allowed=splits_experts)
+
+
+def _dispatch_mode(dispatch: str) -> bool:
+    if dispatch not in ("all_reduce", "all_to_all"):
+        raise FxparError(
+            f"expert_parallel(dispatch={dispatch!r}): say 'all_reduce' (tokens whole on the "
+            f"expert axis, outputs summed) or 'all_to_all' (tokens split, sent to their experts)"
+        )
+    return dispatch == "all_to_all"
 
 
 def expert_weights(program: Program) -> list[str]:
