@@ -414,3 +414,34 @@ def test_all_to_all_dispatch_with_every_token_on_one_expert() -> None:
         model.model.layers[0].mlp.gate.weight.zero_()
     program, spmd = _all_to_all_plan(model, (2, 2))
     _assert_like_eager(model, program, spmd)
+
+
+def test_the_all_to_all_exchanges_are_priced_by_the_hand_formula() -> None:
+    """Each dispatched block's sort exchanges its experts' row counts and each boundary sends
+    its piece of the value it moves: an all-to-all of alpha + (n-1)/n * bytes / beta on the
+    expert axis, under balanced routing. The plan's estimate and its report count them: the
+    same plan priced without them is cheaper by exactly their sum."""
+    from fxpar.planning import moe_blocks
+    from fxpar.planning.step_time import price_schedule
+
+    cluster = Cluster((2,), latency=(1e-4,), bandwidth=(1e9,))
+    program = fxpar.capture(mixtral(), _inputs())
+    manual = functools.partial(plans.expert_parallel, dispatch="all_to_all")
+    planned = plan_program(program, cluster, manual=manual).program
+    exchanges = moe_blocks.exchange_seconds(planned.graph, cluster)
+    blocks, _ = moe_blocks.find_blocks(planned.graph)
+    assert len(blocks) == mixtral().config.num_hidden_layers
+    for block in blocks:
+        assert exchanges[block.sort] == pytest.approx(1e-4 + 0.5 * block.num_experts * 8 / 1e9)
+        for node, (_, value) in block.boundaries.items():
+            rows = ir.require(value, ir.ValueMeta).tensor
+            local = rows.nbytes / 2  # the tokens are split over the axis
+            assert exchanges[node] == pytest.approx(1e-4 + 0.5 * local / 1e9)
+    assert len(exchanges) == sum(1 + len(b.boundaries) for b in blocks)
+    priced = price_schedule(planned, cluster)
+    assert priced.exchanges == exchanges
+    assert priced.edge_seconds >= sum(exchanges.values())
+    # Computed op by op (tokens whole), nothing is exchanged.
+    whole = plan_program(fxpar.capture(mixtral(), _inputs()), cluster,
+                         manual=plans.expert_parallel).program  # fmt: skip
+    assert moe_blocks.exchange_seconds(whole.graph, cluster) == {}

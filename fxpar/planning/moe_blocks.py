@@ -41,9 +41,11 @@ import torch.fx as fx
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from fxpar import ir
+from fxpar.cluster import Cluster
+from fxpar.planning.cost import collective_seconds
 from fxpar.rules.experts import experts_spec, is_grouped_product
 from fxpar.rules.registry import op_call
-from fxpar.sharding import Sharding, Spec, Strategy
+from fxpar.sharding import Sharding, Spec, Strategies, Strategy, piece_bytes
 
 aten = torch.ops.aten
 
@@ -297,11 +299,13 @@ def _position(block: MoEBlock) -> Callable[[fx.Node], int]:
 def dispatch_axis(block: MoEBlock) -> int | None:
     """The mesh axis a planned ``block`` dispatches its tokens over: the axis its sort's input
     is split on (no sharding rule splits a sort along the sorted dim; only a dispatch plan
-    does). None for a block computed as planned op by op."""
-    sharding = ir.get(block.sort, Sharding)
-    if sharding is None:
+    does). None for a block computed as planned op by op. Before a plan is chosen, a node's
+    one candidate strategy counts as planned (a dispatch plan offers each node of its blocks
+    exactly one)."""
+    strategy = _planned(block.sort)
+    if strategy is None:
         return None
-    spec = sharding.strategy.inputs[0]
+    spec = strategy.inputs[0]
     axes = [a for a, p in enumerate(spec) if isinstance(p, Shard)]
     weights = [n for n in block.region if is_grouped_product(n.target)]
     for axis in axes:
@@ -310,8 +314,57 @@ def dispatch_axis(block: MoEBlock) -> int | None:
     return None
 
 
+def _planned(node: fx.Node) -> Strategy | None:
+    """``node``'s chosen strategy, or its only candidate before the choice."""
+    sharding = ir.get(node, Sharding)
+    if sharding is not None:
+        return sharding.strategy
+    candidates = ir.get(node, Strategies)
+    if candidates is not None and len(candidates.candidates) == 1:
+        return candidates.candidates[0]
+    return None
+
+
 def _experts_split(node: fx.Node, axis: int) -> bool:
-    strategy = ir.require(node, Sharding).strategy
+    strategy = _planned(node)
+    if strategy is None:
+        return False
     mesh = tuple(1 for _ in strategy.inputs[0])
     spec = experts_spec(op_call(node, mesh), strategy)
     return spec is not None and spec[axis] == Shard(0)
+
+
+COUNT_BYTES = 8
+"""Bytes of one expert's row count in the exchange of counts (int64)."""
+
+
+def exchange_seconds(graph: fx.Graph, cluster: Cluster) -> dict[fx.Node, float]:
+    """What the all-to-all exchanges of ``graph``'s dispatched blocks cost on ``cluster``, by
+    the node that runs each: a block's sort exchanges its experts' row counts, and each
+    boundary sends the rows of the value it moves to their devices (dispatch) or back
+    (combine). Priced under balanced routing: a device sends its piece of the value as the
+    boundary reads it, ``(n - 1) / n`` of it to the other devices of the axis
+    (:func:`~fxpar.planning.cost.collective_seconds` of an all-to-all on the axis' link). A
+    block computed op by op (not dispatched) exchanges nothing."""
+    seconds: dict[fx.Node, float] = {}
+    blocks, _ = find_blocks(graph)
+    for block in blocks:
+        axis = dispatch_axis(block)
+        if axis is None:
+            continue
+        seconds[block.sort] = _all_to_all(block.num_experts * COUNT_BYTES, axis, cluster)
+        for node, (_, value) in block.boundaries.items():
+            strategy = _planned(node)
+            if strategy is None:
+                continue
+            spec = strategy.inputs[_tensor_args(node).index(value)]
+            meta = ir.require(value, ir.ValueMeta).tensor
+            seconds[node] = _all_to_all(piece_bytes(meta, spec, cluster.mesh_shape), axis, cluster)
+    return seconds
+
+
+def _all_to_all(local_bytes: float, axis: int, cluster: Cluster) -> float:
+    bandwidth, latency = cluster.link_of("all_to_all", axis)
+    return collective_seconds(
+        "all_to_all", local_bytes, cluster.mesh_shape[axis], bandwidth, latency
+    )

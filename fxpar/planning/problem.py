@@ -56,6 +56,7 @@ from fxpar.planning.cost import (
     saved_outputs,
 )
 from fxpar.planning.grouping import casts_parameter, reread_in_backward
+from fxpar.planning.moe_blocks import exchange_seconds
 from fxpar.rules.registry import tensor_inputs
 from fxpar.sharding import Sharding, Spec, Strategies, Strategy, replicated, spec_str
 from fxpar.sharding.reshard import Code, spec_code
@@ -197,6 +198,9 @@ class _Builder:
         self._tables: dict[Price, npt.NDArray[np.float64]] = {}
         self._lines: dict[tuple[object, ...], tuple[npt.NDArray[np.float64], ...]] = {}
         self._used_pins: set[str] = set()
+        # The all-to-all exchanges of mixture-of-experts blocks whose tokens the plan
+        # dispatches (each node of such a block has one candidate): priced with their nodes.
+        self._exchanges = exchange_seconds(program.graph, cluster)
 
     # -- units ----------------------------------------------------------------------------------
 
@@ -352,6 +356,9 @@ class _Builder:
                 self._compute_times[key] = [0.0] * len(options)
             else:
                 self._compute_times[key] = [compute_seconds(cost, s, self.cluster) for s in options]
+        exchange = self._exchanges.get(node)
+        if exchange:
+            return [seconds + exchange for seconds in self._compute_times[key]]
         return self._compute_times[key]
 
     def _compute(self, node: fx.Node, index: int) -> float:

@@ -34,7 +34,7 @@ and docs/planning.md says how they compare with measured steps.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.fx as fx
 
@@ -52,6 +52,7 @@ from fxpar.planning.collective_schedule import (
     schedule_program,
 )
 from fxpar.planning.grouping import casts_parameter, reread_in_backward
+from fxpar.planning.moe_blocks import exchange_seconds
 from fxpar.rules.registry import tensor_inputs
 from fxpar.sharding import Sharding, Spec
 
@@ -70,7 +71,12 @@ class PricedSchedule:
     compute: dict[fx.Node, float]
     """Roofline seconds of each op under its chosen strategy."""
     edge_seconds: float
-    """Resharding seconds summed per consumer, as the cost model charges them."""
+    """Resharding seconds summed per consumer, as the cost model charges them, and the
+    exchanges."""
+    exchanges: dict[fx.Node, float] = field(default_factory=dict)
+    """Seconds of the all-to-all exchanges of dispatched mixture-of-experts blocks, by the
+    node that runs each (:func:`fxpar.planning.moe_blocks.exchange_seconds`): blocking, and
+    outside the schedule (the lowering emits them for those nodes)."""
 
     @property
     def records(self) -> tuple[CollectiveRecord, ...]:
@@ -94,7 +100,8 @@ def price_schedule(program: Program, cluster: Cluster) -> PricedSchedule:
     )
     specs = schedule.specs
     compute: dict[fx.Node, float] = {}
-    edge_seconds = 0.0
+    exchanges = exchange_seconds(program.graph, cluster)
+    edge_seconds = sum(exchanges.values())
     for node in program.graph.nodes:
         if node.op == "output":
             results = node.args[0]
@@ -129,7 +136,7 @@ def price_schedule(program: Program, cluster: Cluster) -> PricedSchedule:
         work = ir.get(node, ir.Cost)
         if work is not None:
             compute[node] = cost.compute_seconds(work, strategy, cluster)
-    return PricedSchedule(schedule, record_seconds, compute, edge_seconds)
+    return PricedSchedule(schedule, record_seconds, compute, edge_seconds, exchanges)
 
 
 # -- the critical path --------------------------------------------------------------------------
@@ -172,6 +179,12 @@ class _Clocks:
         end = self.link[record.axis] = start + self.seconds[id(record)]
         return end
 
+    def block(self, seconds: float) -> None:
+        """A blocking collective of ``seconds`` outside the schedule: the compute waits all of
+        it."""
+        self.exposed += seconds
+        self.now += seconds
+
     def wait(self, until: float) -> None:
         if until > self.now:
             self.exposed += until - self.now
@@ -210,6 +223,7 @@ def step_overlap(priced: PricedSchedule, nodes: list[fx.Node]) -> StepOverlap:
         if inputs is not None:
             run(inputs.actions)
         clocks.now += priced.compute.get(node, 0.0)
+        clocks.block(priced.exchanges.get(node, 0.0))
         done[node] = clocks.now
     leaving = schedule.leaving
     ends = []
@@ -222,7 +236,7 @@ def step_overlap(priced: PricedSchedule, nodes: list[fx.Node]) -> StepOverlap:
     clocks.wait(max(ends, default=0.0))
     return StepOverlap(
         compute=sum(priced.compute.values()),
-        communication=sum(priced.record_seconds),
+        communication=sum(priced.record_seconds) + sum(priced.exchanges.values()),
         exposed=clocks.exposed,
     )
 
