@@ -445,3 +445,19 @@ def test_the_all_to_all_exchanges_are_priced_by_the_hand_formula() -> None:
     whole = plan_program(fxpar.capture(mixtral(), _inputs()), cluster,
                          manual=plans.expert_parallel).program  # fmt: skip
     assert moe_blocks.exchange_seconds(whole.graph, cluster) == {}
+
+
+def test_a_gpu_rank_over_gloo_exchanges_rows_through_host_copies() -> None:
+    """``HostStaged`` (a GPU rank's communicator over gloo) hands the variable-size all-to-all
+    a host copy with the counts as given, and returns what arrives on its device."""
+    from fxpar.runtime.devices import HostStaged
+
+    class Inner:
+        def all_to_all_rows(self, tensor: Any, send: Any, receive: Any, axis: int) -> Any:
+            assert tensor.device.type == "cpu" and list(send) == [1, 2] and axis == 0
+            return tensor.flip(0)[: sum(receive)]
+
+    staged = HostStaged(Inner(), torch.device("cpu"))  # type: ignore[arg-type]
+    rows = torch.arange(6.0).reshape(3, 2)
+    received = staged.all_to_all_rows(rows, [1, 2], [2, 0], 0)
+    assert torch.equal(received, rows.flip(0)[:2])

@@ -19,7 +19,7 @@ block the CPU (:mod:`fxpar.runtime.waiting` polls CPU work only).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -159,6 +159,17 @@ class HostStaged:
         self, tensor: torch.Tensor, split_dim: int, concat_dim: int, axis: int
     ) -> torch.Tensor:
         return self._back(self.inner.all_to_all(tensor.cpu(), split_dim, concat_dim, axis))
+
+    def all_to_all_rows(
+        self,
+        tensor: torch.Tensor,
+        send_counts: Sequence[int],
+        receive_counts: Sequence[int],
+        axis: int,
+    ) -> torch.Tensor:
+        return self._back(
+            self.inner.all_to_all_rows(tensor.cpu(), send_counts, receive_counts, axis)
+        )
 
     def start_all_reduce(self, flat: torch.Tensor, axis: int) -> Pending:
         host = flat.cpu()
