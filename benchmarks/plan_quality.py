@@ -2,6 +2,7 @@
 
     python benchmarks/plan_quality.py                  # every model on meshes (2,), (2, 2), (2, 4)
     python benchmarks/plan_quality.py llama gpt --meshes 2 2x2
+    python benchmarks/plan_quality.py mixtral-64x1024 --meshes 2x4
 
 Each model is built on the meta device (no weights) from a small config, captured with its
 batch, and planned for H100s (``Cluster.preset("h100", mesh)``). Every plan is priced by the same
@@ -14,7 +15,15 @@ cost model, on the exact problem (``fxpar.planning.plan.score``). Columns, in ms
   since it loses the optimum);
 - ``repl``, ``dp``, ``tp``, ``fsdp``: the manual plans (replicated; data parallel; tensor
   parallel with the default module names, the better of its mesh axes; fully sharded);
-- ``ilp/best``: the default ILP over the cheapest other column (1.00 when it is the best).
+- ``ep``: expert parallelism (``plans.expert_parallel``: experts split on one mesh axis, the
+  batch on the others, the better of its axes; its axis is printed beside it), for models with
+  experts: the tokens whole on the expert axis (the default dispatch, ``all_reduce``);
+- ``ep a2a``: the same with the batch split over the expert axis too and each MoE block's rows
+  sent to their experts' devices and back (``dispatch="all_to_all"``);
+- ``ilp/best``: the default ILP over the cheapest other column (1.00 when it is the best);
+- ``ilp experts``: for models with experts, the specs the default ILP's grouped products give
+  their stacked experts (``S(0)`` on an axis: experts split there, as expert parallelism does;
+  ``S(1)``/``S(2)``: split inside each expert; ``R``: whole).
 """
 
 from __future__ import annotations
@@ -131,6 +140,13 @@ def gpt() -> Any:
     return model, (tokens,), gpt_loss, (tokens,)
 
 
+def mixtral_many_experts() -> Any:
+    """A Mixtral-like shape with 64 experts at width 1024 (fxpar.models.shapes), batch 8 x 512."""
+    from fxpar.models.shapes import mixtral_named
+
+    return _lm(mixtral_named("mixtral-64x1024"), 512)
+
+
 MODELS: dict[str, Callable[[], Any]] = {
     "llama": llama,
     "mixtral": mixtral,
@@ -139,7 +155,25 @@ MODELS: dict[str, Callable[[], Any]] = {
     "cnn": cnn,
     "gpt": gpt,
     "llama-1024x4": llama_shape,
+    "mixtral-64x1024": mixtral_many_experts,
 }
+
+
+def expert_specs(plan: Any) -> str:
+    """The distinct specs the plan's grouped products give the tensor holding their experts on
+    dim 0 (the stacked weights, or their gradient), or "-" for a model without experts."""
+    from fxpar import ir
+    from fxpar.rules import op_call
+    from fxpar.rules.experts import experts_spec, is_grouped_product
+    from fxpar.sharding import Sharding, spec_str
+
+    program = plan.program
+    specs = set()
+    for node in program.graph.nodes:
+        if node.op == "call_function" and is_grouped_product(node.target):
+            call = op_call(node, program.cluster.mesh_shape)
+            specs.add(spec_str(experts_spec(call, ir.require(node, Sharding).strategy)))
+    return " ".join(sorted(specs)) or "-"
 
 
 def main() -> None:
@@ -160,8 +194,8 @@ def main() -> None:
             model, inputs, loss_fn, targets = MODELS[name]()
         return fxpar.capture(model, inputs, loss_fn, example_targets=targets)
 
-    header = ("model", "mesh", "ilp", "exact", "coarse", "repl", "dp", "tp", "fsdp", "ilp/best",
-              "ilp s")  # fmt: skip
+    header = ("model", "mesh", "ilp", "exact", "coarse", "repl", "dp", "tp", "fsdp", "ep",
+              "ep a2a", "ilp/best", "ilp s", "ilp experts")  # fmt: skip
     print(" | ".join(header))
     print(" | ".join("-" * len(h) for h in header))
     for name in args.models:
@@ -177,8 +211,11 @@ def main() -> None:
             }
             for axis in range(len(mesh)):
                 runs[f"tp{axis}"] = {"manual": functools.partial(plans.tensor_parallel, axis=axis)}
+                for kind, dispatch in (("ep", "all_reduce"), ("a2a", "all_to_all")):
+                    manual = functools.partial(plans.expert_parallel, axis=axis, dispatch=dispatch)
+                    runs[f"{kind}{axis}"] = {"manual": manual}
             costs: dict[str, float] = {}
-            seconds = math.nan
+            seconds, chosen = math.nan, "-"
             for label, how in runs.items():
                 start = time.perf_counter()
                 try:
@@ -187,15 +224,24 @@ def main() -> None:
                     continue
                 if label == "ilp":
                     seconds = time.perf_counter() - start
+                    chosen = expert_specs(plan)
                 costs[label] = score(plan) * 1e3
-            tps = [cost for label, cost in costs.items() if label.startswith("tp")]
-            if tps:
-                costs["tp"] = min(tps)
+            axes = {}
+            for kind in ("tp", "ep", "a2a"):
+                by_axis = {label: cost for label, cost in costs.items() if label.startswith(kind)}
+                if by_axis:
+                    best = min(by_axis, key=by_axis.__getitem__)
+                    costs[kind], axes[kind] = by_axis[best], best[len(kind) :]
             others = [cost for label, cost in costs.items() if label not in ("ilp",)]
             ratio = costs["ilp"] / min(others)
 
-            cells = [f"{costs[label]:.3f}" if label in costs else "-" for label in header[2:9]]
-            row = (name, "x".join(map(str, mesh)), *cells, f"{ratio:.2f}", f"{seconds:.1f}")
+            columns = (*header[2:10], "a2a")
+            cells = [f"{costs[label]:.3f}" if label in costs else "-" for label in columns]
+            for kind in ("ep", "a2a"):
+                if kind in axes and len(mesh) > 1:
+                    cells[columns.index(kind)] += f" (axis {axes[kind]})"
+            mesh_name = "x".join(map(str, mesh))
+            row = (name, mesh_name, *cells, f"{ratio:.2f}", f"{seconds:.1f}", chosen)
             print(" | ".join(row), flush=True)
 
 

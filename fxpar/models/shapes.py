@@ -30,6 +30,26 @@ LLAMA_SHAPES = {
 shapes; ``llama-8b-96`` is Llama-3-8B with 96 layers."""
 
 
+MIXTRAL_SHAPES = {
+    "mixtral-64x1024": (4, 1024, 1024, 16, 8, 64, 2),
+}
+"""Name -> (layers, hidden, expert intermediate, attention heads, key/value heads, experts,
+experts per token) of Mixtral-like shapes: ``mixtral-64x1024`` has many experts (64, two per
+token) at width 1024, where the experts' weights, not the tokens, are most of the step's bytes."""
+
+
+def mixtral_named(name: str) -> nn.Module:
+    """The Hugging Face Mixtral of one of :data:`MIXTRAL_SHAPES`."""
+    layers, hidden, intermediate, heads, kv_heads, experts, per_token = MIXTRAL_SHAPES[name]
+    transformers = _transformers()
+    config = transformers.MixtralConfig(
+        hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, num_local_experts=experts,
+        num_experts_per_tok=per_token, vocab_size=32000, max_position_embeddings=4096,
+    )  # fmt: skip
+    return transformers.MixtralForCausalLM(config)
+
+
 def llama(layers: int) -> nn.Module:
     """A Hugging Face Llama with Llama-3-8B's shape and ``layers`` decoder layers."""
     return llama_shape(layers, *LLAMA_SHAPES["llama-8b"][1:])
