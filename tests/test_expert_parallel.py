@@ -461,3 +461,17 @@ def test_a_gpu_rank_over_gloo_exchanges_rows_through_host_copies() -> None:
     rows = torch.arange(6.0).reshape(3, 2)
     received = staged.all_to_all_rows(rows, [1, 2], [2, 0], 0)
     assert torch.equal(received, rows.flip(0)[:2])
+
+
+def test_a_program_planned_on_one_mesh_plans_the_dispatch_on_another() -> None:
+    """The strategies chosen for a program on one mesh stay on its nodes until it is planned
+    again: planning it on a second mesh prices that mesh's candidates, not the old choice."""
+    from fxpar.planning import moe_blocks
+
+    program = fxpar.capture(mixtral(), _inputs())
+    manual = functools.partial(plans.expert_parallel, dispatch="all_to_all")
+    plan_program(program, Cluster((2,)), manual=manual)
+    cluster = Cluster((2, 2))
+    planned = plan_program(program, cluster, manual=manual).program
+    exchanges = moe_blocks.exchange_seconds(planned.graph, cluster)
+    assert exchanges and all(seconds > 0 for seconds in exchanges.values())

@@ -296,37 +296,38 @@ def _position(block: MoEBlock) -> Callable[[fx.Node], int]:
     return order.__getitem__
 
 
-def dispatch_axis(block: MoEBlock) -> int | None:
+def dispatch_axis(block: MoEBlock, *, chosen: bool = True) -> int | None:
     """The mesh axis a planned ``block`` dispatches its tokens over: the axis its sort's input
     is split on (no sharding rule splits a sort along the sorted dim; only a dispatch plan
-    does). None for a block computed as planned op by op. Before a plan is chosen, a node's
-    one candidate strategy counts as planned (a dispatch plan offers each node of its blocks
-    exactly one)."""
-    strategy = _planned(block.sort)
+    does). None for a block computed as planned op by op. ``chosen``: read the strategies the
+    plan chose; else, before the choice, a node's candidates, of which a dispatch plan offers
+    each node of its blocks exactly one (a strategy chosen for the program on another mesh
+    may still be there then, and is not read)."""
+    strategy = _planned(block.sort, chosen)
     if strategy is None:
         return None
     spec = strategy.inputs[0]
     axes = [a for a, p in enumerate(spec) if isinstance(p, Shard)]
     weights = [n for n in block.region if is_grouped_product(n.target)]
     for axis in axes:
-        if all(_experts_split(n, axis) for n in weights):
+        if all(_experts_split(n, axis, chosen) for n in weights):
             return axis
     return None
 
 
-def _planned(node: fx.Node) -> Strategy | None:
-    """``node``'s chosen strategy, or its only candidate before the choice."""
-    sharding = ir.get(node, Sharding)
-    if sharding is not None:
-        return sharding.strategy
+def _planned(node: fx.Node, chosen: bool) -> Strategy | None:
+    """``node``'s chosen strategy, or (not ``chosen``) its only candidate."""
+    if chosen:
+        sharding = ir.get(node, Sharding)
+        return None if sharding is None else sharding.strategy
     candidates = ir.get(node, Strategies)
     if candidates is not None and len(candidates.candidates) == 1:
         return candidates.candidates[0]
     return None
 
 
-def _experts_split(node: fx.Node, axis: int) -> bool:
-    strategy = _planned(node)
+def _experts_split(node: fx.Node, axis: int, chosen: bool) -> bool:
+    strategy = _planned(node, chosen)
     if strategy is None:
         return False
     mesh = tuple(1 for _ in strategy.inputs[0])
@@ -338,23 +339,27 @@ COUNT_BYTES = 8
 """Bytes of one expert's row count in the exchange of counts (int64)."""
 
 
-def exchange_seconds(graph: fx.Graph, cluster: Cluster) -> dict[fx.Node, float]:
+def exchange_seconds(
+    graph: fx.Graph, cluster: Cluster, *, chosen: bool = True
+) -> dict[fx.Node, float]:
     """What the all-to-all exchanges of ``graph``'s dispatched blocks cost on ``cluster``, by
     the node that runs each: a block's sort exchanges its experts' row counts, and each
     boundary sends the rows of the value it moves to their devices (dispatch) or back
     (combine). Priced under balanced routing: a device sends its piece of the value as the
     boundary reads it, ``(n - 1) / n`` of it to the other devices of the axis
     (:func:`~fxpar.planning.cost.collective_seconds` of an all-to-all on the axis' link). A
-    block computed op by op (not dispatched) exchanges nothing."""
+    block computed op by op (not dispatched) exchanges nothing. ``chosen``: of the plan
+    chosen (the default), or of the one candidate each node of a dispatch plan has before
+    the choice (:func:`dispatch_axis`)."""
     seconds: dict[fx.Node, float] = {}
     blocks, _ = find_blocks(graph)
     for block in blocks:
-        axis = dispatch_axis(block)
+        axis = dispatch_axis(block, chosen=chosen)
         if axis is None:
             continue
         seconds[block.sort] = _all_to_all(block.num_experts * COUNT_BYTES, axis, cluster)
         for node, (_, value) in block.boundaries.items():
-            strategy = _planned(node)
+            strategy = _planned(node, chosen)
             if strategy is None:
                 continue
             spec = strategy.inputs[_tensor_args(node).index(value)]

@@ -200,7 +200,7 @@ class _Builder:
         self._used_pins: set[str] = set()
         # The all-to-all exchanges of mixture-of-experts blocks whose tokens the plan
         # dispatches (each node of such a block has one candidate): priced with their nodes.
-        self._exchanges = exchange_seconds(program.graph, cluster)
+        self._exchanges = exchange_seconds(program.graph, cluster, chosen=False)
 
     # -- units ----------------------------------------------------------------------------------
 
