@@ -475,3 +475,13 @@ def test_a_program_planned_on_one_mesh_plans_the_dispatch_on_another() -> None:
     planned = plan_program(program, cluster, manual=manual).program
     exchanges = moe_blocks.exchange_seconds(planned.graph, cluster)
     assert exchanges and all(seconds > 0 for seconds in exchanges.values())
+
+
+@pytest.mark.parametrize("dispatch", ["all_reduce", "all_to_all"])
+def test_the_plan_says_which_axis_splits_the_experts(dispatch: str) -> None:
+    """The plan's one-line layout names the expert axis "expert parallel" (tokens whole on it
+    or dispatched over it) and the other axis by what it does."""
+    manual = functools.partial(plans.expert_parallel, dispatch=dispatch)
+    plan = plan_program(fxpar.capture(mixtral(), _inputs()), Cluster((2, 2)), manual=manual)
+    assert plan.layout_summary().startswith("axis0 (2): expert parallel")
+    assert "axis1 (2): data parallel" in plan.layout_summary()

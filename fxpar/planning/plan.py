@@ -23,6 +23,7 @@ from fxpar.errors import FxparError
 from fxpar.ir.program import Program
 from fxpar.planning.plan_file import plan_document, save_plan
 from fxpar.planning.problem import Layout, PlanOptions, assignment_of, build_problem, candidates
+from fxpar.planning.propagate import expert_weights
 from fxpar.planning.report import plot as plot_report
 from fxpar.planning.report import render_text, report_data
 from fxpar.rules import RuleRegistry
@@ -117,9 +118,12 @@ class Plan:
         """One line saying what each mesh axis does: splits the batch, the weights, both
         (fully sharded) or neither, with the share of trainable weight bytes split over it,
         e.g. ``axis0 (2): data parallel; axis1 (4): tensor parallel (weights 97% split)``, each
-        axis by its cluster's name for it."""
+        axis by its cluster's name for it. An axis whose split weights are all stacked expert
+        weights split by expert (dim 0) is ``expert parallel``, whether the batch is split on it
+        too (tokens dispatched by all-to-all) or not."""
         program, mesh = self.program, self.cluster.mesh_shape
         placeholders = program.placeholders()
+        experts = {placeholders[name] for name in expert_weights(program)}
         weights = [placeholders[name] for name in program.signature.gradients]
         batch = [placeholders[name] for name in program.signature.inputs]
         total = sum(_nbytes(node) for node in weights)
@@ -130,7 +134,13 @@ class Plan:
             split_batch = any(_batch_split_on(node, axis) for node in batch)
             split_bytes = sum(_nbytes(node) for node in weights if _split_on(node, axis))
             share = split_bytes / total if total else 0.0
-            if split_batch:
+            if share and all(
+                node in experts and _split_on(node, axis, dim=0)
+                for node in weights
+                if _split_on(node, axis)
+            ):
+                kind = "expert parallel"
+            elif split_batch:
                 kind = "fully sharded" if share >= 0.5 else "data parallel"
             else:
                 kind = "tensor parallel" if share > 0 else "replicated"
@@ -171,10 +181,13 @@ class Plan:
         return "\n".join(lines)
 
 
-def _split_on(node: fx.Node, axis: int) -> bool:
-    """Whether the value of placeholder ``node`` is split over mesh axis ``axis``."""
+def _split_on(node: fx.Node, axis: int, dim: int | None = None) -> bool:
+    """Whether the value of placeholder ``node`` is split over mesh axis ``axis`` (on ``dim``,
+    when given)."""
     spec = ir.require(node, Sharding).strategy.outputs[0]
-    return spec is not None and isinstance(spec[axis], Shard)
+    if spec is None or not isinstance(spec[axis], Shard):
+        return False
+    return dim is None or spec[axis] == Shard(dim)
 
 
 def _batch_split_on(node: fx.Node, axis: int) -> bool:
