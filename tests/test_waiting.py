@@ -127,3 +127,23 @@ def test_gloo_work_reports_its_completion_where_fxpar_polls_it() -> None:
         "send/recv": False,
     }
     assert spawn(_reports_completion, 2, timeout_s=120) == [expected, expected]
+
+
+@pytest.mark.parametrize(("local", "expected"), [(1, "poll"), (None, "block")])
+def test_waits_block_where_this_host_runs_more_ranks_than_it_has_cores(
+    monkeypatch: pytest.MonkeyPatch, local: int | None, expected: str
+) -> None:
+    """torchrun's LOCAL_WORLD_SIZE says how many ranks share this host: more than its cores
+    (None here: one more than this process may use) and waits block, else they poll;
+    FXPAR_WAIT overrides either way."""
+    import os
+
+    monkeypatch.delenv("FXPAR_WAIT", raising=False)
+    ranks = len(os.sched_getaffinity(0)) + 1 if local is None else local
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(ranks))
+    assert waiting.policy() == expected
+    work = _Work(polls=5)
+    waiting.wait(work, poll=True)
+    assert (work.polled > 0) == (expected == "poll") and work.waited == 1
+    monkeypatch.setenv("FXPAR_WAIT", "poll")
+    assert waiting.policy() == "poll"

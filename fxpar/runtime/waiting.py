@@ -30,8 +30,15 @@ happens inside it), so their callers pass ``poll=False`` rather than poll in vai
 there. Only CPU work is polled: a wait on NCCL work does not block the CPU at all (it orders
 the CUDA streams), and polling it would make the CPU wait for the GPU instead.
 
-``FXPAR_WAIT=block`` in the environment (read at each call) makes every wait block, to compare
-the two or to leave idle cores to other jobs.
+**Where ranks outnumber cores, waits block** (:func:`oversubscribed`). The figures above are
+from an earlier runtime; measured again with ``benchmarks/cost_model.py``'s 36 plans of six
+models on four processes on two cores, twice each way back to back (benchmarks/README.md,
+cost_model.py, session 25), blocking was faster on 26 and 30 of the 36 (median 0.93 of the
+polling step both times) and steadier from run to run: a rank that reaches a collective first
+polls on a core that a peer it waits for needs. On hosts with a core per rank, waits poll.
+
+``FXPAR_WAIT=block`` or ``FXPAR_WAIT=poll`` in the environment (read at each call) chooses for
+every wait, to compare the two or to leave idle cores to other jobs.
 """
 
 from __future__ import annotations
@@ -53,8 +60,12 @@ POLL_BYTES = 4 * 2**20
 
 
 def policy() -> str:
-    """How CPU work is waited for: ``FXPAR_WAIT`` (``"poll"``, the default, or ``"block"``)."""
-    chosen = os.environ.get("FXPAR_WAIT", "poll")
+    """How CPU work is waited for: ``FXPAR_WAIT`` (``"poll"`` or ``"block"``) where it is set;
+    otherwise ``"poll"``, or ``"block"`` on a host running more ranks than it has cores
+    (:func:`oversubscribed`)."""
+    chosen = os.environ.get("FXPAR_WAIT")
+    if chosen is None:
+        return "block" if oversubscribed() else "poll"
     if chosen not in POLICIES:
         raise FxparError(f"FXPAR_WAIT must be one of {', '.join(POLICIES)}, got {chosen!r}")
     return chosen
@@ -65,6 +76,21 @@ def pollable(tensor: torch.Tensor) -> bool:
     :data:`POLL_BYTES`. A larger transfer takes long enough that a wake-up is small beside it,
     and the gloo threads moving it need the cores a poll would take."""
     return tensor.device.type == "cpu" and tensor.nbytes <= POLL_BYTES
+
+
+def oversubscribed() -> bool:
+    """Whether this host runs more ranks than the cores this process may use: the ranks are
+    torchrun's ``LOCAL_WORLD_SIZE``, or without it the world of an initialized process group
+    (:func:`fxpar.runtime.launch.spawn`'s processes, all on this host). There a rank that
+    polls holds a core a peer it waits for needs (see the module docstring)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local is not None and local.isdigit():
+        ranks = int(local)
+    elif dist.is_available() and dist.is_initialized():
+        ranks = dist.get_world_size()
+    else:
+        return False
+    return ranks > len(os.sched_getaffinity(0))
 
 
 def wait(work: Any, *, poll: bool) -> None:
@@ -96,4 +122,7 @@ def all_reduce(tensor: torch.Tensor, group: Any = None) -> None:
     wait(dist.all_reduce(tensor, group=group, async_op=True), poll=pollable(tensor))
 
 
-__all__ = ["POLICIES", "POLL_BYTES", "POLL_SECONDS", "all_reduce", "policy", "pollable", "wait"]
+__all__ = [
+    "POLICIES", "POLL_BYTES", "POLL_SECONDS", "all_reduce", "oversubscribed", "policy", "pollable",
+    "wait",
+]  # fmt: skip
