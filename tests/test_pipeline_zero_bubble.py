@@ -621,13 +621,7 @@ def test_zero_bubble_pipelines_train_like_one_device_on_gloo(
                     value, expected["parameters"][name], msg=f"{what}: {name}"
                 )
             held |= found["parameters"].keys()
-            for key in ("eval_loss", "outputs"):
-                if key in found:
-                    torch.testing.assert_close(found[key], expected[key], msg=f"{what}: {key}")
-            events = found["events"]
-            for op in ("backward_input", "backward_weight"):
-                done = sorted((e.chunk, e.microbatch) for e in events if e.op == op)
-                assert done == [(c, m) for c in range(chunks) for m in range(microbatches)], what
+            events = _check_outputs_and_halves(found, expected, chunks, microbatches, what)
             assert not any(e.op == "backward" for e in events), what
             if isinstance(case, HFCase) and case.name == "t5":  # read on every stage
                 assert "shared.weight" in found["parameters"], what
@@ -784,12 +778,21 @@ def test_zero_bubble_pipelines_on_stage_meshes_train_like_one_device_on_gloo() -
             torch.testing.assert_close(found["losses"], expected["losses"], msg=what)
             for name, value in expected["parameters"].items():
                 torch.testing.assert_close(found["state"][name], value, msg=f"{what}: {name}")
-            for key in ("eval_loss", "outputs"):
-                if key in found:
-                    torch.testing.assert_close(found[key], expected[key], msg=f"{what}: {key}")
-            events = found["events"]
-            for op in ("backward_input", "backward_weight"):
-                done = sorted((e.chunk, e.microbatch) for e in events if e.op == op)
-                assert done == [(c, m) for c in range(chunks) for m in range(microbatches)], what
+            events = _check_outputs_and_halves(found, expected, chunks, microbatches, what)
             last_weight = max(e.end for e in events if e.op == "backward_weight")
             assert found["synced"] and min(found["synced"]) >= last_weight, what
+
+
+def _check_outputs_and_halves(
+    found: dict[str, Any], expected: dict[str, Any], chunks: int, microbatches: int, what: str
+) -> list[Any]:
+    """One rank's evaluation loss and outputs (where it reports them) equal eager's, and it ran
+    B and W of every (chunk, micro-batch) once; its schedule's events, for further checks."""
+    for key in ("eval_loss", "outputs"):
+        if key in found:
+            torch.testing.assert_close(found[key], expected[key], msg=f"{what}: {key}")
+    events = found["events"]
+    for op in ("backward_input", "backward_weight"):
+        done = sorted((e.chunk, e.microbatch) for e in events if e.op == op)
+        assert done == [(c, m) for c in range(chunks) for m in range(microbatches)], what
+    return events
