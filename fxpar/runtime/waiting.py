@@ -43,6 +43,7 @@ every wait, to compare the two or to leave idle cores to other jobs.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from typing import Any
@@ -90,7 +91,13 @@ def oversubscribed() -> bool:
         ranks = dist.get_world_size()
     else:
         return False
-    return ranks > len(os.sched_getaffinity(0))
+    return ranks > _cores()
+
+
+@functools.cache
+def _cores() -> int:
+    """The cores this process may use (read once: every wait asks)."""
+    return len(os.sched_getaffinity(0))
 
 
 def wait(work: Any, *, poll: bool) -> None:
