@@ -8,6 +8,7 @@ import dataclasses
 import json
 import math
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -27,8 +28,10 @@ from fxpar.runtime.calibration import (
     Calibration,
     CalibrationOptions,
     Timing,
+    _typical_seconds,
     fit,
     measure,
+    wait_seconds,
 )
 from fxpar.runtime.launch import spawn
 
@@ -86,24 +89,67 @@ def test_the_fitted_model_gives_back_the_fitted_times_and_roughly_the_one_betwee
     for a scheduler slice)."""
     calibration = ranks[0]["flat"]
     assert isinstance(calibration, Calibration)
-    kinds = [(t.operation, t.fitted) for t in calibration.timings]
-    assert kinds == [(ALL_REDUCE, True), (ALL_REDUCE, False), (ALL_REDUCE, True),
-                     *[(kind, True) for kind in (ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL)
+    kinds = [(t.operation, t.fitted, t.after_compute) for t in calibration.timings]
+    assert kinds == [(ALL_REDUCE, True, False), (ALL_REDUCE, False, False),
+                     (ALL_REDUCE, True, False), (ALL_REDUCE, True, True),
+                     *[(kind, True, False) for kind in (ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL)
                        for _ in range(2)],
-                     (MATMUL, True), (COPY, True)]  # fmt: skip
+                     (MATMUL, True, False), (COPY, True, False)]  # fmt: skip
     own = {(link.kind, link.axis) for link in calibration.cluster.collective_links}
     assert own == {(ALL_GATHER, 0), (REDUCE_SCATTER, 0), (ALL_TO_ALL, 0)}
+    # Every collective's latency carries the axis' wait for the last peer: the one-element
+    # all-reduce after compute, beyond the same one after a barrier.
+    small, wait_run = calibration.timings[0], calibration.timings[3]
+    wait = wait_seconds(calibration.timings, 0)
+    assert wait == max(wait_run.seconds - small.seconds, 0.0)
     for timing in calibration.timings:
         model = timing.model_seconds(calibration.cluster)
-        if timing.fitted:
-            assert model == pytest.approx(timing.seconds, rel=1e-9), timing
+        if timing.after_compute:
+            assert model == pytest.approx(max(timing.seconds, small.seconds + wait), rel=1e-9)
+        elif timing.fitted:
+            plus = wait if timing.axis is not None else 0.0
+            assert model == pytest.approx(timing.seconds + plus, rel=1e-9), timing
         else:
-            assert 1 / 3 < model / timing.seconds < 3, calibration.table()
+            assert 1 / 3 < model / (timing.seconds + wait) < 3, calibration.table()
     check = calibration.timings[1]
     n, bandwidth = 2, calibration.cluster.bandwidth[0]
     expected = collective_seconds("all_reduce", check.nbytes, n, bandwidth,
                                   calibration.cluster.latency[0])  # fmt: skip
     assert check.model_seconds(calibration.cluster) == expected
+
+
+def _late_peer_rank(rank: int, world_size: int) -> dict[str, float]:
+    """Rank 0's time of a one-element all-reduce when rank 1 computes 20 more products than it
+    before each run (a peer that reaches the collective late, as on a machine with more ranks
+    than cores), started after a barrier ("0") and after compute ("1"); and rank 1's time of
+    those 20 products."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    buffer, size, extra = torch.zeros(1), 256, 20
+    found = {}
+    for after in (False, True):
+        count = 1 + (extra if rank == 1 else 0)
+        options = CalibrationOptions(compute_before=count, repeats=5, matmul_size=size)
+        run = lambda: dist.all_reduce(buffer)  # noqa: E731
+        seconds = _typical_seconds(run, dist.group.WORLD, options, torch.device("cpu"), after)
+        found[str(int(after))] = seconds
+    matrix = torch.randn(size, size)
+    start = time.perf_counter()
+    for _ in range(extra):
+        torch.mm(matrix, matrix)
+    found["extra"] = time.perf_counter() - start
+    return found
+
+
+@pytest.mark.slow
+def test_a_collective_timed_after_compute_counts_the_wait_for_a_late_peer() -> None:
+    """With compute before each run, a collective's time includes waiting for the last peer:
+    rank 0 waits out rank 1's extra products, which it does not see when the runs start
+    together after a barrier."""
+    rank_zero, rank_one = spawn(_late_peer_rank, 2, timeout_s=120)
+    assert rank_zero["1"] > 0.5 * rank_one["extra"], (rank_zero, rank_one)
+    assert rank_zero["0"] < rank_zero["1"] / 2, (rank_zero, rank_one)
 
 
 @pytest.mark.slow
@@ -184,6 +230,27 @@ def test_fit_recovers_the_cluster_that_produced_the_times() -> None:
     assert fitted.memory == fxpar.Cluster.preset("cpu", (4,)).memory
 
 
+@pytest.mark.parametrize(("late", "wait"), [(2e-3, 2e-3), (-1e-4, 0.0)])
+def test_the_wait_after_compute_is_added_to_every_collective_latency_of_its_axis(
+    late: float, wait: float
+) -> None:
+    """The one-element all-reduce timed after compute took ``late`` beyond the one after a
+    barrier: every kind's latency on the axis grows by that (never by less than 0), the
+    bandwidths stay."""
+    options = CalibrationOptions()
+    timings = _timings_of(GIVEN, options)
+    without = fit(GIVEN, timings)
+    small = timings[0]
+    after = Timing(ALL_REDUCE, small.nbytes, small.seconds + late, axis=0, after_compute=True)
+    fitted = fit(GIVEN, [*timings, after])
+    assert wait_seconds([*timings, after], 0) == pytest.approx(wait, abs=1e-12)
+    assert fitted.latency[0] == pytest.approx(without.latency[0] + wait, rel=1e-9)
+    assert fitted.bandwidth == without.bandwidth
+    for link, before in zip(fitted.collective_links, without.collective_links, strict=True):
+        assert link.latency == pytest.approx(before.latency + wait, rel=1e-9)
+        assert link.bandwidth == before.bandwidth
+
+
 def test_fit_refuses_times_no_line_of_positive_latency_and_bandwidth_passes_through() -> None:
     timings = _timings_of(GIVEN, CalibrationOptions())
     timings[2] = dataclasses.replace(timings[2], seconds=timings[0].seconds / 2)  # large < small
@@ -198,6 +265,7 @@ def test_fit_refuses_times_no_line_of_positive_latency_and_bandwidth_passes_thro
         ({"copy_bytes": 2}, "copy_bytes=2 holds not even one"),
         ({"repeats": 0}, "repeats >= 1"),
         ({"quantile": 1.5}, "quantile must lie in"),
+        ({"compute_before": -1}, "compute_before must be >= 0"),
     ],
 )
 def test_bad_options_are_named(options: dict[str, object], message: str) -> None:

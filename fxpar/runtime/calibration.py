@@ -17,6 +17,12 @@ What it times (:class:`CalibrationOptions` sets the sizes and repeats):
   points, so the model gives back both measured times. An all-reduce of ``check_bytes`` is
   timed too and not fitted: it shows how well the straight line holds between them. An axis of
   one device has no collective to time and keeps its numbers.
+- On the same axes, the one-element all-reduce again, each run after a stretch of compute on
+  every rank (:attr:`CalibrationOptions.compute_before`), as a step reaches its collectives:
+  what it takes beyond the run started after a barrier is the *wait* for the last peer, which
+  on a machine with more ranks than cores every collective of a step pays (the ranks leave a
+  stretch of compute apart). It is added to the latency of every kind of collective on the
+  axis; the model then gives back the fitted times plus the wait.
 - On the same axes, an all-gather, a reduce-scatter and an all-to-all of one element per device
   and of ``large_bytes``, through the runtime's own
   :class:`~fxpar.runtime.communicators.ProcessGroupCommunicator`, each kind fitted a line of
@@ -32,12 +38,12 @@ What it times (:class:`CalibrationOptions` sets the sizes and repeats):
   matrices, a 1 GiB copy).
 
 Each operation runs ``warmup`` times untimed, then ``repeats`` times. A collective starts each
-run after a barrier of its own process group; local work runs back to back, every rank at once,
-as in a step (:func:`_typical_seconds` says why). A rank keeps the lower quartile of a
-collective's times (:attr:`CalibrationOptions.quantile`) and the mean of its local work's, and
-the slowest rank's (one all-reduce MAX) is the time
-every rank fits: every rank returns the same Cluster. With the defaults calibration takes about
-a few seconds on local CPU processes.
+run after a barrier of its own process group (the wait's all-reduce after compute too); local
+work runs back to back, every rank at once, as in a step (:func:`_typical_seconds` says why). A
+rank keeps the lower quartile of a collective's times (:attr:`CalibrationOptions.quantile`), the
+mean of the wait's and the mean of its local work's, and the slowest rank's (one all-reduce MAX)
+is the time every rank fits: every rank returns the same Cluster. With the defaults
+calibration takes a few seconds on local CPU processes.
 
 Why a function and not a ``Cluster`` method: :mod:`fxpar.cluster` is a leaf that the cost model
 imports, and calibration needs the cost model's formulas (so that the fitted numbers give back
@@ -108,8 +114,13 @@ class CalibrationOptions:
     op_passes: int = 5
     """Timed steps of a program given to :func:`calibrate` (or :func:`calibrate_ops`): each op
     call takes the median of its times in them (:func:`~fxpar.runtime.op_timing.time_ops`)."""
+    compute_before: int = 1
+    """Products of two ``matmul_size``-square matrices every rank computes before each run of
+    the all-reduce that measures an axis' wait (the module docstring); 0 measures none."""
     quantile: float = 0.25
-    """Which of a rank's ``repeats`` times it keeps: 0.5 the median, 0 the fastest. On a busy
+    """Which of a rank's ``repeats`` times of a collective started after a barrier it keeps
+    (the runs after compute keep their mean, the wait a step pays): 0.5 the median, 0 the
+    fastest. On a busy
     machine (other programs, or more processes than cores) a collective's time is bimodal,
     the transfer itself or the transfer plus a scheduler slice (milliseconds) for a peer that
     was not running; the median flips between the two from one calibration to the next, while
@@ -151,6 +162,8 @@ class CalibrationOptions:
                 f"need matmul_size >= 1, warmup >= 0 and repeats >= 1, got {self.matmul_size}, "
                 f"{self.warmup} and {self.repeats}"
             )
+        if self.compute_before < 0:
+            raise FxparError(f"compute_before must be >= 0, got {self.compute_before}")
         if not 0 <= self.quantile <= 1:
             raise FxparError(f"quantile must lie in [0, 1], got {self.quantile}")
 
@@ -171,6 +184,9 @@ class Timing:
     flops: int = 0
     fitted: bool = True
     """False for the all-reduce that only checks the fit."""
+    after_compute: bool = False
+    """Timed after a stretch of compute on every rank: the all-reduce that measures the
+    axis' wait for the last peer."""
 
     def model_seconds(self, cluster: Cluster) -> float:
         """What the cost model says this operation takes on ``cluster``."""
@@ -187,7 +203,7 @@ class Timing:
     def label(self, cluster: Cluster) -> str:
         if self.axis is None:
             return self.operation
-        role = "fit" if self.fitted else "check"
+        role = "wait" if self.after_compute else "fit" if self.fitted else "check"
         kind = self.operation.replace("_", "-")
         return f"{kind} on {cluster.axis_names[self.axis]} ({role})"
 
@@ -306,7 +322,7 @@ def measure(
             run = _collective_runner(timing, communicator, group, options, device)
         else:
             run = _runner(timing, group, options, device)
-        kept.append(_typical_seconds(run, group, options, device))
+        kept.append(_typical_seconds(run, group, options, device, timing.after_compute))
     slowest = torch.tensor(kept, dtype=torch.float64)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     timings = tuple(
@@ -415,19 +431,21 @@ def fit(cluster: Cluster, timings: Sequence[Timing]) -> Cluster:
     latency, bandwidth = list(cluster.latency), list(cluster.bandwidth)
     links = {(link.kind, link.axis): link for link in cluster.collective_links}
     for axis, devices in enumerate(cluster.mesh_shape):
+        on_axis = [t for t in timings if t.axis == axis]
+        wait = _wait(on_axis)
         for kind in (ALL_REDUCE, *OWN_LINKS):
             points = sorted(
                 (t.nbytes, t.seconds)
-                for t in timings
-                if t.operation == kind and t.axis == axis and t.fitted
+                for t in on_axis
+                if t.operation == kind and t.fitted and not t.after_compute
             )
             if not points:
                 continue
-            line = _line(cluster, kind, axis, devices, points[0], points[-1])
+            alpha, beta = _line(cluster, kind, axis, devices, points[0], points[-1])
             if kind == ALL_REDUCE:
-                latency[axis], bandwidth[axis] = line
+                latency[axis], bandwidth[axis] = alpha + wait, beta
             else:
-                links[kind, axis] = CollectiveLink(kind, axis, *line)
+                links[kind, axis] = CollectiveLink(kind, axis, alpha + wait, beta)
     flops, memory_bandwidth = cluster.flops, cluster.memory_bandwidth
     for timing in timings:
         if timing.operation == MATMUL:
@@ -444,6 +462,27 @@ def fit(cluster: Cluster, timings: Sequence[Timing]) -> Cluster:
             links[key] for key in sorted(links, key=lambda k: (k[1], COLLECTIVE_KINDS.index(k[0])))
         ),
     )
+
+
+def wait_seconds(timings: Sequence[Timing], axis: int) -> float:
+    """The wait for the last peer that calibration added to every collective's latency on
+    ``axis`` (0 where it timed none)."""
+    return _wait([t for t in timings if t.axis == axis])
+
+
+def _wait(on_axis: Sequence[Timing]) -> float:
+    """What the all-reduce after compute took beyond the same one after a barrier (never
+    below 0: on a quiet machine with a core per rank the two are the same but for noise)."""
+    after = [t for t in on_axis if t.after_compute]
+    if not after:
+        return 0.0
+    (timed,) = after
+    barrier = [
+        t.seconds
+        for t in on_axis
+        if t.operation == timed.operation and t.nbytes == timed.nbytes and not t.after_compute
+    ]
+    return max(timed.seconds - min(barrier), 0.0)
 
 
 def _line(
@@ -485,6 +524,8 @@ def _planned_timings(cluster: Cluster, options: CalibrationOptions) -> list[Timi
         ):
             whole = nbytes // itemsize * itemsize
             planned.append(Timing(ALL_REDUCE, whole, 0.0, axis=axis, fitted=fitted))
+        if options.compute_before:
+            planned.append(Timing(ALL_REDUCE, itemsize, 0.0, axis=axis, after_compute=True))
         if options.each_kind:
             # One element per device, and large_bytes: sizes every kind splits evenly.
             step = devices * itemsize
@@ -551,19 +592,22 @@ def _typical_seconds(
     group: ProcessGroup | None,
     options: CalibrationOptions,
     device: torch.device,
+    after_compute: bool = False,
 ) -> float:
     """This rank's time of ``run``.
 
     A collective (on ``group``) starts each run together with its peers, after a barrier of
     that group alone (a barrier of the world wakes every process at once, and on a machine with
     fewer cores than processes some then wait a whole scheduler slice), and its time is the
-    ``quantile`` of its repeats. Local work (``group`` None) runs back to back after one
-    barrier of the world, every rank computing at once throughout, as in a step, and its time
-    is the mean over its repeats (``local_seconds`` of them at least): on a machine with fewer
-    cores than ranks, one run may hold a core alone for a scheduler slice, and a quantile of
-    single runs then measures a whole core where the step gets a share of one (one such
-    calibration priced a 4-rank step at half its measured time). On a GPU each run is waited
-    for (it is queued, not run, when the call returns)."""
+    ``quantile`` of its repeats. ``after_compute``: every rank then computes
+    :attr:`CalibrationOptions.compute_before` products before the run starts, and the time is
+    the mean of the repeats, waits for late peers included. Local work (``group`` None) runs
+    back to back after one barrier of the world, every rank computing at once throughout, as in
+    a step, and its time is the mean over its repeats (``local_seconds`` of them at least): on
+    a machine with fewer cores than ranks, one run may hold a core alone for a scheduler slice,
+    and a quantile of single runs then measures a whole core where the step gets a share of one
+    (one such calibration priced a 4-rank step at half its measured time). On a GPU each run
+    is waited for (it is queued, not run, when the call returns)."""
     for _ in range(options.warmup):
         run()
     synchronize(device)
@@ -575,14 +619,33 @@ def _typical_seconds(
             synchronize(device)
             runs += 1
         return (time.perf_counter() - start) / runs
+    compute = _compute_before(options, device) if after_compute else lambda: None
     samples = []
     for _ in range(options.repeats):
         dist.barrier(group=group)
+        compute()
         start = time.perf_counter()
         run()
         synchronize(device)
         samples.append(time.perf_counter() - start)
+    if after_compute:
+        return sum(samples) / len(samples)
     return sorted(samples)[round(options.quantile * (len(samples) - 1))]
+
+
+def _compute_before(options: CalibrationOptions, device: torch.device) -> Callable[[], None]:
+    """The stretch of compute each rank runs before a run of the wait's all-reduce
+    (:attr:`CalibrationOptions.compute_before`), waited for on a GPU."""
+    size = options.matmul_size
+    left = torch.randn(size, size, dtype=options.dtype, device=device)
+    product = torch.empty_like(left)
+
+    def compute() -> None:
+        for _ in range(options.compute_before):
+            torch.mm(left, left, out=product)
+        synchronize(device)
+
+    return compute
 
 
 def _seconds(value: float) -> str:
