@@ -2,8 +2,9 @@
 layer with a shared expert; multi-head latent attention), trains like one device under data
 parallelism, fully sharded, the ILP's plan and expert parallelism, on (2,) and (2, 2) meshes
 in the simulator; so it does when every token is routed to one expert; every strategy of its
-routing's scatter-add (fxpar/rules/routing.py) computes the op; and on gloo processes expert
-parallelism trains like eager PyTorch.
+routing's scatter-add (fxpar/rules/routing.py) computes the op; its MoE block is found
+(fxpar/planning/moe_blocks.py) and its tokens dispatched by all-to-all train like one device
+too; and on gloo processes expert parallelism trains like eager PyTorch.
 
 torchtitan 0.3.0 declares heavy dependencies it does not import for its models (wandb,
 tensorboard, datasets, torchdata): ``.ci/run`` installs it with ``--no-deps``, beside the few it
@@ -29,6 +30,7 @@ on one device to float32's reassociation, and the captured step with eager PyTor
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import sys
 import types
@@ -43,7 +45,9 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 import fxpar
 from fxpar import ir, plans
 from fxpar.cluster import Cluster
+from fxpar.lowering.expert_dispatch import DISPATCH_CALLS
 from fxpar.passes import plan_program
+from fxpar.planning.moe_blocks import find_blocks
 from fxpar.planning.propagate import expert_weights
 from fxpar.rules import RuleRegistry, coverage, experts, routing
 from fxpar.runtime.launch import spawn
@@ -152,6 +156,16 @@ def _splits_experts(program: fxpar.Program, node: Any, axis: int = 0) -> bool:
     return spec is not None and spec[axis] == Shard(0)
 
 
+ALL_TO_ALL = functools.partial(plans.expert_parallel, dispatch="all_to_all")
+LOCAL_CALLS = (experts.local_experts_grouped_mm, experts.local_experts_weight_grad)
+
+
+def _dispatch_calls(spmd: Any) -> list[str]:
+    """The expert-dispatch calls of rank 0's program, by name."""
+    graph = spmd.ranks[0].graph_module.graph
+    return sorted(n.target.__name__ for n in graph.nodes if n.target in DISPATCH_CALLS)
+
+
 def test_the_captured_step_is_eager_pytorchs(captured: tuple[nn.Module, fxpar.Program]) -> None:
     """The captured step computes eager PyTorch's loss and gradients; its experts are bf16
     grouped products (three forward, six backward), and only constants (the causal mask's
@@ -224,21 +238,72 @@ def one_expert() -> tuple[nn.Module, fxpar.Program]:
     return model, _capture(model)
 
 
+@pytest.mark.parametrize("dispatch", ["all_reduce", "all_to_all"])
 @pytest.mark.parametrize("mesh", MESHES, ids=["2", "2x2"])
 def test_all_tokens_routed_to_one_expert(
-    one_expert: tuple[nn.Module, fxpar.Program], mesh: tuple[int, ...]
+    one_expert: tuple[nn.Module, fxpar.Program], mesh: tuple[int, ...], dispatch: str
 ) -> None:
     """Every token routed to one expert: under expert parallelism one device computes every
-    row, the other none, and the step is still one device's."""
+    row, the other none (with the tokens dispatched by all-to-all, it receives none), and
+    the step is still one device's."""
     model, program = one_expert
     flat = _flat(program, model)
     values = record_values(program.graph_module, flat)
     offsets = values[_grouped_products(program)[0].args[2].name]
     counts = torch.diff(offsets, prepend=offsets.new_zeros(1)).tolist()
     assert sorted(counts) == [0, 0, 0, 32], counts  # 4 x 8 tokens, all on one expert
-    planned = plan_program(program, Cluster(mesh), manual=plans.expert_parallel)
+    manual = functools.partial(plans.expert_parallel, dispatch=dispatch)
+    planned = plan_program(program, Cluster(mesh), manual=manual)
     assert all(_splits_experts(planned.program, n) for n in _grouped_products(planned.program))
-    assert_equivalent(fxpar.lower(planned), flat, rtol=1e-4, atol=1e-5)
+    spmd = fxpar.lower(planned)
+    assert ("route" in _dispatch_calls(spmd)) == (dispatch == "all_to_all")
+    assert_equivalent(spmd, flat, rtol=1e-4, atol=1e-5)
+
+
+def test_deepseeks_moe_block_is_found(captured: tuple[nn.Module, fxpar.Program]) -> None:
+    """torchtitan's routing (a stable argsort of the top-k ids, no inverse permutation,
+    offsets counted from the top-k ids) is one MoE block: the routing weights and tokens
+    dispatched (the tokens' output gradient too, by a gather along an expanded index), the
+    rows combined back to tokens by the deterministic scatter-add (and the backward's
+    index_put), the routing weights' gradient combined to slots; every grouped product is
+    inside, and the counts, which also feed the tokens-per-expert buffer, stay outside."""
+    _, program = captured
+    blocks, refused = find_blocks(program.graph)
+    assert refused == [] and len(blocks) == 1
+    (block,) = blocks
+    assert (block.num_experts, block.top_k) == (EXPERTS, 2)
+    assert block.sort.target is torch.ops.aten.sort.stable
+    kinds = {node.target: kind for node, (kind, _) in block.boundaries.items()}
+    assert kinds[routing.torchtitan_scatter_add()] == "combine_tokens"
+    assert kinds[torch.ops.aten.gather.default] == "dispatch_tokens"
+    assert sorted(kind for kind, _ in block.boundaries.values()) == [
+        "combine", "combine_tokens", "combine_tokens", "dispatch", "dispatch_tokens",
+        "dispatch_tokens",
+    ]  # fmt: skip
+    assert set(_grouped_products(program)) <= set(block.region)
+    (counts,) = block.offsets.all_input_nodes
+    assert counts not in block.nodes() and len(counts.users) == 2
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=["2", "2x2"])
+def test_deepseek_tokens_dispatched_by_all_to_all(
+    captured: tuple[nn.Module, fxpar.Program], mesh: tuple[int, ...]
+) -> None:
+    """The batch split over every axis, each device's rows sent to their experts' devices
+    and back: one route, three dispatches and three combines per rank, grouped products on
+    the rows received (no local call), and the step one device's."""
+    model, program = captured
+    planned = plan_program(program, Cluster(mesh), manual=ALL_TO_ALL)
+    tokens = planned.program.placeholders()["input_0"]
+    assert ir.require(tokens, Sharding).strategy.outputs[0] == (Shard(0),) * len(mesh)
+    spmd = fxpar.lower(planned)
+    assert _dispatch_calls(spmd) == sorted([
+        "route", "dispatch", "dispatch_tokens", "dispatch_tokens", "combine", "combine_tokens",
+        "combine_tokens",
+    ])  # fmt: skip
+    graph = spmd.ranks[0].graph_module.graph
+    assert not any(n.target in LOCAL_CALLS for n in graph.nodes)
+    assert_equivalent(spmd, _flat(planned.program, model), rtol=1e-4, atol=1e-5)
 
 
 class ScatterRows(nn.Module):

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.distributed.tensor import Shard
 
 from fxpar import ir
 from fxpar.cluster import Cluster, Coordinate
@@ -282,6 +283,25 @@ def localize_shape_arguments(
     return (*args[:index], list(shape), *args[index + 1 :])
 
 
+_INFERRED_SIZES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+                   aten.expand.default)  # fmt: skip
+"""Ops whose shape argument may say ``-1`` for a size the input gives."""
+
+
+def _rows_inferred(node: fx.Node, args: tuple[Any, ...], specs: tuple[Spec | None, ...]) -> Any:
+    """``args`` of a dispatched MoE block's view or expand with its split dim (the rows, as
+    many as routing sent this device) written ``-1``."""
+    entry = _SHAPE_ARGUMENTS.get(node.target)
+    spec = specs[0]
+    if entry is None or spec is None:
+        return args
+    split = {p.dim for p in spec if isinstance(p, Shard)}
+    if node.target not in _INFERRED_SIZES:
+        raise LoweringError(f"{node.name} ({node.target}) sizes rows of a dispatched MoE block")
+    shape = [-1 if d in split else size for d, size in enumerate(args[entry[0]])]
+    return (*args[: entry[0]], shape, *args[entry[0] + 1 :])
+
+
 class _RankLowering:
     """One rank's program: the source graph's ops on local pieces, with the schedule's
     conversions emitted where it puts them."""
@@ -402,6 +422,8 @@ class _RankLowering:
         outputs = strategy.outputs
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), replace)
         args = localize_shape_arguments(node, tuple(args), outputs, self.mesh)
+        if node in self.dispatched:
+            args = _rows_inferred(node, args, outputs)
         if has_local_calls(node.target) and node not in self.dispatched:
             local = local_call(op_call(node, self.mesh), strategy, self.coordinate)
             if local is not None:

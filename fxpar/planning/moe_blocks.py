@@ -1,32 +1,39 @@
 """Mixture-of-experts blocks of a captured step, found by their routing sort, and the specs
 that dispatch their tokens to their experts' devices by all-to-all.
 
-Hugging Face transformers' grouped MoE (Mixtral, Qwen2-MoE, in fp32 or bf16) captures as:
+A captured MoE layer (Hugging Face transformers' grouped MoE: Mixtral, Qwen2-MoE, fp32 or
+bf16; torchtitan's DeepSeek-V3) has:
 
-- the routing: ``sort`` of the flattened top-k expert ids (one per *slot*, ``k`` slots per
-  token), its ``perm``, ``perm // k`` (each sorted row's token), the inverse permutation
-  (``index_put(empty_like(perm), [perm], arange)``), and the offsets
-  ``cumsum(histc(sorted ids))``;
+- the routing: a ``sort`` (transformers) or stable ``argsort`` (torchtitan) of the flattened
+  top-k expert ids (one per *slot*, ``k`` slots per token), its ``perm``, ``perm // k``
+  (each sorted row's token), maybe the inverse permutation
+  (``index_put(empty_like(perm), [perm], arange)``), and the grouped products' offsets, a
+  ``cumsum`` of counts per expert (transformers: ``histc`` of the sorted ids, part of the
+  routing; torchtitan: the top-k ids counted, which also feed a buffer and stay as planned);
 - *dispatch boundaries*, which take slot-ordered values into expert order: ``x[perm // k]``
   (the tokens' rows), ``v[perm]`` (the routing weights), and in the backward
-  ``zeros.index_put([inverse], g, accumulate)``;
+  ``zeros.index_put([inverse], g, accumulate)`` or ``g.gather(0, idx)`` with ``idx`` the
+  tokens expanded over the features (``(perm // k).view(-1, 1).expand(-1, D)``);
 - the *region*: grouped products on those rows with those offsets, and the row-wise ops
   between them (activation, routing-weight product) and of their backward;
-- *combine boundaries*, back to slot order: ``y[inverse]``, and in the backward
-  ``zeros.index_put([perm], g, accumulate)`` (routing weights' gradient) and
-  ``zeros.index_put([perm // k], g, accumulate)`` (the tokens' gradient, summed per token).
+- *combine boundaries*, back to slot order: ``y[inverse]``, ``zeros.index_put([perm], g,
+  accumulate)`` (routing weights' gradient), and back to tokens, summed per token:
+  ``zeros.index_put([perm // k], g, accumulate)`` or a scatter-add along ``idx``
+  (``aten.scatter_add``, torchtitan's deterministic scatter-add).
 
 :func:`find_blocks` returns each block so described, or the reason a sort is not one.
 With the tokens split on the batch over the expert axis, a device's dispatched rows are the
 rows of its own experts from every device's tokens: :func:`dispatch_strategies` gives every
 node of a block a strategy saying so (row values ``Shard`` on their row dim over every axis
-the tokens are split on, per-expert values ``Shard(0)`` on the expert axis). The lowering
+the tokens are split on, per-expert values ``Shard(0)`` on the expert axis, counts made
+outside the block ``Partial`` over those axes: each device counts its own tokens). The lowering
 (:mod:`fxpar.lowering.spmd`) recognises a block so planned (its sort's input split on the
 expert axis, which no rule offers) and emits the exchange of
 :mod:`fxpar.lowering.expert_dispatch` for its routing and boundaries; the region's ops run
-on the rows each device received. Values inside a block are never converted (the specs of
-its nodes agree by construction): the pieces are as large as routing makes them, and a
-spec prices them as even pieces, which is the balanced routing.
+on the rows each device received (a view's row size inferred, ``-1``). Values inside a
+block are never converted (the specs of its nodes agree by construction): the pieces are as
+large as routing makes them, and a spec prices them as even pieces, which is the balanced
+routing.
 """
 
 from __future__ import annotations
@@ -45,9 +52,13 @@ from fxpar.cluster import Cluster
 from fxpar.planning.cost import collective_seconds
 from fxpar.rules.experts import experts_spec, is_grouped_product
 from fxpar.rules.registry import op_call
+from fxpar.rules.routing import torchtitan_scatter_add
 from fxpar.sharding import Sharding, Spec, Strategies, Strategy, piece_bytes
 
 aten = torch.ops.aten
+
+SORTS = (aten.sort.default, aten.sort.stable)
+"""The routing sorts: transformers' ``sort``, torchtitan's stable ``argsort``."""
 
 Boundary = Literal["dispatch", "dispatch_tokens", "combine", "combine_tokens"]
 
@@ -77,7 +88,7 @@ def find_blocks(program_graph: fx.Graph) -> tuple[list[MoEBlock], list[str]]:
     """The MoE blocks of a graph, and for each routing-like sort that is not one, why."""
     blocks, refused = [], []
     for node in program_graph.nodes:
-        if node.target is aten.sort.default:
+        if node.target in SORTS:
             found = _block(node)
             if isinstance(found, str):
                 refused.append(f"{node.name}: {found}")
@@ -90,17 +101,30 @@ def _getitems(node: fx.Node) -> dict[int, fx.Node]:
     return {u.args[1]: u for u in node.users if u.target is operator.getitem}  # type: ignore[misc]
 
 
+def _sorts_ids(sort: fx.Node) -> bool:
+    """Whether ``sort`` sorts a 1-D tensor ascending (``aten.sort`` or its stable overload)."""
+    ids = sort.args[0]
+    if not isinstance(ids, fx.Node) or len(_shape(ids)) != 1:
+        return False
+    if sort.target is aten.sort.default:
+        options = dict(zip(("dim", "descending"), sort.args[1:], strict=False)) | sort.kwargs
+    else:
+        options = dict(zip(("stable", "dim", "descending"), sort.args[1:], strict=False))
+        options |= sort.kwargs
+    return options.get("dim", -1) in (0, -1) and not options.get("descending", False)
+
+
 def _block(sort: fx.Node) -> MoEBlock | str:
     outputs = _getitems(sort)
-    if set(outputs) - {0, 1} or 1 not in outputs or 0 not in outputs:
-        return "not a sort whose values and permutation are read"
-    values, perm = outputs[0], outputs[1]
+    if set(outputs) - {0, 1} or 1 not in outputs:
+        return "not a sort whose permutation is read"
+    perm = outputs[1]
     ids = sort.args[0]
     assert isinstance(ids, fx.Node)
-    if len(sort.args) > 1 or sort.kwargs or len(_shape(ids)) != 1:
-        return "not a sort of 1-D expert ids along their only dim"
+    if not _sorts_ids(sort):
+        return "not an ascending sort of 1-D expert ids"
     slots = _shape(ids)[0]
-    routing: list[fx.Node] = [sort, values, perm]
+    routing: list[fx.Node] = [sort, perm, *([outputs[0]] if 0 in outputs else [])]
     boundaries: dict[fx.Node, tuple[Boundary, fx.Node]] = {}
     tokens: fx.Node | None = None
     inverse: fx.Node | None = None
@@ -114,33 +138,36 @@ def _block(sort: fx.Node) -> MoEBlock | str:
         elif user.target is aten.index_put.default and _is_arange(user.args[2], slots):
             inverse = user
             routing += [user, user.args[2]]  # type: ignore[list-item]
-    if tokens is None or inverse is None:
-        return "its permutation is not read as tokens (perm // k) and inverted"
-    for index, gather, scatter in (
+    if tokens is None:
+        return "its permutation is not read as tokens (perm // k)"
+    indices: list[tuple[fx.Node, Boundary, Boundary]] = [
         (perm, "dispatch", "combine"),
         (tokens, "dispatch_tokens", "combine_tokens"),
-        (inverse, "combine", "dispatch"),
-    ):
-        for user in index.users:
-            if user in routing:
-                continue
-            kind = _boundary(user, index, gather, scatter)  # type: ignore[arg-type]
+    ]
+    if inverse is not None:
+        indices.append((inverse, "combine", "dispatch"))
+    for index, gather, scatter in indices:
+        for user, rows in _row_reads(index, routing):
+            kind = _boundary(user, rows, gather, scatter)
             if kind is None:
                 return f"{user.name} reads the routing as neither a gather nor a scatter"
             boundaries[user] = kind
-            if user.target is aten.index_put.default:
+            if kind[0] == scatter:
                 routing.append(user.args[0])  # type: ignore[arg-type]
-    offsets = _offsets(values, routing)
+    if not boundaries:
+        return "nothing reads rows by its permutation"
+    region = _region(boundaries, set(routing))
+    products = [n for n in region if is_grouped_product(n.target)]
+    if not products:
+        return "no grouped product between its boundaries"
+    offsets = _offsets(products, outputs.get(0), routing)
     if isinstance(offsets, str):
         return offsets
-    num_experts = _shape(offsets)[0]
-    region = _region(boundaries, offsets, set(routing))
-    if isinstance(region, str):
-        return region
-    if not any(is_grouped_product(n.target) for n in region):
-        return "no grouped product between its boundaries"
+    problem = _closed(region, boundaries, offsets, set(routing))
+    if problem is not None:
+        return problem
     return MoEBlock(
-        sort, ids, num_experts, top_k, offsets, tuple(routing), boundaries, tuple(region)
+        sort, ids, _shape(offsets)[0], top_k, offsets, tuple(routing), boundaries, tuple(region)
     )
 
 
@@ -153,49 +180,98 @@ def _is_arange(node: object, size: int) -> bool:
     return isinstance(node, fx.Node) and node.target is aten.arange.default and node.args == (size,)
 
 
+def _row_reads(index: fx.Node, routing: list[fx.Node]) -> list[tuple[fx.Node, fx.Node]]:
+    """The nodes that read rows by ``index`` (1-D), with the index as they read it: ``index``
+    itself, or ``index.view(-1, 1).expand(-1, D)`` (a gather or scatter along dim 0 of whole
+    rows of width ``D``), whose view and expand are added to ``routing``."""
+    reads = []
+    for user in index.users:
+        if user in routing:
+            continue
+        column = user.target in (aten.view.default, aten.reshape.default) and list(
+            user.args[1]  # type: ignore[arg-type]
+        ) in ([-1, 1], [_shape(index)[0], 1])
+        expands = [u for u in user.users if u.target is aten.expand.default] if column else []
+        if not column or len(expands) != len(user.users):
+            reads.append((user, index))
+            continue
+        routing.append(user)
+        for expand in expands:
+            routing.append(expand)
+            reads += [(reader, expand) for reader in expand.users]
+    return reads
+
+
 def _boundary(
     user: fx.Node, index: fx.Node, gather: Boundary, scatter: Boundary
 ) -> tuple[Boundary, fx.Node] | None:
-    """(kind, value moved) of a gather ``v[index]`` or an accumulating scatter
-    ``zeros.index_put([index], v, True)``; None for any other use."""
+    """(kind, value moved) of a gather of whole rows by ``index`` (``v[index]``, or
+    ``v.gather(0, index)`` by an expanded index) or of an accumulating scatter of whole rows
+    into zeros (``zeros.index_put([index], v, True)``, ``zeros.scatter_add(0, index, v)``,
+    torchtitan's deterministic scatter-add); None for any other use."""
     args = user.args
-    if user.target is aten.index.Tensor and args[1] == [index]:
+    if user.target is aten.index.Tensor and args[1] == [index] and args[0] is not index:
         return gather, args[0]  # type: ignore[return-value]
-    if (
-        user.target is aten.index_put.default
-        and args[1] == [index]
-        and len(args) > 3
-        and args[3] is True
-        and isinstance(args[0], fx.Node)
-        and args[0].target in (aten.new_zeros.default, aten.zeros.default)
-        and len(args[0].users) == 1
-    ):
-        return scatter, args[2]  # type: ignore[return-value]
+    if user.target is aten.gather.default and args[1:] == (0, index) and not user.kwargs:
+        if _shape(args[0])[1:] == _shape(index)[1:]:
+            return gather, args[0]  # type: ignore[return-value]
+        return None
+    if user.target is aten.index_put.default:
+        accumulates = args[1] == [index] and len(args) > 3 and args[3] is True
+        buffer, moved = args[0], args[2]
+    elif user.target is aten.scatter_add.default:
+        accumulates = args[1:3] == (0, index)
+        buffer, moved = args[0], args[3]
+    elif user.target is torchtitan_scatter_add() is not None:
+        accumulates = args[1] == index
+        buffer, moved = args[0], args[2]
+    else:
+        return None
+    whole_rows = index.target is not aten.expand.default or _shape(moved) == _shape(index)
+    zeros = (aten.new_zeros.default, aten.zeros.default, aten.zeros_like.default)
+    into_zeros = isinstance(buffer, fx.Node) and buffer.target in zeros and len(buffer.users) == 1
+    if accumulates and into_zeros and whole_rows and moved is not index:
+        return scatter, moved  # type: ignore[return-value]
     return None
 
 
-def _offsets(values: fx.Node, routing: list[fx.Node]) -> fx.Node | str:
-    """The offsets ``cumsum(histc(sorted ids))`` (through a cast), added to ``routing``."""
-    chain, node = [], values
-    while len(node.users) == 1:
-        (node,) = node.users
-        chain.append(node)
-        if node.target is aten.cumsum.default:
+def _offsets(
+    products: list[fx.Node], values: fx.Node | None, routing: list[fx.Node]
+) -> fx.Node | str:
+    """The offsets every grouped product reads (``offs``), a ``cumsum`` of counts per expert,
+    added to ``routing``; so is the count ``histc(sorted ids)`` (through a cast) where it
+    comes from the sort and feeds nothing else. Counts made otherwise (torchtitan counts the
+    top-k ids) are computed as planned: a device's offsets are its route's."""
+    read = {n.args[2] if len(n.args) > 2 else n.kwargs.get("offs") for n in products}
+    if len(read) != 1:
+        return "its grouped products read different offsets"
+    (offsets,) = read
+    if not isinstance(offsets, fx.Node) or offsets.target is not aten.cumsum.default:
+        return "its grouped products' offsets are not a cumsum of counts"
+    if any(user not in products for user in offsets.users) or len(_shape(offsets)) != 1:
+        return f"its offsets {offsets.name} are read outside its grouped products"
+    routing.append(offsets)
+    chain: list[fx.Node] = []
+    node = offsets.args[0]
+    while isinstance(node, fx.Node) and len(node.users) == 1:
+        if node is values:
             routing += chain
-            return node
+            break
         if node.target not in (aten._to_copy.default, aten.histc.default):
             break
-    return "its sorted ids make no offsets cumsum(histc(ids)) read by nothing else"
+        chain.append(node)
+        node = node.args[0]
+    return offsets
 
 
 def _region(
-    boundaries: dict[fx.Node, tuple[Boundary, fx.Node]], offsets: fx.Node, routing: set[fx.Node]
-) -> list[fx.Node] | str:
-    """The ops fed by the dispatches and the offsets, up to the combines, in graph order."""
+    boundaries: dict[fx.Node, tuple[Boundary, fx.Node]], routing: set[fx.Node]
+) -> list[fx.Node]:
+    """The ops fed by the dispatches, up to the combines, in graph order."""
     dispatches = [b for b, (kind, _) in boundaries.items() if kind.startswith("dispatch")]
     combines = {b for b, (kind, _) in boundaries.items() if kind.startswith("combine")}
     region: set[fx.Node] = set()
-    frontier = [offsets, *dispatches]
+    frontier = dispatches
     while frontier:
         node = frontier.pop()
         for user in node.users:
@@ -203,7 +279,21 @@ def _region(
                 continue
             region.add(user)
             frontier.append(user)
-    inside = region | {offsets, *dispatches}
+    order = {n: i for i, n in enumerate(next(iter(boundaries)).graph.nodes)}
+    return sorted(region, key=order.__getitem__)
+
+
+def _closed(
+    region: list[fx.Node],
+    boundaries: dict[fx.Node, tuple[Boundary, fx.Node]],
+    offsets: fx.Node,
+    routing: set[fx.Node],
+) -> str | None:
+    """Why ``region`` reads or feeds a value outside the block other than expert weights and
+    their gradients, or None."""
+    dispatches = {b for b, (kind, _) in boundaries.items() if kind.startswith("dispatch")}
+    combines = {b for b, (kind, _) in boundaries.items() if kind.startswith("combine")}
+    inside = {*region, offsets, *dispatches}
     for node in region:
         if node.target is operator.getitem or is_grouped_product(node.target):
             continue
@@ -218,8 +308,7 @@ def _region(
                 continue  # a boundary's zero buffer reads a row value for its dtype
             if not _is_expert_value(node, offsets):
                 return f"{node.name} is read outside the block by {user.name}"
-    order = {n: i for i, n in enumerate(offsets.graph.nodes)}
-    return sorted(region, key=order.__getitem__)
+    return None
 
 
 def _tensor_args(node: fx.Node) -> list[fx.Node]:
@@ -249,8 +338,11 @@ def dispatch_strategies(
     slots = _shape(block.expert_ids)[0]
     experts = block.num_experts
     data_axes = [a for a, p in enumerate(token_spec) if isinstance(p, Shard) and a != axis]
+    counts = tuple(Partial() if isinstance(p, Shard) else Replicate() for p in token_spec)
 
     def spec_of(node: fx.Node, shape: tuple[int, ...], output: bool) -> Spec:
+        if not output and node in block.offsets.all_input_nodes and node not in block.routing:
+            return counts  # counted from the device's own tokens, as planned
         per_expert = (len(shape) == 3 and shape[0] == experts) or node is block.offsets
         if slots in shape and not per_expert:
             return _on_dim(token_spec, shape.index(slots))

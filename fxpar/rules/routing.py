@@ -9,6 +9,9 @@ when every operand has it at full size, and since every row is added once the su
 ``out`` and ``src`` jointly, so Partial rows (a grouped product whose experts are split over
 the axis) give Partial tokens: the sum over the axis then moves ``T`` rows, not ``T*K``.
 
+Under ``expert_parallel(dispatch="all_to_all")`` the op is not run as such:
+:mod:`fxpar.planning.moe_blocks` reads it as an MoE block's combine back to tokens.
+
 The op exists once torchtitan's ``torchtitan.ops.scatter_add`` is imported (building any of its
 MoE models does it); :func:`register` adds its rule only if it exists then.
 """
