@@ -112,10 +112,13 @@ class Timed:
         return statistics.median(self.seconds)
 
 
-def build(name: str) -> tuple[torch.nn.Module, Any, Any, tuple[Any, ...]]:
-    """The zoo's model ``name`` with seed-0 weights and a batch of random data of its shapes."""
+def build(
+    name: str, factory: Callable[[], Any] | None = None
+) -> tuple[torch.nn.Module, Any, Any, tuple[Any, ...]]:
+    """The zoo's model ``name`` (or ``factory``'s) with seed-0 weights and a batch of random
+    data of its shapes."""
     torch.manual_seed(0)
-    model, inputs, loss_fn, targets = MODELS[name]()
+    model, inputs, loss_fn, targets = (factory or MODELS[name])()
     generator = torch.Generator().manual_seed(1)
 
     def filled(value: Any) -> Any:
