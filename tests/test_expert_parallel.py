@@ -445,6 +445,25 @@ def test_bf16_tokens_dispatched_by_all_to_all(name: str) -> None:
     assert_bf16_step_close(spmd, plan.program, flat)
 
 
+@pytest.mark.parametrize("hidden", [32, 64], ids=["hidden=tokens", "hidden=slots"])
+def test_rows_are_followed_not_guessed_from_sizes(hidden: int) -> None:
+    """A hidden size equal to the number of tokens (4 x 8) or of slots (x 2 experts each):
+    every value of the block holds its rows on the dim data flow gives it (the combine back
+    to tokens, (tokens, hidden), on dim 0, where a rule by size put slots on dim 1), and the
+    dispatched step equals eager PyTorch's."""
+    from fxpar.planning.moe_blocks import find_blocks
+
+    model = mixtral(hidden_size=hidden, intermediate_size=48)
+    program, spmd = _all_to_all_plan(model, (2, 2))
+    (block,), _ = find_blocks(program.graph)
+    tokens = [n for n, (kind, _) in block.boundaries.items() if kind == "combine_tokens"]
+    assert tokens and all(block.rows[n] == (0,) for n in tokens)
+    assert all(ir.require(n, ir.ValueMeta).tensor.shape[1] == hidden for n in tokens)
+    products = [n for n in block.region if experts.is_grouped_product(n.target)]
+    assert all(block.rows[n] in ((0,), (0, None)) for n in products)
+    _assert_like_eager(model, program, spmd)
+
+
 def test_all_to_all_dispatch_with_every_token_on_one_expert() -> None:
     """Every token routed to one expert: one device computes every row, the other none."""
     model = mixtral(num_experts_per_tok=1)

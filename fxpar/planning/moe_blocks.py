@@ -41,7 +41,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.fx as fx
@@ -61,6 +61,7 @@ SORTS = (aten.sort.default, aten.sort.stable)
 """The routing sorts: transformers' ``sort``, torchtitan's stable ``argsort``."""
 
 Boundary = Literal["dispatch", "dispatch_tokens", "combine", "combine_tokens"]
+RowDims = tuple[int | None, ...]
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,11 @@ class MoEBlock:
     """Each boundary and (its kind, the value it moves)."""
     region: tuple[fx.Node, ...]
     """The ops between the boundaries, in graph order."""
+    rows: dict[fx.Node, RowDims]
+    """Each value the block makes or reads, by its producer: per output, the dim holding its
+    rows (slots or tokens, split as the tokens are), or None (a per-expert value: weights,
+    their gradients, counts, offsets). Followed through the region's ops from the routing and
+    the boundaries, never guessed from sizes."""
 
     def nodes(self) -> set[fx.Node]:
         return {*self.routing, *self.boundaries, *self.region}
@@ -147,8 +153,8 @@ def _block(sort: fx.Node) -> MoEBlock | str:
     if inverse is not None:
         indices.append((inverse, "combine", "dispatch"))
     for index, gather, scatter in indices:
-        for user, rows in _row_reads(index, routing):
-            kind = _boundary(user, rows, gather, scatter)
+        for user, read_by in _row_reads(index, routing):
+            kind = _boundary(user, read_by, gather, scatter)
             if kind is None:
                 return f"{user.name} reads the routing as neither a gather nor a scatter"
             boundaries[user] = kind
@@ -163,12 +169,16 @@ def _block(sort: fx.Node) -> MoEBlock | str:
     offsets = _offsets(products, outputs.get(0), routing)
     if isinstance(offsets, str):
         return offsets
-    problem = _closed(region, boundaries, offsets, set(routing))
+    rows = _row_dims(ids, routing, boundaries, region)
+    if isinstance(rows, str):
+        return rows
+    problem = _closed(region, boundaries, offsets, set(routing), rows)
     if problem is not None:
         return problem
     return MoEBlock(
-        sort, ids, _shape(offsets)[0], top_k, offsets, tuple(routing), boundaries, tuple(region)
-    )
+        sort, ids, _shape(offsets)[0], top_k, offsets, tuple(routing), boundaries, tuple(region),
+        rows,
+    )  # fmt: skip
 
 
 def _shape(node: object) -> tuple[int, ...]:
@@ -288,6 +298,7 @@ def _closed(
     boundaries: dict[fx.Node, tuple[Boundary, fx.Node]],
     offsets: fx.Node,
     routing: set[fx.Node],
+    rows: dict[fx.Node, RowDims],
 ) -> str | None:
     """Why ``region`` reads or feeds a value outside the block other than expert weights and
     their gradients, or None."""
@@ -306,9 +317,126 @@ def _closed(
         for user in node.users:
             if user in inside or user in combines or user in routing:
                 continue  # a boundary's zero buffer reads a row value for its dtype
-            if not _is_expert_value(node, offsets):
+            if any(dim is not None for dim in rows[node]):
                 return f"{node.name} is read outside the block by {user.name}"
     return None
+
+
+def _row_dims(
+    ids: fx.Node,
+    routing: list[fx.Node],
+    boundaries: dict[fx.Node, tuple[Boundary, fx.Node]],
+    region: list[fx.Node],
+) -> dict[fx.Node, RowDims] | str:
+    """The row dim of every value of a block (:attr:`MoEBlock.rows`), or why one cannot be
+    followed. Known from the structure: the routing's values are rows on dim 0 (ids,
+    permutations, index views, the scatters' zero buffers) but for the counts and offsets;
+    each boundary moves rows on dim 0 and makes rows on dim 0. The region's ops carry them
+    on: a grouped product's 2-D outputs are rows on dim 0, its 3-D ones per expert; views,
+    transposes and sums move the dim as they move dims; other ops broadcast."""
+    rows: dict[fx.Node, RowDims] = {ids: (0,)}
+    for node in routing:
+        counted = node.target in (aten.histc.default, aten.cumsum.default)
+        rows[node] = (None if counted else 0,) * len(ir.require(node, ir.ValueMeta).outputs)
+        if node.target is aten.zeros_like.default and isinstance(node.args[0], fx.Node):
+            rows.setdefault(node.args[0], (0,))  # the buffer has its source's shape
+    moved = {value for _, value in boundaries.values()}
+    for node in boundaries:
+        rows[node] = (0,)
+    for value in moved - set(region):
+        rows[value] = (0,)
+    for node in region:
+        followed = _follow_rows(node, rows)
+        if isinstance(followed, str):
+            return f"{node.name} ({node.target}): {followed}"
+        rows[node] = followed
+    for value in moved & set(region):
+        if rows[value] != (0,):
+            return f"{value.name} is moved by a boundary but holds its rows on dim {rows[value]}"
+    return rows
+
+
+_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+_SUMS = (aten.sum.dim_IntList, aten.mean.dim)
+_SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
+
+
+def _follow_rows(node: fx.Node, rows: dict[fx.Node, RowDims]) -> RowDims | str:
+    """The row dim of each output of a region op, from its inputs'."""
+    value = ir.require(node, ir.ValueMeta)
+    if node.target is operator.getitem:
+        source, item = node.args
+        return (rows[source][item],)  # type: ignore[index]
+    if is_grouped_product(node.target):
+        return tuple(None if m is None or len(m.shape) == 3 else 0 for m in value.outputs)
+    known: list[tuple[fx.Node, int]] = []
+    for arg in _tensor_args(node):
+        arg_dim = rows.get(arg, (None,))[0]
+        if arg_dim is not None:
+            known.append((arg, arg_dim))
+    if not known:
+        return (None,)  # a per-expert value: a weight's cast or transpose, its gradient's
+    (source, dim) = known[0]
+    in_shape = _shape(source)
+    if node.target in _SPLITS:
+        if _dim_args(node, len(in_shape)) == [dim]:
+            return "a split of the rows"
+        return (dim,) * len(value.outputs)
+    if value.multiple:
+        return "an op of several outputs on rows"
+    out_shape = _shape(node)
+    if node.target in (aten.squeeze.dim, aten.squeeze.dims):
+        removed = _dim_args(node, len(in_shape))
+        return "a squeeze of the rows" if dim in removed else (dim - sum(d < dim for d in removed),)
+    if node.target is aten.unsqueeze.default:
+        (added,) = _dim_args(node, len(out_shape))
+        return (dim + (added <= dim),)
+    if node.target in (aten.transpose.int, aten.t.default):
+        first, second = _dim_args(node, len(in_shape))
+        return ({first: second, second: first}.get(dim, dim),)
+    if node.target is aten.permute.default:
+        return (_dim_args(node, len(in_shape)).index(dim),)
+    if node.target in _VIEWS:
+        before = _product(in_shape[:dim])
+        for out in range(len(out_shape)):
+            if _product(out_shape[:out]) == before and out_shape[out] == in_shape[dim]:
+                return (out,)
+        return "a view that splits or merges the rows"
+    if node.target in _SUMS:
+        summed = _dim_args(node, len(in_shape))
+        if dim in summed:
+            return "a sum over the rows"
+        keepdim = bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim"))
+        return (dim if keepdim else dim - sum(d < dim for d in summed),)
+    for arg, arg_dim in known:  # broadcasting: dims aligned from the last
+        out = arg_dim + len(out_shape) - len(_shape(arg))
+        if out != dim + len(out_shape) - len(in_shape) or out_shape[out] != _shape(arg)[arg_dim]:
+            return "inputs whose rows do not line up"
+    return (dim + len(out_shape) - len(in_shape),)
+
+
+def _dim_args(node: fx.Node, rank: int) -> list[int]:
+    """The dims an op of :func:`_follow_rows` names, counted from 0 in a tensor of ``rank``
+    dims (a sum of every dim names them all)."""
+    args: Any = node.args
+    if node.target is aten.t.default:
+        return [0, 1]
+    if node.target is aten.transpose.int:
+        named = args[1:3]
+    elif node.target in _SPLITS:
+        named = [args[2] if len(args) > 2 else node.kwargs.get("dim", 0)]
+    else:
+        named = args[1]
+    if named is None:
+        return list(range(rank))
+    return [int(d) % rank for d in (named if isinstance(named, list | tuple) else [named])]
+
+
+def _product(sizes: tuple[int, ...]) -> int:
+    product = 1
+    for size in sizes:
+        product *= size
+    return product
 
 
 def _tensor_args(node: fx.Node) -> list[fx.Node]:
@@ -335,19 +463,15 @@ def dispatch_strategies(
     row dim as the tokens are, per-expert values on dim 0 over ``axis`` (gradients partial
     over the data axes). ``layout``: the specs of values made outside the block, as planned;
     it is extended with the block's own."""
-    slots = _shape(block.expert_ids)[0]
-    experts = block.num_experts
     data_axes = [a for a, p in enumerate(token_spec) if isinstance(p, Shard) and a != axis]
     counts = tuple(Partial() if isinstance(p, Shard) else Replicate() for p in token_spec)
 
-    def spec_of(node: fx.Node, shape: tuple[int, ...], output: bool) -> Spec:
+    def spec_of(node: fx.Node, index: int, output: bool) -> Spec:
         if not output and node in block.offsets.all_input_nodes and node not in block.routing:
             return counts  # counted from the device's own tokens, as planned
-        per_expert = (len(shape) == 3 and shape[0] == experts) or node is block.offsets
-        if slots in shape and not per_expert:
-            return _on_dim(token_spec, shape.index(slots))
-        if shape and shape[0] == slots // block.top_k and not per_expert:
-            return _on_dim(token_spec, 0)  # the tokens, or their gradient
+        dim = block.rows.get(node, (None,))[index]
+        if dim is not None:
+            return _on_dim(token_spec, dim)
         placements: list[Placement] = [Replicate()] * len(token_spec)
         placements[axis] = Shard(0)
         for a in data_axes if output else ():
@@ -357,16 +481,14 @@ def dispatch_strategies(
     chosen: dict[fx.Node, Strategy] = {}
     for node in sorted(block.nodes(), key=_position(block)):
         arguments = _tensor_args(node)
-        inputs = tuple(_arriving(a, layout) or spec_of(a, _shape(a), False) for a in arguments)
+        inputs = tuple(_arriving(a, layout) or spec_of(a, 0, False) for a in arguments)
         if node.target is operator.getitem:
             continue
         value = ir.require(node, ir.ValueMeta)
         outputs = tuple(
-            None if meta is None else spec_of(node, tuple(int(d) for d in meta.shape), True)
-            for meta in value.outputs
+            None if meta is None else spec_of(node, index, True)
+            for index, meta in enumerate(value.outputs)
         )
-        if node in block.boundaries and block.boundaries[node][0] == "dispatch_tokens":
-            outputs = (_on_dim(token_spec, 0),)
         chosen[node] = Strategy(outputs, inputs)
         layout[node] = outputs
         for item in node.users:
