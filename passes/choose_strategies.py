@@ -26,6 +26,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
+
+import torch.fx as fx
 
 from fxpar import ir
 from fxpar.cluster import Cluster
@@ -34,9 +37,20 @@ from fxpar.ir.fold import fold
 from fxpar.ir.program import Program
 from fxpar.passes.base import Pass
 from fxpar.passes.remat import recompute_in_backward, saved_bytes_by_layer
+from fxpar.planning.dispatch_variants import (
+    DispatchVariant,
+    block_strategies,
+    dispatch_variants,
+    offer,
+    pinned_nodes,
+    planned_variant,
+    restore,
+    variants_with_tokens,
+)
+from fxpar.planning.moe_blocks import find_blocks
 from fxpar.planning.peak_memory import PeakMemory, peak_memory
 from fxpar.planning.plan import ChosenStrategies, Plan
-from fxpar.planning.plan_file import apply_plan, read_plan
+from fxpar.planning.plan_file import PlanFileError, apply_plan, parse_spec, read_plan
 from fxpar.planning.problem import (
     Layout,
     PlanOptions,
@@ -45,9 +59,9 @@ from fxpar.planning.problem import (
     build_layout,
     build_problem,
 )
-from fxpar.planning.propagate import starting_plans
+from fxpar.planning.propagate import expert_parallel, starting_plans
 from fxpar.planning.rank_zero import SolvedOnRankZero
-from fxpar.sharding import Sharding, Strategies, spec_str
+from fxpar.sharding import Sharding, Strategies, Strategy, spec_str
 from fxpar.solvers.errors import InfeasiblePlanError, NoPlanFoundError, format_bytes
 from fxpar.solvers.ilp import ILPSolver
 from fxpar.solvers.problem import IntraOpProblem, IntraOpSolution, IntraOpSolver
@@ -92,30 +106,109 @@ class SolveStrategies(Pass):
         return self._plan(program, cluster, *build_problem(program, cluster, self.options))
 
     def _plan(
-        self, program: Program, cluster: Cluster, problem: IntraOpProblem, layout: Layout
+        self,
+        program: Program,
+        cluster: Cluster,
+        problem: IntraOpProblem,
+        layout: Layout,
+        solved: IntraOpSolution | None = None,
     ) -> Program:
+        """The cheapest plan of ``problem`` and of each way of dispatching the program's
+        mixture-of-experts tokens by all-to-all (:mod:`fxpar.planning.dispatch_variants`):
+        each variant is a problem of its own, the blocks' nodes offered only their dispatch
+        strategies, solved like ``problem`` and priced by the same cost model; a variant with
+        no plan under the memory limit is left out. The program is left annotated with the
+        winner's candidates and choice. A program without MoE blocks is solved once, as
+        ``problem``. ``solved``: ``problem``'s answer, already found."""
+        blocks, _ = find_blocks(program.graph)
+        variants = dispatch_variants(blocks, cluster)
+        if not variants:
+            problem, solution = self._solved(program, cluster, problem, layout, solved)
+            return self._chosen(program, problem, layout, solution)
+        best: _Solved | None = None
+        failure: FxparError | None = None
+        try:
+            plain = self._solved(program, cluster, problem, layout, solved)
+            best = _Solved(None, {}, layout, *plain)
+            best.log()
+        except (InfeasiblePlanError, NoPlanFoundError) as error:
+            logger.info("no MoE dispatch: %s", error)
+            failure = error
+        for variant in variants:
+            chosen = block_strategies(blocks, variant, cluster)
+            assert chosen is not None  # dispatch_variants lists only variants that split evenly
+            pinned = pinned_nodes(chosen, self.options.pins)
+            if pinned:
+                logger.info("%s: not tried, pins name its node %s", variant, pinned[0])
+                continue
+            replaced = offer(chosen, cluster)
+            try:
+                trial_problem, trial_layout = build_problem(program, cluster, self.options)
+                solved_trial = self._solved(
+                    program, cluster, trial_problem, trial_layout, dispatch=(variant, chosen)
+                )
+                trial = _Solved(variant, chosen, trial_layout, *solved_trial)
+            except (InfeasiblePlanError, NoPlanFoundError) as error:
+                logger.info("%s: %s", variant, error)
+                failure = failure or error
+                continue
+            finally:
+                restore(replaced)
+            trial.log()
+            if best is None or trial.solution.objective < best.solution.objective:
+                best = trial
+        if best is None:
+            assert failure is not None
+            raise failure
+        offer(best.chosen, cluster)
+        apply_solution(program, best.layout, best.solution.choice)
+        return self._chosen(program, best.problem, best.layout, best.solution)
+
+    def _solved(
+        self,
+        program: Program,
+        cluster: Cluster,
+        problem: IntraOpProblem,
+        layout: Layout,
+        solved: IntraOpSolution | None = None,
+        dispatch: _Dispatch | None = None,
+    ) -> tuple[IntraOpProblem, IntraOpSolution]:
+        """``problem`` (with the starts it was given) and its answer within the memory limit
+        (:meth:`_within_peak`), which the program is left annotated with. ``dispatch``: the
+        variant ``problem`` was built for, and the strategies it offers."""
+        if solved is None:
+            problem, solved = self._solve(program, cluster, problem, layout, dispatch)
+        apply_solution(program, layout, solved.choice)
+        return problem, self._within_peak(program, problem, layout, solved)
+
+    def _solve(
+        self,
+        program: Program,
+        cluster: Cluster,
+        problem: IntraOpProblem,
+        layout: Layout,
+        dispatch: _Dispatch | None,
+    ) -> tuple[IntraOpProblem, IntraOpSolution]:
         # The hand-written plans start the solver, so that it never answers worse than they
         # do. Propagating them costs about as much as solving a problem of a few thousand
         # choices (a second per stage mesh of Llama-3-70B), which the solver proves optimal
         # on its own: such a problem gets them only if its answer is not proven optimal.
         early = self.options.manual_starts and _choices(problem) > LAZY_STARTS
         if early:
-            problem = replace(problem, starts=_starts(program, cluster, layout))
+            problem = replace(problem, starts=_starts(program, cluster, layout, dispatch))
         solver = self._solver()
         retry = self.options.manual_starts and not early
         solution = _solve(solver, problem, retry=retry)
         if retry and (solution is None or solution.status != "optimal"):
-            problem = replace(problem, starts=_starts(program, cluster, layout))
+            problem = replace(problem, starts=_starts(program, cluster, layout, dispatch))
             if solution is None or problem.starts:
                 solution = solver.solve(problem)
         assert solution is not None
-        return self._chosen(program, problem, layout, solution)
+        return problem, solution
 
     def _chosen(
         self, program: Program, problem: IntraOpProblem, layout: Layout, solution: IntraOpSolution
     ) -> Program:
-        apply_solution(program, layout, solution.choice)
-        solution = self._within_peak(program, problem, layout, solution)
         program.annotate(ChosenStrategies(problem, solution, layout, self.options))
         return program
 
@@ -206,7 +299,7 @@ class SolveStrategies(Pass):
             fastest = self._solver().solve(replace(problem, memory_limit=None))
             if problem.memory(fastest.choice) <= limit:
                 if fastest.status == "optimal":  # optimal without the limit, so with it too
-                    return self._chosen(program, problem, layout, fastest)
+                    return self._plan(program, cluster, problem, layout, solved=fastest)
                 return self._plan(program, cluster, problem, layout)
         pristine = program.copy()
         built = {0: (program, problem, layout)}
@@ -241,6 +334,27 @@ class SolveStrategies(Pass):
             trial, trial_problem, trial_layout = recomputing(len(order))
             return self._plan(trial, cluster, trial_problem, trial_layout)
         return best[1]
+
+
+@dataclass(frozen=True)
+class _Solved:
+    """One problem :meth:`SolveStrategies._plan` solved: the dispatch variant it was built
+    for (None: the blocks as planned op by op), the block strategies that variant offers,
+    the problem and its answer."""
+
+    variant: DispatchVariant | None
+    chosen: dict[fx.Node, Strategy]
+    layout: Layout
+    problem: IntraOpProblem
+    solution: IntraOpSolution
+
+    def log(self) -> None:
+        label = "no MoE dispatch" if self.variant is None else str(self.variant)
+        solution = self.solution
+        logger.info(
+            "%s: %.6g s per step (%s, solved in %.1f s)",
+            label, solution.objective, solution.status, solution.seconds,
+        )  # fmt: skip
 
 
 PEAK_ROUNDS = 3
@@ -301,6 +415,14 @@ class ReplayStrategies(Pass):
     def run(self, program: Program) -> Program:
         cluster = program.require_cluster(f"the {self.name!r} pass")
         problem, solution = self.plan.problem, self.plan.solution
+        # The plan's MoE blocks dispatched (its problem offered their nodes one strategy
+        # each): so are the program's, to have the plan's decisions.
+        variant = planned_variant(find_blocks(self.plan.program.graph)[0])
+        if variant is not None:
+            chosen = block_strategies(find_blocks(program.graph)[0], variant, cluster)
+            if chosen is None:
+                raise FxparError(f"cannot replay a plan with {variant} on this program")
+            offer(chosen, cluster)
         layout = build_layout(program, cluster, problem, solution.choice, self.options)
         apply_solution(program, layout, solution.choice)
         program.annotate(ChosenStrategies(problem, solution, layout, self.options))
@@ -360,11 +482,56 @@ class ApplyPlanFile(Pass):
 
     def run(self, program: Program) -> Program:
         cluster = program.require_cluster(f"the {self.name!r} pass")
-        problem, solution, layout, options = apply_plan(
-            program, cluster, read_plan(self.path), self.path
-        )
+        document = read_plan(self.path)
+        try:
+            problem, solution, layout, options = apply_plan(program, cluster, document, self.path)
+        except PlanFileError as error:
+            applied = _dispatched(program, cluster, document, self.path)
+            if applied is None:
+                raise
+            logger.debug("the plan file dispatches its MoE tokens (%s)", error)
+            problem, solution, layout, options = applied
         program.annotate(ChosenStrategies(problem, solution, layout, options))
         return program
+
+
+def _dispatched(
+    program: Program, cluster: Cluster, document: dict[str, Any], path: str | Path
+) -> tuple[IntraOpProblem, IntraOpSolution, Layout, PlanOptions] | None:
+    """The plan file's strategies applied to ``program`` with its MoE blocks' tokens
+    dispatched as the file's strategy for their sort says (the blocks' nodes offered their
+    dispatch strategies, which no rule gives them, as the plan that was saved had them);
+    None where the file dispatches nothing. Raises the last variant's PlanFileError where
+    the file dispatches but fits none."""
+    blocks, _ = find_blocks(program.graph)
+    strategies = document.get("strategies")
+    if not blocks or not isinstance(strategies, dict):
+        return None
+    entry = strategies.get(blocks[0].sort.name)
+    if (
+        not isinstance(entry, dict)
+        or not isinstance(entry.get("inputs"), list)
+        or not entry["inputs"]
+    ):
+        return None
+    try:
+        token_spec = parse_spec(entry["inputs"][0], cluster.ndim)
+    except PlanFileError:  # the file's own error says what is wrong with it
+        return None
+    failure: PlanFileError | None = None
+    for variant in variants_with_tokens(token_spec):
+        chosen = block_strategies(blocks, variant, cluster)
+        if chosen is None:
+            continue
+        replaced = offer(chosen, cluster)
+        try:
+            return apply_plan(program, cluster, document, path)
+        except PlanFileError as error:  # the experts on another of its axes, or a misfit
+            restore(replaced)
+            failure = error
+    if failure is not None:
+        raise failure
+    return None
 
 
 LAZY_STARTS = 8000
@@ -390,13 +557,32 @@ def _choices(problem: IntraOpProblem) -> int:
     return sum(len(costs) for costs in problem.node_costs)
 
 
-def _starts(program: Program, cluster: Cluster, layout: Layout) -> tuple[tuple[int, ...], ...]:
+_Dispatch = tuple[DispatchVariant, dict[fx.Node, Strategy]]
+"""A dispatch variant and the strategies it offers the nodes of the program's MoE blocks."""
+
+
+def _starts(
+    program: Program, cluster: Cluster, layout: Layout, dispatch: _Dispatch | None = None
+) -> tuple[tuple[int, ...], ...]:
     """The hand-written plans as choices of the problem laid out by ``layout``; a plan the
     problem cannot express (one that breaks a pin, or gives repeated layers different
-    strategies) is left out."""
+    strategies) is left out. A problem built for a ``dispatch`` variant also starts from
+    ``plans.expert_parallel(dispatch="all_to_all")`` on its expert axis, where that plan
+    splits the tokens as the variant does."""
     found = []
     for _, planned in starting_plans(program, cluster):
         choice = assignment_of(planned, layout)
+        if choice is not None and choice not in found:
+            found.append(choice)
+    if dispatch is not None:
+        variant, chosen = dispatch
+        try:
+            expert_parallel(program, cluster, axis=variant.axis, dispatch="all_to_all")
+        except FxparError:  # a batch that does not split over every axis: no such start
+            return tuple(found)
+        finally:
+            offer(chosen, cluster)  # the plan gave the blocks' nodes candidates of its own
+        choice = assignment_of(program, layout)
         if choice is not None and choice not in found:
             found.append(choice)
     return tuple(found)
