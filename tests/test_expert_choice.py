@@ -33,6 +33,7 @@ from fxpar.passes.default import load_plan
 from fxpar.planning import moe_blocks
 from fxpar.planning.dispatch_variants import DispatchVariant, dispatch_variants, planned_variant
 from fxpar.planning.problem import PlanOptions, build_problem
+from fxpar.rules import default_rules, experts
 from fxpar.sharding import Spec, Strategies
 from fxpar.solvers.errors import InfeasiblePlanError
 from fxpar.solvers.ilp import ILPSolver
@@ -287,3 +288,19 @@ def test_a_pinned_block_node_keeps_its_candidates() -> None:
     plan = plan_program(fxpar.capture(model, _inputs()), cluster, solver=solver, options=options)
     assert solver.calls == 1
     assert _dispatched(plan) == [None]
+
+
+def test_a_registry_without_expert_splits_offers_no_dispatch() -> None:
+    """Dispatching splits the experts by expert: a registry whose rules do not
+    (``experts.register(split_experts=False)``) gets no variant, so its plan splits no
+    expert, however fast the all-to-all."""
+    without = default_rules()
+    experts.register(without, split_experts=False)
+    cluster = _cluster((2,), FAST)
+    program = prepare_for_planning(fxpar.capture(mixtral(), _inputs()), cluster, rules=without)
+    blocks, _ = moe_blocks.find_blocks(program.graph)
+    assert len(blocks) == 1 and dispatch_variants(blocks, cluster) == []
+    default = prepare_for_planning(fxpar.capture(mixtral(), _inputs()), cluster)
+    assert dispatch_variants(moe_blocks.find_blocks(default.graph)[0], cluster) == [
+        DispatchVariant(0, (0,))
+    ]

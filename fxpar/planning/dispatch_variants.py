@@ -11,9 +11,10 @@ blocks' nodes offered only their dispatch strategies (:func:`offer`), beside the
 it was, and keeps the cheapest plan (docs/planning.md, "Mixture-of-experts dispatch").
 
 :func:`dispatch_variants` lists the variants a program may take on a cluster: experts on an
-axis of more than one device that divides every block's expert count, the tokens split on the
-batch over that axis alone, or over it and every other axis of more than one device (data
-parallelism beside expert parallelism), where every spec of every block splits evenly.
+axis of more than one device that divides every block's expert count and on which the rules
+split every grouped product by expert, the tokens split on the batch over that axis alone, or
+over it and every other axis of more than one device (data parallelism beside expert
+parallelism), where every spec of every block splits evenly.
 :func:`planned_variant` reads the variant a planned program took back from its chosen
 strategies (to give a program folded from or loaded from the same plan the same candidates).
 """
@@ -31,6 +32,8 @@ from fxpar import ir
 from fxpar.cluster import Cluster
 from fxpar.planning import moe_blocks
 from fxpar.planning.moe_blocks import MoEBlock
+from fxpar.rules.experts import experts_spec, is_grouped_product
+from fxpar.rules.registry import op_call
 from fxpar.sharding import Sharding, Spec, Strategies, Strategy, is_valid
 
 
@@ -61,12 +64,28 @@ def dispatch_variants(blocks: list[MoEBlock], cluster: Cluster) -> list[Dispatch
     for axis, devices in enumerate(mesh):
         if devices == 1 or any(block.num_experts % devices for block in blocks):
             continue
+        if not all(_rules_split_experts(block, axis, mesh) for block in blocks):
+            continue
         others = tuple(a for a, n in enumerate(mesh) if a != axis and n > 1)
         for token_axes in ((axis,), tuple(sorted((axis, *others)))):
             variant = DispatchVariant(axis, token_axes)
             if variant not in found and block_strategies(blocks, variant, cluster) is not None:
                 found.append(variant)
     return found
+
+
+def _rules_split_experts(block: MoEBlock, axis: int, mesh: tuple[int, ...]) -> bool:
+    """Whether the rules offer every grouped product of ``block`` a split by expert on
+    ``axis`` (a registry built without it, ``experts.register(split_experts=False)``, gets
+    no dispatch either)."""
+    for node in block.region:
+        if not is_grouped_product(node.target):
+            continue
+        call = op_call(node, mesh)
+        specs = (experts_spec(call, c) for c in ir.require(node, Strategies).candidates)
+        if not any(spec is not None and spec[axis] == Shard(0) for spec in specs):
+            return False
+    return True
 
 
 def block_strategies(
