@@ -553,24 +553,43 @@ COUNT_BYTES = 8
 """Bytes of one expert's row count in the exchange of counts (int64)."""
 
 
+@dataclass(frozen=True)
+class ExpertLoad:
+    """How unevenly a program's mixture-of-experts blocks route their tokens, as the model
+    states it (:attr:`fxpar.planning.problem.PlanOptions.expert_load`, recorded on the Program
+    by the problem builder so that every price of the plan, its report's included, uses it):
+    the rows the busiest device of a dispatched block receives over an even share. Without
+    one, routing is priced balanced (1)."""
+
+    factor: float = 1.0
+
+
+def dispatched_ops(graph: fx.Graph, *, chosen: bool = True) -> set[fx.Node]:
+    """The ops of ``graph``'s dispatched blocks that work on the rows each device received
+    (the region and the boundaries): under an :class:`ExpertLoad`, the busiest device's run
+    of each takes ``factor`` times an even share's. ``chosen`` as in :func:`exchange_seconds`."""
+    return {
+        node
+        for block, _ in _dispatched(graph, chosen)
+        for node in (*block.region, *block.boundaries)
+    }
+
+
 def exchange_seconds(
-    graph: fx.Graph, cluster: Cluster, *, chosen: bool = True
+    graph: fx.Graph, cluster: Cluster, *, chosen: bool = True, load: float = 1.0
 ) -> dict[fx.Node, float]:
     """What the all-to-all exchanges of ``graph``'s dispatched blocks cost on ``cluster``, by
     the node that runs each: a block's sort exchanges its experts' row counts, and each
     boundary sends the rows of the value it moves to their devices (dispatch) or back
-    (combine). Priced under balanced routing: a device sends its piece of the value as the
+    (combine). Priced at the busiest device: a device sends its piece of the value as the
     boundary reads it, ``(n - 1) / n`` of it to the other devices of the axis
-    (:func:`~fxpar.planning.cost.collective_seconds` of an all-to-all on the axis' link). A
-    block computed op by op (not dispatched) exchanges nothing. ``chosen``: of the plan
-    chosen (the default), or of the one candidate each node of a dispatch plan has before
-    the choice (:func:`dispatch_axis`)."""
+    (:func:`~fxpar.planning.cost.collective_seconds` of an all-to-all on the axis' link), and
+    the busiest receives (dispatch) or sends back (combine) ``load`` times that (1: balanced
+    routing; :class:`ExpertLoad`). A block computed op by op (not dispatched) exchanges
+    nothing. ``chosen``: of the plan chosen (the default), or of the one candidate each node
+    of a dispatch plan has before the choice (:func:`dispatch_axis`)."""
     seconds: dict[fx.Node, float] = {}
-    blocks, _ = find_blocks(graph)
-    for block in blocks:
-        axis = dispatch_axis(block, chosen=chosen)
-        if axis is None:
-            continue
+    for block, axis in _dispatched(graph, chosen):
         seconds[block.sort] = _all_to_all(block.num_experts * COUNT_BYTES, axis, cluster)
         for node, (_, value) in block.boundaries.items():
             strategy = _planned(node, chosen)
@@ -578,8 +597,20 @@ def exchange_seconds(
                 continue
             spec = strategy.inputs[_tensor_args(node).index(value)]
             meta = ir.require(value, ir.ValueMeta).tensor
-            seconds[node] = _all_to_all(piece_bytes(meta, spec, cluster.mesh_shape), axis, cluster)
+            piece = load * piece_bytes(meta, spec, cluster.mesh_shape)
+            seconds[node] = _all_to_all(piece, axis, cluster)
     return seconds
+
+
+def _dispatched(graph: fx.Graph, chosen: bool) -> list[tuple[MoEBlock, int]]:
+    """Each block of ``graph`` whose tokens are dispatched, with its expert axis."""
+    blocks, _ = find_blocks(graph)
+    found = []
+    for block in blocks:
+        axis = dispatch_axis(block, chosen=chosen)
+        if axis is not None:
+            found.append((block, axis))
+    return found
 
 
 def _all_to_all(local_bytes: float, axis: int, cluster: Cluster) -> float:

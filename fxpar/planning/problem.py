@@ -56,7 +56,7 @@ from fxpar.planning.cost import (
     saved_outputs,
 )
 from fxpar.planning.grouping import casts_parameter, reread_in_backward
-from fxpar.planning.moe_blocks import exchange_seconds
+from fxpar.planning.moe_blocks import ExpertLoad, dispatched_ops, exchange_seconds
 from fxpar.rules.registry import tensor_inputs
 from fxpar.sharding import Sharding, Spec, Strategies, Strategy, replicated, spec_str
 from fxpar.sharding.reshard import Code, spec_code
@@ -108,6 +108,13 @@ class PlanOptions:
     of the program pays: 1 for a training step, ``1/M`` for one of ``M`` micro-batches whose
     gradients are summed and synchronised once a step, as a pipeline's stages do. Without it a
     stage plan would price data parallelism's gradient sums ``M`` times over.
+
+    ``expert_load`` is how unevenly a mixture-of-experts model routes its tokens, as the model
+    states it: the rows the busiest device of a dispatched block receives over an even share
+    (1: balanced routing, the default; ``n``: every token on one device of an ``n``-device
+    expert axis). A block whose tokens are dispatched by all-to-all is priced at the busiest
+    device, its exchanges and its region's ops that many times their balanced price
+    (:class:`fxpar.planning.moe_blocks.ExpertLoad`); the step waits for that device.
     """
 
     optimizer_states: int = 2
@@ -118,12 +125,19 @@ class PlanOptions:
     pins: Mapping[str, Spec] = field(default_factory=dict)
     remat: RematPolicy = "none"
     gradient_share: float = 1.0
+    expert_load: float = 1.0
 
     def __post_init__(self) -> None:
         check_remat_policy(self.remat)
         share = self.gradient_share
         if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
             raise FxparError(f"gradient_share must be a number in (0, 1], got {share!r}")
+        load = self.expert_load
+        if isinstance(load, bool) or not isinstance(load, (int, float)) or not load >= 1:
+            raise FxparError(
+                f"expert_load must be a number >= 1 (the busiest device's routed rows over an "
+                f"even share; 1 is balanced routing), got {load!r}"
+            )
 
 
 @dataclass
@@ -200,7 +214,13 @@ class _Builder:
         self._used_pins: set[str] = set()
         # The all-to-all exchanges of mixture-of-experts blocks whose tokens the plan
         # dispatches (each node of such a block has one candidate): priced with their nodes.
-        self._exchanges = exchange_seconds(program.graph, cluster, chosen=False)
+        # Under uneven routing (PlanOptions.expert_load) the busiest device's exchanges and
+        # ops on its received rows take that many times an even share's; the load is recorded
+        # on the program, so that the plan's other prices (its report) use it too.
+        load = options.expert_load
+        program.annotate(ExpertLoad(load))
+        self._exchanges = exchange_seconds(program.graph, cluster, chosen=False, load=load)
+        self._loaded = dispatched_ops(program.graph, chosen=False) if load != 1 else set()
 
     # -- units ----------------------------------------------------------------------------------
 
@@ -356,10 +376,13 @@ class _Builder:
                 self._compute_times[key] = [0.0] * len(options)
             else:
                 self._compute_times[key] = [compute_seconds(cost, s, self.cluster) for s in options]
+        times = self._compute_times[key]
+        if node in self._loaded:
+            times = [seconds * self.options.expert_load for seconds in times]
         exchange = self._exchanges.get(node)
         if exchange:
-            return [seconds + exchange for seconds in self._compute_times[key]]
-        return self._compute_times[key]
+            return [seconds + exchange for seconds in times]
+        return times
 
     def _compute(self, node: fx.Node, index: int) -> float:
         return self._compute_vector(node)[index]

@@ -52,7 +52,7 @@ from fxpar.planning.collective_schedule import (
     schedule_program,
 )
 from fxpar.planning.grouping import casts_parameter, reread_in_backward
-from fxpar.planning.moe_blocks import exchange_seconds
+from fxpar.planning.moe_blocks import ExpertLoad, dispatched_ops, exchange_seconds
 from fxpar.rules.registry import tensor_inputs
 from fxpar.sharding import Sharding, Spec
 
@@ -100,7 +100,10 @@ def price_schedule(program: Program, cluster: Cluster) -> PricedSchedule:
     )
     specs = schedule.specs
     compute: dict[fx.Node, float] = {}
-    exchanges = exchange_seconds(program.graph, cluster)
+    # Uneven routing, as the plan was priced (fxpar.planning.problem.PlanOptions.expert_load).
+    load = (program.get(ExpertLoad) or ExpertLoad()).factor
+    exchanges = exchange_seconds(program.graph, cluster, load=load)
+    loaded = dispatched_ops(program.graph) if load != 1 else set()
     edge_seconds = sum(exchanges.values())
     for node in program.graph.nodes:
         if node.op == "output":
@@ -135,7 +138,8 @@ def price_schedule(program: Program, cluster: Cluster) -> PricedSchedule:
             edge_seconds += price(current, want, meta, cluster)
         work = ir.get(node, ir.Cost)
         if work is not None:
-            compute[node] = cost.compute_seconds(work, strategy, cluster)
+            seconds = cost.compute_seconds(work, strategy, cluster)
+            compute[node] = seconds * load if node in loaded else seconds
     return PricedSchedule(schedule, record_seconds, compute, edge_seconds, exchanges)
 
 
