@@ -121,7 +121,7 @@ class SolveStrategies(Pass):
         winner's candidates and choice. A program without MoE blocks is solved once, as
         ``problem``. ``solved``: ``problem``'s answer, already found."""
         blocks, _ = find_blocks(program.graph)
-        variants = dispatch_variants(blocks, cluster)
+        variants = dispatch_variants(blocks, cluster) if self.options.moe_dispatch else []
         if not variants:
             problem, solution = self._solved(program, cluster, problem, layout, solved)
             return self._chosen(program, problem, layout, solution)

@@ -182,12 +182,14 @@ def keeping_state(
 def sharing_gradients(passes: PassManager, share: float) -> PassManager:
     """``passes`` with the solver pricing each gradient's synchronisation at ``share`` of its
     cost (:attr:`~fxpar.planning.problem.PlanOptions.gradient_share`): the plan of one of
-    ``M`` micro-batches whose gradients are synchronised once a step takes ``1/M``. A manual
-    choice is left as it is."""
+    ``M`` micro-batches whose gradients are synchronised once a step takes ``1/M``; a pipeline
+    stage's, so without dispatching mixture-of-experts tokens by all-to-all
+    (:attr:`~fxpar.planning.problem.PlanOptions.moe_dispatch`). A manual choice is left as
+    it is."""
     choose = passes.get("choose-strategies")
     if not isinstance(choose, SolveStrategies):
         return passes
-    options = replace(choose.options, gradient_share=share)
+    options = replace(choose.options, gradient_share=share, moe_dispatch=False)
     return passes.replace("choose-strategies", replace(choose, options=options))
 
 

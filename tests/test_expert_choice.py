@@ -28,8 +28,9 @@ from fxpar import ir, plans
 from fxpar.cluster import Cluster, CollectiveLink
 from fxpar.ir.repeat import StampedLayers, capture_repeated
 from fxpar.models import GPT, GPTConfig, gpt_loss
-from fxpar.passes import plan_program, prepare_for_planning
+from fxpar.passes import passes_for, plan_program, prepare_for_planning, sharing_gradients
 from fxpar.passes.default import load_plan
+from fxpar.pipeline import PipelineError, partition, split_program
 from fxpar.planning import moe_blocks
 from fxpar.planning.dispatch_variants import DispatchVariant, dispatch_variants, planned_variant
 from fxpar.planning.problem import PlanOptions, build_problem
@@ -304,3 +305,22 @@ def test_a_registry_without_expert_splits_offers_no_dispatch() -> None:
     assert dispatch_variants(moe_blocks.find_blocks(default.graph)[0], cluster) == [
         DispatchVariant(0, (0,))
     ]
+
+
+def test_pipeline_stages_are_planned_without_dispatch_and_a_dispatched_stage_is_refused() -> None:
+    """A pipeline stage's planner (one of M micro-batches, `sharing_gradients`) does not offer
+    the dispatch even where the all-to-all is fast (one solve), and a stage plan that
+    dispatches anyway, the manual one, is refused when the step is cut into stages, with what
+    to do instead (a dispatched block does not run cut into forward and backward yet)."""
+    model, cluster = mixtral(), _cluster((2,), FAST)
+    solver = Counting()
+    passes = sharing_gradients(passes_for(None, solver=solver), 0.5)
+    plan = plan_program(fxpar.capture(model, _inputs()), cluster, passes=passes)
+    assert solver.calls == 1 and _dispatched(plan) == [None]
+
+    def manual(program: fxpar.Program, cluster: Cluster) -> fxpar.Program:
+        return plans.expert_parallel(program, cluster, axis=0, dispatch="all_to_all")
+
+    planned = plan_program(fxpar.capture(model, _inputs()), cluster, manual=manual)
+    with pytest.raises(PipelineError, match="expert_parallel\\(dispatch='all_reduce'\\)"):
+        split_program(planned.program, partition(planned.program, ("model.norm",)), remat=False)

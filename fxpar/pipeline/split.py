@@ -57,6 +57,7 @@ from fxpar.lowering.collective_calls import Communicator
 from fxpar.pipeline.options import PipelineError
 from fxpar.pipeline.partition import Half, Partition, Unit
 from fxpar.pipeline.semantics import LossDenominator, PipelineSemantics, pipeline_semantics
+from fxpar.planning.moe_blocks import dispatch_axis, find_blocks
 from fxpar.runtime import fastcall
 from fxpar.sharding import Sharding, Spec, Strategy
 
@@ -279,7 +280,22 @@ class SplitProgram:
 def split_program(program: Program, partition: Partition, *, remat: bool) -> SplitProgram:
     """Build the ``2K`` unit programs of ``program`` cut as ``partition`` says. Random
     draws are inputs of the Program (:mod:`fxpar.rng`), so a forward recomputed by remat
-    reads the draws its forward read."""
+    reads the draws its forward read.
+
+    Raises:
+        PipelineError: ``program``'s plan dispatches a mixture-of-experts block's tokens by
+            all-to-all, which does not run cut into a forward and a backward yet.
+    """
+    dispatched = [
+        b.sort.name for b in find_blocks(program.graph)[0] if dispatch_axis(b) is not None
+    ]
+    if dispatched:
+        raise PipelineError(
+            f"the plan dispatches the tokens of mixture-of-experts blocks "
+            f"({', '.join(dispatched)}) by all-to-all, which pipeline stages do not run yet: "
+            "plan the stages with expert_parallel(dispatch='all_reduce'), another plan, or the "
+            "solver (which does not dispatch inside stages)"
+        )
     semantics = pipeline_semantics(program)
     router = _Router(program, partition, remat, semantics.denominator)
     outputs = _output_roots(program, partition)

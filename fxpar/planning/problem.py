@@ -115,6 +115,10 @@ class PlanOptions:
     expert axis). A block whose tokens are dispatched by all-to-all is priced at the busiest
     device, its exchanges and its region's ops that many times their balanced price
     (:class:`fxpar.planning.moe_blocks.ExpertLoad`); the step waits for that device.
+
+    ``moe_dispatch`` lets the solver's planner weigh dispatching each mixture-of-experts
+    block's tokens by all-to-all (:mod:`fxpar.planning.dispatch_variants`). Pipeline stages
+    turn it off: a dispatched block does not yet run cut into a stage's forward and backward.
     """
 
     optimizer_states: int = 2
@@ -126,6 +130,7 @@ class PlanOptions:
     remat: RematPolicy = "none"
     gradient_share: float = 1.0
     expert_load: float = 1.0
+    moe_dispatch: bool = True
 
     def __post_init__(self) -> None:
         check_remat_policy(self.remat)
