@@ -362,7 +362,24 @@ MESH_DP_PIPELINES = [
 TENSOR_PARALLEL = functools.partial(plan_program, manual=plans.tensor_parallel)
 
 
-def test_the_stage_dp_prices_zb_h1_on_stage_meshes_and_picks_it_where_faster() -> None:
+@pytest.fixture(scope="module")
+def mesh_dp_search() -> tuple[fxpar.Program, Any]:
+    """The GPT's step at one micro-batch's size, and search_pipelines over 1F1B and ZB-H1 on
+    :data:`MESH_DP_CLUSTER` with tensor parallel stage plans: the choice the stage DP test
+    checks and the stage-mesh gloo test compiles."""
+    model, tokens, targets = _gpt()
+    program = capture_microbatch(
+        model, MESH_DP_PIPELINES[0], (tokens,), gpt_loss, example_targets=(targets,)
+    )
+    search = search_pipelines(
+        program, MESH_DP_CLUSTER, MESH_DP_PIPELINES, stage_planner=TENSOR_PARALLEL, microbatch=True
+    )
+    return program, search
+
+
+def test_the_stage_dp_prices_zb_h1_on_stage_meshes_and_picks_it_where_faster(
+    mesh_dp_search: tuple[fxpar.Program, Any],
+) -> None:
     """With stages running tensor parallel plans on meshes the DP chooses, ZB-H1 is priced as on
     data-parallel stages: the search over both schedules picks it, on stage meshes of which
     one has two devices, for a step below 1F1B's on the same stages and meshes (evaluated by
@@ -371,12 +388,7 @@ def test_the_stage_dp_prices_zb_h1_on_stage_meshes_and_picks_it_where_faster() -
     meshes' tensor parallel plans, and fxpar.compile with schedule="zb-h1" makes the same
     choice (run on gloo ranks by the stage-mesh test below). Under a memory limit between
     what the two schedules need, the search picks 1F1B."""
-    model, tokens, targets = _gpt()
-    pipeline = MESH_DP_PIPELINES[0]
-    program = capture_microbatch(model, pipeline, (tokens,), gpt_loss, example_targets=(targets,))
-    search = search_pipelines(
-        program, MESH_DP_CLUSTER, MESH_DP_PIPELINES, stage_planner=TENSOR_PARALLEL, microbatch=True
-    )
+    program, search = mesh_dp_search
     one_f_one_b, zero_bubble = (outcome.choice for outcome in search.outcomes)
     assert one_f_one_b is not None and zero_bubble is not None
     assert search.choice is zero_bubble and zero_bubble.step_time < one_f_one_b.step_time
@@ -558,7 +570,23 @@ def _on_ranks(rank: int, world_size: int) -> list[dict[str, Any]]:
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2 ranks", "4 ranks"])
 def gloo_runs(request: pytest.FixtureRequest) -> tuple[int, list[list[dict[str, Any]]]]:
+    if request.param == 4:
+        return 4, [rank["cases"] for rank in request.getfixturevalue("four_ranks")]
     return request.param, spawn(_on_ranks, request.param, timeout_s=240)
+
+
+def _on_four_ranks(rank: int, world_size: int) -> dict[str, list[dict[str, Any]]]:
+    """The 4-rank :data:`GLOO_CASES`, then every :data:`MESH_CASES` pipeline: one spawn for
+    both gloo tests on 4 processes (each spawn costs seconds of process start-up)."""
+    return {
+        "cases": _on_ranks(rank, world_size),
+        "meshes": _mesh_cases_on_ranks(rank, world_size),
+    }
+
+
+@pytest.fixture(scope="module")
+def four_ranks() -> list[dict[str, list[dict[str, Any]]]]:
+    return spawn(_on_four_ranks, 4, timeout_s=240)
 
 
 def _eager(case: Pipeline | HFCase) -> dict[str, Any]:
@@ -746,7 +774,10 @@ def _mesh_cases_on_ranks(rank: int, world_size: int) -> list[dict[str, Any]]:
 
 
 @pytest.mark.slow
-def test_zero_bubble_pipelines_on_stage_meshes_train_like_one_device_on_gloo() -> None:
+def test_zero_bubble_pipelines_on_stage_meshes_train_like_one_device_on_gloo(
+    four_ranks: list[dict[str, list[dict[str, Any]]]],
+    mesh_dp_search: tuple[fxpar.Program, Any],
+) -> None:
     """ZB-H1 and ZB-V with every stage's backward lowered to a mesh of 2 devices (tensor
     parallel or fully sharded, so B and W call collectives), and ZB-H1 on the stage meshes
     the stage DP chose: on every rank both steps' losses are eager PyTorch's and the gathered
@@ -756,14 +787,8 @@ def test_zero_bubble_pipelines_on_stage_meshes_train_like_one_device_on_gloo() -
     plan's reduce-scatters) started after the last W. The trained ZB-V GPT's loss and
     outputs are eager's too, and the compiled pipeline is the one search_pipelines chooses
     over 1F1B and ZB-H1."""
-    ranks = spawn(_mesh_cases_on_ranks, 4, timeout_s=240)
-    model, tokens, targets = _gpt()
-    program = capture_microbatch(
-        model, MESH_DP_PIPELINES[0], (tokens,), gpt_loss, example_targets=(targets,)
-    )
-    search = search_pipelines(
-        program, MESH_DP_CLUSTER, MESH_DP_PIPELINES, stage_planner=TENSOR_PARALLEL, microbatch=True
-    )
+    ranks = [rank["meshes"] for rank in four_ranks]
+    _, search = mesh_dp_search
     assert search.choice is not None
     for index, case in enumerate(MESH_CASES):
         if case.name in HF_MODELS:
