@@ -127,12 +127,15 @@ def _measure_world(
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("models", nargs="*", default=list(MODELS), help=f"of {list(MODELS)}")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=3)
     args = parser.parse_args()
+    unknown = sorted(set(args.models) - set(MODELS))
+    if unknown:
+        parser.error(f"unknown models {unknown}; choose from {list(MODELS)}")
     schedule = Schedule(args.warmup, args.rounds, args.steps)
     print("world | model | plan | estimate ms | measured ms | est/meas | final loss")
     print("-- | " * 6 + "--")
