@@ -37,7 +37,6 @@ from fxpar.passes import plan_program
 from fxpar.planning.collective_schedule import Reshard, StartGather
 from fxpar.planning.cost import (
     collective_seconds,
-    gathered_seconds,
     output_seconds,
     regathered_seconds,
     reshard_seconds,
@@ -226,33 +225,21 @@ def test_results_that_leave_by_reductions_pay_their_bytes_without_latency() -> N
         )
 
 
-def test_placeholders_gathered_in_groups_pay_their_bytes_without_latency() -> None:
-    """A placeholder reached by all-gathers alone travels in its layer's one all-gather per
-    phase (grouping.gather_groups): it pays the gathers' bytes, not their latency (the group's
-    one latency is left out, as a bucket's is). Read again by the backward (ZeRO-3 frees the
-    forward's copy), twice that. Any other conversion pays the hand formula, once."""
-
-    def no_latency(seconds: float, *links: tuple[float, float]) -> float:
-        return seconds - sum(latency for _, latency in links)
-
-    gathers = [
-        (LINE, (S(0),), (R,), no_latency(all_gather(WHOLE, 4, LINE_LINK), LINE_LINK)),
+def test_parameters_read_again_by_the_backward_are_gathered_twice() -> None:
+    """A parameter reached by all-gathers alone is gathered in the forward and again in the
+    backward (ZeRO-3 frees the forward's copy): twice the gathers' hand formula. Any other
+    conversion is priced once."""
+    priced = [
+        (LINE, (S(0),), (R,), 2 * all_gather(WHOLE, 4, LINE_LINK)),
         (GRID, (S(0), S(0)), (R, R),
-         no_latency(all_gather(WHOLE / 2, 4, INNER) + all_gather(WHOLE, 2, OUTER), INNER, OUTER)),
-        (GRID, (R, S(0)), (R, R), no_latency(all_gather(WHOLE, 4, INNER), INNER)),
-    ]  # fmt: skip
-    others = [
+         2 * (all_gather(WHOLE / 2, 4, INNER) + all_gather(WHOLE, 2, OUTER))),
+        (GRID, (R, S(0)), (R, R), 2 * all_gather(WHOLE, 4, INNER)),
         (LINE, (P,), (R,), all_reduce(WHOLE, 4, LINE_LINK)),
         (LINE, (S(0),), (S(1),), all_to_all(WHOLE / 4, 4, LINE_LINK)),
-    ]
-    for cluster, src, dst, expected in gathers:
-        assert gathered_seconds(src, dst, META, cluster) == pytest.approx(expected, rel=1e-12)
-        regathered = regathered_seconds(src, dst, META, cluster)
-        assert regathered == pytest.approx(2 * expected, rel=1e-12), (src, dst)
-        assert reshard_seconds(src, dst, META, cluster) > expected  # a lone gather's latency
-    for cluster, src, dst, expected in others:
-        for price in (gathered_seconds, regathered_seconds):
-            assert price(src, dst, META, cluster) == pytest.approx(expected, rel=1e-12)
+    ]  # fmt: skip
+    for cluster, src, dst, expected in priced:
+        seconds = regathered_seconds(src, dst, META, cluster)
+        assert seconds == pytest.approx(expected, rel=1e-12), (src, dst)
 
 
 # -- the plan report prices what the ILP prices ------------------------------------------------

@@ -80,9 +80,9 @@ def collective_seconds(kind: str, local_bytes: float, devices: int, bandwidth: f
     return 0.0 if share == 0.0 else latency + share * local_bytes / bandwidth
 
 
-Price = Literal["", "output", "gathered", "regathered"]
-"""How a resharding is priced: as :func:`reshard_seconds`, :func:`output_seconds`,
-:func:`gathered_seconds` or :func:`regathered_seconds`."""
+Price = Literal["", "output", "regathered"]
+"""How a resharding is priced: as :func:`reshard_seconds`, :func:`output_seconds` or
+:func:`regathered_seconds`."""
 
 
 @functools.lru_cache(maxsize=1 << 18)
@@ -110,11 +110,8 @@ def reshard_terms(src: Code, dst: Code, cluster: Cluster, price: Price = "") -> 
             seconds += latency
             per_byte += share / (_pieces(current, mesh) * bandwidth)
         current[step.axis] = step.code_after
-    if price in ("gathered", "regathered") and gather_route_of(steps) is not None:
-        # A placeholder's gathers travel in one all-gather per layer and phase
-        # (fxpar.planning.grouping.gather_groups): each pays its bytes, not a latency.
-        times = 2 if price == "regathered" else 1
-        return 0.0, times * per_byte
+    if price == "regathered" and gather_route_of(steps) is not None:
+        return 2 * seconds, 2 * per_byte
     return seconds, per_byte
 
 
@@ -146,19 +143,9 @@ def output_seconds(src: Spec, dst: Spec, meta: ir.TensorMeta, cluster: Cluster) 
     return reshard_seconds(src, dst, meta, cluster, "output")
 
 
-def gathered_seconds(src: Spec, dst: Spec, meta: ir.TensorMeta, cluster: Cluster) -> float:
-    """Time to turn a placeholder (a parameter, a batch input) laid out as ``src`` into
-    ``dst``: as :func:`reshard_seconds`, except where it takes all-gathers only
-    (:func:`gather_route`): the lowering gathers a layer's placeholders in one all-gather per
-    phase (:func:`fxpar.planning.grouping.gather_groups`), so each pays the time of its bytes
-    but not a collective's latency (the one latency per group is left out, as a bucket's is
-    by :func:`output_seconds`)."""
-    return reshard_seconds(src, dst, meta, cluster, "gathered")
-
-
 def regathered_seconds(src: Spec, dst: Spec, meta: ir.TensorMeta, cluster: Cluster) -> float:
     """Time to turn a parameter laid out as ``src`` into ``dst`` for a forward view that the
-    backward reads too (``t(weight)``): as :func:`gathered_seconds`, twice when it takes
+    backward reads too (``t(weight)``): as :func:`reshard_seconds`, twice when it takes
     all-gathers only (:func:`gather_route`), since the backward gathers the parameter again
     and recomputes the view rather than keep the forward's gathered copy
     (:class:`fxpar.planning.grouping.ViewChain`)."""

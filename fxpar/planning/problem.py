@@ -520,9 +520,8 @@ class _Builder:
                 required = [spec_of_choice(t) for t in range(sizes[v])]
                 price: Price = "output" if key[0] in ("output", "gradient") else ""
                 parameter = source.op == "placeholder" or casts_parameter(source)
-                if parameter and price == "":
-                    reread = reread_in_backward(self.units[consumer_unit].root)
-                    price = "regathered" if reread else "gathered"
+                if parameter and reread_in_backward(self.units[consumer_unit].root):
+                    price = "regathered"
                 matrix_cache[key] = self._reshard_matrix(produced, required, meta, price)
                 if key[0] == "gradient" and self.options.gradient_share != 1:
                     matrix_cache[key] = matrix_cache[key] * self.options.gradient_share

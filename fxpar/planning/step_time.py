@@ -134,10 +134,7 @@ def price_schedule(program: Program, cluster: Cluster) -> PricedSchedule:
             # is gathered twice (fxpar.planning.grouping.ViewChain).
             parameter = source.op == "placeholder" or casts_parameter(source)
             regathered = parameter and reread_in_backward(node)
-            if parameter:
-                price = cost.regathered_seconds if regathered else cost.gathered_seconds
-            else:
-                price = cost.reshard_seconds
+            price = cost.regathered_seconds if regathered else cost.reshard_seconds
             edge_seconds += price(current, want, meta, cluster)
         work = ir.get(node, ir.Cost)
         if work is not None:
