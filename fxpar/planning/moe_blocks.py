@@ -232,7 +232,7 @@ def _boundary(
     elif user.target is aten.scatter_add.default:
         accumulates = args[1:3] == (0, index)
         buffer, moved = args[0], args[3]
-    elif user.target is torchtitan_scatter_add() is not None:
+    elif (titan := torchtitan_scatter_add()) is not None and user.target is titan:
         accumulates = args[1] == index
         buffer, moved = args[0], args[2]
     else:
