@@ -41,31 +41,10 @@ from fxpar.solvers.ilp import ILPSolver
 from fxpar.solvers.problem import IntraOpProblem, IntraOpSolution
 from fxpar.testing import simulate
 
-transformers = pytest.importorskip("transformers")
-# transformers' grouped products exist once its MoE integration is loaded: before any registry.
+pytest.importorskip("transformers")
+# Before any registry: transformers' grouped products exist once its MoE integration is loaded.
 pytest.importorskip("transformers.integrations.moe")
-
-VOCAB = 64
-DECODER = dict(
-    vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-    num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=16,
-)  # fmt: skip
-
-
-def mixtral() -> nn.Module:
-    config = transformers.MixtralConfig(
-        **DECODER, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
-        router_aux_loss_coef=0.1,
-    )  # fmt: skip
-    return transformers.MixtralForCausalLM(config)
-
-
-def qwen2_moe(layers: int = 1) -> nn.Module:
-    config = transformers.Qwen2MoeConfig(
-        **{**DECODER, "num_hidden_layers": layers}, moe_intermediate_size=16,
-        shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
-    )  # fmt: skip
-    return transformers.Qwen2MoeForCausalLM(config)
+from test_expert_parallel import VOCAB, mixtral, qwen2_moe
 
 
 def _inputs(batch: int = 4) -> dict[str, torch.Tensor]:

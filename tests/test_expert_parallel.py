@@ -60,10 +60,10 @@ def mixtral(**overrides: Any) -> nn.Module:
     return transformers.MixtralForCausalLM(transformers.MixtralConfig(**{**config, **overrides}))
 
 
-def qwen2_moe() -> nn.Module:
+def qwen2_moe(layers: int = 1) -> nn.Module:
     config = transformers.Qwen2MoeConfig(
-        **DECODER, moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=4,
-        num_experts_per_tok=2,
+        **{**DECODER, "num_hidden_layers": layers}, moe_intermediate_size=16,
+        shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
     )  # fmt: skip
     return transformers.Qwen2MoeForCausalLM(config)
 
