@@ -22,8 +22,10 @@ compiles every plan kind on it:
 
 *overlapped* is the estimate less the communication the plan's schedule runs behind compute
 (``fxpar.planning.step_time.step_overlap``; the pipeline's is its estimate).
-*estimate* is the plan's estimated step (``plan.solution.objective``, the figure ``fxpar plan``
-prints as "estimated step", or the stage DP's for the pipeline); *measured* is the median
+*estimate* is the plan's estimated step (``plan.estimate``: its schedule priced, every
+collective the lowering runs in full, the figure ``fxpar plan`` prints as "estimated step"; the
+stage DP's for the pipeline); *price* the solver's objective for the same plan, communication
+priced edge by edge (``plan.solution.objective``, "solver's price"); *measured* is the median
 over ``--rounds`` rounds of the slowest rank's time per step, after ``--warmup`` untimed
 steps. In each round every plan of the model
 runs ``--steps`` steps in turn, so a slow period of the machine hits all of them. *tau* is
@@ -44,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import functools
 import statistics
 import sys
@@ -105,6 +108,8 @@ class Timed:
     estimate: float
     overlapped: float
     """The estimate with communication behind compute taken off (:func:`step_overlap`)."""
+    price: float
+    """The solver's objective for the plan (the pipeline's: its estimate)."""
     seconds: list[float] = field(default_factory=list)
 
     @property
@@ -150,7 +155,7 @@ def _batch_args(inputs: Any, targets: tuple[Any, ...]) -> tuple[tuple[Any, ...],
 
 def _compiled(
     name: str, cluster: fxpar.Cluster
-) -> tuple[dict[str, tuple[Steppable, float, float]], dict[str, str], tuple[Any, ...],
+) -> tuple[dict[str, tuple[Steppable, Timed]], dict[str, str], tuple[Any, ...],
            dict[str, Any]]:  # fmt: skip
     """Every plan kind of model ``name`` that applies, compiled, with its estimated step; why
     the others do not apply. ``cluster``'s per-op speeds are first fitted to the model's own
@@ -159,7 +164,7 @@ def _compiled(
     program = fxpar.capture(copy.deepcopy(model), inputs, loss_fn, example_targets=targets)
     batch = [*(inputs.values() if isinstance(inputs, dict) else inputs), *targets]
     cluster = fxpar.calibrate_ops(cluster, program, program.flat_inputs(model, *batch))
-    compiled: dict[str, tuple[Steppable, float, float]] = {}
+    compiled: dict[str, tuple[Steppable, Timed]] = {}
     refused = {}
     optimizer = fxpar.optim.SGD(lr=1e-3)
     for kind, manual in PLANS.items():
@@ -171,7 +176,7 @@ def _compiled(
             plan = parallel.plan
             nodes = list(plan.program.graph.nodes)
             overlap = step_overlap(price_schedule(plan.program, cluster), nodes)
-            compiled[kind] = (parallel, plan.solution.objective, overlap.step)
+            compiled[kind] = (parallel, Timed(plan.estimate, overlap.step, plan.solution.objective))
         except FxparError as error:
             refused[kind] = str(error).splitlines()[0]
     try:
@@ -186,7 +191,7 @@ def _compiled(
             copy.deepcopy(model), cluster, inputs, loss_fn, example_targets=targets,
             optimizer=optimizer, pipeline=pipeline,
         )  # fmt: skip
-        compiled[PIPELINE] = (pipelined, estimate, estimate)
+        compiled[PIPELINE] = (pipelined, Timed(estimate, estimate, estimate))
     except FxparError as error:
         refused[PIPELINE] = str(error).splitlines()[0]
     args, named = _batch_args(inputs, targets)
@@ -203,13 +208,12 @@ def _measure_world(
     for name in models:
         compiled, refused, args, named = _compiled(name, cluster)
         refusals.update({(name, kind): why for kind, why in refused.items()})
-        for parallel, _, _ in compiled.values():
+        for parallel, _ in compiled.values():
             for _ in range(schedule.warmup):
                 parallel.step(*args, **named)
-        timed = {kind: Timed(estimate, overlapped) for kind, (_, estimate, overlapped)
-                 in compiled.items()}  # fmt: skip
+        timed = {kind: estimates for kind, (_, estimates) in compiled.items()}
         for _ in range(schedule.rounds):
-            for kind, (parallel, _, _) in compiled.items():
+            for kind, (parallel, _) in compiled.items():
                 dist.barrier()
                 start = time.perf_counter()
                 for _ in range(schedule.steps):
@@ -223,7 +227,7 @@ def _slowest(per_rank: list[dict[tuple[str, str], Timed]]) -> dict[tuple[str, st
     merged = {}
     for key, first in per_rank[0].items():
         rounds = zip(*(ranks[key].seconds for ranks in per_rank), strict=True)
-        merged[key] = Timed(first.estimate, first.overlapped, [max(times) for times in rounds])
+        merged[key] = dataclasses.replace(first, seconds=[max(times) for times in rounds])
     return merged
 
 
@@ -262,16 +266,17 @@ def _time_table(world: int, results: dict[tuple[str, str], Timed], models: Seque
         for kind in KINDS:
             if kind not in rows:
                 why = refusals.get((name, kind), "not run")
-                print(f"{world} | {name} | {kind} | - | - | - | - | refused: {why[:80]}")
+                print(f"{world} | {name} | {kind} | - | - | - | - | - | refused: {why[:80]}")
                 continue
             t = rows[kind]
             ratios.append(t.estimate / t.measured)
             mark = "fastest" if t.measured == fastest else ""
             cells = (f"{t.estimate * 1e3:.1f}", f"{t.measured * 1e3:.1f}",
                      f"{t.estimate / t.measured:.2f}", f"{t.overlapped / t.measured:.2f}",
-                     mark)  # fmt: skip
+                     f"{t.price / t.measured:.2f}", mark)  # fmt: skip
             print(" | ".join((str(world), name, kind, *cells)))
-        print(f"{world} | {name} | **tau {tau:.2f}, ilp/fastest {ilp:.2f}** | | | | |", flush=True)
+        summary = f"**tau {tau:.2f}, ilp/fastest {ilp:.2f}**"
+        print(f"{world} | {name} | {summary} | | | | | |", flush=True)
     return ratios
 
 
@@ -330,8 +335,11 @@ def main() -> int:
 
 
 def _time_tables(args: argparse.Namespace, schedule: Schedule) -> None:
-    print("world | model | plan | estimate ms | measured ms | est/meas | overlapped/meas | ")
-    print("-- | " * 7 + "--")
+    print(
+        "world | model | plan | estimate ms | measured ms | est/meas | overlapped/meas | "
+        "price/meas | "
+    )
+    print("-- | " * 8 + "--")
     ratios: list[float] = []
     taus, ilps, clusters = [], [], []
     for world in args.worlds:

@@ -412,11 +412,13 @@ def _stage_plans(choice: StageChoice) -> str:
 
 def _verdict(plan: Plan | None, best: StageChoice | None) -> str:
     """Which is faster: the whole batch on one intra-op plan, or the best pipeline."""
-    alone = format_seconds(plan.solution.objective) if plan is not None else "no plan fits"
+    # Both as their schedules run: the plan's estimate, the stages' costs from their plans'
+    # schedules (fxpar.pipeline.stage_costs).
+    alone = format_seconds(plan.estimate) if plan is not None else "no plan fits"
     piped = format_seconds(best.step_time) if best is not None else "no pipeline fits"
     if plan is None and best is None:
         winner = "neither fits: use more devices, bf16, remat or a smaller batch"
-    elif best is None or (plan is not None and plan.solution.objective <= best.step_time):
+    elif best is None or (plan is not None and plan.estimate <= best.step_time):
         winner = "the intra-op plan alone"
     else:
         winner = "the pipeline"

@@ -320,6 +320,43 @@ def test_report_prices_each_scheduled_collective_as_the_ilp_prices_its_conversio
     assert checked == len(priced.records) > 0
 
 
+HAND_FORMULA = {
+    # A record's bytes are what each device holds before the collective.
+    "all_gather": lambda b, n, link: all_gather(n * b, n, link),
+    "reduce_scatter": reduce_scatter,
+    "all_reduce": all_reduce,
+    "all_to_all": all_to_all,
+}
+
+
+@pytest.mark.parametrize("name", SCHEDULED)
+def test_estimate_is_the_lowered_step_with_each_collective_at_its_hand_formula(
+    name: str,
+) -> None:
+    """``plan.estimate`` is the step the lowered programs run: its ops' seconds plus each
+    collective of ``fxpar.lower(plan).collectives()`` (the lowering's own list, not the
+    schedule's) at its hand formula on its axis' links, each with one latency. A fully sharded
+    layer's parameters travel in one all-gather per phase, so their estimate is below the
+    solver's price, which charges every parameter's gather a latency of its own."""
+    mesh, manual = SCHEDULED[name]
+    cluster = Cluster(mesh, bandwidth=(1e9, 25e9)[: len(mesh)], latency=(30e-6, 4e-6)[: len(mesh)])
+    plan = plan_program(tiny_gpt_program(), cluster, manual=manual)
+    lowered = fxpar.lower(plan).collectives()
+    links = list(zip(cluster.bandwidth, cluster.latency, strict=True))
+    communication = sum(
+        HAND_FORMULA[record.kind](record.bytes, mesh[record.axis], links[record.axis])
+        for record in lowered
+    )
+    compute = sum(price_schedule(plan.program, cluster).compute.values())
+    assert plan.estimate == pytest.approx(compute + communication, rel=1e-9)
+    assert f"estimated step  {plan.estimate * 1e3:.3f} ms" in plan.report()
+    if manual is plans.fully_sharded:
+        gathered = [n for n in plan.program.placeholders() if n in plan.program.signature.gradients]
+        gathers = [record for record in lowered if record.kind == "all_gather"]
+        assert len(gathers) < len(gathered)
+        assert plan.estimate < plan.solution.objective
+
+
 # -- the plan flips where the hand formulas say --------------------------------------------------
 
 # A linear layer whose features are odd, so that its weight cannot be split over 2 devices:

@@ -9,6 +9,7 @@ pipeline, and :meth:`Plan.of` reads the recorded choice back. A Plan reads itsel
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,7 @@ from fxpar.planning.problem import Layout, PlanOptions, assignment_of, build_pro
 from fxpar.planning.propagate import expert_weights
 from fxpar.planning.report import plot as plot_report
 from fxpar.planning.report import render_text, report_data
+from fxpar.planning.step_time import price_schedule
 from fxpar.rules import RuleRegistry
 from fxpar.sharding import Sharding
 from fxpar.solvers.problem import IntraOpProblem, IntraOpSolution
@@ -78,6 +80,16 @@ class Plan:
             rules=used.rules if used is not None else None,
         )
 
+    @functools.cached_property
+    def estimate(self) -> float:
+        """The estimated step in seconds: the plan's collective schedule, the one the lowering
+        emits, priced, its ops and collectives added up
+        (:attr:`~fxpar.planning.step_time.PricedSchedule.step`). The solver chose the plan by
+        ``solution.objective``, which prices the same ops but each edge's conversion on its
+        own (a parameter's all-gather with a latency of its own, where the lowering gathers a
+        layer's parameters in one; docs/planning.md, "The solver's price and the estimate")."""
+        return price_schedule(self.program, self.cluster).step
+
     @property
     def stats(self) -> dict[str, int]:
         """Graph nodes, decision nodes after coarsening, repeated-layer units merged, edges."""
@@ -88,7 +100,7 @@ class Plan:
         gap = "" if math.isnan(s.gap) else f", gap {s.gap:.2g}"
         return (
             f"{s.solver} plan on {self.cluster}: {s.status}{gap}, estimated step "
-            f"{s.objective * 1e3:.3f} ms, {self.problem.memory(s.choice) / 2**20:.1f} MiB per "
+            f"{self.estimate * 1e3:.3f} ms, {self.problem.memory(s.choice) / 2**20:.1f} MiB per "
             f"device; {self.stats['graph_nodes']} graph nodes, "
             f"{self.stats['decision_nodes']} decisions ({self.stats['layers_merged']} merged "
             f"with repeated layers), solved in {s.seconds:.2f} s"

@@ -213,6 +213,7 @@ def report_data(plan: Plan) -> dict[str, Any]:
         "cluster": str(cluster),
         "mesh_shape": list(cluster.mesh_shape),
         "axis_names": list(cluster.axis_names),
+        "estimated_seconds": found.step,
         "objective_seconds": solution.objective,
         "compute_seconds": compute,
         "communication_seconds": found.edge_seconds,
@@ -385,9 +386,11 @@ def render_text(data: Mapping[str, Any], width: int = 100) -> str:
     pad = " " * 16
     lines = [
         f"plan: {header['solver']}, {header['status']}{gap}, on {header['cluster']}",
-        f"estimated step  {_ms(header['objective_seconds'])} ms: compute "
+        f"estimated step  {_ms(header['estimated_seconds'])} ms: compute "
         f"{_ms(header['compute_seconds'])} ms + communication "
-        f"{_ms(header['communication_seconds'])} ms",
+        f"{_ms(header['estimated_seconds'] - header['compute_seconds'])} ms as lowered",
+        f"solver's price  {_ms(header['objective_seconds'])} ms: communication "
+        f"{_ms(header['communication_seconds'])} ms priced edge by edge",
         f"collectives     {header['collectives']} as lowered, {_size(header['collective_bytes'])}"
         f" and {_ms(header['collective_seconds'])} ms per device,",
         f"{pad}{_ms(header['hidden_seconds'])} ms of it behind compute and "

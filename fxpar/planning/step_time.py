@@ -83,6 +83,14 @@ class PricedSchedule:
         return self.schedule.records
 
     @property
+    def step(self) -> float:
+        """The step as lowered, every collective in full: each op's seconds, every collective
+        of the schedule (a gather group's one all-gather, a bucket's one reduction, each with
+        its latency) and the exchanges, added up. This is a plan's estimated step
+        (:attr:`fxpar.Plan.estimate`); :func:`step_overlap` takes off what compute hides."""
+        return sum(self.compute.values()) + sum(self.record_seconds) + sum(self.exchanges.values())
+
+    @property
     def specs(self) -> dict[fx.Node, tuple[Spec | None, ...]]:
         """The layout of every value: what each node produces under its strategy."""
         return self.schedule.specs
