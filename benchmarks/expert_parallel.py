@@ -19,7 +19,7 @@ world 4 puts four processes on the development machine's two cores). Every rank 
 
 Each plan takes ``--warmup`` untimed steps, then ``--rounds`` rounds of ``--steps`` steps of
 every plan in turn (SGD, lr 1e-3): *measured* is the median over rounds of the slowest rank's
-time per step, *estimate* the plan's estimated step (``plan.solution.objective``). Every plan
+time per step, *estimate* the plan's estimated step (``plan.estimate``). Every plan
 takes as many steps on the same batch from the same weights, so their final losses must agree
 (to 1e-4 relative: float32 sums in other orders); a disagreement is flagged and the script
 exits with status 1. The last lines give, per (world, model), the best EP plan's step over the
@@ -112,7 +112,10 @@ def _measure_world(
         for kind, parallel in compiled.items():
             for _ in range(schedule.warmup):
                 last[kind] = parallel.step(*args, **named)
-        timed = {kind: Timed(p.plan.solution.objective, 0.0) for kind, p in compiled.items()}
+        timed = {
+            kind: Timed(p.plan.estimate, 0.0, p.plan.solution.objective)
+            for kind, p in compiled.items()
+        }
         for _ in range(schedule.rounds):
             for kind, parallel in compiled.items():
                 dist.barrier()

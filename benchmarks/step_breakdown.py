@@ -57,7 +57,8 @@ def _rank(rank: int, world: int, names: list[str]) -> dict[tuple[str, str], tupl
     rows = {}
     for name in names:
         compiled, _, args, named = cost_model._compiled(name, cluster)
-        for kind, (parallel, estimate, _) in compiled.items():
+        for kind, (parallel, estimates) in compiled.items():
+            estimate = estimates.estimate
             for _ in range(WARMUP):
                 parallel.step(*args, **named)
             dist.barrier()
