@@ -72,7 +72,9 @@ class Cluster:
     ``op_slowdown`` (per ATen op, such as ``"aten.mm"``, how many times its roofline time it
     takes; ``"*"`` for the ops not named; a mapping or ``(op, slowdown)`` pairs) refine the
     roofline per op (:meth:`op_seconds`); :func:`fxpar.calibrate` measures them on a model's
-    own ops. :meth:`preset` builds common machines.
+    own ops. ``overlap`` is the share of the communication a step runs beside compute that
+    the compute really hides (:attr:`hidden_share`; ``fxpar calibrate`` measures it).
+    :meth:`preset` builds common machines.
     """
 
     mesh_shape: tuple[int, ...]
@@ -86,6 +88,7 @@ class Cluster:
     collective_links: tuple[CollectiveLink, ...] = ()
     op_overhead: float = 0.0
     op_slowdown: tuple[tuple[str, float], ...] = ()
+    overlap: float | None = None
 
     # The op every op not in ``op_slowdown`` takes the slowdown of.
     OTHER_OPS = "*"
@@ -154,6 +157,20 @@ class Cluster:
         object.__setattr__(self, "op_slowdown", tuple(sorted((op, float(s)) for op, s in pairs)))
         if not (_finite(self.op_overhead) and self.op_overhead >= 0):
             raise FxparError(f"op_overhead must be a finite number >= 0, got {self.op_overhead}")
+        if self.overlap is not None and not (_finite(self.overlap) and 0 <= self.overlap <= 1):
+            raise FxparError(f"overlap must be a number from 0 to 1, or None; got {self.overlap!r}")
+
+    @property
+    def hidden_share(self) -> float:
+        """The share of the communication a step runs beside compute (an all-reduce started
+        where its value is made and waited for where it is read, a layer's gathers started a
+        layer ahead) that the compute really hides: :attr:`overlap` where it is set, else 1 on
+        CUDA devices, whose collectives run on copy engines of their own, and 0 elsewhere: on
+        CPU processes, gloo moves the bytes on the cores the ops need, and a collective in
+        flight slows them by about what it takes (benchmarks/README.md, cost_model.py)."""
+        if self.overlap is not None:
+            return self.overlap
+        return 1.0 if self.device_type.startswith("cuda") else 0.0
 
     @staticmethod
     def preset(name: str, mesh_shape: tuple[int, ...], **overrides: Any) -> Cluster:
@@ -206,7 +223,7 @@ class Cluster:
 
     def to_dict(self) -> dict[str, Any]:
         """Every field, as JSON writes it (tuples as lists, ``op_slowdown`` as an object);
-        ``collective_links``, ``op_overhead`` and ``op_slowdown`` only when set."""
+        ``collective_links``, ``op_overhead``, ``op_slowdown`` and ``overlap`` only when set."""
         data = {
             field.name: list(value) if isinstance(value, tuple) else value
             for field in fields(self)
@@ -217,6 +234,8 @@ class Cluster:
         for name in ("collective_links", "op_overhead", "op_slowdown"):
             if not data[name]:
                 del data[name]
+        if data["overlap"] is None:
+            del data["overlap"]
         return data
 
     @staticmethod
@@ -491,6 +510,7 @@ _FIELD_KINDS = {
     "collective_links": "a list of {kind, axis, latency, bandwidth} objects",
     "op_overhead": "a finite number >= 0",
     "op_slowdown": "an object of op names to finite numbers > 0",
+    "overlap": "a number from 0 to 1",
 }
 
 
@@ -531,4 +551,6 @@ def _is_json_field(key: str, value: object) -> bool:
         return _finite(value) and value >= 0  # type: ignore[operator]
     if key == "op_slowdown":
         return isinstance(value, dict) and all(_positive(number) for number in value.values())
+    if key == "overlap":
+        return _finite(value) and 0 <= value <= 1  # type: ignore[operator]
     return _positive(value)

@@ -43,7 +43,10 @@ def _calibrate_rank(rank: int, world_size: int) -> dict[str, object]:
     """Two calibrations, then the errors of a cluster and a device mesh that are not the
     world's."""
     torch.set_num_threads(1)
-    found: dict[str, object] = {"flat": measure(GIVEN), "one_by_two": measure(ONE_BY_TWO)}
+    found: dict[str, object] = {
+        "flat": measure(GIVEN),
+        "one_by_two": measure(ONE_BY_TWO, options=CalibrationOptions(overlap=False)),
+    }
     for name, call in {
         "world": lambda: fxpar.calibrate(fxpar.Cluster((4,))),
         "mesh": lambda: fxpar.calibrate(GIVEN, ONE_BY_TWO.device_mesh()),
@@ -97,6 +100,10 @@ def test_the_fitted_model_gives_back_the_fitted_times_and_roughly_the_one_betwee
                      (MATMUL, True, False), (COPY, True, False)]  # fmt: skip
     own = {(link.kind, link.axis) for link in calibration.cluster.collective_links}
     assert own == {(ALL_GATHER, 0), (REDUCE_SCATTER, 0), (ALL_TO_ALL, 0)}
+    # How much of an all-reduce products beside it hide: measured, a share.
+    overlap = calibration.cluster.overlap
+    assert overlap is not None and 0 <= overlap <= 1
+    assert re.search(rf"hidden share +0\.00 +{overlap:.2f}\n", calibration.table())
     # Every collective's latency carries the axis' wait for the last peer: the one-element
     # all-reduce after compute, beyond the same one after a barrier.
     small, wait_run = calibration.timings[0], calibration.timings[3]
@@ -163,6 +170,7 @@ def test_an_axis_of_one_device_keeps_its_links(ranks: list[dict[str, object]]) -
                                                           ONE_BY_TWO.bandwidth[0])  # fmt: skip
     assert cluster.latency[1] != ONE_BY_TWO.latency[1]
     assert ranks[1]["one_by_two"].cluster == cluster  # type: ignore[attr-defined]
+    assert cluster.overlap is None  # not measured when told not to
 
 
 @pytest.mark.slow
@@ -273,6 +281,19 @@ def test_bad_options_are_named(options: dict[str, object], message: str) -> None
         CalibrationOptions(**options)  # type: ignore[arg-type]
 
 
+def test_the_hidden_share_is_the_overlap_given_or_the_device_types() -> None:
+    """What compute hides of the communication beside it: the cluster's ``overlap`` where
+    set, else all of it on GPUs (copy engines) and none on CPUs (gloo takes the cores)."""
+    assert fxpar.Cluster((2,)).hidden_share == 0.0
+    assert fxpar.Cluster.preset("h100", (8,)).hidden_share == 1.0
+    assert fxpar.Cluster.preset("h100", (8,), overlap=0.4).hidden_share == 0.4
+    for bad in (-0.1, 1.5, float("nan")):
+        with pytest.raises(FxparError, match="overlap must be a number from 0 to 1"):
+            fxpar.Cluster((2,), overlap=bad)
+    with pytest.raises(FxparError, match="a cluster's overlap cannot be 2"):
+        fxpar.Cluster.from_dict({"mesh_shape": [2], "overlap": 2})
+
+
 def test_a_cluster_file_loads_back_on_its_mesh_or_another(tmp_path: Path) -> None:
     cluster = fxpar.Cluster((2, 4), axis_names=("node", "gpu"), bandwidth=(1e9, 8e9),
                             latency=(2e-4, 3e-5), flops=4e10)  # fmt: skip
@@ -297,6 +318,10 @@ def test_a_cluster_file_loads_back_on_its_mesh_or_another(tmp_path: Path) -> Non
         dataclasses.replace(gathers, axis=axis) for axis in range(3)
     )
     assert "collective_links" not in json.loads((tmp_path / "cluster.json").read_text())
+    assert "overlap" not in json.loads((tmp_path / "cluster.json").read_text())
+    overlapping = dataclasses.replace(cluster, overlap=0.25)
+    path = overlapping.save(tmp_path / "overlapping.json")
+    assert fxpar.Cluster.load(path, (8,)).hidden_share == 0.25
     (tmp_path / "plan.json").write_text('{"format": "fxpar-plan"}')
     with pytest.raises(FxparError, match="is not a cluster file"):
         fxpar.Cluster.load(tmp_path / "plan.json")

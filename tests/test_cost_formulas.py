@@ -34,6 +34,7 @@ from fxpar import ir, plans
 from fxpar.cluster import Cluster, CollectiveLink
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.passes import plan_program
+from fxpar.pipeline import Pipeline, evaluate_split
 from fxpar.planning.collective_schedule import Reshard, StartGather
 from fxpar.planning.cost import (
     collective_seconds,
@@ -43,7 +44,7 @@ from fxpar.planning.cost import (
     split_factor,
 )
 from fxpar.planning.report import compact_spec
-from fxpar.planning.step_time import price_schedule
+from fxpar.planning.step_time import price_schedule, step_overlap
 from fxpar.sharding import Sharding, Spec, Strategy
 from fxpar.sharding.reshard import reshard_steps
 
@@ -355,6 +356,47 @@ def test_estimate_is_the_lowered_step_with_each_collective_at_its_hand_formula(
         gathers = [record for record in lowered if record.kind == "all_gather"]
         assert len(gathers) < len(gathered)
         assert plan.estimate < plan.solution.objective
+
+
+def test_the_estimate_takes_the_clusters_hidden_share_of_the_overlapped_communication() -> None:
+    """Of the communication a plan runs beside compute (a fully sharded layer's gathers start
+    a layer ahead), the estimate takes off the cluster's hidden share: none on CPU (the sum
+    of every collective), all of it on a GPU (the critical path of ``step_overlap``), and the
+    plan report says so where it takes any off."""
+    estimates = {}
+    for overlap in (0.0, 0.5, 1.0):
+        cluster = Cluster((2,), bandwidth=(1e9,), latency=(30e-6,), overlap=overlap)
+        plan = plan_program(tiny_gpt_program(), cluster, manual=plans.fully_sharded)
+        priced = price_schedule(plan.program, cluster)
+        walked = step_overlap(priced, list(plan.program.graph.nodes))
+        assert walked.hidden > 0.1 * walked.communication  # the gathers run ahead
+        estimates[overlap] = plan.estimate
+        report = plan.report()
+        assert ("the estimate takes 50% of it off" in report) is (overlap == 0.5)
+    assert estimates[0.0] == pytest.approx(priced.step, rel=1e-12)
+    assert estimates[1.0] == pytest.approx(walked.step, rel=1e-12)
+    assert estimates[0.5] == pytest.approx((estimates[0.0] + estimates[1.0]) / 2, rel=1e-12)
+
+
+def test_stage_costs_take_the_same_hidden_share_as_the_estimate() -> None:
+    """A one-stage pipeline whose stage mesh runs a fully sharded plan: its stage time drops
+    with the cluster's hidden share, linearly, as the plan's estimate does (the stage DP and
+    the intra-op plan are compared on the same footing)."""
+
+    def fully_sharded(program: fxpar.Program, cluster: Cluster) -> fxpar.Plan:
+        return plan_program(program, cluster, manual=plans.fully_sharded)
+
+    times = {}
+    for overlap in (0.0, 0.5, 1.0):
+        cluster = Cluster((2,), bandwidth=(1e9,), latency=(30e-6,), overlap=overlap)
+        choice = evaluate_split(
+            tiny_gpt_program(), cluster, Pipeline(stages=(), microbatches=1),
+            stage_planner=fully_sharded,
+        )  # fmt: skip
+        (stage,) = choice.plan.stages
+        times[overlap] = stage.time
+    assert times[1.0] < times[0.0]
+    assert times[0.5] == pytest.approx((times[0.0] + times[1.0]) / 2, rel=1e-9)
 
 
 # -- the plan flips where the hand formulas say --------------------------------------------------

@@ -70,14 +70,19 @@ the bytes each device holds of every value. Layers ``[i, j)`` then cost, per mic
     static = (2 + optimizer_states) G_local + S_local   (+ [remat] A_saved_local / M)
 
 where ``C`` are the seconds of the collectives the range's ops run and ``C_grad`` those that
-bring its gradients into their parameters' layouts (once a step). The plan is made for the whole
-step, so each range is costed under the strategies that plan chose for it, not re-planned per
-range; with repeated layers that is the same plan. A stage mesh of ``d`` of the cluster's ``D``
-devices is planned with ``cluster.memory * D / d`` per device: the plan covers every layer's
-weights, and a stage of ``d`` devices holds about ``d / D`` of them. Sends are priced with the
-local bytes of the sending stage's plan, as if both neighbours laid the value out alike; the
-resharding between stages on different meshes is not priced. A bucket of gradients synchronised
-together is charged to its gradients in proportion to their bytes.
+bring its gradients into their parameters' layouts (once a step). Of a collective of ``C``
+that the planned step runs beside compute (:func:`~fxpar.planning.step_time.step_overlap`), the
+cluster's :attr:`~fxpar.Cluster.hidden_share` is left out (none on CPU), as
+:attr:`fxpar.Plan.estimate` leaves it out; ``C_grad`` counts in full: a pipeline synchronises
+its gradients after its last micro-batch's backward, with little compute left to hide them.
+The plan is made for the whole step, so each range is costed under the strategies that plan
+chose for it, not re-planned per range; with repeated layers that is the same plan. A stage mesh
+of ``d`` of the cluster's ``D`` devices is planned with ``cluster.memory * D / d`` per device:
+the plan covers every layer's weights, and a stage of ``d`` devices holds about ``d / D`` of
+them. Sends are priced with the local bytes of the sending stage's plan, as if both neighbours
+laid the value out alike; the resharding between stages on different meshes is not priced. A
+bucket of gradients synchronised together is charged to its gradients in proportion to their
+bytes.
 
 **Stamped steps** (``folds=True``, for a planner that chooses alike on a step and on its folded
 twin): every stage mesh plans and prices the step folded to its six distinct layers
@@ -113,7 +118,7 @@ from fxpar.planning.cost import (
     value_bytes,
 )
 from fxpar.planning.grouping import BUCKET_BYTES, Bucketed, cut_buckets
-from fxpar.planning.step_time import price_schedule
+from fxpar.planning.step_time import price_schedule, step_overlap
 from fxpar.solvers.errors import InfeasiblePlanError, format_bytes
 from fxpar.solvers.stages import StageCost
 
@@ -481,6 +486,10 @@ class PlannedStageCostModel(StageCostModel):
             )  # fmt: skip
             plan = self._most_frugal(planned, mesh, error)
         found = price_schedule(plan.program, mesh)
+        # A collective the planned step runs beside compute costs the stage what the cluster
+        # does not hide of it (as Plan.estimate counts it; on CPU, all of it).
+        hides = mesh.hidden_share
+        walked = step_overlap(found, list(plan.program.graph.nodes)) if hides else None
         compute = {node.name: seconds for node, seconds in found.compute.items()}
         values: dict[str, int] = {}
         for node, specs in found.specs.items():
@@ -507,6 +516,9 @@ class PlannedStageCostModel(StageCostModel):
         for record, seconds in zip(found.records, found.record_seconds, strict=True):
             if id(record) in bucketed:
                 continue
+            if walked is not None:
+                hidden = seconds - walked.exposed_records.get(id(record), 0.0)
+                seconds -= hides * max(hidden, 0.0)
             if record.phase is ir.Phase.OUTPUT:
                 sync[record.tensor] = sync.get(record.tensor, 0.0) + seconds
             else:

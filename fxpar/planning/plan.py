@@ -27,7 +27,7 @@ from fxpar.planning.problem import Layout, PlanOptions, assignment_of, build_pro
 from fxpar.planning.propagate import expert_weights
 from fxpar.planning.report import plot as plot_report
 from fxpar.planning.report import render_text, report_data
-from fxpar.planning.step_time import price_schedule
+from fxpar.planning.step_time import estimated_step, price_schedule
 from fxpar.rules import RuleRegistry
 from fxpar.sharding import Sharding
 from fxpar.solvers.problem import IntraOpProblem, IntraOpSolution
@@ -83,12 +83,15 @@ class Plan:
     @functools.cached_property
     def estimate(self) -> float:
         """The estimated step in seconds: the plan's collective schedule, the one the lowering
-        emits, priced, its ops and collectives added up
-        (:attr:`~fxpar.planning.step_time.PricedSchedule.step`). The solver chose the plan by
+        emits, priced, its ops and collectives added up, less the cluster's
+        :attr:`~fxpar.Cluster.hidden_share` of the communication that runs beside compute
+        (:func:`~fxpar.planning.step_time.estimated_step`). The solver chose the plan by
         ``solution.objective``, which prices the same ops but each edge's conversion on its
         own (a parameter's all-gather with a latency of its own, where the lowering gathers a
         layer's parameters in one; docs/planning.md, "The solver's price and the estimate")."""
-        return price_schedule(self.program, self.cluster).step
+        priced = price_schedule(self.program, self.cluster)
+        nodes = list(self.program.graph.nodes)
+        return estimated_step(priced, nodes, self.cluster.hidden_share)
 
     @property
     def stats(self) -> dict[str, int]:

@@ -213,7 +213,8 @@ def report_data(plan: Plan) -> dict[str, Any]:
         "cluster": str(cluster),
         "mesh_shape": list(cluster.mesh_shape),
         "axis_names": list(cluster.axis_names),
-        "estimated_seconds": found.step,
+        "estimated_seconds": found.step - cluster.hidden_share * overlap.hidden,
+        "hidden_share": cluster.hidden_share,
         "objective_seconds": solution.objective,
         "compute_seconds": compute,
         "communication_seconds": found.edge_seconds,
@@ -282,6 +283,14 @@ def _layer_row(layer: _Layer, found: PricedSchedule, cluster: Cluster) -> dict[s
 _COLUMNS = ("layer", "compute ms", "collectives", "comm", "comm ms", "memory", "output")
 _LEFT = {0, 6}
 _INDENT = "    "
+
+
+def _hidden_line(header: Mapping[str, Any], pad: str) -> list[str]:
+    """What share of the communication behind compute the estimate takes off, where any."""
+    share = header["hidden_share"]
+    if not share:
+        return []
+    return [f"{pad}the estimate takes {share:.0%} of it off (the cluster's hidden share)"]
 
 
 def _size(nbytes: float) -> str:
@@ -396,6 +405,7 @@ def render_text(data: Mapping[str, Any], width: int = 100) -> str:
         f"{pad}{_ms(header['hidden_seconds'])} ms of it behind compute and "
         f"{_ms(header['exposed_seconds'])} ms exposed: step "
         f"{_ms(header['compute_seconds'] + header['exposed_seconds'])} ms if overlapped",
+        *_hidden_line(header, pad),
         f"memory          {_size(used)} per device of {_size(limit or 0)} allowed{share}:",
         pad + ", ".join(f"{kind} {_size(memory[kind])}" for kind in MEMORY_KINDS),
         f"peak            {_size(header['peak_bytes'])} per device at once (at "

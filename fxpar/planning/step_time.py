@@ -86,8 +86,8 @@ class PricedSchedule:
     def step(self) -> float:
         """The step as lowered, every collective in full: each op's seconds, every collective
         of the schedule (a gather group's one all-gather, a bucket's one reduction, each with
-        its latency) and the exchanges, added up. This is a plan's estimated step
-        (:attr:`fxpar.Plan.estimate`); :func:`step_overlap` takes off what compute hides."""
+        its latency) and the exchanges, added up: a plan's estimated step where the cluster
+        hides nothing behind compute (:func:`estimated_step`)."""
         return sum(self.compute.values()) + sum(self.record_seconds) + sum(self.exchanges.values())
 
     @property
@@ -151,6 +151,17 @@ def price_schedule(program: Program, cluster: Cluster) -> PricedSchedule:
     return PricedSchedule(schedule, record_seconds, compute, edge_seconds, exchanges)
 
 
+def estimated_step(priced: PricedSchedule, nodes: list[fx.Node], share: float) -> float:
+    """A plan's estimated step (:attr:`fxpar.Plan.estimate`): its schedule priced
+    (:attr:`PricedSchedule.step`), less ``share`` of the communication that runs beside
+    compute (:func:`step_overlap`'s hidden part, over ``nodes``, the planned graph's in order).
+    ``share`` is the cluster's :attr:`~fxpar.Cluster.hidden_share`: 0 adds every collective
+    in full, 1 gives the critical path."""
+    if share == 0:
+        return priced.step
+    return priced.step - share * step_overlap(priced, nodes).hidden
+
+
 # -- the critical path --------------------------------------------------------------------------
 
 
@@ -164,6 +175,9 @@ class StepOverlap:
     """Seconds of every collective the device runs (the schedule's, priced)."""
     exposed: float
     """Seconds the compute waited for communication."""
+    exposed_records: dict[int, float] = field(default_factory=dict)
+    """Of ``exposed``, the seconds spent waiting for each collective of the schedule, by
+    ``id`` of its record (the rest are the blocking exchanges)."""
 
     @property
     def hidden(self) -> float:
@@ -184,6 +198,7 @@ class _Clocks:
         self.now = 0.0
         self.link: defaultdict[int, float] = defaultdict(float)
         self.exposed = 0.0
+        self.exposed_records: defaultdict[int, float] = defaultdict(float)
 
     def send(self, record: CollectiveRecord, ready: float) -> float:
         """Issue ``record`` on its link once ``ready``; when it ends."""
@@ -197,9 +212,12 @@ class _Clocks:
         self.exposed += seconds
         self.now += seconds
 
-    def wait(self, until: float) -> None:
+    def wait(self, until: float, record: CollectiveRecord | None) -> None:
+        """Wait until ``until``, for ``record`` (the collective that ends then)."""
         if until > self.now:
+            assert record is not None
             self.exposed += until - self.now
+            self.exposed_records[id(record)] += until - self.now
             self.now = until
 
 
@@ -211,7 +229,7 @@ def step_overlap(priced: PricedSchedule, nodes: list[fx.Node]) -> StepOverlap:
         {id(r): s for r, s in zip(schedule.records, priced.record_seconds, strict=True)}
     )
     done: dict[fx.Node, float] = {}
-    gathered: dict[int, float] = {}
+    gathered: dict[int, tuple[float, CollectiveRecord | None]] = {}
     late: dict[int, tuple[CollectiveRecord, ...]] = {}
 
     def run(actions: tuple[Action, ...]) -> None:
@@ -222,13 +240,14 @@ def step_overlap(priced: PricedSchedule, nodes: list[fx.Node]) -> StepOverlap:
                 # The first axis' gather travels until its wait; the others run at the wait.
                 index = action.group.index
                 first, *rest = action.records or (None,)
-                gathered[index] = clocks.now if first is None else clocks.send(first, clocks.now)
+                end = clocks.now if first is None else clocks.send(first, clocks.now)
+                gathered[index] = (end, first)
                 late[index] = tuple(rest)
             elif isinstance(action, WaitGather):
                 index = action.group.index
-                clocks.wait(gathered.get(index, clocks.now))
+                clocks.wait(*gathered.get(index, (clocks.now, None)))
                 for record in late.pop(index, ()):
-                    clocks.wait(clocks.send(record, clocks.now))
+                    clocks.wait(clocks.send(record, clocks.now), record)
 
     for node in nodes:
         inputs = schedule.inputs.get(node)
@@ -238,18 +257,19 @@ def step_overlap(priced: PricedSchedule, nodes: list[fx.Node]) -> StepOverlap:
         clocks.block(priced.exchanges.get(node, 0.0))
         done[node] = clocks.now
     leaving = schedule.leaving
-    ends = []
+    ends: list[tuple[float, CollectiveRecord | None]] = []
     for bucket in leaving.buckets:
         ready = done[bucket.starts_after]
         for record in bucket.records:  # one per mesh axis of its route, in turn
             ready = clocks.send(record, ready)
-        ends.append(ready)
+        ends.append((ready, bucket.records[-1] if bucket.records else None))
     run(leaving.actions)
-    clocks.wait(max(ends, default=0.0))
+    clocks.wait(*max(ends, key=lambda end: end[0], default=(0.0, None)))
     return StepOverlap(
         compute=sum(priced.compute.values()),
         communication=sum(priced.record_seconds) + sum(priced.exchanges.values()),
         exposed=clocks.exposed,
+        exposed_records=dict(clocks.exposed_records),
     )
 
 
@@ -257,6 +277,7 @@ def _reshard(action: Reshard, ready: float, clocks: _Clocks) -> None:
     """Run ``action``'s collective steps: one started early travels from when its input
     exists, the others run where the value is needed; the value is waited for there."""
     records = iter(action.records)
+    last: CollectiveRecord | None = None
     for step, early in zip(action.steps, action.started_early, strict=True):
         if not step.is_collective:
             continue
@@ -264,7 +285,8 @@ def _reshard(action: Reshard, ready: float, clocks: _Clocks) -> None:
         if early:
             ready = clocks.send(record, ready)
         else:
-            clocks.wait(ready)
+            clocks.wait(ready, last)
             ready = clocks.send(record, clocks.now)
-            clocks.wait(ready)
-    clocks.wait(ready)
+            clocks.wait(ready, record)
+        last = record
+    clocks.wait(ready, last)

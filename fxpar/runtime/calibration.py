@@ -28,6 +28,13 @@ What it times (:class:`CalibrationOptions` sets the sizes and repeats):
   :class:`~fxpar.runtime.communicators.ProcessGroupCommunicator`, each kind fitted a line of
   its own (:class:`~fxpar.cluster.CollectiveLink`): gloo runs them at speeds of their own
   (``CalibrationOptions.each_kind`` turns this off).
+- On the same axes, the ``large_bytes`` all-reduce once more beside as many of those products
+  as take about as long (:attr:`CalibrationOptions.overlap`): started, the products run, then
+  waited for, as the programs run an all-reduce started where its value is made. With ``c``
+  the products' time alone, ``a`` the all-reduce's and ``b`` both together, the share of the
+  shorter one that ran hidden, ``(c + a − b) / min(c, a)`` (clipped to 0..1, the least over
+  the axes and ranks), is the cluster's :attr:`~fxpar.cluster.Cluster.overlap`: near 1 where
+  collectives run on engines of their own, near 0 where they take the cores the products need.
 - A ``matmul_size``-cubed matrix product in ``dtype`` (``2·size³`` FLOPs over its time gives
   ``flops``) and a copy of ``copy_bytes`` (it reads and writes them: ``2·copy_bytes`` over its
   time gives ``memory_bandwidth``), the two roofline terms of
@@ -117,6 +124,9 @@ class CalibrationOptions:
     compute_before: int = 1
     """Products of two ``matmul_size``-square matrices every rank computes before each run of
     the all-reduce that measures an axis' wait (the module docstring); 0 measures none."""
+    overlap: bool = True
+    """Also measure how much of an all-reduce compute running beside it hides (the module
+    docstring), and set the cluster's :attr:`~fxpar.cluster.Cluster.overlap` to it."""
     quantile: float = 0.25
     """Which of a rank's ``repeats`` times of a collective started after a barrier it keeps
     (the runs after compute keep their mean, the wait a step pays): 0.5 the median, 0 the
@@ -235,6 +245,7 @@ class Calibration:
             fields.append((f"bandwidth {name}", "-", _rate(link.bandwidth, "B/s")))
         fields.append(("flops", *(_rate(c.flops, "FLOP/s") for c in clusters)))
         fields.append(("memory_bandwidth", *(_rate(c.memory_bandwidth, "B/s") for c in clusters)))
+        fields.append(("hidden share", *(f"{c.hidden_share:.2f}" for c in clusters)))
         timings: list[tuple[str, ...]] = [("operation", "bytes", "measured", "model")]
         for timing in self.timings:
             measured, model = timing.seconds, timing.model_seconds(self.cluster)
@@ -330,6 +341,10 @@ def measure(
         for timing, seconds in zip(planned, slowest.tolist(), strict=True)
     )
     fitted = fit(cluster, timings)
+    if options.overlap:
+        share = _overlap(fitted, device_mesh, communicator, options, device, timings)
+        if share is not None:
+            fitted = replace(fitted, overlap=share)
     ops: tuple[OpTiming, ...] = ()
     if program is not None:
         ops = _mean_ops(program, inputs, options, device)
@@ -421,6 +436,65 @@ def fit_ops(cluster: Cluster, timings: Sequence[OpTiming]) -> Cluster:
         for op, (calls, measured, roofline) in sums.items()
     }
     return replace(cluster, op_overhead=overhead, op_slowdown=tuple(slowdown.items()))
+
+
+def _overlap(
+    cluster: Cluster,
+    device_mesh: DeviceMesh,
+    communicator: ProcessGroupCommunicator,
+    options: CalibrationOptions,
+    device: torch.device,
+    timings: Sequence[Timing],
+) -> float | None:
+    """The share of an all-reduce that products running beside it hide (the module docstring),
+    the least over the mesh's axes and over the ranks; None on a mesh without collectives.
+    ``timings`` are the slowest rank's, the same on every rank: every rank runs as many
+    products."""
+    matmul = next(t.seconds for t in timings if t.operation == MATMUL)
+    size, dtype = options.matmul_size, options.dtype
+    left = torch.randn(size, size, dtype=dtype, device=device)
+    product = torch.empty_like(left)
+    shares = []
+    for axis, devices in enumerate(cluster.mesh_shape):
+        if devices == 1:
+            continue
+        large = max(
+            (t for t in timings if t.axis == axis and t.operation == ALL_REDUCE and t.fitted),
+            key=lambda t: t.nbytes,
+        )
+        products = max(1, round(large.seconds / matmul))
+        group = device_mesh.get_group(axis)
+        zeros = torch.zeros(large.nbytes // dtype.itemsize, dtype=dtype, device=device)
+        buffer = for_collective(zeros, group)
+
+        def compute(products: int = products) -> None:
+            for _ in range(products):
+                torch.mm(left, left, out=product)
+
+        def alone(axis: int = axis, buffer: torch.Tensor = buffer) -> None:
+            communicator.start_all_reduce(buffer, axis).wait()
+
+        def both(axis: int = axis, buffer: torch.Tensor = buffer) -> None:
+            pending = communicator.start_all_reduce(buffer, axis)
+            compute()
+            pending.wait()
+
+        runs: dict[str, list[float]] = defaultdict(list)
+        for repeat in range(options.warmup + options.repeats):
+            for name, run in (("compute", compute), ("collective", alone), ("both", both)):
+                dist.barrier(group=group)
+                start = time.perf_counter()
+                run()
+                synchronize(device)
+                if repeat >= options.warmup:
+                    runs[name].append(time.perf_counter() - start)
+        c, a, b = (sum(runs[name]) / len(runs[name]) for name in ("compute", "collective", "both"))
+        shares.append(min(max((c + a - b) / min(c, a), 0.0), 1.0))
+    if not shares:
+        return None
+    least = torch.tensor([min(shares)], dtype=torch.float64)
+    dist.all_reduce(least, op=dist.ReduceOp.MIN)
+    return float(least.item())
 
 
 def fit(cluster: Cluster, timings: Sequence[Timing]) -> Cluster:
