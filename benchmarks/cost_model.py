@@ -226,7 +226,7 @@ def _measure_world(
                     parallel.step(*args, **named)
                 timed[kind].seconds.append((time.perf_counter() - start) / schedule.steps)
         results.update({(name, kind): t for kind, t in timed.items()})
-    return results, refusals, str(cluster)
+    return results, refusals, f"{cluster}, hidden share {cluster.hidden_share:.2f} (calibrated)"
 
 
 def _slowest(per_rank: list[dict[tuple[str, str], Timed]]) -> dict[tuple[str, str], Timed]:
