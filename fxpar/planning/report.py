@@ -46,7 +46,12 @@ from fxpar.ir.program import Program
 from fxpar.planning import cost
 from fxpar.planning.collective_schedule import CollectiveRecord, schedule_program
 from fxpar.planning.peak_memory import peak_memory
-from fxpar.planning.step_time import PricedSchedule, price_schedule, step_overlap
+from fxpar.planning.step_time import (
+    PricedSchedule,
+    estimated_step,
+    price_schedule,
+    step_overlap,
+)
 from fxpar.rules import coverage
 from fxpar.sharding import Sharding, Spec
 
@@ -196,7 +201,8 @@ def report_data(plan: Plan) -> dict[str, Any]:
         layer.collective_bytes[key] += record.bytes
         layer.collective_seconds[key] += seconds
 
-    overlap = step_overlap(found, list(program.graph.nodes))
+    order = list(program.graph.nodes)
+    overlap = step_overlap(found, order)
     peak = peak_memory(
         program, cluster, found.schedule, optimizer_states=plan.options.optimizer_states
     )
@@ -213,7 +219,7 @@ def report_data(plan: Plan) -> dict[str, Any]:
         "cluster": str(cluster),
         "mesh_shape": list(cluster.mesh_shape),
         "axis_names": list(cluster.axis_names),
-        "estimated_seconds": found.step - cluster.hidden_share * overlap.hidden,
+        "estimated_seconds": estimated_step(found, order, cluster.hidden_share, overlap),
         "hidden_share": cluster.hidden_share,
         "objective_seconds": solution.objective,
         "compute_seconds": compute,

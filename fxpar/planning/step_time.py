@@ -151,15 +151,22 @@ def price_schedule(program: Program, cluster: Cluster) -> PricedSchedule:
     return PricedSchedule(schedule, record_seconds, compute, edge_seconds, exchanges)
 
 
-def estimated_step(priced: PricedSchedule, nodes: list[fx.Node], share: float) -> float:
+def estimated_step(
+    priced: PricedSchedule,
+    nodes: list[fx.Node],
+    share: float,
+    walked: StepOverlap | None = None,
+) -> float:
     """A plan's estimated step (:attr:`fxpar.Plan.estimate`): its schedule priced
     (:attr:`PricedSchedule.step`), less ``share`` of the communication that runs beside
-    compute (:func:`step_overlap`'s hidden part, over ``nodes``, the planned graph's in order).
-    ``share`` is the cluster's :attr:`~fxpar.Cluster.hidden_share`: 0 adds every collective
-    in full, 1 gives the critical path."""
+    compute (:func:`step_overlap`'s hidden part, over ``nodes``, the planned graph's in order;
+    ``walked`` where the caller has walked it already). ``share`` is the cluster's
+    :attr:`~fxpar.Cluster.hidden_share`: 0 adds every collective in full, 1 gives the critical
+    path."""
     if share == 0:
         return priced.step
-    return priced.step - share * step_overlap(priced, nodes).hidden
+    walked = walked or step_overlap(priced, nodes)
+    return priced.step - share * walked.hidden
 
 
 # -- the critical path --------------------------------------------------------------------------
