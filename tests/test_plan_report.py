@@ -82,9 +82,9 @@ def test_report_collectives_and_totals_agree_with_lowering_and_cost_model(
     assert sizes == Counter({k: sum(r.bytes for r in lowered if (r.kind, r.axis) == k)
                              for k in counts})  # fmt: skip
     header = data["header"]
-    # tests/test_cost_model.py checks that the header's time and memory are the solver's.
-    # Lowering reuses conversions that the cost model prices per consumer: never more.
-    assert header["collective_seconds"] <= header["communication_seconds"] * (1 + 1e-9)
+    # tests/test_cost_model.py checks that the header's time and memory are the solver's;
+    # tests/test_cost_formulas.py the lowered collectives' seconds.
+    assert header["collectives"] == len(lowered)
     json.dumps(plan.to_dict())  # plain data all the way down
 
 

@@ -307,13 +307,39 @@ def test_greedy_repairs_memory_by_least_cost_per_byte_saved() -> None:
 
 def test_exhaustive_refuses_problems_with_too_many_plans() -> None:
     """The reference solver stops before enumerating more than max_combinations plans."""
-    problem = IntraOpProblem(((0.0, 1.0),) * 21, ((0.0, 0.0),) * 21)
+    problem = IntraOpProblem(((0.0, 1.0),) * 21, ((0.0, 1.0),) * 21)
     with pytest.raises(ProblemTooLargeError, match=r"2,097,152 plans.*max_combinations=1,000,000"):
         ExhaustiveSolver().solve(problem)
-    small = IntraOpProblem(((0.0, 1.0),) * 3, ((0.0, 0.0),) * 3)
+    small = IntraOpProblem(((0.0, 1.0),) * 3, ((0.0, 1.0),) * 3)
     with pytest.raises(ProblemTooLargeError):
         ExhaustiveSolver(max_combinations=7).solve(small)
     assert ExhaustiveSolver(max_combinations=8).solve(small).choice == (0, 0, 0)
+
+
+def test_exhaustive_chooses_trailing_independent_nodes_on_their_own() -> None:
+    """Trailing nodes that keep one memory and meet none of each other (the planner's
+    auxiliary decisions) are not enumerated: 2^40 plans solve at once, to the plan and
+    objective enumeration of the same problem with its tail shortened gives."""
+    rng = np.random.default_rng(0)
+    head = [tuple(rng.uniform(0, 1, 3)) for _ in range(4)]
+    tail = [(0.0, float(c)) for c in rng.uniform(0, 1, 40)]
+    edges = [Edge(int(rng.integers(0, 4)), 4 + t, tuple(map(tuple, rng.uniform(0, 1, (3, 2)))))
+             for t in range(40)]  # fmt: skip
+    edges.append(Edge(0, 1, tuple(map(tuple, rng.uniform(0, 1, (3, 3))))))
+    memory = [(1.0, 2.0, 3.0)] * 4 + [(0.0, 0.0)] * 40
+    problem = IntraOpProblem(tuple(head + tail), tuple(memory), tuple(edges), memory_limit=9.0)
+    solution = ExhaustiveSolver().solve(problem)
+    assert solution.objective == pytest.approx(ILPSolver().solve(problem).objective, rel=1e-9)
+    # Against plain enumeration, on the problem cut to 12 tail nodes.
+    short = IntraOpProblem(
+        tuple(head + tail[:12]), tuple(memory[:16]),
+        tuple(e for e in edges if e.target < 16), memory_limit=9.0,
+    )  # fmt: skip
+    with mock.patch.object(exhaustive, "_free_tail", lambda p: p.num_nodes):
+        plain = ExhaustiveSolver().solve(short)
+    fast = ExhaustiveSolver(max_combinations=81).solve(short)
+    assert fast.choice == plain.choice
+    assert fast.objective == pytest.approx(plain.objective, rel=1e-12)
 
 
 @settings(max_examples=100, deadline=None)

@@ -57,6 +57,7 @@ from fxpar.planning.cost import (
 )
 from fxpar.planning.grouping import casts_parameter, reread_in_backward
 from fxpar.planning.moe_blocks import ExpertLoad, dispatched_ops, exchange_seconds
+from fxpar.planning.shared_reads import Read, SharedRead, merge, share_reads, shared_on
 from fxpar.rules.registry import tensor_inputs
 from fxpar.sharding import Sharding, Spec, Strategies, Strategy, replicated, spec_str
 from fxpar.sharding.reshard import Code, spec_code
@@ -164,9 +165,15 @@ class Layout:
     representative: list[int]
     """For each unit, the problem node it shares decisions with."""
     stats: dict[str, int]
+    shared_reads: tuple[SharedRead, ...] = ()
+    """The problem's auxiliary decisions, after the units' (:mod:`~fxpar.planning.shared_reads`)."""
 
     def problem_node(self, node: fx.Node) -> int:
         return self.representative[self.unit_of[node]]
+
+    def completed(self, choice: tuple[int, ...]) -> tuple[int, ...]:
+        """A choice of the units' decisions with the auxiliary ones they imply appended."""
+        return (*choice, *(read.converted(choice) for read in self.shared_reads))
 
 
 def candidates(node: fx.Node) -> tuple[Strategy, ...]:
@@ -461,21 +468,26 @@ class _Builder:
         ``choice`` takes at each node."""
         _, node_of_unit, reps = self._decisions()
         names = tuple(self.units[r].root.name for r in reps)
-        if names != problem.names or any(
-            len(self.units[r].allowed) != len(strategies)
-            for r, strategies in zip(reps, problem.strategies, strict=True)
+        aux = problem.kinds[len(reps) :]
+        if (
+            names != problem.names[: len(reps)]
+            or any(kind != SharedRead.KIND for kind in aux)
+            or any(
+                len(self.units[r].allowed) != len(strategies)
+                for r, strategies in zip(reps, problem.strategies, strict=False)
+            )
         ):
             raise FxparError(
                 "the program's problem has other decisions than the plan's: "
                 f"{len(names)} nodes against {problem.num_nodes}"
             )
-        for r, picked, strategies in zip(reps, choice, problem.strategies, strict=True):
+        for r, picked, strategies in zip(reps, choice, problem.strategies, strict=False):
             unit = self.units[r]
             if candidates(unit.root)[unit.allowed[picked]] != strategies[picked]:
                 raise FxparError(
                     f"cannot replay a plan on this program: {unit.root.name} has other candidates"
                 )
-        stats = self._stats(len(reps), len(problem.edges))
+        stats = self._stats(len(reps), len(problem.edges)) | {"shared_reads": len(aux)}
         return Layout(self.units, self.unit_of, node_of_unit, stats)
 
     def build(self) -> tuple[IntraOpProblem, Layout]:
@@ -503,7 +515,18 @@ class _Builder:
                 node_costs[target][s] += weight[u] * costs[s]
                 node_memory[target][s] += weight[u] * memory[s]
         edge_sums: dict[tuple[int, int], npt.NDArray[np.float64]] = {}
+
+        def add_edge(u: int, v: int, matrix: npt.NDArray[np.float64]) -> None:
+            if (u, v) in edge_sums:
+                edge_sums[u, v] += matrix
+            else:
+                edge_sums[u, v] = matrix.copy()
+
         matrix_cache: dict[tuple[object, ...], npt.NDArray[np.float64]] = {}
+        # Reads of a value that converts once for all its readers (shared_reads), with the
+        # layout each strategy of the reader requires, by the value read.
+        required_cache: dict[tuple[object, ...], tuple[int, ...] | None] = {}
+        reads: dict[fx.Node, tuple[int, list[Read]]] = {}
         for source, consumer_unit, spec_of_choice, meta, key in self._dependencies(representative):
             v = node_of_unit[consumer_unit]
             if self._source(source)[0] not in self.unit_of:
@@ -525,6 +548,14 @@ class _Builder:
                 matrix_cache[key] = self._reshard_matrix(produced, required, meta, price)
                 if key[0] == "gradient" and self.options.gradient_share != 1:
                     matrix_cache[key] = matrix_cache[key] * self.options.gradient_share
+                # A parameter converts again in each phase, and the step's results once each.
+                shared = price == "" and not parameter and key[0] not in ("output", "gradient")
+                required_cache[key] = tuple(map(self._spec_id, required)) if shared else None
+            wanted = required_cache[key] if shared_on(self.cluster.mesh_shape) else None
+            if wanted is not None and u != v:
+                group = reads.setdefault(source, (u, []))[1]
+                group.append(Read(v, matrix_cache[key], wanted, weight[consumer_unit]))
+                continue
             matrix = matrix_cache[key]
             if weight[consumer_unit] != 1:
                 matrix = weight[consumer_unit] * matrix
@@ -532,10 +563,17 @@ class _Builder:
                 for s in range(sizes[u]):
                     node_costs[u][s] += float(matrix[s, s])
                 continue
-            if (u, v) in edge_sums:
-                edge_sums[u, v] += matrix
-            else:
-                edge_sums[u, v] = matrix.copy()
+            add_edge(u, v, matrix)
+        shared_reads: list[SharedRead] = []
+        for source, (u, found) in reads.items():
+            matrices, decisions = share_reads(u, found, source.name)
+            for read, matrix in zip(found, matrices, strict=True):
+                add_edge(u, read.reader, matrix if read.weight == 1 else read.weight * matrix)
+            shared_reads += decisions
+        shared_reads = merge(shared_reads)
+        for index, decision in enumerate(shared_reads):
+            for a, b, matrix in decision.edges(count + index, sizes):
+                add_edge(a, b, matrix)
         loss = _results(self.program)[0]
         loss_unit = node_of_unit[self.unit_of[self._source(loss)[0]]]
         loss_meta = ir.require(loss, ir.ValueMeta).tensor
@@ -549,21 +587,28 @@ class _Builder:
             if matrix.any()
         )
         memory_limit = self.options.memory_limit
+        aux = len(shared_reads)
         problem = IntraOpProblem(
-            node_costs=tuple(tuple(c) for c in node_costs),
-            node_memory=tuple(tuple(m) for m in node_memory),
+            node_costs=(*(tuple(c) for c in node_costs), *((0.0, 0.0),) * aux),
+            node_memory=(*(tuple(m) for m in node_memory), *((0.0, 0.0),) * aux),
             edges=edges,
             memory_limit=self.cluster.memory if memory_limit is None else memory_limit,
-            names=tuple(self.units[r].root.name for r in reps),
-            strategies=tuple(
-                tuple(candidates(self.units[r].root)[c] for c in self.units[r].allowed)
-                for r in reps
+            names=(
+                *(self.units[r].root.name for r in reps),
+                *(f"{read.name} converted once" for read in shared_reads),
             ),
-            kinds=tuple(self._kind(self.units[r].root) for r in reps),
+            strategies=(
+                *(
+                    tuple(candidates(self.units[r].root)[c] for c in self.units[r].allowed)
+                    for r in reps
+                ),
+                *((SharedRead.STRATEGIES,) * aux),
+            ),
+            kinds=(*(self._kind(self.units[r].root) for r in reps), *(SharedRead.KIND,) * aux),
             mesh_shape=self.cluster.mesh_shape,
         )
-        stats = self._stats(count, len(edges))
-        layout = Layout(self.units, self.unit_of, node_of_unit, stats)
+        stats = self._stats(count, len(edges)) | {"shared_reads": aux}
+        layout = Layout(self.units, self.unit_of, node_of_unit, stats, tuple(shared_reads))
         return problem, layout
 
     def _unit_costs(
@@ -731,4 +776,4 @@ def assignment_of(program: Program, layout: Layout) -> tuple[int, ...] | None:
         node = layout.representative[u]
         if choice.setdefault(node, options[0]) not in options:
             return None
-    return tuple(choice[i] for i in range(len(choice)))
+    return layout.completed(tuple(choice[i] for i in range(len(choice))))

@@ -53,6 +53,7 @@ from fxpar.planning.collective_schedule import (
 )
 from fxpar.planning.grouping import casts_parameter, reread_in_backward
 from fxpar.planning.moe_blocks import ExpertLoad, dispatched_ops, exchange_seconds
+from fxpar.planning.shared_reads import shared_on
 from fxpar.rules.registry import tensor_inputs
 from fxpar.sharding import Sharding, Spec
 
@@ -113,6 +114,8 @@ def price_schedule(program: Program, cluster: Cluster) -> PricedSchedule:
     exchanges = exchange_seconds(program.graph, cluster, load=load)
     loaded = dispatched_ops(program.graph) if load != 1 else set()
     edge_seconds = sum(exchanges.values())
+    converted: set[tuple[fx.Node, Spec]] = set()
+    shared = shared_on(mesh)
     for node in program.graph.nodes:
         if node.op == "output":
             results = node.args[0]
@@ -143,6 +146,10 @@ def price_schedule(program: Program, cluster: Cluster) -> PricedSchedule:
             parameter = source.op == "placeholder" or casts_parameter(source)
             regathered = parameter and reread_in_backward(node)
             price = cost.regathered_seconds if regathered else cost.reshard_seconds
+            if not parameter and shared:  # converted once for all its readers
+                if (source, want) in converted:
+                    continue
+                converted.add((source, want))
             edge_seconds += price(current, want, meta, cluster)
         work = ir.get(node, ir.Cost)
         if work is not None:
