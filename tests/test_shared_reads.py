@@ -36,7 +36,7 @@ SLOW = Cluster(
 
 def _plans(shared: bool) -> tuple[fxpar.Plan, fxpar.Plan]:
     model, x, y = _classifier()
-    with mock.patch.object(problem_module, "shared_on", lambda mesh: shared):
+    with mock.patch.object(problem_module, "shared_on", lambda *_: shared):
         return tuple(  # type: ignore[return-value]
             fxpar.plan(
                 model,

@@ -167,6 +167,9 @@ class Layout:
     stats: dict[str, int]
     shared_reads: tuple[SharedRead, ...] = ()
     """The problem's auxiliary decisions, after the units' (:mod:`~fxpar.planning.shared_reads`)."""
+    shares: bool = False
+    """Whether the problem prices a conversion its readers share once
+    (:func:`~fxpar.planning.shared_reads.shared_on`)."""
 
     def problem_node(self, node: fx.Node) -> int:
         return self.representative[self.unit_of[node]]
@@ -488,7 +491,7 @@ class _Builder:
                     f"cannot replay a plan on this program: {unit.root.name} has other candidates"
                 )
         stats = self._stats(len(reps), len(problem.edges)) | {"shared_reads": len(aux)}
-        return Layout(self.units, self.unit_of, node_of_unit, stats)
+        return Layout(self.units, self.unit_of, node_of_unit, stats, shares=bool(aux))
 
     def build(self) -> tuple[IntraOpProblem, Layout]:
         representative, node_of_unit, reps = self._decisions()
@@ -523,6 +526,9 @@ class _Builder:
                 edge_sums[u, v] = matrix.copy()
 
         matrix_cache: dict[tuple[object, ...], npt.NDArray[np.float64]] = {}
+        limit = self.options.memory_limit
+        limit = self.cluster.memory if limit is None else limit
+        shares = shared_on(self.cluster.mesh_shape, sum(map(max, node_memory)), limit)
         # Reads of a value that converts once for all its readers (shared_reads), with the
         # layout each strategy of the reader requires, by the value read.
         required_cache: dict[tuple[object, ...], tuple[int, ...] | None] = {}
@@ -551,7 +557,7 @@ class _Builder:
                 # A parameter converts again in each phase, and the step's results once each.
                 shared = price == "" and not parameter and key[0] not in ("output", "gradient")
                 required_cache[key] = tuple(map(self._spec_id, required)) if shared else None
-            wanted = required_cache[key] if shared_on(self.cluster.mesh_shape) else None
+            wanted = required_cache[key] if shares else None
             if wanted is not None and u != v:
                 group = reads.setdefault(source, (u, []))[1]
                 group.append(Read(v, matrix_cache[key], wanted, weight[consumer_unit]))
@@ -608,7 +614,7 @@ class _Builder:
             mesh_shape=self.cluster.mesh_shape,
         )
         stats = self._stats(count, len(edges)) | {"shared_reads": aux}
-        layout = Layout(self.units, self.unit_of, node_of_unit, stats, tuple(shared_reads))
+        layout = Layout(self.units, self.unit_of, node_of_unit, stats, tuple(shared_reads), shares)
         return problem, layout
 
     def _unit_costs(

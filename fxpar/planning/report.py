@@ -135,7 +135,7 @@ def report_data(plan: Plan) -> dict[str, Any]:
     order), ``devices`` (memory per rank) and ``no_rule`` (ops without a sharding rule, which
     run replicated, with their node counts). Every number is per device."""
     program, cluster = plan.program, plan.cluster
-    found = price_schedule(program, cluster)
+    found = price_schedule(program, cluster, shared=plan.layout.shares)
     names = {node: name for name, node in program.placeholders().items()}
     inputs = set(program.signature.inputs)
     # Random inputs sit in the layer of the module that draws them, counted like activations.

@@ -46,13 +46,17 @@ from fxpar.sharding import Strategy
 Matrix = npt.NDArray[np.float64]
 
 
-def shared_on(mesh_shape: Sequence[int]) -> bool:
-    """Whether the problem of a mesh of this shape prices shared conversions once: on one mesh
-    axis. With more axes a value has many more layouts, one auxiliary decision each, and HiGHS
-    no longer proves the optimum in its time (Llama-8B on (2, 4): 60 s and an 88% gap, against
-    2 s without them); there every reader pays, as :func:`fxpar.planning.step_time.price_schedule`
-    prices it too."""
-    return len(mesh_shape) == 1
+def shared_on(
+    mesh_shape: Sequence[int], hungriest: float = 0.0, limit: float | None = None
+) -> bool:
+    """Whether a problem prices shared conversions once: on one mesh axis, where its hungriest
+    plan (``hungriest`` bytes per device) fits in ``limit``. With more axes a value has many more
+    layouts, one auxiliary decision each, and HiGHS no longer proves the optimum in its time
+    (Llama-8B on (2, 4): 60 s and an 88% gap, against 2 s without them); where memory binds,
+    the branch and bound over memory levels (:mod:`fxpar.solvers.ilp_search`) explores many
+    more nodes (Llama-70B's stage meshes: ``benchmarks/alpa.py 70b-16`` planned in 65 s
+    against 14). There every reader pays."""
+    return len(mesh_shape) == 1 and (limit is None or hungriest <= limit)
 
 
 @dataclass(frozen=True)

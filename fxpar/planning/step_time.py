@@ -53,7 +53,6 @@ from fxpar.planning.collective_schedule import (
 )
 from fxpar.planning.grouping import casts_parameter, reread_in_backward
 from fxpar.planning.moe_blocks import ExpertLoad, dispatched_ops, exchange_seconds
-from fxpar.planning.shared_reads import shared_on
 from fxpar.rules.registry import tensor_inputs
 from fxpar.sharding import Sharding, Spec
 
@@ -97,8 +96,10 @@ class PricedSchedule:
         return self.schedule.specs
 
 
-def price_schedule(program: Program, cluster: Cluster) -> PricedSchedule:
-    """The collective schedule of ``program``'s chosen strategies on ``cluster``, priced."""
+def price_schedule(program: Program, cluster: Cluster, shared: bool = False) -> PricedSchedule:
+    """The collective schedule of ``program``'s chosen strategies on ``cluster``, priced;
+    ``shared``: a conversion several consumers share is priced once in ``edge_seconds``, as the
+    problem of the plan priced it (:attr:`fxpar.planning.problem.Layout.shares`)."""
     mesh = cluster.mesh_shape
     schedule = schedule_program(program, mesh)
     record_seconds = tuple(
@@ -115,7 +116,6 @@ def price_schedule(program: Program, cluster: Cluster) -> PricedSchedule:
     loaded = dispatched_ops(program.graph) if load != 1 else set()
     edge_seconds = sum(exchanges.values())
     converted: set[tuple[fx.Node, Spec]] = set()
-    shared = shared_on(mesh)
     for node in program.graph.nodes:
         if node.op == "output":
             results = node.args[0]
