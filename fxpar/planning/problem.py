@@ -526,9 +526,9 @@ class _Builder:
                 edge_sums[u, v] = matrix.copy()
 
         matrix_cache: dict[tuple[object, ...], npt.NDArray[np.float64]] = {}
-        limit = self.options.memory_limit
-        limit = self.cluster.memory if limit is None else limit
-        shares = shared_on(self.cluster.mesh_shape, sum(map(max, node_memory)), limit)
+        # By the device's memory, not a limit of the options: a plan is priced the same
+        # under any limit the planner tries on one cluster.
+        shares = shared_on(self.cluster.mesh_shape, sum(map(max, node_memory)), self.cluster.memory)
         # Reads of a value that converts once for all its readers (shared_reads), with the
         # layout each strategy of the reader requires, by the value read.
         required_cache: dict[tuple[object, ...], tuple[int, ...] | None] = {}

@@ -50,12 +50,12 @@ def shared_on(
     mesh_shape: Sequence[int], hungriest: float = 0.0, limit: float | None = None
 ) -> bool:
     """Whether a problem prices shared conversions once: on one mesh axis, where its hungriest
-    plan (``hungriest`` bytes per device) fits in ``limit``. With more axes a value has many more
-    layouts, one auxiliary decision each, and HiGHS no longer proves the optimum in its time
-    (Llama-8B on (2, 4): 60 s and an 88% gap, against 2 s without them); where memory binds,
-    the branch and bound over memory levels (:mod:`fxpar.solvers.ilp_search`) explores many
-    more nodes (Llama-70B's stage meshes: ``benchmarks/alpa.py 70b-16`` planned in 65 s
-    against 14). There every reader pays."""
+    plan (``hungriest`` bytes per device) fits in ``limit`` (the device's memory). With more
+    axes a value has many more layouts, one auxiliary decision each, and HiGHS no longer
+    proves the optimum in its time (Llama-8B on (2, 4): 60 s and an 88% gap, against 2 s
+    without them); where memory binds, the branch and bound over memory levels
+    (:mod:`fxpar.solvers.ilp_search`) explores many more nodes (Llama-70B's stage meshes:
+    ``benchmarks/alpa.py 70b-16`` planned in 65 s against 14). There every reader pays."""
     return len(mesh_shape) == 1 and (limit is None or hungriest <= limit)
 
 
