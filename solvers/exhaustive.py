@@ -47,7 +47,8 @@ class ExhaustiveSolver:
     def solve(self, problem: IntraOpProblem) -> IntraOpSolution:
         start = time.perf_counter()
         counts = [len(costs) for costs in problem.node_costs]
-        combinations = math.prod(counts[: _free_tail(problem)])
+        free = _free_tail(problem)
+        combinations = math.prod(counts[:free])
         if combinations > self.max_combinations:
             raise ProblemTooLargeError(
                 f"exhaustive search would try {combinations:,} plans ({problem.num_nodes} nodes "
@@ -55,7 +56,7 @@ class ExhaustiveSolver:
                 f"max_combinations={self.max_combinations:,}; solve it with ILPSolver, or raise "
                 f"max_combinations if you can wait"
             )
-        best = _search(problem, counts)
+        best = _search(problem, counts, free)
         if best is None:
             raise InfeasiblePlanError.for_problem(problem)
         return IntraOpSolution(
@@ -68,11 +69,11 @@ class ExhaustiveSolver:
         )
 
 
-def _search(problem: IntraOpProblem, counts: list[int]) -> tuple[int, ...] | None:
-    """The lexicographically smallest cheapest plan that fits, or None if none fits."""
-    costs = [np.asarray(c, dtype=np.float64) for c in problem.node_costs]
+def _search(problem: IntraOpProblem, counts: list[int], free: int) -> tuple[int, ...] | None:
+    """The lexicographically smallest cheapest plan that fits, or None if none fits; nodes from
+    ``free`` on are chosen on their own (:func:`_free_tail`)."""
+    costs = [np.asarray(c, dtype=np.float64) for c in problem.node_costs[:free]]
     memory = [np.asarray(m, dtype=np.float64) for m in problem.node_memory]
-    free = _free_tail(problem)
     edges = [
         (e.source, e.target, np.asarray(e.costs, dtype=np.float64))
         for e in problem.edges
@@ -85,7 +86,7 @@ def _search(problem: IntraOpProblem, counts: list[int]) -> tuple[int, ...] | Non
     best_objective = math.inf
     for prefix in itertools.product(*(range(count) for count in counts[:split])):
         index: list[_Index] = [*prefix, *block_index]
-        node_total = sum((c[i] for c, i in zip(costs, index, strict=False)), np.float64(0.0))
+        node_total = sum((c[i] for c, i in zip(costs, index, strict=True)), np.float64(0.0))
         edge_total = sum((matrix[index[u], index[v]] for u, v, matrix in edges), np.float64(0.0))
         objective = np.broadcast_to(node_total + edge_total, block_shape).ravel()
         picked = _cheapest_free(problem, index, free, block_shape)
@@ -93,7 +94,7 @@ def _search(problem: IntraOpProblem, counts: list[int]) -> tuple[int, ...] | Non
             objective = objective + extra
         fits = np.ones(objective.shape, dtype=bool)
         if problem.memory_limit is not None:
-            used = sum((m[i] for m, i in zip(memory, index, strict=False)), np.float64(0.0))
+            used = sum((m[i] for m, i in zip(memory[:free], index, strict=True)), np.float64(0.0))
             used = used + sum(float(m[0]) for m in memory[free:])
             fits = np.broadcast_to(used <= problem.memory_limit, block_shape).ravel()
         candidates = np.flatnonzero(fits)

@@ -31,7 +31,7 @@ from __future__ import annotations
 import fnmatch
 import operator
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -491,7 +491,15 @@ class _Builder:
                     f"cannot replay a plan on this program: {unit.root.name} has other candidates"
                 )
         stats = self._stats(len(reps), len(problem.edges)) | {"shared_reads": len(aux)}
-        return Layout(self.units, self.unit_of, node_of_unit, stats, shares=bool(aux))
+        shares = self._shares(problem.node_memory)
+        return Layout(self.units, self.unit_of, node_of_unit, stats, shares=shares)
+
+    def _shares(self, node_memory: Sequence[Sequence[float]]) -> bool:
+        """Whether the problem prices a conversion its readers share once: by the device's
+        memory, not a limit of the options, so that a plan is priced the same under any limit
+        the planner tries on one cluster (:func:`shared_reads.shared_on`)."""
+        hungriest = sum(map(max, node_memory))
+        return shared_on(self.cluster.mesh_shape, hungriest, self.cluster.memory)
 
     def build(self) -> tuple[IntraOpProblem, Layout]:
         representative, node_of_unit, reps = self._decisions()
@@ -526,9 +534,7 @@ class _Builder:
                 edge_sums[u, v] = matrix.copy()
 
         matrix_cache: dict[tuple[object, ...], npt.NDArray[np.float64]] = {}
-        # By the device's memory, not a limit of the options: a plan is priced the same
-        # under any limit the planner tries on one cluster.
-        shares = shared_on(self.cluster.mesh_shape, sum(map(max, node_memory)), self.cluster.memory)
+        shares = self._shares(node_memory)
         # Reads of a value that converts once for all its readers (shared_reads), with the
         # layout each strategy of the reader requires, by the value read.
         required_cache: dict[tuple[object, ...], tuple[int, ...] | None] = {}
@@ -555,9 +561,10 @@ class _Builder:
                 if key[0] == "gradient" and self.options.gradient_share != 1:
                     matrix_cache[key] = matrix_cache[key] * self.options.gradient_share
                 # A parameter converts again in each phase, and the step's results once each.
-                shared = price == "" and not parameter and key[0] not in ("output", "gradient")
+                shared = shares and price == "" and not parameter
+                shared = shared and key[0] not in ("output", "gradient")
                 required_cache[key] = tuple(map(self._spec_id, required)) if shared else None
-            wanted = required_cache[key] if shares else None
+            wanted = required_cache[key]
             if wanted is not None and u != v:
                 group = reads.setdefault(source, (u, []))[1]
                 group.append(Read(v, matrix_cache[key], wanted, weight[consumer_unit]))
