@@ -31,6 +31,7 @@ from fxpar.runtime.calibration import (
     _typical_seconds,
     fit,
     measure,
+    retime_lineless,
     wait_seconds,
 )
 from fxpar.runtime.launch import spawn
@@ -277,9 +278,38 @@ def test_fit_refuses_times_no_line_of_positive_latency_and_bandwidth_passes_thro
         fit(GIVEN, timings)
 
 
+def test_a_kind_of_collective_with_no_line_through_its_points_is_timed_again() -> None:
+    """A noisy stretch made the one-element all-gather slower than the large one: both
+    all-gather points (and nothing else) are timed again, and calibration fits the second
+    timing; where every attempt is noisy, fit names the points."""
+    options = CalibrationOptions()
+    quiet = _timings_of(GIVEN, options)
+    noisy = list(quiet)
+    gathers = [i for i, t in enumerate(quiet) if t.operation == ALL_GATHER]
+    noisy[gathers[0]] = dataclasses.replace(quiet[gathers[0]], seconds=quiet[gathers[1]].seconds)
+    asked: list[list[Timing]] = []
+
+    def time_again(planned: list[Timing]) -> list[Timing]:
+        asked.append(list(planned))
+        return [quiet[noisy.index(timing)] for timing in planned]
+
+    timings = retime_lineless(GIVEN, noisy, time_again, attempts=3)
+    assert asked == [[noisy[i] for i in gathers]]
+    assert timings == quiet
+    assert fit(GIVEN, timings) == fit(GIVEN, quiet)
+
+    asked.clear()
+    still = retime_lineless(GIVEN, noisy, lambda planned: asked.append(planned) or planned, 3)
+    assert len(asked) == 2 and still == noisy
+    with pytest.raises(FxparError, match=r"all-gathers of \d+ and \d+ bytes took"):
+        fit(GIVEN, still)
+    assert retime_lineless(GIVEN, noisy, time_again, attempts=1) == noisy  # one timing only
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
+        ({"attempts": 0}, "attempts must be >= 1"),
         ({"check_bytes": 8 * 2**20}, "must be below large_bytes"),
         ({"copy_bytes": 2}, "copy_bytes=2 holds not even one"),
         ({"repeats": 0}, "repeats >= 1"),

@@ -49,8 +49,10 @@ run after a barrier of its own process group (the wait's all-reduce after comput
 work runs back to back, every rank at once, as in a step (:func:`_typical_seconds` says why). A
 rank keeps the lower quartile of a collective's times (:attr:`CalibrationOptions.quantile`), the
 mean of the wait's and the mean of its local work's, and the slowest rank's (one all-reduce MAX)
-is the time every rank fits: every rank returns the same Cluster. With the defaults
-calibration takes a few seconds on local CPU processes.
+is the time every rank fits: every rank returns the same Cluster. A kind of collective whose
+small run came out no faster than its large one (a noisy stretch) is timed again, up to
+:attr:`CalibrationOptions.attempts` times. With the defaults calibration takes a few seconds on
+local CPU processes.
 
 Why a function and not a ``Cluster`` method: :mod:`fxpar.cluster` is a leaf that the cost model
 imports, and calibration needs the cost model's formulas (so that the fitted numbers give back
@@ -127,6 +129,10 @@ class CalibrationOptions:
     overlap: bool = True
     """Also measure how much of an all-reduce compute running beside it hides (the module
     docstring), and set the cluster's :attr:`~fxpar.cluster.Cluster.overlap` to it."""
+    attempts: int = 3
+    """How many times a collective's points are timed at most: where no line of a positive
+    latency and bandwidth goes through them (a noisy stretch made the small one slower than
+    the large), they are timed again (:func:`retime_lineless`)."""
     quantile: float = 0.25
     """Which of a rank's ``repeats`` times of a collective started after a barrier it keeps
     (the runs after compute keep their mean, the wait a step pays): 0.5 the median, 0 the
@@ -172,6 +178,8 @@ class CalibrationOptions:
                 f"need matmul_size >= 1, warmup >= 0 and repeats >= 1, got {self.matmul_size}, "
                 f"{self.warmup} and {self.repeats}"
             )
+        if self.attempts < 1:
+            raise FxparError(f"attempts must be >= 1, got {self.attempts}")
         if self.compute_before < 0:
             raise FxparError(f"compute_before must be >= 0, got {self.compute_before}")
         if not 0 <= self.quantile <= 1:
@@ -324,22 +332,28 @@ def measure(
             f"{cluster.mesh_shape}: pass cluster.device_mesh(), or none"
         )
     start = time.perf_counter()
-    planned = _planned_timings(cluster, options)
     communicator = ProcessGroupCommunicator(device_mesh)
-    kept = []
-    for timing in planned:
-        group = None if timing.axis is None else device_mesh.get_group(timing.axis)
-        if timing.operation in OWN_LINKS:
-            run = _collective_runner(timing, communicator, group, options, device)
-        else:
-            run = _runner(timing, group, options, device)
-        kept.append(_typical_seconds(run, group, options, device, timing.after_compute))
-    slowest = torch.tensor(kept, dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+
+    def time_each(planned: Sequence[Timing]) -> list[Timing]:
+        kept = []
+        for timing in planned:
+            group = None if timing.axis is None else device_mesh.get_group(timing.axis)
+            if timing.operation in OWN_LINKS:
+                run = _collective_runner(timing, communicator, group, options, device)
+            else:
+                run = _runner(timing, group, options, device)
+            kept.append(_typical_seconds(run, group, options, device, timing.after_compute))
+        slowest = torch.tensor(kept, dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        return [
+            replace(timing, seconds=seconds)
+            for timing, seconds in zip(planned, slowest.tolist(), strict=True)
+        ]
+
     timings = tuple(
-        replace(timing, seconds=seconds)
-        for timing, seconds in zip(planned, slowest.tolist(), strict=True)
-    )
+        retime_lineless(cluster, time_each(_planned_timings(cluster, options)), time_each,
+                        options.attempts)
+    )  # fmt: skip
     fitted = fit(cluster, timings)
     if options.overlap:
         share = _overlap(fitted, device_mesh, communicator, options, device, timings)
@@ -508,14 +522,20 @@ def fit(cluster: Cluster, timings: Sequence[Timing]) -> Cluster:
         on_axis = [t for t in timings if t.axis == axis]
         wait = _wait(on_axis)
         for kind in (ALL_REDUCE, *OWN_LINKS):
-            points = sorted(
-                (t.nbytes, t.seconds)
-                for t in on_axis
-                if t.operation == kind and t.fitted and not t.after_compute
-            )
+            points = sorted((t.nbytes, t.seconds) for t in on_axis if _fits(t, kind))
             if not points:
                 continue
-            alpha, beta = _line(cluster, kind, axis, devices, points[0], points[-1])
+            line = _line(kind, devices, points[0], points[-1])
+            if line is None:
+                (small_bytes, small_s), (large_bytes, large_s) = points[0], points[-1]
+                raise FxparError(
+                    f"on mesh axis {cluster.axis_names[axis]}, {kind.replace('_', '-')}s of "
+                    f"{small_bytes} and {large_bytes} bytes took {small_s * 1e6:.0f} and "
+                    f"{large_s * 1e6:.0f} us: no line of a positive latency and bandwidth goes "
+                    "through both (the machine is too noisy for these sizes); calibrate again "
+                    "with a larger CalibrationOptions.large_bytes or more attempts"
+                )
+            alpha, beta = line
             if kind == ALL_REDUCE:
                 latency[axis], bandwidth[axis] = alpha + wait, beta
             else:
@@ -559,29 +579,65 @@ def _wait(on_axis: Sequence[Timing]) -> float:
     return max(timed.seconds - min(barrier), 0.0)
 
 
+def _fits(timing: Timing, kind: str) -> bool:
+    """Whether ``timing`` is a point of the line fitted to ``kind`` on its axis."""
+    return timing.operation == kind and timing.fitted and not timing.after_compute
+
+
 def _line(
-    cluster: Cluster,
-    kind: str,
-    axis: int,
-    devices: int,
-    small: tuple[int, float],
-    large: tuple[int, float],
-) -> tuple[float, float]:
+    kind: str, devices: int, small: tuple[int, float], large: tuple[int, float]
+) -> tuple[float, float] | None:
     """The latency and bandwidth of the line of :func:`~fxpar.planning.cost.collective_seconds`
-    through a small and a large collective's (bytes, seconds)."""
+    through a small and a large collective's (bytes, seconds); None where no line of a positive
+    latency and bandwidth goes through both."""
     (small_bytes, small_s), (large_bytes, large_s) = small, large
+    if large_s <= small_s:
+        return None
     share = collective_share(kind, devices)  # bytes moved per local byte
-    if large_s > small_s:
-        bandwidth = share * (large_bytes - small_bytes) / (large_s - small_s)
-        latency = small_s - share * small_bytes / bandwidth
-        if latency > 0:
-            return latency, bandwidth
-    raise FxparError(
-        f"on mesh axis {cluster.axis_names[axis]}, {kind.replace('_', '-')}s of {small_bytes} "
-        f"and {large_bytes} bytes took {small_s * 1e6:.0f} and {large_s * 1e6:.0f} us: no line "
-        "of a positive latency and bandwidth goes through both (the machine is too noisy for "
-        "these sizes); calibrate again with a larger CalibrationOptions.large_bytes"
-    )
+    bandwidth = share * (large_bytes - small_bytes) / (large_s - small_s)
+    latency = small_s - share * small_bytes / bandwidth
+    return (latency, bandwidth) if latency > 0 else None
+
+
+def retime_lineless(
+    cluster: Cluster,
+    timings: Sequence[Timing],
+    time_again: Callable[[Sequence[Timing]], Sequence[Timing]],
+    attempts: int,
+) -> list[Timing]:
+    """``timings`` with the points of every line :func:`fit` would find none through timed
+    again by ``time_again`` (all of a kind's points on an axis at once), until each such line
+    exists or ``attempts`` timings in all were made.
+
+    On a machine running more processes than it has cores, a stretch in which most runs of the
+    one-element collective wait a scheduler slice for a peer makes it slower than the large one;
+    the next stretch is usually quiet. Every rank sees the same (slowest rank's) times, so all
+    of them time the same points again."""
+    timings = list(timings)
+    for _ in range(attempts - 1):
+        lineless = _lineless(cluster, timings)
+        if not lineless:
+            break
+        logger.warning("calibration: no line through %d collective times; timing them again",
+                       len(lineless))  # fmt: skip
+        again = time_again([timings[i] for i in lineless])
+        for i, timing in zip(lineless, again, strict=True):
+            timings[i] = timing
+    return timings
+
+
+def _lineless(cluster: Cluster, timings: Sequence[Timing]) -> list[int]:
+    """The indices of the points of every (axis, kind) line :func:`fit` finds none through."""
+    lineless = []
+    for axis, devices in enumerate(cluster.mesh_shape):
+        for kind in (ALL_REDUCE, *OWN_LINKS):
+            indices = [i for i, t in enumerate(timings) if t.axis == axis and _fits(t, kind)]
+            if not indices:
+                continue
+            points = sorted((timings[i].nbytes, timings[i].seconds) for i in indices)
+            if _line(kind, devices, points[0], points[-1]) is None:
+                lineless.extend(indices)
+    return sorted(lineless)
 
 
 def _planned_timings(cluster: Cluster, options: CalibrationOptions) -> list[Timing]:
