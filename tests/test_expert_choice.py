@@ -98,18 +98,22 @@ def _assert_like_eager(model: nn.Module, plan: fxpar.Plan) -> None:
 
 
 class Counting:
-    """The ILP, counting the problems it is asked to solve; ``refuse``: the calls (from 1)
-    answered by InfeasiblePlanError instead."""
+    """The ILP, counting the problems it is asked to solve; ``refuse``: the problems (numbered
+    from 1 in the order first asked; one asked again, with starts, keeps its number) answered
+    by InfeasiblePlanError instead."""
 
     name = "ilp"
 
     def __init__(self, refuse: tuple[int, ...] = ()) -> None:
         self.calls = 0
         self.refuse = refuse
+        self.problems: list[IntraOpProblem] = []
 
     def solve(self, problem: IntraOpProblem) -> IntraOpSolution:
         self.calls += 1
-        if self.calls in self.refuse:
+        if problem not in self.problems:
+            self.problems.append(problem)
+        if self.problems.index(problem) + 1 in self.refuse:
             raise InfeasiblePlanError("refused", least_memory=2.0, memory_limit=1.0)
         return ILPSolver().solve(problem)
 
