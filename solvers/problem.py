@@ -14,8 +14,9 @@ What each choice stands for is plain data too, so a solver can also be a policy 
 shard ("never split a parameter", "experts on their own axis"): ``strategies[v][s]`` is the
 :class:`~fxpar.sharding.Strategy` (input and output specs, one torch placement per mesh axis)
 that strategy ``s`` of node ``v`` gives the node deciding for it, and ``kinds[v]`` says what that
-node is: ``"parameter"``, ``"buffer"``, ``"input"``, ``"random"``, or its ATen op
-(``"aten.mm.default"``). Problems written by hand may leave both empty.
+node is: ``"parameter"``, ``"buffer"``, ``"input"``, ``"random"``, its ATen op
+(``"aten.mm.default"``), or :data:`SHARED_READ` for an auxiliary decision of two choices that
+stands for no node. Problems written by hand may leave both empty.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ import numpy as np
 import numpy.typing as npt
 
 from fxpar.sharding import Strategy
+
+SHARED_READ = "shared read"
+"""The kind of an auxiliary decision: whether a value several readers need in one layout is
+converted once for them all (:mod:`fxpar.planning.shared_reads`)."""
 
 Status = Literal["optimal", "feasible", "time_limit", "infeasible"]
 

@@ -42,6 +42,7 @@ import numpy as np
 import numpy.typing as npt
 
 from fxpar.sharding import Strategy
+from fxpar.solvers.problem import SHARED_READ
 
 Matrix = npt.NDArray[np.float64]
 
@@ -88,7 +89,7 @@ class SharedRead:
     name: str = field(default="", compare=False)
     """The value's graph node, for messages."""
 
-    KIND: ClassVar[str] = "shared read"
+    KIND: ClassVar[str] = SHARED_READ
     """The decision's :attr:`~fxpar.solvers.problem.IntraOpProblem.kinds` entry."""
     STRATEGIES: ClassVar[tuple[Strategy, Strategy]] = (Strategy((None,), ()), Strategy((None,), ()))
     """What its two choices stand for: no layout of a graph node's (a solver reading
