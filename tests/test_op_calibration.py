@@ -123,14 +123,18 @@ def test_time_ops_times_every_aten_call_in_place_and_the_times_add_up_to_a_step(
     products = [seconds[n.name] for n in calls if str(n.target.overloadpacket) == "aten.mm"]
     views = [seconds[n.name] for n in calls if str(n.target.overloadpacket) == "aten.view"]
     assert statistics.median(products) > statistics.median(views)
-    # The clock readings cover the whole step: the calls' times add up to about a step's.
+    # The clock readings cover the whole step: the calls' times add up to about a step's,
+    # against the fastest of a few steps: on a busy machine a step may wait scheduler slices
+    # (milliseconds) that the calls' medians leave out (one mean of three steps was 3.5x
+    # their sum).
     with torch.no_grad():
         program.graph_module(*inputs)
-        start = time.perf_counter()
-        for _ in range(3):
+        steps = []
+        for _ in range(7):
+            start = time.perf_counter()
             program.graph_module(*inputs)
-        step = (time.perf_counter() - start) / 3
-    assert 0.3 * step < sum(seconds.values()) < 3 * step
+            steps.append(time.perf_counter() - start)
+    assert 0.3 * min(steps) < sum(seconds.values()) < 3 * min(steps)
 
 
 class _Scaled(torch.nn.Module):
