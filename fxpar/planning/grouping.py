@@ -141,6 +141,14 @@ def gather_sources(
     return sources
 
 
+def holds_parameter(node: fx.Node) -> bool:
+    """Whether ``node``'s value is gathered as a parameter: a placeholder, or mixed
+    precision's cast of one (:func:`casts_parameter`). Such a value a forward view reads for
+    the backward too is gathered again there (:func:`reread_in_backward`), and it is never a
+    conversion several readers share (:mod:`fxpar.planning.shared_reads`)."""
+    return node.op == "placeholder" or casts_parameter(node)
+
+
 def casts_parameter(node: fx.Node) -> bool:
     """Whether ``node`` is mixed precision's cast of a placeholder to the compute dtype."""
     cast = ir.get(node, ir.PrecisionCast) if node.op == "call_function" else None

@@ -55,7 +55,7 @@ from fxpar.planning.cost import (
     saved_bytes,
     saved_outputs,
 )
-from fxpar.planning.grouping import casts_parameter, reread_in_backward
+from fxpar.planning.grouping import holds_parameter, reread_in_backward
 from fxpar.planning.moe_blocks import ExpertLoad, dispatched_ops, exchange_seconds
 from fxpar.planning.shared_reads import Read, SharedRead, merge, share_reads, shared_on
 from fxpar.rules.registry import tensor_inputs
@@ -554,7 +554,7 @@ class _Builder:
                 produced = [self.out_spec(source, s) for s in range(sizes[u])]
                 required = [spec_of_choice(t) for t in range(sizes[v])]
                 price: Price = "output" if key[0] in ("output", "gradient") else ""
-                parameter = source.op == "placeholder" or casts_parameter(source)
+                parameter = holds_parameter(source)
                 if parameter and reread_in_backward(self.units[consumer_unit].root):
                     price = "regathered"
                 matrix_cache[key] = self._reshard_matrix(produced, required, meta, price)

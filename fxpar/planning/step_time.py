@@ -51,7 +51,7 @@ from fxpar.planning.collective_schedule import (
     WaitGather,
     schedule_program,
 )
-from fxpar.planning.grouping import casts_parameter, reread_in_backward
+from fxpar.planning.grouping import holds_parameter, reread_in_backward
 from fxpar.planning.moe_blocks import ExpertLoad, dispatched_ops, exchange_seconds
 from fxpar.rules.registry import tensor_inputs
 from fxpar.sharding import Sharding, Spec
@@ -143,7 +143,7 @@ def price_schedule(program: Program, cluster: Cluster, shared: bool = False) -> 
             meta = ir.require(source, ir.ValueMeta).tensor
             # As the problem prices it: a parameter a forward view reads for the backward too
             # is gathered twice (fxpar.planning.grouping.ViewChain).
-            parameter = source.op == "placeholder" or casts_parameter(source)
+            parameter = holds_parameter(source)
             regathered = parameter and reread_in_backward(node)
             price = cost.regathered_seconds if regathered else cost.reshard_seconds
             if not parameter and shared:  # converted once for all its readers
