@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from unittest import mock
 
 import numpy as np
@@ -17,7 +18,7 @@ from fxpar.planning.plan import ChosenStrategies
 from fxpar.planning.shared_reads import Read, SharedRead, merge, share_reads
 from fxpar.solvers.exhaustive import ExhaustiveSolver
 from fxpar.solvers.ilp import ILPSolver
-from fxpar.solvers.problem import Edge, IntraOpProblem
+from fxpar.solvers.problem import SHARED_READ, Edge, IntraOpProblem
 
 
 def _classifier() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
@@ -114,3 +115,47 @@ def test_merge_counts_repeated_decisions() -> None:
     assert merged.count == 3
     into, *_ = merged.edges(3, (2, 2, 2))
     assert into[2][1].tolist() == [0.0, 6.0]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_shared_reads_solve_to_the_one_conversion_per_layout_optimum(seed: int) -> None:
+    """A producer whose value three readers read, each strategy of a reader requiring one of
+    three layouts, and an edge between two readers: over every plan, what the lowering runs
+    (each layout some reader requires converted once, at the producer's strategy's price) has
+    the optimum that the ILP (presolve off: the problem has shared-read decisions) and the
+    exhaustive search find on the problem with the auxiliary decisions."""
+    rng = np.random.default_rng(seed)
+    producer, readers, layouts = 3, (3, 2, 3), 3
+    conversion = rng.uniform(0, 1, (producer, layouts)) * (
+        rng.uniform(0, 1, (producer, layouts)) > 0.2
+    )
+    required = [tuple(int(x) for x in rng.integers(0, layouts, k)) for k in readers]
+    costs = [tuple(rng.uniform(0, 0.5, producer))]
+    costs += [tuple(rng.uniform(0, 0.5, k)) for k in readers]
+    between = rng.uniform(0, 0.5, (readers[0], readers[1]))
+
+    def lowered(plan: tuple[int, ...]) -> float:
+        s, *ts = plan
+        needed = {required[r][t] for r, t in enumerate(ts)}
+        total = sum(costs[v][c] for v, c in enumerate(plan)) + between[ts[0], ts[1]]
+        return total + sum(conversion[s, layout] for layout in needed)
+
+    plans_ = itertools.product(range(producer), *(range(k) for k in readers))
+    best = min(lowered(plan) for plan in plans_)
+    reads = [Read(1 + r, conversion[:, list(required[r])], required[r]) for r in range(3)]
+    matrices, shared = share_reads(0, reads)
+    sizes = (producer, *readers, *(2,) * len(shared))
+    edges = [Edge.of_matrix(0, 1 + r, m) for r, m in enumerate(matrices) if m.any()]
+    edges.append(Edge.of_matrix(1, 2, between))
+    for index, decision in enumerate(shared):
+        edges += [Edge.of_matrix(a, b, m) for a, b, m in decision.edges(4 + index, sizes)]
+    problem = IntraOpProblem(
+        tuple(costs) + ((0.0, 0.0),) * len(shared),
+        tuple((0.0,) * k for k in sizes),
+        tuple(edges),
+        kinds=("aten.mm.default",) * 4 + (SHARED_READ,) * len(shared),
+    )
+    for solver in (ILPSolver(), ExhaustiveSolver()):
+        solution = solver.solve(problem)
+        assert solution.objective == pytest.approx(best, rel=1e-9, abs=1e-12)
+        assert lowered(solution.choice[:4]) == pytest.approx(best, rel=1e-9, abs=1e-12)
