@@ -65,7 +65,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -518,28 +518,22 @@ def fit(cluster: Cluster, timings: Sequence[Timing]) -> Cluster:
     (:class:`~fxpar.cluster.CollectiveLink`)."""
     latency, bandwidth = list(cluster.latency), list(cluster.bandwidth)
     links = {(link.kind, link.axis): link for link in cluster.collective_links}
-    for axis, devices in enumerate(cluster.mesh_shape):
-        on_axis = [t for t in timings if t.axis == axis]
-        wait = _wait(on_axis)
-        for kind in (ALL_REDUCE, *OWN_LINKS):
-            points = sorted((t.nbytes, t.seconds) for t in on_axis if _fits(t, kind))
-            if not points:
-                continue
-            line = _line(kind, devices, points[0], points[-1])
-            if line is None:
-                (small_bytes, small_s), (large_bytes, large_s) = points[0], points[-1]
-                raise FxparError(
-                    f"on mesh axis {cluster.axis_names[axis]}, {kind.replace('_', '-')}s of "
-                    f"{small_bytes} and {large_bytes} bytes took {small_s * 1e6:.0f} and "
-                    f"{large_s * 1e6:.0f} us: no line of a positive latency and bandwidth goes "
-                    "through both (the machine is too noisy for these sizes); calibrate again "
-                    "with a larger CalibrationOptions.large_bytes or more attempts"
-                )
-            alpha, beta = line
-            if kind == ALL_REDUCE:
-                latency[axis], bandwidth[axis] = alpha + wait, beta
-            else:
-                links[kind, axis] = CollectiveLink(kind, axis, alpha + wait, beta)
+    for axis, kind, _, points, line in _lines(cluster, timings):
+        if line is None:
+            (small_bytes, small_s), (large_bytes, large_s) = points[0], points[-1]
+            raise FxparError(
+                f"on mesh axis {cluster.axis_names[axis]}, {kind.replace('_', '-')}s of "
+                f"{small_bytes} and {large_bytes} bytes took {small_s * 1e6:.0f} and "
+                f"{large_s * 1e6:.0f} us: no line of a positive latency and bandwidth goes "
+                "through both (the machine is too noisy for these sizes); calibrate again "
+                "with a larger CalibrationOptions.large_bytes or more attempts"
+            )
+        alpha, beta = line
+        wait = wait_seconds(timings, axis)
+        if kind == ALL_REDUCE:
+            latency[axis], bandwidth[axis] = alpha + wait, beta
+        else:
+            links[kind, axis] = CollectiveLink(kind, axis, alpha + wait, beta)
     flops, memory_bandwidth = cluster.flops, cluster.memory_bandwidth
     for timing in timings:
         if timing.operation == MATMUL:
@@ -628,16 +622,23 @@ def retime_lineless(
 
 def _lineless(cluster: Cluster, timings: Sequence[Timing]) -> list[int]:
     """The indices of the points of every (axis, kind) line :func:`fit` finds none through."""
-    lineless = []
+    return sorted(i for *_, indices, _, line in _lines(cluster, timings) if line is None
+                  for i in indices)  # fmt: skip
+
+
+def _lines(
+    cluster: Cluster, timings: Sequence[Timing]
+) -> Iterator[tuple[int, str, list[int], list[tuple[int, float]], tuple[float, float] | None]]:
+    """For each mesh axis and kind of collective with points in ``timings``: the axis, the
+    kind, the points' indices, the points as sorted (bytes, seconds), and the line of
+    :func:`_line` through the smallest and the largest (None where there is none)."""
     for axis, devices in enumerate(cluster.mesh_shape):
         for kind in (ALL_REDUCE, *OWN_LINKS):
             indices = [i for i, t in enumerate(timings) if t.axis == axis and _fits(t, kind)]
             if not indices:
                 continue
             points = sorted((timings[i].nbytes, timings[i].seconds) for i in indices)
-            if _line(kind, devices, points[0], points[-1]) is None:
-                lineless.extend(indices)
-    return sorted(lineless)
+            yield axis, kind, indices, points, _line(kind, devices, points[0], points[-1])
 
 
 def _planned_timings(cluster: Cluster, options: CalibrationOptions) -> list[Timing]:
