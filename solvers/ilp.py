@@ -188,9 +188,9 @@ class ILPSolver:
         ``warm``, the best starting plan ``known`` and the fitting plans of ``relaxed``."""
         highs = new_highs(self.threads)
         if SHARED_READ in problem.kinds:
-            # Presolve turns the auxiliary decisions' triangles (producer, decision, reader)
-            # into a model whose root needs thousands of cuts: a one-layer GPT's problem on
-            # (2,) solved in 3.8 s with it, 0.5 s without (tests/test_expert_choice.py 182 s
+            # Their LP relaxation is weak (half-integral on a one-layer GPT), and after
+            # HiGHS's presolve its root spent seconds in cuts: that GPT's problem on (2,)
+            # solved in 3.8 s with presolve, 0.5 s without (tests/test_expert_choice.py 182 s
             # against 82 s). Problems without them solve as fast or faster with it.
             highs.setOptionValue("presolve", "off")
         highs.setOptionValue("time_limit", max(seconds, 1e-3))
