@@ -74,6 +74,10 @@ class Cluster:
     roofline per op (:meth:`op_seconds`); :func:`fxpar.calibrate` measures them on a model's
     own ops. ``overlap`` is the share of the communication a step runs beside compute that
     the compute really hides (:attr:`hidden_share`; ``fxpar calibrate`` measures it).
+    ``core_demand`` is, for ranks that are processes of one host sharing its cores, the
+    threads they compute with over those cores: above 1 the ranks take turns, and ranks that
+    idle (a pipeline's bubble) leave their turns to the others (:meth:`compute_speedup`;
+    ``fxpar calibrate`` counts it on CPU, ``None`` where devices compute alone).
     :meth:`preset` builds common machines.
     """
 
@@ -89,6 +93,7 @@ class Cluster:
     op_overhead: float = 0.0
     op_slowdown: tuple[tuple[str, float], ...] = ()
     overlap: float | None = None
+    core_demand: float | None = None
 
     # The op every op not in ``op_slowdown`` takes the slowdown of.
     OTHER_OPS = "*"
@@ -159,6 +164,10 @@ class Cluster:
             raise FxparError(f"op_overhead must be a finite number >= 0, got {self.op_overhead}")
         if self.overlap is not None and not (_finite(self.overlap) and 0 <= self.overlap <= 1):
             raise FxparError(f"overlap must be a number from 0 to 1, or None; got {self.overlap!r}")
+        if self.core_demand is not None and not _positive(self.core_demand):
+            raise FxparError(
+                f"core_demand must be a finite number > 0, or None; got {self.core_demand!r}"
+            )
 
     @property
     def hidden_share(self) -> float:
@@ -171,6 +180,16 @@ class Cluster:
         if self.overlap is not None:
             return self.overlap
         return 1.0 if self.device_type.startswith("cuda") else 0.0
+
+    def compute_speedup(self, computing: float) -> float:
+        """How many times faster than calibrated a rank computes while only the share
+        ``computing`` (0 to 1) of the host's ranks compute: its ops were timed with every rank
+        computing, each thread getting ``min(1, 1 / core_demand)`` of a core, and with fewer
+        computing each gets ``min(1, 1 / (computing * core_demand))``. 1 without
+        ``core_demand``."""
+        if self.core_demand is None or computing <= 0:
+            return 1.0
+        return min(1.0, 1 / (computing * self.core_demand)) / min(1.0, 1 / self.core_demand)
 
     @staticmethod
     def preset(name: str, mesh_shape: tuple[int, ...], **overrides: Any) -> Cluster:
@@ -223,7 +242,8 @@ class Cluster:
 
     def to_dict(self) -> dict[str, Any]:
         """Every field, as JSON writes it (tuples as lists, ``op_slowdown`` as an object);
-        ``collective_links``, ``op_overhead``, ``op_slowdown`` and ``overlap`` only when set."""
+        ``collective_links``, ``op_overhead``, ``op_slowdown``, ``overlap`` and ``core_demand``
+        only when set."""
         data = {
             field.name: list(value) if isinstance(value, tuple) else value
             for field in fields(self)
@@ -234,8 +254,9 @@ class Cluster:
         for name in ("collective_links", "op_overhead", "op_slowdown"):
             if not data[name]:
                 del data[name]
-        if data["overlap"] is None:
-            del data["overlap"]
+        for name in ("overlap", "core_demand"):
+            if data[name] is None:
+                del data[name]
         return data
 
     @staticmethod
@@ -511,6 +532,7 @@ _FIELD_KINDS = {
     "op_overhead": "a finite number >= 0",
     "op_slowdown": "an object of op names to finite numbers > 0",
     "overlap": "a number from 0 to 1",
+    "core_demand": "a finite number > 0",
 }
 
 

@@ -101,6 +101,7 @@ from fxpar.pipeline.stage_programs import (
     StageStep,
     check_same_cut,
 )
+from fxpar.planning.grouping import BUCKET_BYTES
 from fxpar.planning.plan import Plan
 from fxpar.runtime import waiting
 from fxpar.runtime.batches import BatchSignature
@@ -584,8 +585,8 @@ class PipelineModel(Trainer):
             for name in self._trainable
         }
         if self._stage_group is not None:
-            for name in self._trainable:
-                waiting.all_reduce(sums[name], self._stage_group)
+            gradients = [sums[name] for name in self._trainable]
+            waiting.all_reduce_buckets(gradients, self._stage_group, bucket_bytes=BUCKET_BYTES)
         for name, tied in self._tied.items():
             sums[name] = tied(sums[name])
         return {name: value / count for name, value in sums.items()} if count != 1 else sums

@@ -537,15 +537,7 @@ def replay(
     if len(times) != num_stages:
         raise PipelineError(f"{len(times)} stage times for {num_stages} stages")
     pipe = _Pipe(num_stages, _chunk_count(schedules, placement), placement)
-    took = [
-        {
-            Op.FORWARD: each.forward / pipe.chunks,
-            Op.BACKWARD: (each.input + each.weight) / pipe.chunks,
-            Op.BACKWARD_INPUT: each.input / pipe.chunks,
-            Op.BACKWARD_WEIGHT: each.weight / pipe.chunks,
-        }
-        for each in times
-    ]
+    took = _durations(times, pipe.chunks)
     clock, busy, cursor = [0.0] * num_stages, [0.0] * num_stages, [0] * num_stages
     arrivals: dict[tuple[Op, int, int], float] = {}  # (receive, virtual stage, m) -> time
     progressed = True
@@ -573,6 +565,83 @@ def replay(
     if any(cursor[s] < len(schedules[s]) for s in range(num_stages)):
         raise PipelineError("the schedule deadlocks: simulate() says where")
     return max(clock, default=0.0), busy
+
+
+def replay_shared(
+    schedules: Sequence[Sequence[Instruction]],
+    times: Sequence[StageTimes],
+    speed: Callable[[frozenset[int]], float],
+    *,
+    placement: Placement = "loop",
+) -> float:
+    """The step's length when :func:`replay`'s stages share one machine's cores: while the
+    stages of a set compute at once, each runs ``speed(set)`` times as fast as ``times`` says
+    (``times`` are what an op takes when every stage computes; messages take no time). Ranks
+    that are processes of one host (:attr:`fxpar.Cluster.core_demand`) compute faster while
+    a pipeline's other stages idle; with ``speed`` always 1 this is :func:`replay`'s step.
+
+    Raises:
+        PipelineError: the lists deadlock, ``times`` has not one entry per stage, or
+            ``speed`` is not positive.
+    """
+    num_stages = len(schedules)
+    if len(times) != num_stages:
+        raise PipelineError(f"{len(times)} stage times for {num_stages} stages")
+    pipe = _Pipe(num_stages, _chunk_count(schedules, placement), placement)
+    took = _durations(times, pipe.chunks)
+    cursor = [0] * num_stages
+    left: list[float | None] = [None] * num_stages  # work left of the op a stage computes
+    arrived: set[tuple[Op, int, int]] = set()
+    now = 0.0
+    while True:
+        progressed = True
+        while progressed:  # run every stage up to its next op or a message not yet sent
+            progressed = False
+            for stage, instructions in enumerate(schedules):
+                while left[stage] is None and cursor[stage] < len(instructions):
+                    instruction = instructions[cursor[stage]]
+                    op, m = instruction.op, instruction.microbatch
+                    virtual = pipe.virtual(stage, instruction.chunk)
+                    if op in took[stage]:
+                        left[stage] = took[stage][op]
+                        break
+                    if op in (Op.RECV_ACTIVATION, Op.RECV_GRAD) and (op, virtual, m) not in arrived:
+                        break
+                    if op is Op.SEND_ACTIVATION:
+                        arrived.add((Op.RECV_ACTIVATION, virtual + 1, m))
+                    elif op is Op.SEND_GRAD:
+                        arrived.add((Op.RECV_GRAD, virtual - 1, m))
+                    cursor[stage] += 1
+                    progressed = True
+        computing = frozenset(s for s, work in enumerate(left) if work is not None)
+        if not computing:
+            break
+        rate = speed(computing)
+        if not rate > 0:
+            raise PipelineError(f"stages {sorted(computing)} computing at speed {rate}")
+        first = min(left[s] or 0.0 for s in computing)  # the op that ends first
+        now += first / rate
+        for s in computing:
+            work = (left[s] or 0.0) - first
+            left[s] = work if work > 1e-12 * first else None
+            if left[s] is None:
+                cursor[s] += 1
+    if any(cursor[s] < len(schedules[s]) for s in range(num_stages)):
+        raise PipelineError("the schedule deadlocks: simulate() says where")
+    return now
+
+
+def _durations(times: Sequence[StageTimes], chunks: int) -> list[dict[Op, float]]:
+    """Per stage, how long each of its compute ops takes on a chunk."""
+    return [
+        {
+            Op.FORWARD: each.forward / chunks,
+            Op.BACKWARD: (each.input + each.weight) / chunks,
+            Op.BACKWARD_INPUT: each.input / chunks,
+            Op.BACKWARD_WEIGHT: each.weight / chunks,
+        }
+        for each in times
+    ]
 
 
 def modelled_bubble(

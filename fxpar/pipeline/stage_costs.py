@@ -110,7 +110,7 @@ from fxpar.ir.program import Program
 from fxpar.pipeline.atoms import Atoms, crossings, output_bytes, region
 from fxpar.pipeline.backward_split import DIVIDED_WEIGHT_SHARE, divisible
 from fxpar.pipeline.options import ZERO_BUBBLE_SCHEDULES, Pipeline, PipelineError
-from fxpar.pipeline.schedule import StageTimes, build_schedule, replay
+from fxpar.pipeline.schedule import StageTimes, build_schedule, replay, replay_shared
 from fxpar.planning.cost import (
     collective_seconds,
     node_seconds,
@@ -341,14 +341,41 @@ class StageCostModel:
 
     def step_time(self, stages: Sequence[tuple[int, int, Shape]], objective: float) -> float:
         """The step of the stages ``(start, stop, shape)`` whose stage DP objective (1F1B's
-        ``sum t + (M - 1) max t``) is ``objective``, under this model's schedule. For ZB-H1,
-        the objective less what ZB-H1's lists save over 1F1B's when both are replayed
-        (:func:`~fxpar.pipeline.schedule.replay`) on stages whose time splits into forward,
-        B and W as their nodes' seconds do (a remat recompute counted in B; the stage's
-        collectives and sends shared by the three in proportion). ``shape`` is the stage's
-        mesh: its replicas, or the mesh its plan was made for."""
-        if self.pipeline.schedule != "zb-h1":
+        ``sum t + (M - 1) max t``) is ``objective``, under this model's schedule and machine.
+        For ZB-H1, the objective less what ZB-H1's lists save over 1F1B's when both are
+        replayed (:func:`~fxpar.pipeline.schedule.replay`) on stages whose time splits into
+        forward, B and W as their nodes' seconds do (a remat recompute counted in B; the
+        stage's collectives and sends shared by the three in proportion). On ranks that share
+        a host's cores (:attr:`fxpar.Cluster.core_demand`), less what the schedule's idle
+        stages leave the others: the lists replayed with every stage at its calibrated speed,
+        less replayed with each stretch at the speed its computing ranks get
+        (:func:`~fxpar.pipeline.schedule.replay_shared`; on CPU the collectives run on the
+        same cores, so the whole stage time speeds up). ``shape`` is the stage's mesh: its
+        replicas, or the mesh its plan was made for."""
+        schedule, cluster = self.pipeline.schedule, self.cluster
+        shared = cluster.compute_speedup(1 / cluster.world_size) > 1
+        if schedule != "zb-h1" and not shared:
             return objective
+        times = self._stage_times(stages)
+        count, microbatches = len(times), self.pipeline.microbatches
+        lists = build_schedule(schedule, count, microbatches)
+        step = objective
+        if schedule == "zb-h1":
+            one_f_one_b, _ = replay(build_schedule("1f1b", count, microbatches), times)
+            step -= one_f_one_b - replay(lists, times)[0]
+        if shared:
+            devices = [math.prod(shape) for _, _, shape in stages]
+
+            def speed(computing: frozenset[int]) -> float:
+                ranks = sum(devices[stage] for stage in computing)
+                return cluster.compute_speedup(ranks / cluster.world_size)
+
+            step -= replay(lists, times)[0] - replay_shared(lists, times, speed)
+        return step
+
+    def _stage_times(self, stages: Sequence[tuple[int, int, Shape]]) -> list[StageTimes]:
+        """Each stage's time per micro-batch, split into forward, B and W as its nodes'
+        seconds split (a remat recompute in B, collectives and sends in proportion)."""
         times = []
         for start, stop, shape in stages:
             facts = self.facts(start, stop, shape)
@@ -360,10 +387,7 @@ class StageCostModel:
             total = forward + backward + weight
             scale = self.cost(start, stop, shape).time / total if total else 0.0
             times.append(StageTimes(forward * scale, backward * scale, weight * scale))
-        count, microbatches = len(times), self.pipeline.microbatches
-        one_f_one_b, _ = replay(build_schedule("1f1b", count, microbatches), times)
-        zero_bubble, _ = replay(build_schedule("zb-h1", count, microbatches), times)
-        return objective - (one_f_one_b - zero_bubble)
+        return times
 
     def cost(self, start: int, stop: int, shape: Shape) -> StageCost:
         """The cost of atoms ``[start, stop)`` on a stage mesh of ``shape``."""

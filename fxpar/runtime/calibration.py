@@ -43,6 +43,9 @@ What it times (:class:`CalibrationOptions` sets the sizes and repeats):
   they run on this rank's GPU (:func:`fxpar.runtime.devices.rank_device`), each run waited
   for, with the GPU's defaults (:meth:`CalibrationOptions.for_device`: bfloat16, 8192-square
   matrices, a 1 GiB copy).
+- On CPU, where the world's threads outnumber this host's cores, a stretch of products on half
+  the ranks while the others wait, and on all at once: how much faster the half computes is
+  the cluster's :attr:`~fxpar.cluster.Cluster.core_demand` (:mod:`fxpar.runtime.core_sharing`).
 
 Each operation runs ``warmup`` times untimed, then ``repeats`` times. A collective starts each
 run after a barrier of its own process group (the wait's all-reduce after compute too); local
@@ -80,6 +83,7 @@ from fxpar.ir.program import Program
 from fxpar.planning.cost import collective_seconds, collective_share, roofline_seconds
 from fxpar.runtime import waiting
 from fxpar.runtime.communicators import ProcessGroupCommunicator
+from fxpar.runtime.core_sharing import measure_core_demand
 from fxpar.runtime.devices import for_collective, rank_device, synchronize
 from fxpar.runtime.op_timing import OpTiming, time_ops
 
@@ -126,6 +130,10 @@ class CalibrationOptions:
     compute_before: int = 1
     """Products of two ``matmul_size``-square matrices every rank computes before each run of
     the all-reduce that measures an axis' wait (the module docstring); 0 measures none."""
+    idle_seconds: float = 0.008
+    """How long the stretches of compute that measure the cluster's ``core_demand`` on CPU
+    take with every rank computing: about a pipeline stage's forward or backward
+    (:func:`~fxpar.runtime.core_sharing.measure_core_demand`); 0 counts it instead."""
     overlap: bool = True
     """Also measure how much of an all-reduce compute running beside it hides (the module
     docstring), and set the cluster's :attr:`~fxpar.cluster.Cluster.overlap` to it."""
@@ -182,6 +190,8 @@ class CalibrationOptions:
             raise FxparError(f"attempts must be >= 1, got {self.attempts}")
         if self.compute_before < 0:
             raise FxparError(f"compute_before must be >= 0, got {self.compute_before}")
+        if not self.idle_seconds >= 0:
+            raise FxparError(f"idle_seconds must be >= 0, got {self.idle_seconds}")
         if not 0 <= self.quantile <= 1:
             raise FxparError(f"quantile must lie in [0, 1], got {self.quantile}")
 
@@ -355,6 +365,11 @@ def measure(
                         options.attempts)
     )  # fmt: skip
     fitted = fit(cluster, timings)
+    if device.type == "cpu":
+        demand = measure_core_demand(
+            options.matmul_size, options.idle_seconds, options.warmup, options.repeats
+        )
+        fitted = replace(fitted, core_demand=demand)
     if options.overlap:
         share = _overlap(fitted, device_mesh, communicator, options, device, timings)
         if share is not None:

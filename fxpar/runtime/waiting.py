@@ -46,6 +46,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -80,18 +81,36 @@ def pollable(tensor: torch.Tensor) -> bool:
 
 
 def oversubscribed() -> bool:
-    """Whether this host runs more ranks than the cores this process may use: the ranks are
-    torchrun's ``LOCAL_WORLD_SIZE``, or without it the world of an initialized process group
-    (:func:`fxpar.runtime.launch.spawn`'s processes, all on this host). There a rank that
-    polls holds a core a peer it waits for needs (see the module docstring)."""
+    """Whether this host runs more ranks than the cores this process may use (the ranks of
+    :func:`host_ranks`). There a rank that polls holds a core a peer it waits for needs (see
+    the module docstring)."""
+    ranks = host_ranks()
+    return ranks is not None and ranks > _cores()
+
+
+def host_ranks() -> int | None:
+    """The ranks this host runs: torchrun's ``LOCAL_WORLD_SIZE``, or without it the world of an
+    initialized process group (:func:`fxpar.runtime.launch.spawn`'s processes, all on this
+    host); ``None`` when neither is known."""
     local = os.environ.get("LOCAL_WORLD_SIZE")
     if local is not None and local.isdigit():
-        ranks = int(local)
-    elif dist.is_available() and dist.is_initialized():
-        ranks = dist.get_world_size()
-    else:
-        return False
-    return ranks > _cores()
+        return int(local)
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return None
+
+
+def core_demand() -> float | None:
+    """The threads the whole world computes with over the cores this process may use, where
+    every rank runs on this host (each with this process's torch threads): what
+    :attr:`fxpar.Cluster.core_demand` says. ``None`` where the world spans hosts or is not
+    known."""
+    ranks = host_ranks()
+    if ranks is None or not (dist.is_available() and dist.is_initialized()):
+        return None
+    if ranks != dist.get_world_size():
+        return None
+    return ranks * torch.get_num_threads() / _cores()
 
 
 @functools.cache
@@ -129,7 +148,40 @@ def all_reduce(tensor: torch.Tensor, group: Any = None) -> None:
     wait(dist.all_reduce(tensor, group=group, async_op=True), poll=pollable(tensor))
 
 
+def all_reduce_buckets(
+    tensors: Sequence[torch.Tensor], group: Any = None, *, bucket_bytes: int
+) -> None:
+    """Sum each of ``tensors`` in place over ``group``, packed into buckets of at most
+    ``bucket_bytes`` (one dtype and device each, in the given order; a larger tensor alone):
+    every bucket's all-reduce is started before the first is waited for, so a step pays a
+    collective's latency, and a wait for the last peer, once a bucket instead of once a
+    tensor. The sums are those of :func:`all_reduce`; every rank must pass tensors of the
+    same shapes, dtypes and order."""
+    buckets: list[list[torch.Tensor]] = []
+    sizes: list[int] = []
+    filling: dict[tuple[torch.dtype, torch.device], int] = {}  # the bucket a kind fills
+    for tensor in tensors:
+        key = (tensor.dtype, tensor.device)
+        index = filling.get(key)
+        if index is None or sizes[index] + tensor.nbytes > bucket_bytes:
+            index = filling[key] = len(buckets)
+            buckets.append([])
+            sizes.append(0)
+        buckets[index].append(tensor)
+        sizes[index] += tensor.nbytes
+    flats = [torch.cat([member.reshape(-1) for member in bucket]) for bucket in buckets]
+    if flats and flats[0].device.type != "cpu" and dist.get_backend(group) == "gloo":
+        flats = [flat.cpu() for flat in flats]
+    works = [dist.all_reduce(flat, group=group, async_op=True) for flat in flats]
+    for bucket, flat, work in zip(buckets, flats, works, strict=True):
+        wait(work, poll=pollable(flat))
+        offset = 0
+        for member in bucket:
+            member.copy_(flat[offset : offset + member.numel()].view_as(member))
+            offset += member.numel()
+
+
 __all__ = [
-    "POLICIES", "POLL_BYTES", "POLL_SECONDS", "all_reduce", "oversubscribed", "policy", "pollable",
-    "wait",
+    "POLICIES", "POLL_BYTES", "POLL_SECONDS", "all_reduce", "all_reduce_buckets", "core_demand",
+    "host_ranks", "oversubscribed", "policy", "pollable", "wait",
 ]  # fmt: skip

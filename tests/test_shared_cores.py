@@ -1,0 +1,192 @@
+"""Ranks that share a host's cores: the schedule replayed with idle stages leaving their cores
+to the others (replay_shared), the cluster's core demand, the pipeline step priced with it,
+its measurement, and the bucketed gradient all-reduce that pipelines run."""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fxpar
+from fxpar.errors import FxparError
+from fxpar.models import GPT, GPTConfig, gpt_loss
+from fxpar.pipeline import Pipeline, evaluate_split
+from fxpar.pipeline.options import PipelineError
+from fxpar.pipeline.partition import even_split_points
+from fxpar.pipeline.schedule import (
+    Instruction,
+    Op,
+    StageTimes,
+    build_schedule,
+    replay,
+    replay_shared,
+)
+from fxpar.runtime import waiting
+from fxpar.runtime.core_sharing import measure_core_demand
+from fxpar.runtime.launch import spawn
+
+
+@pytest.mark.parametrize(
+    ("name", "stages", "microbatches", "chunks", "placement"),
+    [
+        ("gpipe", 3, 4, 1, "loop"),
+        ("1f1b", 4, 6, 1, "loop"),
+        ("interleaved", 2, 4, 2, "loop"),
+        ("zb-h1", 3, 5, 1, "loop"),
+        ("zb-v", 2, 4, 2, "v"),
+    ],
+)
+def test_at_one_speed_the_shared_replay_is_the_replay(
+    name: str, stages: int, microbatches: int, chunks: int, placement: str
+) -> None:
+    lists = build_schedule(name, stages, microbatches, chunks)  # type: ignore[arg-type]
+    generator = random.Random(0)
+    for _ in range(5):
+        uniform = generator.uniform
+        times = [StageTimes(uniform(0.5, 2), uniform(0.5, 2), uniform(0, 1)) for _ in range(stages)]
+        expected, _ = replay(lists, times, placement=placement)  # type: ignore[arg-type]
+        found = replay_shared(lists, times, lambda computing: 1.0, placement=placement)  # type: ignore[arg-type]
+        assert found == pytest.approx(expected, rel=1e-12)
+
+
+def test_a_stage_computing_alone_runs_at_its_own_speed_as_worked_by_hand() -> None:
+    """1F1B, two stages, two micro-batches, forward 1 and backward 2 (B 1, W 1); a stage
+    computing alone runs twice as fast. Stage 0's F0 alone: 0.5. F1 beside stage 1's F0: 1.5.
+    Stage 1's B0 alone (stage 0 waits for its gradient): 2.5. Stage 1's F1 beside stage 0's
+    B0: 3.5, B0 has 1 left. Stage 1's B1 beside it: 4.5, B1 has 1 left. Stage 1 alone: 5.0.
+    Stage 0's B1 alone: 6.0, where every stage at the speed of all takes 9."""
+    lists = build_schedule("1f1b", 2, 2)
+    times = [StageTimes(1.0, 1.0, 1.0)] * 2
+    alone = replay_shared(lists, times, lambda computing: 2.0 if len(computing) == 1 else 1.0)
+    assert alone == pytest.approx(6.0)
+    assert replay(lists, times)[0] == pytest.approx(9.0)
+
+
+def test_the_shared_replay_refuses_what_cannot_run() -> None:
+    times = [StageTimes(1.0, 1.0, 1.0)] * 2
+    with pytest.raises(PipelineError, match="speed"):
+        replay_shared(build_schedule("1f1b", 2, 2), times, lambda computing: 0.0)
+    with pytest.raises(PipelineError, match="3 stage times for 2 stages"):
+        replay_shared(build_schedule("1f1b", 2, 2), [*times, *times[:1]], lambda c: 1.0)
+    stuck = [[Instruction(Op.RECV_ACTIVATION, 0)], [Instruction(Op.RECV_GRAD, 0)]]
+    with pytest.raises(PipelineError, match="deadlocks"):
+        replay_shared(stuck, times, lambda computing: 1.0)
+
+
+@pytest.mark.parametrize(
+    ("demand", "computing", "speedup"),
+    [(None, 0.5, 1.0), (1.0, 0.5, 1.0), (2.0, 0.5, 2.0), (2.0, 0.25, 2.0), (4.0, 0.5, 2.0),
+     (4.0, 0.25, 4.0), (1.5, 0.5, 1.5), (2.0, 0.75, 4 / 3), (0.5, 0.5, 1.0), (2.0, 1.0, 1.0)],
+)  # fmt: skip
+def test_compute_speedup_is_the_share_of_a_core_a_thread_gets(
+    demand: float | None, computing: float, speedup: float
+) -> None:
+    """With every rank computing a thread gets min(1, 1/d) of a core, with the share f of
+    them min(1, 1/(f d))."""
+    cluster = fxpar.Cluster((4,), core_demand=demand)
+    assert cluster.compute_speedup(computing) == pytest.approx(speedup)
+
+
+@pytest.mark.parametrize("demand", [0.0, -1.0, math.nan, math.inf, "2"])
+def test_a_bad_core_demand_is_named(demand: object) -> None:
+    with pytest.raises(FxparError, match="core_demand"):
+        fxpar.Cluster((2,), core_demand=demand)  # type: ignore[arg-type]
+
+
+def test_the_core_demand_goes_to_a_cluster_file_and_back_only_when_set() -> None:
+    assert "core_demand" not in fxpar.Cluster((2,)).to_dict()
+    cluster = fxpar.Cluster((4,), core_demand=1.5)
+    assert fxpar.Cluster.from_dict(cluster.to_dict()) == cluster
+    with pytest.raises(FxparError, match="core_demand"):
+        fxpar.Cluster.from_dict({"mesh_shape": [2], "core_demand": -1})
+
+
+@functools.cache
+def _gpt_program() -> fxpar.Program:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=4, n_embd=32, n_head=4, vocab_size=64, block_size=16))
+    tokens = torch.randint(0, 64, (16, 16))
+    return fxpar.capture(model, (tokens,), gpt_loss, example_targets=(tokens,))
+
+
+def _pipeline_step(demand: float | None, schedule: str = "1f1b") -> float:
+    program = _gpt_program()
+    pipeline = Pipeline(
+        stages=even_split_points(program, 2), microbatches=4, data_parallel=2, schedule=schedule
+    )
+    cluster = fxpar.Cluster((4,), core_demand=demand)
+    return evaluate_split(program, cluster, pipeline, optimizer_states=0).step_time
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb-h1"])
+def test_a_pipeline_on_shared_cores_is_priced_faster_by_what_its_bubble_frees(
+    schedule: str,
+) -> None:
+    """No demand, or a demand of at most one thread a core, prices the step as before; the
+    more the ranks outnumber the cores, the more the idle stages' cores are worth, up to
+    every stretch of one stage alone running twice as fast (two stages: the step can at
+    best halve)."""
+    alone = _pipeline_step(None, schedule)
+    assert _pipeline_step(1.0, schedule) == alone
+    steps = [_pipeline_step(demand, schedule) for demand in (1.25, 1.5, 2.0, 4.0)]
+    assert all(later < earlier for earlier, later in zip([alone, *steps], steps[:3], strict=False))
+    assert steps[3] == pytest.approx(steps[2])  # at 2 a lone stage has a core per thread
+    assert alone / 2 < steps[2] < alone
+
+
+def _bucketed(rank: int, world_size: int) -> dict[str, bool]:
+    generator = torch.Generator().manual_seed(rank)
+    shapes = [(3, 5), (7,), (2, 2, 2), (40,), (1,), (6, 4)]
+    dtypes = [torch.float32, torch.float64, torch.float32, torch.float32, torch.bfloat16,
+              torch.float32]  # fmt: skip
+    tensors = [
+        torch.randn(shape, generator=generator).to(dtype)
+        for shape, dtype in zip(shapes, dtypes, strict=True)
+    ]
+    one_by_one = [t.clone() for t in tensors]
+    for tensor in one_by_one:
+        dist.all_reduce(tensor)
+    found = {}
+    for limit in (1, 64, 2**20):  # a tensor a bucket, several a bucket, one bucket a dtype
+        bucketed = [t.clone() for t in tensors]
+        waiting.all_reduce_buckets(bucketed, bucket_bytes=limit)
+        pairs = zip(bucketed, one_by_one, strict=True)
+        found[str(limit)] = all(torch.equal(a, b) and a.dtype == b.dtype for a, b in pairs)
+    return found
+
+
+@pytest.mark.slow
+def test_gradients_reduced_in_buckets_are_the_sums_reduced_one_by_one() -> None:
+    expected = {"1": True, "64": True, "1048576": True}
+    assert spawn(_bucketed, 2, timeout_s=120) == [expected, expected]
+
+
+def _demands(rank: int, world_size: int) -> tuple[float | None, float | None, float | None]:
+    torch.set_num_threads(1)
+    return (
+        waiting.core_demand(),
+        measure_core_demand(64, 0.002, warmup=1, repeats=3),
+        measure_core_demand(64, 0.0, warmup=1, repeats=3),
+    )
+
+
+@pytest.mark.slow
+def test_the_measured_core_demand_lies_between_one_and_the_count() -> None:
+    """The count is the world's threads over this host's cores; where it exceeds 1 the
+    measurement is between 1 and it, the same on every rank; else (and with no stretch to
+    time) it is the count."""
+    found = spawn(_demands, 4, timeout_s=120)
+    counted, measured, uncounted = found[0]
+    assert all(f == found[0] for f in found)
+    assert counted == pytest.approx(4 / len(os.sched_getaffinity(0)))
+    assert uncounted == counted
+    if counted is not None and counted > 1:
+        assert measured is not None and 1 <= measured <= counted
+    else:
+        assert measured == counted
