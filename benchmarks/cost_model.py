@@ -233,7 +233,9 @@ def _measure_world(
                     parallel.step(*args, **named)
                 timed[kind].seconds.append((time.perf_counter() - start) / schedule.steps)
         results.update({(name, kind): t for kind, t in timed.items()})
-    return results, refusals, f"{cluster}, hidden share {cluster.hidden_share:.2f} (calibrated)"
+    demand = "-" if cluster.core_demand is None else f"{cluster.core_demand:.2f}"
+    shares = f"hidden share {cluster.hidden_share:.2f}, core demand {demand}"
+    return results, refusals, f"{cluster}, {shares} (calibrated)"
 
 
 def _slowest(per_rank: list[dict[tuple[str, str], Timed]]) -> dict[tuple[str, str], Timed]:

@@ -476,24 +476,31 @@ def _train(
     probe: torch.Tensor | None = None,
 ) -> dict[str, Any]:
     """Two SGD steps of the pipeline ``build`` makes on the batch, when this rank started
-    each gradient all-reduce (over its stage's replicas, or a tied weight's holders) of the
-    second, and with a ``probe``, the trained pipeline's loss and its outputs for ``probe``."""
+    each gradient all-reduce (of the buckets over its stage's replicas, or of a tied weight's
+    holders) of the second, and with a ``probe``, the trained pipeline's loss and its outputs
+    for ``probe``."""
     named = named or {}
     reduced: list[float] = []
-    all_reduce = fxpar.runtime.waiting.all_reduce
+    waiting = fxpar.runtime.waiting
+    originals = {name: getattr(waiting, name) for name in ("all_reduce", "all_reduce_buckets")}
 
-    def recorded(*args: Any, **kwargs: Any) -> Any:
-        reduced.append(time.perf_counter())
-        return all_reduce(*args, **kwargs)
+    def recording(original: Callable[..., Any]) -> Callable[..., Any]:
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            reduced.append(time.perf_counter())
+            return original(*args, **kwargs)
+
+        return recorded
 
     pipelined = build()
-    fxpar.runtime.waiting.all_reduce = recorded
+    for name, original in originals.items():
+        setattr(waiting, name, recording(original))
     try:
         losses = [pipelined.step(*batch, **named)]
         reduced.clear()
         losses.append(pipelined.step(*batch, **named))
     finally:
-        fxpar.runtime.waiting.all_reduce = all_reduce
+        for name, original in originals.items():
+            setattr(waiting, name, original)
     assert pipelined.trace is not None
     outcome = {
         "losses": losses,
