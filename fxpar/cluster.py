@@ -295,7 +295,8 @@ class Cluster:
         """The cluster of a cluster file (:meth:`save`, ``fxpar calibrate --output``), on
         ``mesh_shape`` if given: a mesh of as many axes keeps the file's axis names and
         per-axis links; another one takes the links of the file's last axis on every axis (as
-        a preset gives a one-axis mesh its in-node links)."""
+        a preset gives a one-axis mesh its in-node links). A mesh of another number of devices
+        drops the ``core_demand``, measured for the file's."""
         try:
             document = json.loads(Path(path).read_text())
         except (OSError, ValueError) as error:
@@ -308,6 +309,8 @@ class Cluster:
         saved = Cluster.from_dict(document)
         if mesh_shape is None or tuple(mesh_shape) == saved.mesh_shape:
             return saved
+        if math.prod(mesh_shape) != saved.world_size:  # measured for the file's ranks
+            saved = replace(saved, core_demand=None)
         if len(mesh_shape) == saved.ndim:
             return replace(saved, mesh_shape=tuple(mesh_shape))
         last = [link for link in saved.collective_links if link.axis == saved.ndim - 1]

@@ -8,6 +8,7 @@ import functools
 import math
 import os
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -105,6 +106,13 @@ def test_the_core_demand_goes_to_a_cluster_file_and_back_only_when_set() -> None
     assert fxpar.Cluster.from_dict(cluster.to_dict()) == cluster
     with pytest.raises(FxparError, match="core_demand"):
         fxpar.Cluster.from_dict({"mesh_shape": [2], "core_demand": -1})
+
+
+def test_a_cluster_file_keeps_its_core_demand_only_for_as_many_ranks(tmp_path: Path) -> None:
+    path = fxpar.Cluster((4,), core_demand=1.5).save(tmp_path / "cluster.json")
+    assert fxpar.Cluster.load(path).core_demand == 1.5
+    assert fxpar.Cluster.load(path, (2, 2)).core_demand == 1.5
+    assert fxpar.Cluster.load(path, (2,)).core_demand is None
 
 
 @functools.cache
