@@ -138,14 +138,14 @@ def _check_near_the_line(calibration: object) -> bool:
 
 
 def _late_peer_rank(rank: int, world_size: int) -> dict[str, float]:
-    """Rank 0's time of a one-element all-reduce when rank 1 computes 20 more products than it
+    """Rank 0's time of a one-element all-reduce when rank 1 computes 60 more products than it
     before each run (a peer that reaches the collective late, as on a machine with more ranks
     than cores), started after a barrier ("0") and after compute ("1"); and rank 1's time of
-    those 20 products."""
+    those 60 products (tens of ms: far above a stall of the run after a barrier)."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    buffer, size, extra = torch.zeros(1), 256, 20
+    buffer, size, extra = torch.zeros(1), 256, 60
     found = {}
     for after in (False, True):
         count = 1 + (extra if rank == 1 else 0)

@@ -8,6 +8,7 @@ import dataclasses
 import math
 import statistics
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from fxpar import ir
 from fxpar.errors import DistributedError, FxparError
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.planning.cost import compute_seconds, roofline_seconds
+from fxpar.runtime import op_timing
 from fxpar.runtime.calibration import (
     MIN_SLOWDOWN,
     CalibrationOptions,
@@ -135,6 +137,32 @@ def test_time_ops_times_every_aten_call_in_place_and_the_times_add_up_to_a_step(
             program.graph_module(*inputs)
             steps.append(time.perf_counter() - start)
     assert 0.3 * min(steps) < sum(seconds.values()) < 3 * min(steps)
+
+
+def test_time_ops_scales_the_calls_medians_up_to_the_median_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a clock where every call takes 1 ms and a 5 ms scheduler slice lands on one call in
+    two of three passes (as where ranks outnumber cores), each call's median is 1 ms but the
+    median pass takes 5 ms more than their sum: the calls are scaled up to the pass."""
+    program, inputs = _gpt()
+    calls = sum(
+        node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+        for node in program.graph.nodes
+    )
+    clock = {"now": 0.0, "reads": 0}
+
+    def perf_counter() -> float:
+        run, index = divmod(clock["reads"], calls + 1)  # a pass: its start, then each call
+        clock["reads"] += 1
+        stall = 5e-3 if (run, index) in {(1, 3), (2, 7)} else 0.0
+        clock["now"] += (1e-3 if index else 0.0) + stall
+        return clock["now"]
+
+    monkeypatch.setattr(op_timing, "time", types.SimpleNamespace(perf_counter=perf_counter))
+    timings = time_ops(program, inputs, passes=3)
+    assert sum(t.seconds for t in timings) == pytest.approx(calls * 1e-3 + 5e-3)
+    assert {round(t.seconds, 12) for t in timings} == {round((calls * 1e-3 + 5e-3) / calls, 12)}
 
 
 class _Scaled(torch.nn.Module):
