@@ -18,6 +18,7 @@ import fxpar
 from fxpar.errors import FxparError
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.pipeline import Pipeline, evaluate_split
+from fxpar.pipeline.auto import plan_stages
 from fxpar.pipeline.options import PipelineError
 from fxpar.pipeline.partition import even_split_points
 from fxpar.pipeline.schedule import (
@@ -198,3 +199,19 @@ def test_the_measured_core_demand_lies_between_one_and_the_count() -> None:
         assert measured is not None and 1 <= measured <= counted
     else:
         assert measured == counted
+
+
+@pytest.mark.parametrize(("demand", "stages"), [(None, 1), (1.0, 1), (2.0, 2), (4.0, 4)])
+def test_the_stage_dp_pipelines_deeper_the_more_the_ranks_share_cores(
+    demand: float | None, stages: int
+) -> None:
+    """On four devices of fast links, one stage of four replicas is cheapest where every rank
+    has a core; the more the ranks outnumber the cores, the more a pipeline's idle stages are
+    worth, and the stage DP's choice (over the devices per stage, each priced by its
+    re-priced step) moves to two stages, then four."""
+    cluster = fxpar.Cluster((4,), core_demand=demand, bandwidth=(1e9,))
+    pipeline = Pipeline(stages="auto", microbatches=4)
+    choice = plan_stages(_gpt_program(), cluster, pipeline, optimizer_states=0)
+    assert choice.pipeline.num_stages == stages
+    steps = {outcome.num_stages: outcome.step_time for outcome in choice.degrees}
+    assert choice.step_time == min(step for step in steps.values() if step is not None)
