@@ -215,3 +215,15 @@ def test_the_stage_dp_pipelines_deeper_the_more_the_ranks_share_cores(
     assert choice.pipeline.num_stages == stages
     steps = {outcome.num_stages: outcome.step_time for outcome in choice.degrees}
     assert choice.step_time == min(step for step in steps.values() if step is not None)
+
+
+def _alone(rank: int, world_size: int) -> tuple[float | None, float | None]:
+    torch.set_num_threads(2 * len(os.sched_getaffinity(0)))  # more threads than cores
+    return waiting.core_demand(), measure_core_demand(64, 0.002, warmup=1, repeats=3)
+
+
+@pytest.mark.slow
+def test_a_world_of_one_rank_keeps_the_counted_core_demand() -> None:
+    """One rank of more threads than cores has no peers to leave idle: the count stands."""
+    ((counted, measured),) = spawn(_alone, 1, timeout_s=120)
+    assert counted == pytest.approx(2.0) and measured == counted

@@ -416,9 +416,9 @@ class PipelineModel(Trainer):
         return loss.wait()
 
     def _sync_gradients(self) -> None:
-        """Reduce every gradient kept unreduced (one conversion program and one all-reduce
-        per gradient and group, whatever the number of backward passes) and add it to
-        ``.grad``. A collective: every rank keeps the same steps."""
+        """Reduce every gradient kept unreduced (one conversion program, and the all-reduces
+        of one set of buckets per group, whatever the number of backward passes) and add it
+        to ``.grad``. A collective: every rank keeps the same steps."""
         if not self._unsynced:
             return
         total: dict[str, torch.Tensor] = {}

@@ -31,11 +31,11 @@ def measure_core_demand(size: int, seconds: float, warmup: int, repeats: int) ->
     (blocked in an all-reduce, as a stage waits for a message) than with every rank
     computing; the slowest rank's mean over ``repeats`` runs after ``warmup``, between 1 and
     the count (:func:`fxpar.runtime.waiting.core_demand`). The count where it is at most 1
-    (no rank waits for a core), is unknown, or ``seconds`` is 0. A collective: call it on
-    every rank, as :func:`fxpar.calibrate` does."""
+    (no rank waits for a core), is unknown, or ``seconds`` is 0, and on a world of one rank.
+    A collective: call it on every rank, as :func:`fxpar.calibrate` does."""
     counted = waiting.core_demand()
-    if counted is None or counted <= 1 or seconds <= 0:
-        return counted
+    if counted is None or counted <= 1 or seconds <= 0 or dist.get_world_size() < 2:
+        return counted  # (a world of one rank has no half to leave idle)
     rank, half = dist.get_rank(), dist.get_world_size() // 2
     left = torch.randn(size, size)
     product = torch.empty_like(left)
