@@ -101,7 +101,6 @@ from fxpar.pipeline.stage_programs import (
     StageStep,
     check_same_cut,
 )
-from fxpar.planning.grouping import BUCKET_BYTES
 from fxpar.planning.plan import Plan
 from fxpar.runtime import waiting
 from fxpar.runtime.batches import BatchSignature
@@ -586,7 +585,7 @@ class PipelineModel(Trainer):
         }
         if self._stage_group is not None:
             gradients = [sums[name] for name in self._trainable]
-            waiting.all_reduce_buckets(gradients, self._stage_group, bucket_bytes=BUCKET_BYTES)
+            waiting.all_reduce_buckets(gradients, self._stage_group)
         for name, tied in self._tied.items():
             sums[name] = tied(sums[name])
         return {name: value / count for name, value in sums.items()} if count != 1 else sums

@@ -359,10 +359,10 @@ class StageCostModel:
         times = self._stage_times(stages)
         count, microbatches = len(times), self.pipeline.microbatches
         lists = build_schedule(schedule, count, microbatches)
-        step = objective
+        step, (own, _) = objective, replay(lists, times)
         if schedule == "zb-h1":
             one_f_one_b, _ = replay(build_schedule("1f1b", count, microbatches), times)
-            step -= one_f_one_b - replay(lists, times)[0]
+            step -= one_f_one_b - own
         if shared:
             devices = [math.prod(shape) for _, _, shape in stages]
 
@@ -370,7 +370,7 @@ class StageCostModel:
                 ranks = sum(devices[stage] for stage in computing)
                 return cluster.compute_speedup(ranks / cluster.world_size)
 
-            step -= replay(lists, times)[0] - replay_shared(lists, times, speed)
+            step -= own - replay_shared(lists, times, speed)
         return step
 
     def _stage_times(self, stages: Sequence[tuple[int, int, Shape]]) -> list[StageTimes]:

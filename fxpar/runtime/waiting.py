@@ -53,6 +53,8 @@ import torch
 import torch.distributed as dist
 
 from fxpar.errors import FxparError
+from fxpar.planning.grouping import BUCKET_BYTES
+from fxpar.planning.grouping import buckets as cut_buckets
 
 POLICIES = ("poll", "block")
 POLL_SECONDS = 0.01
@@ -149,26 +151,22 @@ def all_reduce(tensor: torch.Tensor, group: Any = None) -> None:
 
 
 def all_reduce_buckets(
-    tensors: Sequence[torch.Tensor], group: Any = None, *, bucket_bytes: int
+    tensors: Sequence[torch.Tensor], group: Any = None, *, bucket_bytes: int = BUCKET_BYTES
 ) -> None:
     """Sum each of ``tensors`` in place over ``group``, packed into buckets of at most
-    ``bucket_bytes`` (one dtype and device each, in the given order; a larger tensor alone):
-    every bucket's all-reduce is started before the first is waited for, so a step pays a
-    collective's latency, and a wait for the last peer, once a bucket instead of once a
-    tensor. The sums are those of :func:`all_reduce`; every rank must pass tensors of the
-    same shapes, dtypes and order."""
-    buckets: list[list[torch.Tensor]] = []
-    sizes: list[int] = []
-    filling: dict[tuple[torch.dtype, torch.device], int] = {}  # the bucket a kind fills
+    ``bucket_bytes`` (one dtype and device each, in the given order; a larger tensor alone:
+    :func:`fxpar.planning.grouping.buckets`): every bucket's all-reduce is started before the
+    first is waited for, so a step pays a collective's latency, and a wait for the last peer,
+    once a bucket instead of once a tensor. The sums are those of :func:`all_reduce`; every
+    rank must pass tensors of the same shapes, dtypes and order."""
+    kinds: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for tensor in tensors:
-        key = (tensor.dtype, tensor.device)
-        index = filling.get(key)
-        if index is None or sizes[index] + tensor.nbytes > bucket_bytes:
-            index = filling[key] = len(buckets)
-            buckets.append([])
-            sizes.append(0)
-        buckets[index].append(tensor)
-        sizes[index] += tensor.nbytes
+        kinds.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    buckets = [
+        [kind[position] for position in positions]
+        for kind in kinds.values()
+        for positions in cut_buckets([tensor.nbytes for tensor in kind], bucket_bytes)
+    ]
     flats = [torch.cat([member.reshape(-1) for member in bucket]) for bucket in buckets]
     if flats and flats[0].device.type != "cpu" and dist.get_backend(group) == "gloo":
         flats = [flat.cpu() for flat in flats]
