@@ -481,12 +481,15 @@ def _train(
     for ``probe``."""
     named = named or {}
     reduced: list[float] = []
+    bucketed: list[int] = []  # the tensors of each bucketed all-reduce call
     waiting = fxpar.runtime.waiting
     originals = {name: getattr(waiting, name) for name in ("all_reduce", "all_reduce_buckets")}
 
     def recording(original: Callable[..., Any]) -> Callable[..., Any]:
         def recorded(*args: Any, **kwargs: Any) -> Any:
             reduced.append(time.perf_counter())
+            if original is originals["all_reduce_buckets"]:
+                bucketed.append(len(args[0]))
             return original(*args, **kwargs)
 
         return recorded
@@ -497,6 +500,7 @@ def _train(
     try:
         losses = [pipelined.step(*batch, **named)]
         reduced.clear()
+        bucketed.clear()
         losses.append(pipelined.step(*batch, **named))
     finally:
         for name, original in originals.items():
@@ -507,6 +511,8 @@ def _train(
         "parameters": {n: p.detach().clone() for n, p in pipelined.parameters.items()},
         "events": pipelined.trace.events,
         "reduced": reduced,
+        "bucketed": bucketed,
+        "trainable": len(pipelined._trainable),
     }
     if probe is not None:
         outcome["eval_loss"] = pipelined.loss(*batch, **named)
@@ -663,6 +669,9 @@ def test_zero_bubble_pipelines_train_like_one_device_on_gloo(
             if pipeline.data_parallel > 1:
                 last_weight = max(e.end for e in events if e.op == "backward_weight")
                 assert found["reduced"] and min(found["reduced"]) >= last_weight, what
+                # The stage's gradients go to its replicas in one bucketed call, not one
+                # all-reduce a parameter.
+                assert found["bucketed"] == [found["trainable"]], what
         assert held == set(expected["parameters"]), case
 
 
