@@ -20,13 +20,15 @@ import torch
 from conftest import eager_step
 
 import fxpar
-from fxpar import plans
+from fxpar import ir, plans
 from fxpar.cluster import Cluster
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.passes import plan_program
 from fxpar.pipeline import Pipeline, PipelineError, partition, split_program
+from fxpar.pipeline.atoms import Atoms, region
 from fxpar.pipeline.auto import StageChoice, evaluate_split, plan_stages, search_pipelines
 from fxpar.pipeline.options import ScheduleName
+from fxpar.pipeline.stage_costs import StageCostModel
 from fxpar.solvers.stages import StageMemoryError
 
 BATCH = 16
@@ -165,6 +167,32 @@ def test_remat_lowers_the_memory_estimate_and_costs_time() -> None:
     remat = evaluate_split(program, CLUSTER, Pipeline(stages=split, schedule="gpipe", remat=True))
     assert all(r < s for r, s in zip(remat.memory, stash.memory, strict=True))
     assert remat.step_time > stash.step_time
+
+
+@pytest.mark.parametrize("remat", [False, True])
+def test_every_micro_batch_pays_each_calls_overhead_in_full(remat: bool) -> None:
+    """A call's dispatch does not shrink with its share of the batch: on a cluster whose
+    every ATen call costs ``h`` more, a stage of 2 replicas and 4 micro-batches takes ``h``
+    more per call its micro-batch makes (the forward's twice under remat), not ``h / (M d)``.
+    The calls are counted here from the graph, not from the costs."""
+    program = _gpt(2)[3]
+    atoms = Atoms.build(program, ())
+    pipeline = Pipeline(stages="auto", microbatches=4, data_parallel=2, remat=remat)
+    h = 1e-3
+    base = StageCostModel(atoms, Cluster((4,)), pipeline, optimizer_states=0)
+    slow = StageCostModel(atoms, Cluster((4,), op_overhead=h), pipeline, optimizer_states=0)
+    start, stop = 0, atoms.count // 2
+    calls = [
+        node
+        for atom in range(start, stop)
+        for node in atoms.nodes[atom]
+        if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
+    ]
+    forward = [node for node in calls if region(node).phase is not ir.Phase.BACKWARD]
+    assert 0 < len(forward) < len(calls)
+    expected = (len(calls) + (len(forward) if remat else 0)) * h
+    added = slow.cost(start, stop, (2,)).time - base.cost(start, stop, (2,)).time
+    assert added == pytest.approx(expected, rel=1e-9)
 
 
 def test_layer_clustering_caps_the_layers() -> None:

@@ -14,7 +14,7 @@ captured at one micro-batch's shapes (``microbatch=True``, what :func:`fxpar.com
 very program its pipeline runs) is already ``1/M`` of the step: read ``M`` as 1 below, except in
 the once-a-step gradient terms, which stay ``/ M``:
 
-    time   = (T_fwd + T_bwd + [remat] T_fwd) / (M d)                     compute
+    time   = (T_fwd + T_bwd + [remat] T_fwd - O) / (M d) + O             compute
            + allreduce(G, d) / M                                          gradients, once a step
            + [i > 0] (alpha + B_back(i) / (M d) / beta)                   gradients sent back
            + [j < L] (alpha + B_fwd(j) / (M d) / beta)                    activations sent on
@@ -24,18 +24,21 @@ the once-a-step gradient terms, which stay ``/ M``:
            = (B_fwd(i) + A_batch) / (M d)          with remat (only what the stage received)
 
 ``T`` is the roofline time of a node on one device, ``max(flops / F, bytes moved / memory
-bandwidth)`` (:func:`~fxpar.planning.cost.node_seconds`), summed over the range's forward or
-backward nodes; ``G`` the bytes of trainable parameters the range reads (each holder of a tied
-weight counts it), ``S`` of its buffers and frozen parameters; ``A_saved`` the bytes of the forward
-values (batch tensors included, views counted once at their base, parameters not at all) the range's
-backward reads; ``A_batch`` the batch tensors it reads; ``B_fwd(c)`` and ``B_back(c)`` the bytes of
-the values crossing the boundary before atom ``c`` forwards and backwards. ``allreduce`` is
+bandwidth)`` (:func:`~fxpar.planning.cost.node_seconds`, with a calibrated cluster's op
+slowdowns and per-call overhead), summed over the range's forward or backward nodes; ``O`` the
+overhead of the calls in ``T`` (the cluster's ``op_overhead`` a call, the recompute's calls
+again under remat), which every micro-batch on every replica pays in full; ``G`` the bytes of
+trainable parameters the range reads (each holder of a tied weight counts it), ``S`` of its
+buffers and frozen parameters; ``A_saved`` the bytes of the forward values (batch tensors
+included, views counted once at their base, parameters not at all) the range's backward reads;
+``A_batch`` the batch tensors it reads; ``B_fwd(c)`` and ``B_back(c)`` the bytes of the values
+crossing the boundary before atom ``c`` forwards and backwards. ``allreduce`` is
 :func:`fxpar.planning.cost.collective_seconds` (``alpha + 2 (d-1)/d G / beta``) on the innermost
-mesh axis that holds ``d`` consecutive ranks (a stage's replicas are consecutive ranks); sends use
-the slowest axis, which some pair of neighbouring stages may cross. The gradient reduction is
-charged ``1/M`` of it per micro-batch, so it enters the step time once per step for the slowest
-stage. Costs are cached per (atom range, stage mesh shape); data-parallel replicas only read the
-shape's number of devices ``d``.
+mesh axis that holds ``d`` consecutive ranks (a stage's replicas are consecutive ranks); sends
+use the slowest axis, which some pair of neighbouring stages may cross. The gradient reduction
+is charged ``1/M`` of it per micro-batch, so it enters the step time once per step for the
+slowest stage. Costs are cached per (atom range, stage mesh shape); data-parallel replicas only
+read the shape's number of devices ``d``.
 
 **Zero-bubble** (``schedule="zb-h1"``). ``T_w`` is the part of ``T_bwd`` only weight
 gradients need: backward nodes no gradient sent back across an atom boundary depends on, found
@@ -164,6 +167,10 @@ class RangeFacts:
     kept_bytes: int = 0
     """Values of the input-gradient part (B), this range's or received, that the weight part
     (W) reads."""
+    forward_calls: int = 0
+    backward_calls: int = 0
+    """ATen calls of the range's forward and backward nodes: each pays the cluster's
+    ``op_overhead`` per micro-batch, however small its share of the batch."""
 
     @property
     def seconds(self) -> float:
@@ -207,6 +214,7 @@ class StageCostModel:
         self._costs: dict[tuple[int, int, Shape], StageCost] = {}
         self._seconds: dict[tuple[object, int], tuple[float, float, float]] = {}
         self._values: dict[int, _AtomValues] = {}
+        self._call_counts: dict[int, tuple[int, int]] = {}
         self._weights: _WeightSplit | None = None
 
     def with_pipeline(self, pipeline: Pipeline) -> StageCostModel:
@@ -249,11 +257,15 @@ class StageCostModel:
         once per key, and a range unions its atoms' sets of values."""
         atoms = range(start, stop)
         forward_seconds = backward_seconds = weight_seconds = 0.0
+        forward_calls = backward_calls = 0
         for atom in atoms:
             forward, backward, weight = self._atom_seconds(atom, seconds, key)
             forward_seconds += forward
             backward_seconds += backward
             weight_seconds += weight
+            calls = self._calls(atom)
+            forward_calls += calls[0]
+            backward_calls += calls[1]
         read: set[fx.Node] = set().union(*(self._sets(atom).read for atom in atoms))
         saved: set[fx.Node] = set().union(*(self._sets(atom).saved for atom in atoms))
         kept: set[fx.Node] = set().union(*(self._sets(atom).kept for atom in atoms))
@@ -266,7 +278,22 @@ class StageCostModel:
             batch_bytes=sum(nbytes(n) for n in read if n in self.atoms.batch),
             weight_seconds=weight_seconds,
             kept_bytes=sum(nbytes(n) for n in kept),
+            forward_calls=forward_calls,
+            backward_calls=backward_calls,
         )
+
+    def _calls(self, atom: int) -> tuple[int, int]:
+        """How many of one atom's forward and backward nodes call an ATen op (those the cost
+        model charges the cluster's ``op_overhead``: a Cost naming an op)."""
+        found = self._call_counts.get(atom)
+        if found is None:
+            counts = [0, 0]
+            for node in self.atoms.nodes[atom]:
+                cost = ir.get(node, ir.Cost)
+                if cost is not None and cost.op:
+                    counts[self.phases[node] is ir.Phase.BACKWARD] += 1
+            found = self._call_counts[atom] = (counts[0], counts[1])
+        return found
 
     def _atom_seconds(
         self, atom: int, seconds: Callable[[fx.Node], float], key: object
@@ -427,8 +454,13 @@ class StageCostModel:
         ``per_microbatch`` seconds (``share`` times over) beside the compute."""
         pipeline, cluster = self.pipeline, self.cluster
         compute = facts.forward_seconds + facts.backward_seconds + per_microbatch
+        calls = facts.forward_calls + facts.backward_calls
         if pipeline.remat:
             compute += facts.forward_seconds
+            calls += facts.forward_calls
+        # Every call pays its dispatch whatever its share of the batch: that part of the
+        # compute is not divided among micro-batches and replicas.
+        overhead = min(calls * cluster.op_overhead, compute)
         send_bandwidth, send_latency = min(cluster.bandwidth), max(cluster.latency)
         sent = [backward_crossing[start] if start > 0 else 0]
         sent.append(forward_crossing[stop] if stop < self.atoms.count else 0)
@@ -445,7 +477,7 @@ class StageCostModel:
             # the recomputed forward values (at most what the stash would have held).
             activation += (facts.kept_bytes + (facts.saved_bytes if pipeline.remat else 0)) / share
         return StageCost(
-            time=compute / share + per_step / pipeline.microbatches + send,
+            time=(compute - overhead) / share + overhead + per_step / pipeline.microbatches + send,
             static_memory=static,
             activation_memory=float(activation),
         )
