@@ -78,6 +78,10 @@ class Cluster:
     threads they compute with over those cores: above 1 the ranks take turns, and ranks that
     idle (a pipeline's bubble) leave their turns to the others (:meth:`compute_speedup`;
     ``fxpar calibrate`` counts it on CPU, ``None`` where devices compute alone).
+    ``lag_share`` is how far the slowest of such ranks trails the others per second of
+    compute since they last waited for each other, beyond the first ``lag_stretch`` seconds
+    (whose wait the collectives' latency holds): what a collective that synchronises them
+    waits for its last peer (:meth:`lag_seconds`; ``fxpar calibrate`` measures both on CPU).
     :meth:`preset` builds common machines.
     """
 
@@ -94,6 +98,8 @@ class Cluster:
     op_slowdown: tuple[tuple[str, float], ...] = ()
     overlap: float | None = None
     core_demand: float | None = None
+    lag_share: float = 0.0
+    lag_stretch: float = 0.0
 
     # The op every op not in ``op_slowdown`` takes the slowdown of.
     OTHER_OPS = "*"
@@ -168,6 +174,11 @@ class Cluster:
             raise FxparError(
                 f"core_demand must be a finite number > 0, or None; got {self.core_demand!r}"
             )
+        for name in ("lag_share", "lag_stretch"):
+            if not (_finite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise FxparError(
+                    f"{name} must be a finite number >= 0, got {getattr(self, name)!r}"
+                )
 
     @property
     def hidden_share(self) -> float:
@@ -190,6 +201,12 @@ class Cluster:
         if self.core_demand is None or computing <= 0:
             return 1.0
         return min(1.0, 1 / (computing * self.core_demand)) / min(1.0, 1 / self.core_demand)
+
+    def lag_seconds(self, stretch: float) -> float:
+        """How long a collective that every rank waits for waits for the last one after
+        ``stretch`` seconds of compute since the ranks last waited for each other, beyond the
+        wait its latency holds: ``lag_share * max(0, stretch - lag_stretch)``."""
+        return self.lag_share * max(0.0, stretch - self.lag_stretch)
 
     @staticmethod
     def preset(name: str, mesh_shape: tuple[int, ...], **overrides: Any) -> Cluster:
@@ -242,8 +259,8 @@ class Cluster:
 
     def to_dict(self) -> dict[str, Any]:
         """Every field, as JSON writes it (tuples as lists, ``op_slowdown`` as an object);
-        ``collective_links``, ``op_overhead``, ``op_slowdown``, ``overlap`` and ``core_demand``
-        only when set."""
+        ``collective_links``, ``op_overhead``, ``op_slowdown``, ``overlap``, ``core_demand`` and
+        the lag only when set."""
         data = {
             field.name: list(value) if isinstance(value, tuple) else value
             for field in fields(self)
@@ -251,7 +268,7 @@ class Cluster:
         }
         data["collective_links"] = [link.to_dict() for link in self.collective_links]
         data["op_slowdown"] = dict(self.op_slowdown)
-        for name in ("collective_links", "op_overhead", "op_slowdown"):
+        for name in ("collective_links", "op_overhead", "op_slowdown", "lag_share", "lag_stretch"):
             if not data[name]:
                 del data[name]
         for name in ("overlap", "core_demand"):
@@ -296,7 +313,7 @@ class Cluster:
         ``mesh_shape`` if given: a mesh of as many axes keeps the file's axis names and
         per-axis links; another one takes the links of the file's last axis on every axis (as
         a preset gives a one-axis mesh its in-node links). A mesh of another number of devices
-        drops the ``core_demand``, measured for the file's."""
+        drops the ``core_demand`` and the lag, measured for the file's."""
         try:
             document = json.loads(Path(path).read_text())
         except (OSError, ValueError) as error:
@@ -310,7 +327,7 @@ class Cluster:
         if mesh_shape is None or tuple(mesh_shape) == saved.mesh_shape:
             return saved
         if math.prod(mesh_shape) != saved.world_size:  # measured for the file's ranks
-            saved = replace(saved, core_demand=None)
+            saved = replace(saved, core_demand=None, lag_share=0.0, lag_stretch=0.0)
         if len(mesh_shape) == saved.ndim:
             return replace(saved, mesh_shape=tuple(mesh_shape))
         last = [link for link in saved.collective_links if link.axis == saved.ndim - 1]
@@ -536,6 +553,8 @@ _FIELD_KINDS = {
     "op_slowdown": "an object of op names to finite numbers > 0",
     "overlap": "a number from 0 to 1",
     "core_demand": "a finite number > 0",
+    "lag_share": "a finite number >= 0",
+    "lag_stretch": "a finite number >= 0",
 }
 
 
@@ -572,7 +591,7 @@ def _is_json_field(key: str, value: object) -> bool:
             and _positive(link["bandwidth"])
             for link in value
         )
-    if key == "op_overhead":
+    if key in ("op_overhead", "lag_share", "lag_stretch"):
         return _finite(value) and value >= 0  # type: ignore[operator]
     if key == "op_slowdown":
         return isinstance(value, dict) and all(_positive(number) for number in value.values())

@@ -16,6 +16,7 @@ the once-a-step gradient terms, which stay ``/ M``:
 
     time   = (T_fwd + T_bwd + [remat] T_fwd - O) / (M d) + O             compute
            + allreduce(G, d) / M                                          gradients, once a step
+           + W lag(M compute / W) / M                                     waits for slower peers
            + [i > 0] (alpha + B_back(i) / (M d) / beta)                   gradients sent back
            + [j < L] (alpha + B_fwd(j) / (M d) / beta)                    activations sent on
     static = (2 + optimizer_states) G + S   (+ [remat] A_saved / (M d), one recompute at a time)
@@ -37,8 +38,10 @@ crossing the boundary before atom ``c`` forwards and backwards. ``allreduce`` is
 mesh axis that holds ``d`` consecutive ranks (a stage's replicas are consecutive ranks); sends
 use the slowest axis, which some pair of neighbouring stages may cross. The gradient reduction
 is charged ``1/M`` of it per micro-batch, so it enters the step time once per step for the
-slowest stage. Costs are cached per (atom range, stage mesh shape); data-parallel replicas only
-read the shape's number of devices ``d``.
+slowest stage. ``lag`` is :meth:`fxpar.Cluster.lag_seconds` (0 but on ranks that share a host's
+cores) and ``W`` the stage's waits a step: ``M`` for each neighbour it receives from, one more
+for its gradient reduction; ``compute`` is the first line. Costs are cached per (atom range,
+stage mesh shape); data-parallel replicas only read the shape's number of devices ``d``.
 
 **Zero-bubble** (``schedule="zb-h1"``). ``T_w`` is the part of ``T_bwd`` only weight
 gradients need: backward nodes no gradient sent back across an atom boundary depends on, found
@@ -476,11 +479,25 @@ class StageCostModel:
             # From B to W a micro-batch keeps what W reads: the kept values, and under remat
             # the recomputed forward values (at most what the stash would have held).
             activation += (facts.kept_bytes + (facts.saved_bytes if pipeline.remat else 0)) / share
+        per_microbatch_compute = (compute - overhead) / share + overhead
+        lag = self._lag(start, stop, per_microbatch_compute, synchronised=per_step > 0)
         return StageCost(
-            time=(compute - overhead) / share + overhead + per_step / pipeline.microbatches + send,
+            time=per_microbatch_compute + lag + per_step / pipeline.microbatches + send,
             static_memory=static,
             activation_memory=float(activation),
         )
+
+    def _lag(self, start: int, stop: int, compute: float, *, synchronised: bool) -> float:
+        """The wait for a slower peer a micro-batch of the stage pays on ranks that share a
+        host's cores (:meth:`fxpar.Cluster.lag_seconds`), ``compute`` its seconds: the stage
+        waits for its neighbours' messages (before its forward unless it is the first, before
+        its backward unless it is the last) and, ``synchronised``, for its replicas' gradient
+        reduction once a step; a step's compute is shared evenly among those waits."""
+        microbatches = self.pipeline.microbatches
+        waits = microbatches * ((start > 0) + (stop < self.atoms.count)) + synchronised
+        if not waits or not self.cluster.lag_share:
+            return 0.0
+        return waits * self.cluster.lag_seconds(compute * microbatches / waits) / microbatches
 
 
 class PlannedStageCostModel(StageCostModel):

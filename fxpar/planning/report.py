@@ -226,6 +226,7 @@ def report_data(plan: Plan) -> dict[str, Any]:
         "communication_seconds": found.edge_seconds,
         "exposed_seconds": overlap.exposed,
         "hidden_seconds": overlap.hidden,
+        "lag_seconds": found.lag,
         "collectives": len(found.records),
         "collective_bytes": sum(r.bytes for r in found.records),
         "collective_seconds": sum(found.record_seconds),
@@ -297,6 +298,14 @@ def _hidden_line(header: Mapping[str, Any], pad: str) -> list[str]:
     if not share:
         return []
     return [f"{pad}the estimate takes {share:.0%} of it off (the cluster's hidden share)"]
+
+
+def _lag_line(header: Mapping[str, Any], pad: str) -> list[str]:
+    """What the estimate adds for the wait for the slowest rank, where any."""
+    lag = header.get("lag_seconds", 0.0)
+    if not lag:
+        return []
+    return [f"{pad}and {_ms(lag)} ms waiting for the slowest rank (ranks sharing cores drift)"]
 
 
 def _size(nbytes: float) -> str:
@@ -410,8 +419,10 @@ def render_text(data: Mapping[str, Any], width: int = 100) -> str:
         f" and {_ms(header['collective_seconds'])} ms per device,",
         f"{pad}{_ms(header['hidden_seconds'])} ms of it behind compute and "
         f"{_ms(header['exposed_seconds'])} ms exposed: step "
-        f"{_ms(header['compute_seconds'] + header['exposed_seconds'])} ms if overlapped",
+        f"{_ms(header['compute_seconds'] + header['exposed_seconds'] + header['lag_seconds'])}"
+        " ms if overlapped",
         *_hidden_line(header, pad),
+        *_lag_line(header, pad),
         f"memory          {_size(used)} per device of {_size(limit or 0)} allowed{share}:",
         pad + ", ".join(f"{kind} {_size(memory[kind])}" for kind in MEMORY_KINDS),
         f"peak            {_size(header['peak_bytes'])} per device at once (at "

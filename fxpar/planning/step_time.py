@@ -77,6 +77,9 @@ class PricedSchedule:
     """Seconds of the all-to-all exchanges of dispatched mixture-of-experts blocks, by the
     node that runs each (:func:`fxpar.planning.moe_blocks.exchange_seconds`): blocking, and
     outside the schedule (the lowering emits them for those nodes)."""
+    lag: float = 0.0
+    """Seconds the step waits for its slowest rank at the collectives that synchronise the
+    ranks, beyond their latency (:func:`step_lag`)."""
 
     @property
     def records(self) -> tuple[CollectiveRecord, ...]:
@@ -87,8 +90,9 @@ class PricedSchedule:
         """The step as lowered, every collective in full: each op's seconds, every collective
         of the schedule (a gather group's one all-gather, a bucket's one reduction, each with
         its latency) and the exchanges, added up: a plan's estimated step where the cluster
-        hides nothing behind compute (:func:`estimated_step`)."""
-        return sum(self.compute.values()) + sum(self.record_seconds) + sum(self.exchanges.values())
+        hides nothing behind compute (:func:`estimated_step`), and the lag."""
+        collectives = sum(self.record_seconds) + sum(self.exchanges.values())
+        return sum(self.compute.values()) + collectives + self.lag
 
     @property
     def specs(self) -> dict[fx.Node, tuple[Spec | None, ...]]:
@@ -155,7 +159,48 @@ def price_schedule(program: Program, cluster: Cluster, shared: bool = False) -> 
         if work is not None:
             seconds = cost.compute_seconds(work, strategy, cluster)
             compute[node] = seconds * load if node in loaded else seconds
-    return PricedSchedule(schedule, record_seconds, compute, edge_seconds, exchanges)
+    lag = step_lag(program, schedule, compute, exchanges, cluster) if cluster.lag_share else 0.0
+    return PricedSchedule(schedule, record_seconds, compute, edge_seconds, exchanges, lag)
+
+
+def step_lag(
+    program: Program,
+    schedule: CollectiveSchedule,
+    compute: dict[fx.Node, float],
+    exchanges: dict[fx.Node, float],
+    cluster: Cluster,
+) -> float:
+    """What a step waits for its slowest rank beyond its collectives' latency, on ranks that
+    share a host's cores (:meth:`fxpar.Cluster.lag_seconds`): the ranks drift apart while they
+    compute, and catch up where one waits for the others' collective to end. Walking the
+    graph in order, each wait (a conversion by collectives, a gather group's wait, a blocking
+    exchange, and the results' collectives where the step returns) pays the lag of the compute
+    since the last one. A step without collectives never waits for a peer: no lag."""
+    lag = stretch = 0.0
+    gathered: set[int] = set()
+    for node in program.graph.nodes:
+        inputs = schedule.inputs.get(node)
+        if inputs is not None and any([_waits(action, gathered) for action in inputs.actions]):
+            lag, stretch = lag + cluster.lag_seconds(stretch), 0.0
+        if exchanges.get(node):
+            lag, stretch = lag + cluster.lag_seconds(stretch), 0.0
+        stretch += compute.get(node, 0.0)
+    leaving = schedule.leaving
+    if leaving.buckets or any([_waits(action, gathered) for action in leaving.actions]):
+        lag += cluster.lag_seconds(stretch)
+    return lag
+
+
+def _waits(action: Action, gathered: set[int]) -> bool:
+    """Whether ``action`` waits for a collective (noting the gather groups started with
+    one in ``gathered``: every action of a list is to be seen, in order)."""
+    if isinstance(action, StartGather):
+        if action.records:
+            gathered.add(action.group.index)
+        return False
+    if isinstance(action, WaitGather):
+        return action.group.index in gathered
+    return isinstance(action, Reshard) and bool(action.records)
 
 
 def estimated_step(
@@ -192,6 +237,9 @@ class StepOverlap:
     exposed_records: dict[int, float] = field(default_factory=dict)
     """Of ``exposed``, the seconds spent waiting for each collective of the schedule, by
     ``id`` of its record (the rest are the blocking exchanges)."""
+    lag: float = 0.0
+    """Seconds waited for the slowest rank beyond the collectives' time
+    (:attr:`PricedSchedule.lag`): never hidden."""
 
     @property
     def hidden(self) -> float:
@@ -200,8 +248,8 @@ class StepOverlap:
 
     @property
     def step(self) -> float:
-        """The step's time: its compute and the waits."""
-        return self.compute + self.exposed
+        """The step's time: its compute and the waits, the lag's too."""
+        return self.compute + self.exposed + self.lag
 
 
 class _Clocks:
@@ -284,6 +332,7 @@ def step_overlap(priced: PricedSchedule, nodes: list[fx.Node]) -> StepOverlap:
         communication=sum(priced.record_seconds) + sum(priced.exchanges.values()),
         exposed=clocks.exposed,
         exposed_records=dict(clocks.exposed_records),
+        lag=priced.lag,
     )
 
 

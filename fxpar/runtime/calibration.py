@@ -45,7 +45,9 @@ What it times (:class:`CalibrationOptions` sets the sizes and repeats):
   matrices, a 1 GiB copy).
 - On CPU, where the world's threads outnumber this host's cores, a stretch of products on half
   the ranks while the others wait, and on all at once: how much faster the half computes is
-  the cluster's :attr:`~fxpar.cluster.Cluster.core_demand` (:mod:`fxpar.runtime.core_sharing`).
+  the cluster's :attr:`~fxpar.cluster.Cluster.core_demand`; and how much longer a collective
+  waits for its last peer after a long stretch of compute than after the wait's short one:
+  ``lag_share`` (:mod:`fxpar.runtime.core_sharing`).
 
 Each operation runs ``warmup`` times untimed, then ``repeats`` times. A collective starts each
 run after a barrier of its own process group (the wait's all-reduce after compute too); local
@@ -81,11 +83,11 @@ from fxpar.cluster import COLLECTIVE_KINDS, Cluster, CollectiveLink
 from fxpar.errors import DistributedError, FxparError
 from fxpar.ir.program import Program
 from fxpar.planning.cost import collective_seconds, collective_share, roofline_seconds
-from fxpar.runtime import waiting
+from fxpar.runtime import core_sharing, waiting
 from fxpar.runtime.communicators import ProcessGroupCommunicator
-from fxpar.runtime.core_sharing import measure_core_demand
 from fxpar.runtime.devices import for_collective, rank_device, synchronize
 from fxpar.runtime.op_timing import OpTiming, time_ops
+from fxpar.runtime.text_table import columns, rate_text, seconds_text
 
 logger = logging.getLogger(__name__)
 
@@ -134,6 +136,9 @@ class CalibrationOptions:
     """How long the stretches of compute that measure the cluster's ``core_demand`` on CPU
     take with every rank computing: about a pipeline stage's forward or backward
     (:func:`~fxpar.runtime.core_sharing.measure_core_demand`); 0 counts it instead."""
+    drift_seconds: float = 0.1
+    """How long the stretch of compute that measures the cluster's ``lag_share`` on CPU takes
+    (:func:`~fxpar.runtime.core_sharing.measure_lag`); 0 measures none."""
     overlap: bool = True
     """Also measure how much of an all-reduce compute running beside it hides (the module
     docstring), and set the cluster's :attr:`~fxpar.cluster.Cluster.overlap` to it."""
@@ -190,8 +195,11 @@ class CalibrationOptions:
             raise FxparError(f"attempts must be >= 1, got {self.attempts}")
         if self.compute_before < 0:
             raise FxparError(f"compute_before must be >= 0, got {self.compute_before}")
-        if not self.idle_seconds >= 0:
-            raise FxparError(f"idle_seconds must be >= 0, got {self.idle_seconds}")
+        if not (self.idle_seconds >= 0 and self.drift_seconds >= 0):
+            raise FxparError(
+                "idle_seconds and drift_seconds must be >= 0, got "
+                f"{self.idle_seconds} and {self.drift_seconds}"
+            )
         if not 0 <= self.quantile <= 1:
             raise FxparError(f"quantile must lie in [0, 1], got {self.quantile}")
 
@@ -253,31 +261,37 @@ class Calibration:
         clusters = (self.given, self.cluster)
         fields: list[tuple[str, ...]] = [("field", given, "calibrated")]
         for axis, name in enumerate(self.cluster.axis_names):
-            fields.append((f"latency {name}", *(_seconds(c.latency[axis]) for c in clusters)))
+            fields.append((f"latency {name}", *(seconds_text(c.latency[axis]) for c in clusters)))
             fields.append(
-                (f"bandwidth {name}", *(_rate(c.bandwidth[axis], "B/s") for c in clusters))
+                (f"bandwidth {name}", *(rate_text(c.bandwidth[axis], "B/s") for c in clusters))
             )
         for link in self.cluster.collective_links:
             name = f"{link.kind} {self.cluster.axis_names[link.axis]}"
-            fields.append((f"latency {name}", "-", _seconds(link.latency)))
-            fields.append((f"bandwidth {name}", "-", _rate(link.bandwidth, "B/s")))
-        fields.append(("flops", *(_rate(c.flops, "FLOP/s") for c in clusters)))
-        fields.append(("memory_bandwidth", *(_rate(c.memory_bandwidth, "B/s") for c in clusters)))
+            fields.append((f"latency {name}", "-", seconds_text(link.latency)))
+            fields.append((f"bandwidth {name}", "-", rate_text(link.bandwidth, "B/s")))
+        fields.append(("flops", *(rate_text(c.flops, "FLOP/s") for c in clusters)))
+        fields.append(
+            ("memory_bandwidth", *(rate_text(c.memory_bandwidth, "B/s") for c in clusters))
+        )
         fields.append(("hidden share", *(f"{c.hidden_share:.2f}" for c in clusters)))
+        demands = ("-" if c.core_demand is None else f"{c.core_demand:.2f}" for c in clusters)
+        fields.append(("core demand", *demands))
+        lags = (f"{c.lag_share:.3f} after {seconds_text(c.lag_stretch)}" for c in clusters)
+        fields.append(("lag share", *lags))
         timings: list[tuple[str, ...]] = [("operation", "bytes", "measured", "model")]
         for timing in self.timings:
             measured, model = timing.seconds, timing.model_seconds(self.cluster)
             timings.append(
                 (
                     timing.label(self.cluster),
-                    _rate(timing.nbytes, "B"),
-                    _seconds(measured),
-                    _seconds(model),
+                    rate_text(timing.nbytes, "B"),
+                    seconds_text(measured),
+                    seconds_text(model),
                 )
             )
-        tables = [_columns(fields), _columns(timings)]
+        tables = [columns(fields), columns(timings)]
         if self.ops:
-            tables.append(_columns(self._op_rows()))
+            tables.append(columns(self._op_rows()))
         return "\n\n".join(tables)
 
     def _op_rows(self) -> list[tuple[str, ...]]:
@@ -293,7 +307,7 @@ class Calibration:
         rows: list[tuple[str, ...]] = [("op", "calls", "measured", "model", "slowdown")]
         for op, (calls, measured, model) in sorted(totals.items(), key=lambda kv: -kv[1][1]):
             slowdown = slowdowns.get(op)
-            rows.append((op, str(int(calls)), _seconds(measured), _seconds(model),
+            rows.append((op, str(int(calls)), seconds_text(measured), seconds_text(model),
                          "-" if slowdown is None else f"{slowdown:.2f}"))  # fmt: skip
         return rows
 
@@ -366,10 +380,7 @@ def measure(
     )  # fmt: skip
     fitted = fit(cluster, timings)
     if device.type == "cpu":
-        demand = measure_core_demand(
-            options.matmul_size, options.idle_seconds, options.warmup, options.repeats
-        )
-        fitted = replace(fitted, core_demand=demand)
+        fitted = replace(fitted, **core_sharing.measure(options))
     if options.overlap:
         share = _overlap(fitted, device_mesh, communicator, options, device, timings)
         if share is not None:
@@ -792,28 +803,3 @@ def _compute_before(options: CalibrationOptions, device: torch.device) -> Callab
         synchronize(device)
 
     return compute
-
-
-def _seconds(value: float) -> str:
-    if value >= 1e-3:
-        return f"{value * 1e3:.2f} ms"
-    return f"{value * 1e6:.1f} us"
-
-
-def _rate(value: float, unit: str) -> str:
-    for scale, prefix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
-        if value >= scale:
-            return f"{value / scale:.3g} {prefix}{unit}"
-    return f"{value:.3g} {unit}"
-
-
-def _columns(rows: Sequence[tuple[str, ...]]) -> str:
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = [
-        "  ".join(
-            cell.ljust(w) if i == 0 else cell.rjust(w)
-            for i, (cell, w) in enumerate(zip(row, widths, strict=True))
-        )
-        for row in rows
-    ]
-    return "\n".join(line.rstrip() for line in lines)

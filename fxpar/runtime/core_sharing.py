@@ -11,17 +11,100 @@ sped up by their idling). On four single-threaded processes on two cores, half t
 computed a stretch 1.0x, 1.4x and 1.7x as fast as all of them at once for stretches of about
 1, 7 and 40 ms. :func:`measure_core_demand` measures it on stretches of the length a
 pipeline's forwards and backwards take.
+
+Sharing cores also makes the ranks drift apart: each gets its turns on a core at other times,
+so after a stretch of compute that is the same work on every rank, some are done before the
+others, and a collective that synchronises them waits for the last. On four processes on two
+cores a one-element all-reduce after 2, 10, 50 and 94 ms of products waited 2.1, 4.2, 5.8 and
+13.8 ms (a pair of ranks about as long as all four); on two processes on two cores about 1-2.5
+ms whatever the stretch. The wait calibration adds to every collective's latency is the one
+after a short stretch; :func:`measure_lag` measures how much it grows with the stretch
+(:attr:`fxpar.Cluster.lag_share`, :meth:`~fxpar.Cluster.lag_seconds`).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from fxpar.runtime import waiting
+
+if TYPE_CHECKING:
+    from fxpar.runtime.calibration import CalibrationOptions
+
+
+def measure(options: CalibrationOptions) -> dict[str, Any]:
+    """The cluster fields that describe how the world's ranks share this host's cores, as
+    :func:`fxpar.calibrate` sets them on CPU: ``core_demand`` (:func:`measure_core_demand`,
+    on stretches of ``options.idle_seconds``), ``lag_share`` and ``lag_stretch``
+    (:func:`measure_lag`, from ``options.compute_before`` products to stretches of
+    ``options.drift_seconds``). A collective: call it on every rank."""
+    size, warmup, repeats = options.matmul_size, options.warmup, options.repeats
+    share, stretch = measure_lag(size, options.compute_before, options.drift_seconds, warmup,
+                                 repeats)  # fmt: skip
+    return {
+        "core_demand": measure_core_demand(size, options.idle_seconds, warmup, repeats),
+        "lag_share": share,
+        "lag_stretch": stretch,
+    }
+
+
+def _products(size: int) -> tuple[Any, Any]:
+    """A function that computes ``n`` products of two ``size``-square matrices and returns
+    its seconds, and the seconds one product takes (with every rank computing: the ranks agree
+    on the fastest's, so that a count of products for a stretch is the same on every rank)."""
+    left = torch.randn(size, size)
+    product = torch.empty_like(left)
+
+    def stretch(products: int) -> float:
+        start = time.perf_counter()
+        for _ in range(products):
+            torch.mm(left, left, out=product)
+        return time.perf_counter() - start
+
+    dist.barrier()
+    one = torch.tensor([stretch(4) / 4], dtype=torch.float64)
+    dist.all_reduce(one, op=dist.ReduceOp.MIN)
+    return stretch, float(one)
+
+
+def measure_lag(
+    size: int, short: int, seconds: float, warmup: int, repeats: int
+) -> tuple[float, float]:
+    """``(lag_share, lag_stretch)``: how many seconds longer a one-element all-reduce of the
+    world waits for its last peer per second more of compute before it, from ``short``
+    products of two ``size``-square matrices (the stretch after which calibration times the
+    wait that every collective's latency holds; its seconds are ``lag_stretch``) to as many as
+    take ``seconds``; every rank computes the same stretch after a barrier, then waits. The
+    ranks' mean wait over ``repeats`` runs after ``warmup`` (what a step waits beyond the
+    mean rank's compute). ``(0, 0)`` where no rank waits for a core (the count is at most 1
+    or unknown), ``seconds`` is 0, or on a world of one rank. A collective."""
+    counted = waiting.core_demand()
+    if counted is None or counted <= 1 or seconds <= 0 or dist.get_world_size() < 2:
+        return 0.0, 0.0
+    stretch, one = _products(size)
+    long = max(short + 1, round(seconds / one))
+    means = []
+    for products in (short, long):
+        computed, waited = [], []
+        for run in range(warmup + repeats):
+            dist.barrier()
+            took = stretch(products)
+            start = time.perf_counter()
+            waiting.all_reduce(torch.zeros(1), None)
+            if run >= warmup:
+                computed.append(took)
+                waited.append(time.perf_counter() - start)
+        means += [statistics.mean(computed), statistics.mean(waited)]
+    summed = torch.tensor(means, dtype=torch.float64)
+    dist.all_reduce(summed)
+    short_stretch, short_wait, long_stretch, long_wait = (summed / dist.get_world_size()).tolist()
+    share = (long_wait - short_wait) / (long_stretch - short_stretch)
+    return max(share, 0.0), short_stretch
 
 
 def measure_core_demand(size: int, seconds: float, warmup: int, repeats: int) -> float | None:
@@ -37,19 +120,8 @@ def measure_core_demand(size: int, seconds: float, warmup: int, repeats: int) ->
     if counted is None or counted <= 1 or seconds <= 0 or dist.get_world_size() < 2:
         return counted  # (a world of one rank has no half to leave idle)
     rank, half = dist.get_rank(), dist.get_world_size() // 2
-    left = torch.randn(size, size)
-    product = torch.empty_like(left)
-
-    def stretch(products: int) -> float:
-        start = time.perf_counter()
-        for _ in range(products):
-            torch.mm(left, left, out=product)
-        return time.perf_counter() - start
-
-    dist.barrier()
-    count = torch.tensor([max(1, round(seconds / (stretch(4) / 4)))])
-    dist.all_reduce(count, op=dist.ReduceOp.MAX)  # every rank computes as many
-    products = int(count)
+    stretch, one = _products(size)
+    products = max(1, round(seconds / one))  # as many on every rank
 
     together, apart = [], []
     for run in range(warmup + repeats):
