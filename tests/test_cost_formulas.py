@@ -24,6 +24,8 @@ ILP's plan flip from replicated to data parallel at a bandwidth derived the same
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch import nn
@@ -348,14 +350,66 @@ def test_estimate_is_the_lowered_step_with_each_collective_at_its_hand_formula(
         HAND_FORMULA[record.kind](record.bytes, mesh[record.axis], links[record.axis])
         for record in lowered
     )
-    compute = sum(price_schedule(plan.program, cluster).compute.values())
-    assert plan.estimate == pytest.approx(compute + communication, rel=1e-9)
+    priced = price_schedule(plan.program, cluster, optimizer_states=plan.options.optimizer_states)
+    compute = sum(priced.compute.values())
+    outside = priced.update + priced.copies  # pinned by the two tests below
+    assert plan.estimate == pytest.approx(compute + communication + outside, rel=1e-9)
     assert f"estimated step  {plan.estimate * 1e3:.3f} ms" in plan.report()
     if manual is plans.fully_sharded:
         gathered = [n for n in plan.program.placeholders() if n in plan.program.signature.gradients]
         gathers = [record for record in lowered if record.kind == "all_gather"]
         assert len(gathers) < len(gathered)
         assert plan.estimate < plan.solution.objective
+
+
+# Bytes each pass of an update reads and writes, per parameter byte: SGD's one add, SGD with
+# momentum's multiply and two adds, AdamW's eight passes (torch.optim's one-parameter loop).
+UPDATE_TRAFFIC = {0: 3, 1: 8, 2: 20}
+
+
+@pytest.mark.parametrize("states", [0, 1, 2])
+@pytest.mark.parametrize(("manual", "split"), [(plans.data_parallel, 1), (plans.fully_sharded, 2)])
+def test_the_update_moves_each_pieces_bytes_through_the_optimizers_passes(
+    states: int, manual: object, split: int
+) -> None:
+    """The optimizer's update of a plan: every trainable parameter's piece (the whole of it
+    under data parallelism, half of a split one under full sharding on 2 devices) read and
+    written by the optimizer's passes at the memory bandwidth; on a calibrated cluster each
+    pass is also one call's overhead, at its op's slowdown."""
+    cluster = Cluster((2,), memory_bandwidth=10e9)
+    options = fxpar.PlanOptions(optimizer_states=states)
+    plan = plan_program(tiny_gpt_program(), cluster, manual=manual, options=options)
+    pieces = []
+    for name in plan.program.signature.gradients:
+        node = plan.program.placeholders()[name]
+        (spec,) = ir.require(node, Sharding).strategy.outputs
+        numel = math.prod(ir.require(node, ir.ValueMeta).tensor.shape)
+        pieces.append(4 * numel // (split if any(isinstance(p, Shard) for p in spec) else 1))
+    assert split == 1 or min(pieces) < max(pieces)  # some parameters are split
+    priced = price_schedule(plan.program, cluster, optimizer_states=states)
+    assert priced.update == pytest.approx(UPDATE_TRAFFIC[states] * sum(pieces) / 10e9)
+    assert price_schedule(plan.program, cluster).update == 0.0  # no optimizer given
+    if states == 0:
+        slow = Cluster((2,), memory_bandwidth=10e9, op_overhead=1e-6, op_slowdown={"aten.add": 2.0})
+        calls = len(pieces)
+        expected = calls * 1e-6 + 2.0 * 3 * sum(pieces) / 10e9
+        assert price_schedule(plan.program, slow, optimizer_states=0).update == pytest.approx(
+            expected
+        )
+
+
+def test_data_parallelism_packs_every_gradient_into_a_bucket_once() -> None:
+    """Each bucket of results is copied into one buffer before its all-reduce: under data
+    parallelism every gradient, whole, and the loss (4 bytes, summed over the replicas), once
+    (read and written at the memory bandwidth)."""
+    cluster = Cluster((2,), memory_bandwidth=10e9)
+    plan = plan_program(tiny_gpt_program(), cluster, manual=plans.data_parallel)
+    weights = sum(
+        4 * math.prod(ir.require(plan.program.placeholders()[name], ir.ValueMeta).tensor.shape)
+        for name in plan.program.signature.gradients
+    )
+    expected = 2 * (weights + LOSS_BYTES) / 10e9
+    assert price_schedule(plan.program, cluster).copies == pytest.approx(expected)
 
 
 def test_the_estimate_takes_the_clusters_hidden_share_of_the_overlapped_communication() -> None:
@@ -367,7 +421,8 @@ def test_the_estimate_takes_the_clusters_hidden_share_of_the_overlapped_communic
     for overlap in (0.0, 0.5, 1.0):
         cluster = Cluster((2,), bandwidth=(1e9,), latency=(30e-6,), overlap=overlap)
         plan = plan_program(tiny_gpt_program(), cluster, manual=plans.fully_sharded)
-        priced = price_schedule(plan.program, cluster)
+        states = plan.options.optimizer_states
+        priced = price_schedule(plan.program, cluster, optimizer_states=states)
         walked = step_overlap(priced, list(plan.program.graph.nodes))
         assert walked.hidden > 0.1 * walked.communication  # the gathers run ahead
         estimates[overlap] = plan.estimate

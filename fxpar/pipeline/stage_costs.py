@@ -15,7 +15,7 @@ very program its pipeline runs) is already ``1/M`` of the step: read ``M`` as 1 
 the once-a-step gradient terms, which stay ``/ M``:
 
     time   = (T_fwd + T_bwd + [remat] T_fwd - O) / (M d) + O             compute
-           + allreduce(G, d) / M                                          gradients, once a step
+           + (allreduce(G, d) + [d > 1] pack(G) + update(G)) / M          gradients, once a step
            + W lag(M compute / W) / M                                     waits for slower peers
            + [i > 0] (alpha + B_back(i) / (M d) / beta)                   gradients sent back
            + [j < L] (alpha + B_fwd(j) / (M d) / beta)                    activations sent on
@@ -42,6 +42,9 @@ slowest stage. ``lag`` is :meth:`fxpar.Cluster.lag_seconds` (0 but on ranks that
 cores) and ``W`` the stage's waits a step: ``M`` for each neighbour it receives from, one more
 for its gradient reduction; ``compute`` is the first line. Costs are cached per (atom range,
 stage mesh shape); data-parallel replicas only read the shape's number of devices ``d``.
+``pack`` is the copy of the gradients into the reduction's buckets and back
+(:func:`~fxpar.planning.cost.copy_seconds`), ``update`` the optimizer's update of the stage's
+parameters (:func:`~fxpar.planning.cost.update_seconds`, of ``optimizer_states``).
 
 **Zero-bubble** (``schedule="zb-h1"``). ``T_w`` is the part of ``T_bwd`` only weight
 gradients need: backward nodes no gradient sent back across an atom boundary depends on, found
@@ -119,8 +122,10 @@ from fxpar.pipeline.options import ZERO_BUBBLE_SCHEDULES, Pipeline, PipelineErro
 from fxpar.pipeline.schedule import StageTimes, build_schedule, replay, replay_shared
 from fxpar.planning.cost import (
     collective_seconds,
+    copy_seconds,
     node_seconds,
     saved_for_backward,
+    update_seconds,
     value_bytes,
 )
 from fxpar.planning.grouping import BUCKET_BYTES, Bucketed, cut_buckets
@@ -174,6 +179,9 @@ class RangeFacts:
     backward_calls: int = 0
     """ATen calls of the range's forward and backward nodes: each pays the cluster's
     ``op_overhead`` per micro-batch, however small its share of the batch."""
+    update_seconds: float = 0.0
+    """The optimizer's update of the range's trainable parameters (their pieces on a device),
+    once a step (:func:`fxpar.planning.cost.update_seconds`)."""
 
     @property
     def seconds(self) -> float:
@@ -283,6 +291,11 @@ class StageCostModel:
             kept_bytes=sum(nbytes(n) for n in kept),
             forward_calls=forward_calls,
             backward_calls=backward_calls,
+            update_seconds=sum(
+                update_seconds(nbytes(n), self.optimizer_states, self.cluster)
+                for n in read
+                if n in self.atoms.trainable
+            ),
         )
 
     def _calls(self, atom: int) -> tuple[int, int]:
@@ -433,6 +446,9 @@ class StageCostModel:
         reduce = collective_seconds(
             "all_reduce", facts.trainable_bytes, devices, bandwidth, latency
         )
+        if devices > 1:  # packed into buckets and copied back (waiting.all_reduce_buckets)
+            reduce += copy_seconds(facts.trainable_bytes, self.cluster)
+            reduce += copy_seconds(facts.trainable_bytes, self.cluster, "aten.copy")
         atoms = self.atoms
         return self._price(
             start, stop, facts, atoms.forward_crossing, atoms.backward_crossing,
@@ -481,6 +497,7 @@ class StageCostModel:
             activation += (facts.kept_bytes + (facts.saved_bytes if pipeline.remat else 0)) / share
         per_microbatch_compute = (compute - overhead) / share + overhead
         lag = self._lag(start, stop, per_microbatch_compute, synchronised=per_step > 0)
+        per_step += facts.update_seconds  # the optimizer's, once a step
         return StageCost(
             time=per_microbatch_compute + lag + per_step / pipeline.microbatches + send,
             static_memory=static,

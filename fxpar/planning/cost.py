@@ -17,6 +17,10 @@ all price work and memory here, so that they never disagree on what a plan costs
   is sharded, or an output is partial); replicated work is done in full. On a cluster with
   per-op speeds (:func:`fxpar.calibrate_ops`) an ATen op then takes its overhead plus its
   slowdown times that (:meth:`fxpar.Cluster.op_seconds`).
+- Outside the graph, a step runs the optimizer's update of every trainable parameter's piece
+  (:func:`update_seconds`: the elementwise passes of fxpar's SGD or AdamW, each an ATen op
+  priced as above) and the lowering packs each bucket of gradients, and each gathered group of
+  parameters, into one buffer (:func:`copy_seconds`).
 
 **Memory.**
 
@@ -202,6 +206,40 @@ def value_bytes(value: ir.ValueMeta, specs: Sequence[Spec | None], cluster: Clus
         for meta, spec in zip(value.outputs, specs, strict=True)
         if meta is not None and spec is not None
     )
+
+
+UPDATE_PASSES: dict[int, tuple[tuple[str, int, int], ...]] = {
+    # p.add_(g, alpha=-lr)
+    0: (("aten.add", 2, 1),),
+    # buf.mul_(momentum).add_(g); p.add_(buf, alpha=-lr)
+    1: (("aten.mul", 1, 1), ("aten.add", 2, 1), ("aten.add", 2, 1)),
+    # p.mul_(1 - lr wd); m.lerp_(g); v.mul_(b2).addcmul_(g, g); d = (v.sqrt() / c).add_(eps);
+    # p.addcdiv_(m, d)
+    2: (
+        ("aten.mul", 1, 1), ("aten.lerp", 2, 1), ("aten.mul", 1, 1), ("aten.addcmul", 2, 1),
+        ("aten.sqrt", 1, 1), ("aten.div", 1, 1), ("aten.add", 1, 1), ("aten.addcdiv", 3, 1),
+    ),
+}  # fmt: skip
+"""The elementwise passes of an optimizer update by its count of state tensors, as torch.optim
+runs fxpar's optimizers one parameter at a time (:mod:`fxpar.optim`: SGD without and with
+momentum, AdamW): per pass, its ATen op and how many parameter-sized tensors it reads and
+writes. An optimizer of more states is priced as AdamW plus one pass per further state."""
+
+
+def update_seconds(nbytes: float, optimizer_states: int, cluster: Cluster) -> float:
+    """The optimizer update of a trainable parameter whose piece on a device holds ``nbytes``:
+    each of its :data:`UPDATE_PASSES` an ATen call (its overhead) moving its tensors' bytes at
+    the op's speed on ``cluster`` (:meth:`fxpar.Cluster.op_seconds`)."""
+    passes = UPDATE_PASSES[min(optimizer_states, 2)]
+    passes += (("aten.mul", 1, 1),) * max(optimizer_states - 2, 0)
+    moved = nbytes / cluster.memory_bandwidth
+    return sum(cluster.op_seconds(op, (reads + writes) * moved) for op, reads, writes in passes)
+
+
+def copy_seconds(nbytes: float, cluster: Cluster, op: str = "aten.cat") -> float:
+    """One call of ``op`` that reads ``nbytes`` and writes as many (the lowering packing a
+    bucket's tensors into one buffer, or cutting a gathered buffer back into its tensors)."""
+    return cluster.op_seconds(op, 2 * nbytes / cluster.memory_bandwidth)
 
 
 def parameter_memory(nbytes: float, trainable: bool, optimizer_states: int) -> dict[str, float]:

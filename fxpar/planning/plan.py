@@ -88,8 +88,10 @@ class Plan:
         (:func:`~fxpar.planning.step_time.estimated_step`). The solver chose the plan by
         ``solution.objective``, which prices the same ops but each edge's conversion on its
         own (a parameter's all-gather with a latency of its own, where the lowering gathers a
-        layer's parameters in one; docs/planning.md, "The solver's price and the estimate")."""
-        priced = price_schedule(self.program, self.cluster)
+        layer's parameters in one; docs/planning.md, "The solver's price and the estimate").
+        The optimizer's update of the plan's ``options.optimizer_states`` is in it."""
+        states = self.options.optimizer_states
+        priced = price_schedule(self.program, self.cluster, optimizer_states=states)
         nodes = list(self.program.graph.nodes)
         return estimated_step(priced, nodes, self.cluster.hidden_share)
 

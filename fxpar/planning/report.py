@@ -135,7 +135,8 @@ def report_data(plan: Plan) -> dict[str, Any]:
     order), ``devices`` (memory per rank) and ``no_rule`` (ops without a sharding rule, which
     run replicated, with their node counts). Every number is per device."""
     program, cluster = plan.program, plan.cluster
-    found = price_schedule(program, cluster, shared=plan.layout.shares)
+    states = plan.options.optimizer_states
+    found = price_schedule(program, cluster, shared=plan.layout.shares, optimizer_states=states)
     names = {node: name for name, node in program.placeholders().items()}
     inputs = set(program.signature.inputs)
     # Random inputs sit in the layer of the module that draws them, counted like activations.
@@ -227,6 +228,8 @@ def report_data(plan: Plan) -> dict[str, Any]:
         "exposed_seconds": overlap.exposed,
         "hidden_seconds": overlap.hidden,
         "lag_seconds": found.lag,
+        "update_seconds": found.update,
+        "copy_seconds": found.copies,
         "collectives": len(found.records),
         "collective_bytes": sum(r.bytes for r in found.records),
         "collective_seconds": sum(found.record_seconds),
@@ -301,11 +304,19 @@ def _hidden_line(header: Mapping[str, Any], pad: str) -> list[str]:
 
 
 def _lag_line(header: Mapping[str, Any], pad: str) -> list[str]:
-    """What the estimate adds for the wait for the slowest rank, where any."""
+    """What the estimate adds for the wait for the slowest rank, and what of its compute is
+    outside the graph's ops, where any."""
+    lines = []
     lag = header.get("lag_seconds", 0.0)
-    if not lag:
-        return []
-    return [f"{pad}and {_ms(lag)} ms waiting for the slowest rank (ranks sharing cores drift)"]
+    if lag:
+        lines.append(f"{pad}and {_ms(lag)} ms waiting for the slowest rank (ranks share cores)")
+    update, copies = header.get("update_seconds", 0.0), header.get("copy_seconds", 0.0)
+    if update or copies:
+        lines.append(
+            f"{pad}outside the ops: the optimizer's update {_ms(update)} ms, packing buckets "
+            f"{_ms(copies)} ms"
+        )
+    return lines
 
 
 def _size(nbytes: float) -> str:
@@ -408,18 +419,22 @@ def render_text(data: Mapping[str, Any], width: int = 100) -> str:
     used = header["memory_bytes"]
     share = f" ({100 * used / limit:.1f}%)" if limit else ""
     pad = " " * 16
+    lag = header.get("lag_seconds", 0.0)
+    # The optimizer's update and the buckets' copies: compute outside the graph's ops.
+    outside = header.get("update_seconds", 0.0) + header.get("copy_seconds", 0.0)
     lines = [
         f"plan: {header['solver']}, {header['status']}{gap}, on {header['cluster']}",
         f"estimated step  {_ms(header['estimated_seconds'])} ms: compute "
         f"{_ms(header['compute_seconds'])} ms + communication "
-        f"{_ms(header['estimated_seconds'] - header['compute_seconds'])} ms as lowered",
+        f"{_ms(header['estimated_seconds'] - header['compute_seconds'] - outside)} ms as lowered"
+        + (f" + update and copies {_ms(outside)} ms" if outside else ""),
         f"solver's price  {_ms(header['objective_seconds'])} ms: communication "
         f"{_ms(header['communication_seconds'])} ms priced edge by edge",
         f"collectives     {header['collectives']} as lowered, {_size(header['collective_bytes'])}"
         f" and {_ms(header['collective_seconds'])} ms per device,",
         f"{pad}{_ms(header['hidden_seconds'])} ms of it behind compute and "
         f"{_ms(header['exposed_seconds'])} ms exposed: step "
-        f"{_ms(header['compute_seconds'] + header['exposed_seconds'] + header['lag_seconds'])}"
+        f"{_ms(header['compute_seconds'] + outside + header['exposed_seconds'] + lag)}"
         " ms if overlapped",
         *_hidden_line(header, pad),
         *_lag_line(header, pad),

@@ -33,6 +33,7 @@ and docs/planning.md says how they compare with measured steps.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -80,6 +81,13 @@ class PricedSchedule:
     lag: float = 0.0
     """Seconds the step waits for its slowest rank at the collectives that synchronise the
     ranks, beyond their latency (:func:`step_lag`)."""
+    copies: float = 0.0
+    """Seconds the lowering spends packing each bucket of results and each gathered group of
+    parameters into one buffer, and cutting a gathered buffer of several back into them
+    (:func:`fxpar.planning.cost.copy_seconds`)."""
+    update: float = 0.0
+    """Seconds of the optimizer's update of this device's pieces of the trainable parameters
+    (:func:`fxpar.planning.cost.update_seconds`; 0 where the optimizer was not given)."""
 
     @property
     def records(self) -> tuple[CollectiveRecord, ...]:
@@ -90,9 +98,15 @@ class PricedSchedule:
         """The step as lowered, every collective in full: each op's seconds, every collective
         of the schedule (a gather group's one all-gather, a bucket's one reduction, each with
         its latency) and the exchanges, added up: a plan's estimated step where the cluster
-        hides nothing behind compute (:func:`estimated_step`), and the lag."""
+        hides nothing behind compute (:func:`estimated_step`), the lag, the lowering's copies
+        and the optimizer's update."""
         collectives = sum(self.record_seconds) + sum(self.exchanges.values())
-        return sum(self.compute.values()) + collectives + self.lag
+        return self.compute_seconds + collectives + self.lag
+
+    @property
+    def compute_seconds(self) -> float:
+        """The device's own work: its ops, the lowering's copies and the optimizer's update."""
+        return sum(self.compute.values()) + self.copies + self.update
 
     @property
     def specs(self) -> dict[fx.Node, tuple[Spec | None, ...]]:
@@ -100,10 +114,13 @@ class PricedSchedule:
         return self.schedule.specs
 
 
-def price_schedule(program: Program, cluster: Cluster, shared: bool = False) -> PricedSchedule:
+def price_schedule(
+    program: Program, cluster: Cluster, shared: bool = False, optimizer_states: int | None = None
+) -> PricedSchedule:
     """The collective schedule of ``program``'s chosen strategies on ``cluster``, priced;
     ``shared``: a conversion several consumers share is priced once in ``edge_seconds``, as the
-    problem of the plan priced it (:attr:`fxpar.planning.problem.Layout.shares`)."""
+    problem of the plan priced it (:attr:`fxpar.planning.problem.Layout.shares`);
+    ``optimizer_states``: the update of an optimizer of so many states is priced too."""
     mesh = cluster.mesh_shape
     schedule = schedule_program(program, mesh)
     record_seconds = tuple(
@@ -160,7 +177,37 @@ def price_schedule(program: Program, cluster: Cluster, shared: bool = False) -> 
             seconds = cost.compute_seconds(work, strategy, cluster)
             compute[node] = seconds * load if node in loaded else seconds
     lag = step_lag(program, schedule, compute, exchanges, cluster) if cluster.lag_share else 0.0
-    return PricedSchedule(schedule, record_seconds, compute, edge_seconds, exchanges, lag)
+    update = 0.0
+    if optimizer_states is not None:
+        placeholders = program.placeholders()
+        for name in program.signature.gradients:
+            node = placeholders[name]
+            held = specs[node][0]
+            assert held is not None
+            piece = cost.local_bytes(ir.require(node, ir.ValueMeta).tensor, held, cluster)
+            update += cost.update_seconds(piece, optimizer_states, cluster)
+    copies = _copy_seconds(schedule, cluster)
+    return PricedSchedule(
+        schedule, record_seconds, compute, edge_seconds, exchanges, lag, copies, update
+    )
+
+
+def _copy_seconds(schedule: CollectiveSchedule, cluster: Cluster) -> float:
+    """What the lowering copies to run ``schedule``'s bucketed collectives: each bucket of
+    results packed into one buffer, each gathered group's pieces too, and a gathered buffer of
+    several parameters cut back into them (:mod:`fxpar.lowering.collective_calls`)."""
+    seconds = sum(
+        cost.copy_seconds(sum(member.nbytes for member in bucket.members), cluster)
+        for bucket in schedule.leaving.buckets
+    )
+    for group in schedule.gathers.groups:
+        if not group.axes:
+            continue
+        seconds += cost.copy_seconds(group.nbytes, cluster)
+        if len(group.members) > 1:
+            gathered = group.nbytes * math.prod(schedule.mesh[axis] for axis in group.axes)
+            seconds += cost.copy_seconds(gathered, cluster, "aten.clone")
+    return seconds
 
 
 def step_lag(
@@ -328,7 +375,7 @@ def step_overlap(priced: PricedSchedule, nodes: list[fx.Node]) -> StepOverlap:
     run(leaving.actions)
     clocks.wait(*max(ends, key=lambda end: end[0], default=(0.0, None)))
     return StepOverlap(
-        compute=sum(priced.compute.values()),
+        compute=priced.compute_seconds,
         communication=sum(priced.record_seconds) + sum(priced.exchanges.values()),
         exposed=clocks.exposed,
         exposed_records=dict(clocks.exposed_records),
