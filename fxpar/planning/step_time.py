@@ -24,6 +24,10 @@ compute. It assumes a collective in flight slows no op down, which holds where t
 engines of their own (GPUs); on CPU processes whose collectives share the cores with the ops,
 the hidden part is partly paid for in slower ops.
 
+Three terms sit outside the walk and are added to the step: the lowering's copies into and out
+of its buckets, the optimizer's update (given its count of states), and on ranks that share a
+host's cores the wait for the slowest rank at each synchronising collective (:func:`step_lag`).
+
 The ILP keeps pricing every collective in full (its objective stays linear, one term per edge):
 the exposed part of a collective depends on the compute scheduled between its start and its
 wait, which depends on the plan of every op in between, a product of decisions. Pricing in full
