@@ -291,7 +291,8 @@ class StageCostModel:
             kept_bytes=sum(nbytes(n) for n in kept),
             forward_calls=forward_calls,
             backward_calls=backward_calls,
-            update_seconds=sum(
+            # fsum: the same seconds whatever order the set gives its values in.
+            update_seconds=math.fsum(
                 update_seconds(nbytes(n), self.optimizer_states, self.cluster)
                 for n in read
                 if n in self.atoms.trainable
