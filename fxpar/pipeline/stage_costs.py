@@ -447,9 +447,9 @@ class StageCostModel:
         reduce = collective_seconds(
             "all_reduce", facts.trainable_bytes, devices, bandwidth, latency
         )
-        if devices > 1:  # packed into buckets and copied back (waiting.all_reduce_buckets)
-            reduce += copy_seconds(facts.trainable_bytes, self.cluster)
-            reduce += copy_seconds(facts.trainable_bytes, self.cluster, "aten.copy")
+        if devices > 1:
+            # Packed into buckets and copied back (waiting.all_reduce_buckets).
+            reduce += 2 * copy_seconds(facts.trainable_bytes, self.cluster)
         atoms = self.atoms
         return self._price(
             start, stop, facts, atoms.forward_crossing, atoms.backward_crossing,

@@ -210,7 +210,7 @@ def _copy_seconds(schedule: CollectiveSchedule, cluster: Cluster) -> float:
         seconds += cost.copy_seconds(group.nbytes, cluster)
         if len(group.members) > 1:
             gathered = group.nbytes * math.prod(schedule.mesh[axis] for axis in group.axes)
-            seconds += cost.copy_seconds(gathered, cluster, "aten.clone")
+            seconds += cost.copy_seconds(gathered, cluster)
     return seconds
 
 
