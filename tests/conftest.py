@@ -19,7 +19,7 @@ from torch import nn
 
 import fxpar
 from fxpar.ir.capture import batch_tensors
-from fxpar.models import gpt_loss
+from fxpar.models import GPT, GPTConfig, gpt_loss
 
 settings.register_profile(
     "ci", derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow]
@@ -50,6 +50,15 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 def on_test_device(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """``tensors`` on :data:`TEST_DEVICE`."""
     return [tensor.to(TEST_DEVICE) for tensor in tensors]
+
+
+def tiny_gpt_program(n_layer: int = 2, batch: int = 8) -> fxpar.Program:
+    """fxpar's GPT of ``n_layer`` blocks (32 features, 4 heads, 64 tokens, 16 positions) with
+    seed-0 weights, captured on ``batch`` rows of random tokens that are its targets too."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=n_layer, n_embd=32, n_head=4, vocab_size=64, block_size=16))
+    tokens = torch.randint(0, 64, (batch, 16))
+    return fxpar.capture(model, (tokens,), gpt_loss, example_targets=(tokens,))
 
 
 @pytest.fixture(autouse=True)

@@ -28,13 +28,13 @@ import math
 
 import pytest
 import torch
+from conftest import tiny_gpt_program
 from torch import nn
 from torch.distributed.tensor import Partial, Replicate, Shard
 
 import fxpar
 from fxpar import ir, plans
 from fxpar.cluster import Cluster, CollectiveLink
-from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.passes import plan_program
 from fxpar.pipeline import Pipeline, evaluate_split
 from fxpar.planning.collective_schedule import Reshard, StartGather
@@ -246,13 +246,6 @@ def test_parameters_read_again_by_the_backward_are_gathered_twice() -> None:
 
 
 # -- the plan report prices what the ILP prices ------------------------------------------------
-
-
-def tiny_gpt_program() -> fxpar.Program:
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size=16))
-    tokens = torch.randint(0, 64, (8, 16))
-    return fxpar.capture(model, (tokens,), gpt_loss, example_targets=(tokens,))
 
 
 SCHEDULED = {

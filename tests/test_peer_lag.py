@@ -16,11 +16,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_gpt_program
 
 import fxpar
 from fxpar import plans
 from fxpar.errors import FxparError
-from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.passes import plan_program
 from fxpar.pipeline import Pipeline
 from fxpar.pipeline.atoms import Atoms
@@ -36,10 +36,7 @@ LAG = {"lag_share": 0.5, "lag_stretch": 0.0}
 
 @functools.cache
 def _program() -> fxpar.Program:
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=64, block_size=16))
-    tokens = torch.randint(0, 64, (16, 16))
-    return fxpar.capture(model, (tokens,), gpt_loss, example_targets=(tokens,))
+    return tiny_gpt_program(batch=16)
 
 
 def _planned(manual: object, cluster: fxpar.Cluster) -> fxpar.Program:

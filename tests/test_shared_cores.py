@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import tiny_gpt_program
 
 import fxpar
 from fxpar.errors import FxparError
-from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.pipeline import Pipeline, evaluate_split
 from fxpar.pipeline.auto import plan_stages
 from fxpar.pipeline.options import PipelineError
@@ -118,10 +118,7 @@ def test_a_cluster_file_keeps_its_core_demand_only_for_as_many_ranks(tmp_path: P
 
 @functools.cache
 def _gpt_program() -> fxpar.Program:
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=4, n_embd=32, n_head=4, vocab_size=64, block_size=16))
-    tokens = torch.randint(0, 64, (16, 16))
-    return fxpar.capture(model, (tokens,), gpt_loss, example_targets=(tokens,))
+    return tiny_gpt_program(n_layer=4, batch=16)
 
 
 def _pipeline_step(demand: float | None, schedule: str = "1f1b") -> float:
