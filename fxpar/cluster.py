@@ -175,10 +175,9 @@ class Cluster:
                 f"core_demand must be a finite number > 0, or None; got {self.core_demand!r}"
             )
         for name in ("lag_share", "lag_stretch"):
-            if not (_finite(getattr(self, name)) and getattr(self, name) >= 0):
-                raise FxparError(
-                    f"{name} must be a finite number >= 0, got {getattr(self, name)!r}"
-                )
+            value = getattr(self, name)
+            if not (_finite(value) and value >= 0):
+                raise FxparError(f"{name} must be a finite number >= 0, got {value!r}")
 
     @property
     def hidden_share(self) -> float:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -53,7 +54,7 @@ def measure(options: CalibrationOptions) -> dict[str, Any]:
     }
 
 
-def _products(size: int) -> tuple[Any, Any]:
+def _products(size: int) -> tuple[Callable[[int], float], float]:
     """A function that computes ``n`` products of two ``size``-square matrices and returns
     its seconds, and the seconds one product takes (with every rank computing: the ranks agree
     on the fastest's, so that a count of products for a stretch is the same on every rank)."""
