@@ -27,7 +27,8 @@ collective the lowering runs in full, the figure ``fxpar plan`` prints as "estim
 stage DP's for the pipeline); *price* the solver's objective for the same plan, communication
 priced edge by edge (``plan.solution.objective``, "solver's price"); *measured* is the median
 over ``--rounds`` rounds of the slowest rank's time per step, after ``--warmup`` untimed
-steps. In each round every plan of the model
+steps (by default enough that every program runs the copy fxpar runs in training,
+:mod:`fxpar.runtime.fastcall`). In each round every plan of the model
 runs ``--steps`` steps in turn, so a slow period of the machine hits all of them; each round
 starts one plan later than the one before, so that no plan always runs after the same one. *tau* is
 Kendall's tau-b between the estimated and the measured order of one model's plans (1: the same
@@ -75,6 +76,7 @@ from fxpar.planning.peak_memory import peak_memory
 from fxpar.planning.plan import ChosenStrategies
 from fxpar.planning.problem import PlanOptions
 from fxpar.planning.step_time import price_schedule, step_overlap
+from fxpar.runtime import fastcall
 from fxpar.runtime.calibration import CalibrationOptions
 from fxpar.runtime.launch import spawn
 from fxpar.testing.memory import rank_peaks
@@ -345,7 +347,11 @@ def main() -> int:
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--warmup", type=int, default=3)
+    # Enough untimed steps that every program of a plan runs its fast copy when timed (fxpar
+    # makes it after COPY_AFTER_CALLS calls): before it, a data-parallel Llama step on world 4
+    # took 5% longer, and a pipeline, whose stage programs run once per micro-batch, reached
+    # its copy in half the steps, so the intra-op rows were timed slow and the pipeline's not.
+    parser.add_argument("--warmup", type=int, default=fastcall.COPY_AFTER_CALLS + 1)
     parser.add_argument("--no-memory", action="store_true", help="skip the memory table")
     parser.add_argument("--no-time", action="store_true", help="skip the step time table")
     parser.add_argument(

@@ -313,6 +313,7 @@ def test_a_kind_of_collective_with_no_line_through_its_points_is_timed_again() -
         ({"check_bytes": 8 * 2**20}, "must be below large_bytes"),
         ({"copy_bytes": 2}, "copy_bytes=2 holds not even one"),
         ({"repeats": 0}, "repeats >= 1"),
+        ({"idle_repeats": 0}, "idle_repeats >= 1"),
         ({"quantile": 1.5}, "quantile must lie in"),
         ({"compute_before": -1}, "compute_before must be >= 0"),
     ],

@@ -136,6 +136,12 @@ class CalibrationOptions:
     """How long the stretches of compute that measure the cluster's ``core_demand`` on CPU
     take with every rank computing: about a pipeline stage's forward or backward
     (:func:`~fxpar.runtime.core_sharing.measure_core_demand`); 0 counts it instead."""
+    idle_repeats: int = 60
+    """How many runs of those stretches (each with every rank computing, then with half) the
+    core demand is the mean over: a stretch of a few milliseconds gets its share of a core in
+    scheduler slices of about that length, so one run's speed swings widely (over 15 runs the
+    demand of four processes on two cores spread 1.14-1.65 between calibrations, over 60
+    1.37-1.56); 60 runs take about a second."""
     drift_seconds: float = 0.1
     """How long the stretch of compute that measures the cluster's ``lag_share`` on CPU takes
     (:func:`~fxpar.runtime.core_sharing.measure_lag`); 0 measures none."""
@@ -186,10 +192,10 @@ class CalibrationOptions:
             raise FxparError(f"local_seconds must be >= 0, got {self.local_seconds}")
         if self.op_passes < 1:
             raise FxparError(f"op_passes must be >= 1, got {self.op_passes}")
-        if self.matmul_size < 1 or self.warmup < 0 or self.repeats < 1:
+        if self.matmul_size < 1 or self.warmup < 0 or min(self.repeats, self.idle_repeats) < 1:
             raise FxparError(
-                f"need matmul_size >= 1, warmup >= 0 and repeats >= 1, got {self.matmul_size}, "
-                f"{self.warmup} and {self.repeats}"
+                "need matmul_size >= 1, warmup >= 0, repeats >= 1 and idle_repeats >= 1, got "
+                f"{self.matmul_size}, {self.warmup}, {self.repeats} and {self.idle_repeats}"
             )
         if self.attempts < 1:
             raise FxparError(f"attempts must be >= 1, got {self.attempts}")

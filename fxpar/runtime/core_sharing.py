@@ -41,14 +41,16 @@ if TYPE_CHECKING:
 def measure(options: CalibrationOptions) -> dict[str, Any]:
     """The cluster fields that describe how the world's ranks share this host's cores, as
     :func:`fxpar.calibrate` sets them on CPU: ``core_demand`` (:func:`measure_core_demand`,
-    on stretches of ``options.idle_seconds``), ``lag_share`` and ``lag_stretch``
-    (:func:`measure_lag`, from ``options.compute_before`` products to stretches of
-    ``options.drift_seconds``). A collective: call it on every rank."""
+    on ``options.idle_repeats`` stretches of ``options.idle_seconds``), ``lag_share`` and
+    ``lag_stretch`` (:func:`measure_lag`, from ``options.compute_before`` products to
+    stretches of ``options.drift_seconds``). A collective: call it on every rank."""
     size, warmup, repeats = options.matmul_size, options.warmup, options.repeats
     share, stretch = measure_lag(size, options.compute_before, options.drift_seconds, warmup,
                                  repeats)  # fmt: skip
     return {
-        "core_demand": measure_core_demand(size, options.idle_seconds, warmup, repeats),
+        "core_demand": measure_core_demand(
+            size, options.idle_seconds, warmup, options.idle_repeats
+        ),
         "lag_share": share,
         "lag_stretch": stretch,
     }
