@@ -31,8 +31,9 @@ steps (by default enough that every program runs the copy fxpar runs in training
 :mod:`fxpar.runtime.fastcall`). In each round every plan of the model
 runs ``--steps`` steps in turn, so a slow period of the machine hits all of them; each round
 starts one plan later than the one before, so that no plan always runs after the same one. *tau* is
-Kendall's tau-b between the estimated and the measured order of one model's plans (1: the same
-order); *ilp/fastest* is the ILP's measured step over the fastest measured plan's, among the
+Kendall's tau-b between the estimated and the measured order of one model's distinct plans (1:
+the same order; a plan kind whose plan is an earlier kind's, strategy for strategy, such as an
+ILP that chose data parallelism, is timed and shown but counted once); *ilp/fastest* is the ILP's measured step over the fastest measured plan's, among the
 plans that train the single-device step (the CNN's pipeline, whose BatchNorm normalises each
 micro-batch by its own statistics, is timed and estimated but left out of it). *pick/fastest*
 is the same for the plan the estimates choose between the ILP's and the pipeline (the one
@@ -67,7 +68,7 @@ import torch
 import torch.distributed as dist
 
 import fxpar
-from fxpar import plans
+from fxpar import ir, plans
 from fxpar.errors import FxparError
 from fxpar.passes import plan_program
 from fxpar.pipeline import Pipeline, evaluate_split
@@ -79,6 +80,7 @@ from fxpar.planning.step_time import price_schedule, step_overlap
 from fxpar.runtime import fastcall
 from fxpar.runtime.calibration import CalibrationOptions
 from fxpar.runtime.launch import spawn
+from fxpar.sharding import Sharding
 from fxpar.testing.memory import rank_peaks
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -118,6 +120,9 @@ class Timed:
     """The estimate with communication behind compute taken off (:func:`step_overlap`)."""
     price: float
     """The solver's objective for the plan (the pipeline's: its estimate)."""
+    same_as: str = ""
+    """The plan kind listed before this one whose plan this is, strategy for strategy (the
+    ILP's plan is often data parallelism's): one plan timed twice, counted once in tau."""
     exact: bool = True
     """Whether the plan trains the single-device step (a pipeline of a model with BatchNorm
     normalises each micro-batch by its own statistics: a different step)."""
@@ -178,6 +183,7 @@ def _compiled(
     compiled: dict[str, tuple[Steppable, Timed]] = {}
     refused = {}
     optimizer = fxpar.optim.SGD(lr=1e-3)
+    strategies: dict[tuple[str, ...], str] = {}
     for kind, manual in PLANS.items():
         try:
             parallel = fxpar.compile(
@@ -187,7 +193,11 @@ def _compiled(
             plan = parallel.plan
             nodes = list(plan.program.graph.nodes)
             overlap = step_overlap(price_schedule(plan.program, cluster), nodes)
-            compiled[kind] = (parallel, Timed(plan.estimate, overlap.step, plan.solution.objective))
+            timed = Timed(plan.estimate, overlap.step, plan.solution.objective)
+            chosen = tuple(str(ir.get(node, Sharding)) for node in nodes)
+            timed.same_as = strategies.get(chosen, "")
+            strategies.setdefault(chosen, kind)
+            compiled[kind] = (parallel, timed)
         except FxparError as error:
             refused[kind] = str(error).splitlines()[0]
     try:
@@ -203,7 +213,7 @@ def _compiled(
             optimizer=optimizer, pipeline=pipeline,
         )  # fmt: skip
         exact = not pipelined.semantics.notes
-        compiled[PIPELINE] = (pipelined, Timed(estimate, estimate, estimate, exact))
+        compiled[PIPELINE] = (pipelined, Timed(estimate, estimate, estimate, exact=exact))
     except FxparError as error:
         refused[PIPELINE] = str(error).splitlines()[0]
     args, named = _batch_args(inputs, targets)
@@ -273,6 +283,15 @@ def kendall_tau(xs: Sequence[float], ys: Sequence[float]) -> float:
     return (concordant - discordant) / denominator if denominator else float("nan")
 
 
+def plan_tau(rows: dict[str, Timed]) -> float:
+    """Kendall's tau-b between one model's estimated and measured order of its distinct plans
+    (a plan that is another's, strategy for strategy, left out: its pairs with the others
+    would count each ordering of that plan twice, and its measured difference from its twin
+    is the measurement's noise)."""
+    distinct = [t for t in rows.values() if not t.same_as]
+    return kendall_tau([t.estimate for t in distinct], [t.measured for t in distinct])
+
+
 def _time_table(world: int, results: dict[tuple[str, str], Timed], models: Sequence[str],
                 refusals: dict[tuple[str, str], str]) -> list[float]:  # fmt: skip
     """Print one world's rows; return each row's estimate / measured."""
@@ -282,7 +301,7 @@ def _time_table(world: int, results: dict[tuple[str, str], Timed], models: Seque
         if not rows:
             continue
         fastest = _fastest(rows)
-        tau = kendall_tau([t.estimate for t in rows.values()], [t.measured for t in rows.values()])
+        tau = plan_tau(rows)
         ilp = rows["ilp"].measured / fastest if "ilp" in rows else float("nan")
         for kind in KINDS:
             if kind not in rows:
@@ -292,6 +311,8 @@ def _time_table(world: int, results: dict[tuple[str, str], Timed], models: Seque
             t = rows[kind]
             ratios.append(t.estimate / t.measured)
             mark = "fastest" if t.measured == fastest else ""
+            if t.same_as:
+                mark = " ".join(filter(None, (mark, f"{t.same_as}'s plan: one plan in tau")))
             if not t.exact:
                 mark = "not the one-device step: left out of ilp/fastest"
             cells = (f"{t.estimate * 1e3:.1f}", f"{t.measured * 1e3:.1f}",
@@ -390,8 +411,7 @@ def _time_tables(args: argparse.Namespace, schedule: Schedule) -> None:
         for name in args.models:
             rows = {k: results[name, k] for k in KINDS if (name, k) in results}
             if len(rows) > 1:
-                taus.append(kendall_tau([t.estimate for t in rows.values()],
-                                        [t.measured for t in rows.values()]))  # fmt: skip
+                taus.append(plan_tau(rows))
             if "ilp" in rows:
                 ilps.append(rows["ilp"].measured / _fastest(rows))
                 picks.append(rows[_pick(rows)].measured / _fastest(rows))
