@@ -249,6 +249,7 @@ def _measure_world(
                 timed[kind].seconds.append((time.perf_counter() - start) / schedule.steps)
         results.update({(name, kind): t for kind, t in timed.items()})
     demand = "-" if cluster.core_demand is None else f"{cluster.core_demand:.2f}"
+    demand += f" after {cluster.core_delay * 1e3:.1f} ms"
     lag = f"{cluster.lag_share:.3f} after {cluster.lag_stretch * 1e3:.1f} ms"
     shares = f"hidden share {cluster.hidden_share:.2f}, core demand {demand}, lag share {lag}"
     return results, refusals, f"{cluster}, {shares} (calibrated)"

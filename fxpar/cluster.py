@@ -77,7 +77,9 @@ class Cluster:
     ``core_demand`` is, for ranks that are processes of one host sharing its cores, the
     threads they compute with over those cores: above 1 the ranks take turns, and ranks that
     idle (a pipeline's bubble) leave their turns to the others (:meth:`compute_speedup`;
-    ``fxpar calibrate`` counts it on CPU, ``None`` where devices compute alone).
+    ``fxpar calibrate`` measures it on CPU, ``None`` where devices compute alone), after
+    ``core_delay`` seconds at the speed of all (the scheduler takes a slice or so to hand a
+    rank the cores its peers left).
     ``lag_share`` is how far the slowest of such ranks trails the others per second of
     compute since they last waited for each other, beyond the first ``lag_stretch`` seconds
     (whose wait the collectives' latency holds): what a collective that synchronises them
@@ -98,6 +100,7 @@ class Cluster:
     op_slowdown: tuple[tuple[str, float], ...] = ()
     overlap: float | None = None
     core_demand: float | None = None
+    core_delay: float = 0.0
     lag_share: float = 0.0
     lag_stretch: float = 0.0
 
@@ -174,7 +177,7 @@ class Cluster:
             raise FxparError(
                 f"core_demand must be a finite number > 0, or None; got {self.core_demand!r}"
             )
-        for name in ("lag_share", "lag_stretch"):
+        for name in ("core_delay", "lag_share", "lag_stretch"):
             value = getattr(self, name)
             if not (_finite(value) and value >= 0):
                 raise FxparError(f"{name} must be a finite number >= 0, got {value!r}")
@@ -258,8 +261,8 @@ class Cluster:
 
     def to_dict(self) -> dict[str, Any]:
         """Every field, as JSON writes it (tuples as lists, ``op_slowdown`` as an object);
-        ``collective_links``, ``op_overhead``, ``op_slowdown``, ``overlap``, ``core_demand`` and
-        the lag only when set."""
+        ``collective_links``, ``op_overhead``, ``op_slowdown``, ``overlap``, the core sharing
+        and the lag only when set."""
         data = {
             field.name: list(value) if isinstance(value, tuple) else value
             for field in fields(self)
@@ -267,7 +270,9 @@ class Cluster:
         }
         data["collective_links"] = [link.to_dict() for link in self.collective_links]
         data["op_slowdown"] = dict(self.op_slowdown)
-        for name in ("collective_links", "op_overhead", "op_slowdown", "lag_share", "lag_stretch"):
+        optional = ("collective_links", "op_overhead", "op_slowdown", "core_delay", "lag_share",
+                    "lag_stretch")  # fmt: skip
+        for name in optional:
             if not data[name]:
                 del data[name]
         for name in ("overlap", "core_demand"):
@@ -312,7 +317,7 @@ class Cluster:
         ``mesh_shape`` if given: a mesh of as many axes keeps the file's axis names and
         per-axis links; another one takes the links of the file's last axis on every axis (as
         a preset gives a one-axis mesh its in-node links). A mesh of another number of devices
-        drops the ``core_demand`` and the lag, measured for the file's."""
+        drops the core sharing and the lag, measured for the file's."""
         try:
             document = json.loads(Path(path).read_text())
         except (OSError, ValueError) as error:
@@ -326,7 +331,7 @@ class Cluster:
         if mesh_shape is None or tuple(mesh_shape) == saved.mesh_shape:
             return saved
         if math.prod(mesh_shape) != saved.world_size:  # measured for the file's ranks
-            saved = replace(saved, core_demand=None, lag_share=0.0, lag_stretch=0.0)
+            saved = replace(saved, core_demand=None, core_delay=0.0, lag_share=0.0, lag_stretch=0.0)
         if len(mesh_shape) == saved.ndim:
             return replace(saved, mesh_shape=tuple(mesh_shape))
         last = [link for link in saved.collective_links if link.axis == saved.ndim - 1]
@@ -552,6 +557,7 @@ _FIELD_KINDS = {
     "op_slowdown": "an object of op names to finite numbers > 0",
     "overlap": "a number from 0 to 1",
     "core_demand": "a finite number > 0",
+    "core_delay": "a finite number >= 0",
     "lag_share": "a finite number >= 0",
     "lag_stretch": "a finite number >= 0",
 }
@@ -590,7 +596,7 @@ def _is_json_field(key: str, value: object) -> bool:
             and _positive(link["bandwidth"])
             for link in value
         )
-    if key in ("op_overhead", "lag_share", "lag_stretch"):
+    if key in ("op_overhead", "core_delay", "lag_share", "lag_stretch"):
         return _finite(value) and value >= 0  # type: ignore[operator]
     if key == "op_slowdown":
         return isinstance(value, dict) and all(_positive(number) for number in value.values())

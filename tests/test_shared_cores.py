@@ -30,7 +30,7 @@ from fxpar.pipeline.schedule import (
     replay_shared,
 )
 from fxpar.runtime import waiting
-from fxpar.runtime.core_sharing import measure_core_demand
+from fxpar.runtime.core_sharing import fit_core_sharing, measure_core_sharing
 from fxpar.runtime.launch import spawn
 
 
@@ -70,6 +70,21 @@ def test_a_stage_computing_alone_runs_at_its_own_speed_as_worked_by_hand() -> No
     assert replay(lists, times)[0] == pytest.approx(9.0)
 
 
+def test_a_set_that_starts_computing_gets_its_speed_after_the_delay_as_worked_by_hand() -> None:
+    """The same step with a delay of 0.25: each stretch of one stage alone first runs 0.25 at
+    the speed of all. F0 alone: 0.25 at 1, then 0.75 at 2: 0.625. F1 beside stage 1's F0
+    (speed 1, no delay to pay): 1.625. B0 alone: 0.25 at 1, 1.75 at 2: 2.75. F1 beside B0:
+    3.75. B1 beside B0's last 1: 4.75. Stage 1's B1 alone (a new set): 0.25 at 1, 0.75 at 2:
+    5.375. Stage 0's B1 alone (another set): 0.25 at 1, 1.75 at 2: 6.5."""
+    lists = build_schedule("1f1b", 2, 2)
+    times = [StageTimes(1.0, 1.0, 1.0)] * 2
+    speed = lambda computing: 2.0 if len(computing) == 1 else 1.0  # noqa: E731
+    assert replay_shared(lists, times, speed, delay=0.25) == pytest.approx(6.5)
+    # A delay longer than every stretch leaves no speedup at all.
+    assert replay_shared(lists, times, speed, delay=10.0) == pytest.approx(9.0)
+    assert replay_shared(lists, times, speed, delay=0.0) == pytest.approx(6.0)
+
+
 def test_the_shared_replay_refuses_what_cannot_run() -> None:
     times = [StageTimes(1.0, 1.0, 1.0)] * 2
     with pytest.raises(PipelineError, match="speed"):
@@ -101,19 +116,71 @@ def test_a_bad_core_demand_is_named(demand: object) -> None:
         fxpar.Cluster((2,), core_demand=demand)  # type: ignore[arg-type]
 
 
-def test_the_core_demand_goes_to_a_cluster_file_and_back_only_when_set() -> None:
-    assert "core_demand" not in fxpar.Cluster((2,)).to_dict()
-    cluster = fxpar.Cluster((4,), core_demand=1.5)
+@pytest.mark.parametrize("delay", [-1e-3, math.nan, math.inf, "0.1"])
+def test_a_bad_core_delay_is_named(delay: object) -> None:
+    with pytest.raises(FxparError, match="core_delay"):
+        fxpar.Cluster((2,), core_demand=1.5, core_delay=delay)  # type: ignore[arg-type]
+
+
+def test_the_core_sharing_goes_to_a_cluster_file_and_back_only_when_set() -> None:
+    written = fxpar.Cluster((2,)).to_dict()
+    assert "core_demand" not in written and "core_delay" not in written
+    cluster = fxpar.Cluster((4,), core_demand=1.5, core_delay=0.003)
     assert fxpar.Cluster.from_dict(cluster.to_dict()) == cluster
     with pytest.raises(FxparError, match="core_demand"):
         fxpar.Cluster.from_dict({"mesh_shape": [2], "core_demand": -1})
+    with pytest.raises(FxparError, match="core_delay"):
+        fxpar.Cluster.from_dict({"mesh_shape": [2], "core_delay": -1})
 
 
-def test_a_cluster_file_keeps_its_core_demand_only_for_as_many_ranks(tmp_path: Path) -> None:
-    path = fxpar.Cluster((4,), core_demand=1.5).save(tmp_path / "cluster.json")
-    assert fxpar.Cluster.load(path).core_demand == 1.5
+def test_a_cluster_file_keeps_its_core_sharing_only_for_as_many_ranks(tmp_path: Path) -> None:
+    path = fxpar.Cluster((4,), core_demand=1.5, core_delay=0.003).save(tmp_path / "c.json")
+    assert fxpar.Cluster.load(path).core_delay == 0.003
     assert fxpar.Cluster.load(path, (2, 2)).core_demand == 1.5
-    assert fxpar.Cluster.load(path, (2,)).core_demand is None
+    other = fxpar.Cluster.load(path, (2,))
+    assert other.core_demand is None and other.core_delay == 0.0
+
+
+@pytest.mark.parametrize(
+    ("together", "alone", "counted", "expected"),
+    [
+        # 8 and 32 ms with every rank computing; half of them: 2.7 ms at the speed of all,
+        # then twice as fast: 5.35 and 17.35 ms.
+        ((0.008, 0.032), (0.00535, 0.01735), 2.0, (2.0, 0.0027)),
+        # The same speed at both lengths: no delay, the demand is the speedup.
+        ((0.008, 0.032), (0.008 / 1.5, 0.032 / 1.5), 2.0, (1.5, 0.0)),
+        # A line steeper than the count allows: the count, and the delay that line gives.
+        ((0.01, 0.04), (0.004, 0.016), 2.0, (2.0, 0.0)),
+        # No faster on half the ranks: a demand of 1, no delay.
+        ((0.008, 0.032), (0.008, 0.032), 2.0, (1.0, 0.0)),
+        ((0.008, 0.032), (0.009, 0.033), 2.0, (1.0, 0.0)),
+    ],
+)
+def test_the_core_sharing_is_the_line_through_two_stretches_as_worked_by_hand(
+    together: tuple[float, float],
+    alone: tuple[float, float],
+    counted: float,
+    expected: tuple[float, float],
+) -> None:
+    """alone = delay + (together - delay) / demand, through both points."""
+    demand, delay = fit_core_sharing(together, alone, counted)
+    assert (demand, delay) == pytest.approx(expected, abs=1e-9)
+
+
+def test_the_core_delay_prices_a_pipeline_slower_up_to_no_sharing_at_all() -> None:
+    """The same demand, a longer delay: the idle stages' cores reach the others later; a
+    delay longer than every stretch of the step leaves the step of no demand."""
+    program = _gpt_program()
+    pipeline = Pipeline(stages=even_split_points(program, 2), microbatches=4, data_parallel=2)
+
+    def step(**sharing: float | None) -> float:
+        cluster = fxpar.Cluster((4,), **sharing)  # type: ignore[arg-type]
+        return evaluate_split(program, cluster, pipeline, optimizer_states=0).step_time
+
+    # (The stages' forwards and backwards take tens of microseconds on the default cluster.)
+    steps = [step(core_demand=2.0, core_delay=delay) for delay in (0.0, 1e-6, 1e-5, 10.0)]
+    assert steps[0] < steps[1] < steps[2] < steps[3]
+    assert steps[3] == pytest.approx(step(core_demand=None))
 
 
 @functools.cache
@@ -173,29 +240,33 @@ def test_gradients_reduced_in_buckets_are_the_sums_reduced_one_by_one() -> None:
     assert spawn(_bucketed, 2, timeout_s=120) == [expected, expected]
 
 
-def _demands(rank: int, world_size: int) -> tuple[float | None, float | None, float | None]:
+def _demands(
+    rank: int, world_size: int
+) -> tuple[float | None, tuple[float | None, float], tuple[float | None, float]]:
     torch.set_num_threads(1)
     return (
         waiting.core_demand(),
-        measure_core_demand(64, 0.002, warmup=1, repeats=3),
-        measure_core_demand(64, 0.0, warmup=1, repeats=3),
+        measure_core_sharing(64, 0.002, warmup=1, repeats=4),
+        measure_core_sharing(64, 0.0, warmup=1, repeats=4),
     )
 
 
 @pytest.mark.slow
 def test_the_measured_core_demand_lies_between_one_and_the_count() -> None:
     """The count is the world's threads over this host's cores; where it exceeds 1 the
-    measurement is between 1 and it, the same on every rank; else (and with no stretch to
-    time) it is the count."""
+    measured demand is between 1 and it and the delay between 0 and the long stretch, the
+    same on every rank; else (and with no stretch to time) the demand is the count, with no
+    delay."""
     found = spawn(_demands, 4, timeout_s=120)
-    counted, measured, uncounted = found[0]
+    counted, (measured, delay), uncounted = found[0]
     assert all(f == found[0] for f in found)
     assert counted == pytest.approx(4 / len(os.sched_getaffinity(0)))
-    assert uncounted == counted
+    assert uncounted == (counted, 0.0)
     if counted is not None and counted > 1:
         assert measured is not None and 1 <= measured <= counted
+        assert 0 <= delay <= 0.008
     else:
-        assert measured == counted
+        assert (measured, delay) == (counted, 0.0)
 
 
 @pytest.mark.parametrize(("demand", "stages"), [(None, 1), (1.0, 1), (1.5, 2), (4.0, 4)])
@@ -214,13 +285,13 @@ def test_the_stage_dp_pipelines_deeper_the_more_the_ranks_share_cores(
     assert choice.step_time == min(step for step in steps.values() if step is not None)
 
 
-def _alone(rank: int, world_size: int) -> tuple[float | None, float | None]:
+def _alone(rank: int, world_size: int) -> tuple[float | None, tuple[float | None, float]]:
     torch.set_num_threads(2 * len(os.sched_getaffinity(0)))  # more threads than cores
-    return waiting.core_demand(), measure_core_demand(64, 0.002, warmup=1, repeats=3)
+    return waiting.core_demand(), measure_core_sharing(64, 0.002, warmup=1, repeats=3)
 
 
 @pytest.mark.slow
 def test_a_world_of_one_rank_keeps_the_counted_core_demand() -> None:
     """One rank of more threads than cores has no peers to leave idle: the count stands."""
     ((counted, measured),) = spawn(_alone, 1, timeout_s=120)
-    assert counted == pytest.approx(2.0) and measured == counted
+    assert counted == pytest.approx(2.0) and measured == (counted, 0.0)

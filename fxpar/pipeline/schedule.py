@@ -573,12 +573,16 @@ def replay_shared(
     speed: Callable[[frozenset[int]], float],
     *,
     placement: Placement = "loop",
+    delay: float = 0.0,
 ) -> float:
     """The step's length when :func:`replay`'s stages share one machine's cores: while the
     stages of a set compute at once, each runs ``speed(set)`` times as fast as ``times`` says
-    (``times`` are what an op takes when every stage computes; messages take no time). Ranks
-    that are processes of one host (:attr:`fxpar.Cluster.core_demand`) compute faster while
-    a pipeline's other stages idle; with ``speed`` always 1 this is :func:`replay`'s step.
+    (``times`` are what an op takes when every stage computes; messages take no time), once
+    the set has computed ``delay`` seconds at the speed of all (1): where another set starts
+    computing, the scheduler hands it the idle stages' cores after a slice or so. Ranks that
+    are processes of one host (:attr:`fxpar.Cluster.core_demand`,
+    :attr:`~fxpar.Cluster.core_delay`) compute faster while a pipeline's other stages idle;
+    with ``speed`` always 1 this is :func:`replay`'s step.
 
     Raises:
         PipelineError: the lists deadlock, ``times`` has not one entry per stage, or
@@ -593,6 +597,8 @@ def replay_shared(
     left: list[float | None] = [None] * num_stages  # work left of the op a stage computes
     arrived: set[tuple[Op, int, int]] = set()
     now = 0.0
+    running: frozenset[int] = frozenset()
+    sped_up_at = 0.0  # when the set computing now gets its own speed
     while True:
         progressed = True
         while progressed:  # run every stage up to its next op or a message not yet sent
@@ -619,7 +625,12 @@ def replay_shared(
         rate = speed(computing)
         if not rate > 0:
             raise PipelineError(f"stages {sorted(computing)} computing at speed {rate}")
+        if computing != running:
+            running, sped_up_at = computing, now + delay
         first = min(left[s] or 0.0 for s in computing)  # the op that ends first
+        if rate > 1 and sped_up_at - now > 1e-9 * delay:
+            first = min(first, sped_up_at - now)  # at the speed of all until then
+            rate = 1.0
         now += first / rate
         for s in computing:
             work = (left[s] or 0.0) - first

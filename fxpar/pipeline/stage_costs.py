@@ -198,6 +198,15 @@ class _WeightSplit:
     divided: frozenset[fx.Node]
 
 
+@dataclass(frozen=True)
+class _Priced:
+    """A stage's cost, and the seconds of its time per micro-batch that its ops (and the
+    collectives they run) take."""
+
+    cost: StageCost
+    compute: float
+
+
 class StageCostModel:
     """Stage costs of atom ranges, cached per range and per (range, stage mesh shape); the
     stages are ``prod(shape)`` data-parallel replicas."""
@@ -222,7 +231,7 @@ class StageCostModel:
         self.optimizer_states = optimizer_states
         self.phases = {node: region(node).phase for node in atoms.atom_of}
         self._ranges: dict[tuple[int, int, Shape | None], RangeFacts] = {}
-        self._costs: dict[tuple[int, int, Shape], StageCost] = {}
+        self._costs: dict[tuple[int, int, Shape], _Priced] = {}
         self._seconds: dict[tuple[object, int], tuple[float, float, float]] = {}
         self._values: dict[int, _AtomValues] = {}
         self._call_counts: dict[int, tuple[int, int]] = {}
@@ -391,11 +400,13 @@ class StageCostModel:
         forward, B and W as their nodes' seconds do (a remat recompute counted in B; the
         stage's collectives and sends shared by the three in proportion). On ranks that share
         a host's cores (:attr:`fxpar.Cluster.core_demand`), less what the schedule's idle
-        stages leave the others: the lists replayed with every stage at its calibrated speed,
+        stages leave the others: the lists of the stages' compute (their ops and the
+        collectives those run, which on CPU share the cores) replayed at the calibrated speed,
         less replayed with each stretch at the speed its computing ranks get
-        (:func:`~fxpar.pipeline.schedule.replay_shared`; on CPU the collectives run on the
-        same cores, so the whole stage time speeds up). ``shape`` is the stage's mesh: its
-        replicas, or the mesh its plan was made for."""
+        (:func:`~fxpar.pipeline.schedule.replay_shared`, after the cluster's ``core_delay``
+        each time another set of stages starts computing). The replicas' gradient reduction
+        and the update run on every rank at once at the end of the step: no faster. ``shape``
+        is the stage's mesh: its replicas, or the mesh its plan was made for."""
         schedule, cluster = self.pipeline.schedule, self.cluster
         shared = cluster.compute_speedup(1 / cluster.world_size) > 1
         if schedule != "zb-h1" and not shared:
@@ -414,12 +425,20 @@ class StageCostModel:
                 ranks = sum(devices[stage] for stage in computing)
                 return cluster.compute_speedup(ranks / cluster.world_size)
 
-            step -= own - replay_shared(lists, times, speed)
+            # Only the stages' compute runs faster: their replicas' gradient reduction and
+            # update run on every rank at once at the end, and the waits are waits.
+            computed = self._stage_times(stages, compute_only=True)
+            alone, _ = replay(lists, computed)
+            step -= alone - replay_shared(lists, computed, speed, delay=cluster.core_delay)
         return step
 
-    def _stage_times(self, stages: Sequence[tuple[int, int, Shape]]) -> list[StageTimes]:
+    def _stage_times(
+        self, stages: Sequence[tuple[int, int, Shape]], *, compute_only: bool = False
+    ) -> list[StageTimes]:
         """Each stage's time per micro-batch, split into forward, B and W as its nodes'
-        seconds split (a remat recompute in B, collectives and sends in proportion)."""
+        seconds split (a remat recompute in B, collectives and sends in proportion);
+        ``compute_only``: only its ops' (and their collectives') seconds, without its share of
+        the once-a-step reduction and update, its sends and its waits for peers."""
         times = []
         for start, stop, shape in stages:
             facts = self.facts(start, stop, shape)
@@ -429,18 +448,23 @@ class StageCostModel:
             if self.pipeline.remat:
                 backward += forward
             total = forward + backward + weight
-            scale = self.cost(start, stop, shape).time / total if total else 0.0
+            priced = self._priced(start, stop, shape)
+            seconds = priced.compute if compute_only else priced.cost.time
+            scale = seconds / total if total else 0.0
             times.append(StageTimes(forward * scale, backward * scale, weight * scale))
         return times
 
     def cost(self, start: int, stop: int, shape: Shape) -> StageCost:
         """The cost of atoms ``[start, stop)`` on a stage mesh of ``shape``."""
+        return self._priced(start, stop, shape).cost
+
+    def _priced(self, start: int, stop: int, shape: Shape) -> _Priced:
         key = (start, stop, tuple(shape))
         if key not in self._costs:
             self._costs[key] = self._stage_cost(start, stop, key[2])
         return self._costs[key]
 
-    def _stage_cost(self, start: int, stop: int, shape: Shape) -> StageCost:
+    def _stage_cost(self, start: int, stop: int, shape: Shape) -> _Priced:
         devices = math.prod(shape)
         facts = self.facts(start, stop)
         bandwidth, latency = self.cluster.link(devices)
@@ -467,7 +491,7 @@ class StageCostModel:
         share: int,
         per_step: float,
         per_microbatch: float = 0.0,
-    ) -> StageCost:
+    ) -> _Priced:
         """The stage cost of layers ``[start, stop)`` (module docstring): ``facts`` and the
         crossing bytes are for the work a micro-batch gives the stage's devices times
         ``share``; ``per_step`` seconds are spent once a step (gradient synchronisation),
@@ -499,11 +523,12 @@ class StageCostModel:
         per_microbatch_compute = (compute - overhead) / share + overhead
         lag = self._lag(start, stop, per_microbatch_compute, synchronised=per_step > 0)
         per_step += facts.update_seconds  # the optimizer's, once a step
-        return StageCost(
+        cost = StageCost(
             time=per_microbatch_compute + lag + per_step / pipeline.microbatches + send,
             static_memory=static,
             activation_memory=float(activation),
         )
+        return _Priced(cost, per_microbatch_compute)
 
     def _lag(self, start: int, stop: int, compute: float, *, synchronised: bool) -> float:
         """The wait for a slower peer a micro-batch of the stage pays on ranks that share a
@@ -624,7 +649,7 @@ class PlannedStageCostModel(StageCostModel):
         )
         return PlannedStep(compute, comm, sync, local, forward, backward)
 
-    def _stage_cost(self, start: int, stop: int, shape: Shape) -> StageCost:
+    def _stage_cost(self, start: int, stop: int, shape: Shape) -> _Priced:
         step = self.planned(shape)
         facts = self.facts(start, stop, shape)
         sync = comm = 0.0

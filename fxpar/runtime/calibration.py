@@ -43,9 +43,11 @@ What it times (:class:`CalibrationOptions` sets the sizes and repeats):
   they run on this rank's GPU (:func:`fxpar.runtime.devices.rank_device`), each run waited
   for, with the GPU's defaults (:meth:`CalibrationOptions.for_device`: bfloat16, 8192-square
   matrices, a 1 GiB copy).
-- On CPU, where the world's threads outnumber this host's cores, a stretch of products on half
-  the ranks while the others wait, and on all at once: how much faster the half computes is
-  the cluster's :attr:`~fxpar.cluster.Cluster.core_demand`; and how much longer a collective
+- On CPU, where the world's threads outnumber this host's cores, a short and a long stretch of
+  products on half the ranks while the others wait, and on all at once: how much faster the
+  half computes once the scheduler has handed it the idle cores is the cluster's
+  :attr:`~fxpar.cluster.Cluster.core_demand`, and how long that takes its ``core_delay``; and
+  how much longer a collective
   waits for its last peer after a long stretch of compute than after the wait's short one:
   ``lag_share`` (:mod:`fxpar.runtime.core_sharing`).
 
@@ -133,15 +135,17 @@ class CalibrationOptions:
     """Products of two ``matmul_size``-square matrices every rank computes before each run of
     the all-reduce that measures an axis' wait (the module docstring); 0 measures none."""
     idle_seconds: float = 0.008
-    """How long the stretches of compute that measure the cluster's ``core_demand`` on CPU
-    take with every rank computing: about a pipeline stage's forward or backward
-    (:func:`~fxpar.runtime.core_sharing.measure_core_demand`); 0 counts it instead."""
+    """How long the short one of the stretches of compute that measure the cluster's
+    ``core_demand`` and ``core_delay`` on CPU takes with every rank computing (the long one
+    four times as long): about a pipeline stage's forward or backward
+    (:func:`~fxpar.runtime.core_sharing.measure_core_sharing`); 0 counts the demand
+    instead."""
     idle_repeats: int = 60
-    """How many runs of those stretches (each with every rank computing, then with half) the
-    core demand is the mean over: a stretch of a few milliseconds gets its share of a core in
-    scheduler slices of about that length, so one run's speed swings widely (over 15 runs the
-    demand of four processes on two cores spread 1.14-1.65 between calibrations, over 60
-    1.37-1.56); 60 runs take about a second."""
+    """How many runs of the short stretch (each with every rank computing, then with half)
+    the core sharing takes means over, a quarter as many of the long: a stretch of a few
+    milliseconds gets its share of a core in scheduler slices of about that length, so one
+    run's speed swings widely (over 15 runs the speedup of four processes on two cores spread
+    1.14-1.65 between calibrations, over 60 1.37-1.56); they take about two seconds."""
     drift_seconds: float = 0.1
     """How long the stretch of compute that measures the cluster's ``lag_share`` on CPU takes
     (:func:`~fxpar.runtime.core_sharing.measure_lag`); 0 measures none."""
@@ -280,7 +284,12 @@ class Calibration:
             ("memory_bandwidth", *(rate_text(c.memory_bandwidth, "B/s") for c in clusters))
         )
         fields.append(("hidden share", *(f"{c.hidden_share:.2f}" for c in clusters)))
-        demands = ("-" if c.core_demand is None else f"{c.core_demand:.2f}" for c in clusters)
+        demands = (
+            "-"
+            if c.core_demand is None
+            else f"{c.core_demand:.2f} after {seconds_text(c.core_delay)}"
+            for c in clusters
+        )
         fields.append(("core demand", *demands))
         lags = (f"{c.lag_share:.3f} after {seconds_text(c.lag_stretch)}" for c in clusters)
         fields.append(("lag share", *lags))

@@ -5,12 +5,14 @@ whose peers idle (a pipeline's stages waiting in its warm-up and drain) gets mor
 :attr:`fxpar.Cluster.core_demand` prices that (:meth:`~fxpar.Cluster.compute_speedup`): with
 every rank computing a thread gets ``1 / d`` of a core, with the share ``f`` of them computing
 ``min(1, 1 / (f d))``. Counting threads over cores gives the ``d`` of long stretches; the
-scheduler gives a stretch of a few milliseconds less than that (a woken process runs for a
-slice before it shares its core, so short stretches are barely slowed by peers, and barely
-sped up by their idling). On four single-threaded processes on two cores, half the ranks
-computed a stretch 1.0x, 1.4x and 1.7x as fast as all of them at once for stretches of about
-1, 7 and 40 ms. :func:`measure_core_demand` measures it on stretches of the length a
-pipeline's forwards and backwards take.
+scheduler gives a short stretch less than that (a woken process runs for a slice before it
+shares its core, so short stretches are barely slowed by peers, and barely sped up by their
+idling). On four single-threaded processes on two cores, half the ranks computed a stretch
+1.0x, 1.4-1.5x and 1.85-1.9x as fast as all of them at once for stretches of about 1, 8 and
+32 ms, and a Llama step of 48 and 87 ms 1.8x and 1.9x: about as if the first 2.7 ms of a
+stretch ran at the speed of all and the rest twice as fast.
+:attr:`fxpar.Cluster.core_delay` is that start, and :func:`measure_core_sharing` measures
+both on two stretches about as long as a pipeline's forwards and backwards.
 
 Sharing cores also makes the ranks drift apart: each gets its turns on a core at other times,
 so after a stretch of compute that is the same work on every rank, some are done before the
@@ -40,17 +42,18 @@ if TYPE_CHECKING:
 
 def measure(options: CalibrationOptions) -> dict[str, Any]:
     """The cluster fields that describe how the world's ranks share this host's cores, as
-    :func:`fxpar.calibrate` sets them on CPU: ``core_demand`` (:func:`measure_core_demand`,
-    on ``options.idle_repeats`` stretches of ``options.idle_seconds``), ``lag_share`` and
+    :func:`fxpar.calibrate` sets them on CPU: ``core_demand`` and ``core_delay``
+    (:func:`measure_core_sharing`, on ``options.idle_repeats`` stretches of
+    ``options.idle_seconds`` and longer ones), ``lag_share`` and
     ``lag_stretch`` (:func:`measure_lag`, from ``options.compute_before`` products to
     stretches of ``options.drift_seconds``). A collective: call it on every rank."""
     size, warmup, repeats = options.matmul_size, options.warmup, options.repeats
     share, stretch = measure_lag(size, options.compute_before, options.drift_seconds, warmup,
                                  repeats)  # fmt: skip
+    demand, delay = measure_core_sharing(size, options.idle_seconds, warmup, options.idle_repeats)
     return {
-        "core_demand": measure_core_demand(
-            size, options.idle_seconds, warmup, options.idle_repeats
-        ),
+        "core_demand": demand,
+        "core_delay": delay,
         "lag_share": share,
         "lag_stretch": stretch,
     }
@@ -110,32 +113,63 @@ def measure_lag(
     return max(share, 0.0), short_stretch
 
 
-def measure_core_demand(size: int, seconds: float, warmup: int, repeats: int) -> float | None:
-    """The core demand of the world's ranks as the scheduler grants it: how many times
-    faster the first half of the ranks compute a stretch of products of two ``size``-square
-    matrices (as many as take ``seconds`` with every rank computing) while the others wait
-    (blocked in an all-reduce, as a stage waits for a message) than with every rank
-    computing; the slowest rank's mean over ``repeats`` runs after ``warmup``, between 1 and
-    the count (:func:`fxpar.runtime.waiting.core_demand`). The count where it is at most 1
-    (no rank waits for a core), is unknown, or ``seconds`` is 0, and on a world of one rank.
-    A collective: call it on every rank, as :func:`fxpar.calibrate` does."""
+LONG_STRETCH = 4
+"""How many times the short stretch the long one of :func:`measure_core_sharing` takes."""
+
+
+def measure_core_sharing(
+    size: int, seconds: float, warmup: int, repeats: int
+) -> tuple[float | None, float]:
+    """``(core_demand, core_delay)`` of the world's ranks as the scheduler grants them
+    (:func:`fit_core_sharing`): how much faster the first half of the ranks compute a stretch
+    of products of two ``size``-square matrices while the others wait (blocked in an
+    all-reduce, as a stage waits for a message) than with every rank computing, for a
+    stretch that takes ``seconds`` with every rank computing and one :data:`LONG_STRETCH`
+    times as long; the slowest rank's means over ``repeats`` runs of the short stretch (a
+    quarter as many of the long) after ``warmup``. The count
+    (:func:`fxpar.runtime.waiting.core_demand`) and no delay where the count is at most 1 (no
+    rank waits for a core), is unknown, or ``seconds`` is 0, and on a world of one rank. A
+    collective: call it on every rank, as :func:`fxpar.calibrate` does."""
     counted = waiting.core_demand()
     if counted is None or counted <= 1 or seconds <= 0 or dist.get_world_size() < 2:
-        return counted  # (a world of one rank has no half to leave idle)
+        return counted, 0.0  # (a world of one rank has no half to leave idle)
     rank, half = dist.get_rank(), dist.get_world_size() // 2
     stretch, one = _products(size)
-    products = max(1, round(seconds / one))  # as many on every rank
+    means = []
+    for length, runs in ((seconds, repeats), (LONG_STRETCH * seconds, max(1, repeats // 4))):
+        products = max(1, round(length / one))  # as many on every rank
+        together, apart = [], []
+        for run in range(warmup + runs):
+            dist.barrier()
+            everyone = stretch(products)
+            dist.barrier()
+            alone = stretch(products) if rank < half else 0.0
+            waiting.wait(dist.all_reduce(torch.zeros(1), async_op=True), poll=False)
+            if run >= warmup:
+                together.append(everyone)
+                apart.append(alone)
+        means += [statistics.mean(together), statistics.mean(apart)]
+    slowest = torch.tensor(means, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    short, short_alone, long, long_alone = slowest.tolist()
+    return fit_core_sharing((short, long), (short_alone, long_alone), counted)
 
-    together, apart = [], []
-    for run in range(warmup + repeats):
-        dist.barrier()
-        everyone = stretch(products)
-        dist.barrier()
-        alone = stretch(products) if rank < half else 0.0
-        waiting.wait(dist.all_reduce(torch.zeros(1), async_op=True), poll=False)
-        if run >= warmup:
-            together.append(everyone)
-            apart.append(alone)
-    means = torch.tensor([statistics.mean(together), statistics.mean(apart)], dtype=torch.float64)
-    dist.all_reduce(means, op=dist.ReduceOp.MAX)
-    return min(counted, max(1.0, float(means[0] / means[1])))
+
+def fit_core_sharing(
+    together: tuple[float, float], alone: tuple[float, float], counted: float
+) -> tuple[float, float]:
+    """``(core_demand, core_delay)`` from two stretches of compute that took ``together``
+    seconds with every rank computing and ``alone`` seconds on half of them: half the ranks
+    compute at the speed of all for ``delay`` seconds, then ``demand`` times as fast (while
+    the demand is at most 2, what half the ranks gain is the demand,
+    :meth:`fxpar.Cluster.compute_speedup`), so ``alone = delay + (together - delay) /
+    demand``: the line through the two points. The demand is kept between 1 and ``counted``
+    (where it is 1 there is no delay), the delay between 0 and the long stretch."""
+    (short, long), (short_alone, long_alone) = together, alone
+    slope = (long_alone - short_alone) / (long - short) if long > short else 1.0
+    demand = min(counted, 1 / slope) if slope > 0 else counted
+    if demand <= 1:
+        return 1.0, 0.0
+    intercept = short_alone - short / demand
+    delay = min(max(intercept / (1 - 1 / demand), 0.0), long)
+    return demand, delay
