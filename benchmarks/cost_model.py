@@ -33,9 +33,10 @@ runs ``--steps`` steps in turn, so a slow period of the machine hits all of them
 starts one plan later than the one before, so that no plan always runs after the same one. *tau* is
 Kendall's tau-b between the estimated and the measured order of one model's distinct plans (1:
 the same order; a plan kind whose plan is an earlier kind's, strategy for strategy, such as an
-ILP that chose data parallelism, is timed and shown but counted once); *ilp/fastest* is the ILP's measured step over the fastest measured plan's, among the
-plans that train the single-device step (the CNN's pipeline, whose BatchNorm normalises each
-micro-batch by its own statistics, is timed and estimated but left out of it). *pick/fastest*
+ILP that chose data parallelism, is timed and shown but counted once); *ilp/fastest* is the
+ILP's measured step over the fastest measured plan's, among the plans that train the
+single-device step (the CNN's pipeline, whose BatchNorm normalises each micro-batch by its own
+statistics, is timed and estimated but left out of it). *pick/fastest*
 is the same for the plan the estimates choose between the ILP's and the pipeline (the one
 estimated faster, as ``fxpar plan`` sets an intra-op plan beside a pipeline): an intra-op plan
 cannot take what a pipeline gains on a machine whose ranks share cores, the choice can.
