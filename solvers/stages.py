@@ -135,6 +135,9 @@ class StageCost:
     """Bytes per device held for the whole step: parameters, gradients, optimizer state."""
     activation_memory: float
     """Bytes per device held for each microbatch in flight."""
+    per_step: float = 0.0
+    """Seconds spent once a step (gradient reduction, update), of which ``time`` holds
+    ``1/M`` (:func:`per_step_overcount`)."""
 
     def memory(self, in_flight: int) -> float:
         """Bytes per device with ``in_flight`` microbatches' activations alive."""
@@ -219,6 +222,7 @@ class Stage:
     memory: float
     """Bytes per device, with ``in_flight`` microbatches' activations."""
     in_flight: int
+    per_step: float = 0.0  # its cost's
 
     @property
     def devices(self) -> int:
@@ -251,6 +255,19 @@ class StagePlan:
     @property
     def peak_memory(self) -> float:
         return max(stage.memory for stage in self.stages)
+
+
+def per_step_overcount(
+    times: Sequence[float], per_step: Sequence[float], microbatches: int
+) -> float:
+    """What ``sum t + (M - 1) max t`` counts of the stages' once-a-step seconds ``per_step``
+    (each stage's ``times`` hold ``1/M`` of its own) beyond the most any stage spends, which
+    is what a step pays after the stages' last backwards: every stage's ``1/M`` and the
+    slowest stage's ``(M - 1)/M`` more. Negative where another stage spends the most."""
+    slowest = max(range(len(times)), key=times.__getitem__)
+    counted = math.fsum(per_step) / microbatches
+    counted += (microbatches - 1) * per_step[slowest] / microbatches
+    return counted - max(per_step)
 
 
 def pipeline_step_time(stage_times: Sequence[float], num_microbatches: int) -> float:
@@ -403,7 +420,8 @@ def evaluate_stages(
                 f"the cost table marks layers {start}..{stop - 1} on submesh {shape} infeasible"
             )
         in_flight = problem.in_flight(index, len(shapes))
-        stages.append(Stage(start, stop, shape, cost.time, cost.memory(in_flight), in_flight))
+        memory = cost.memory(in_flight)
+        stages.append(Stage(start, stop, shape, cost.time, memory, in_flight, cost.per_step))
     plan = _plan(problem, stages)
     limit = problem.memory_limit
     if limit is not None and plan.peak_memory > limit:

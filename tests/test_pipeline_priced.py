@@ -42,6 +42,7 @@ from fxpar.pipeline.stage_costs import StagePlanner
 from fxpar.planning.plan import Plan
 from fxpar.runtime.launch import spawn
 from fxpar.sharding import Sharding
+from fxpar.solvers.stages import per_step_overcount
 
 DATA_PARALLEL: StagePlanner = functools.partial(plan_program, manual=plans.data_parallel)
 TENSOR_PARALLEL: StagePlanner = functools.partial(plan_program, manual=plans.tensor_parallel)
@@ -151,7 +152,12 @@ def test_reported_estimate_is_the_stage_dps(mesh: tuple[int, ...], planner: Stag
     pipeline = Pipeline(microbatches=MICROBATCHES)
     program, choice = _choose(cluster, planner)
     times = [stage.time for stage in choice.plan.stages]
-    assert choice.step_time == pytest.approx(sum(times) + (MICROBATCHES - 1) * max(times))
+    once = [stage.per_step for stage in choice.plan.stages]  # each stage's reduction, update
+    assert all(seconds > 0 for seconds in once)
+    objective = sum(times) + (MICROBATCHES - 1) * max(times)
+    paid = objective - per_step_overcount(times, once, MICROBATCHES)
+    assert choice.plan.objective == pytest.approx(objective)
+    assert choice.step_time == pytest.approx(paid)
     problem = stage_problem(program, cluster, pipeline, stage_planner=planner, microbatch=True)
     for stage in choice.plan.stages:
         cost = problem.costs(stage.start, stage.stop, stage.submesh)

@@ -35,6 +35,7 @@ from fxpar.solvers.stages import (
     check_submesh_shapes,
     evaluate_stages,
     in_flight_microbatches,
+    per_step_overcount,
     pipeline_step_time,
     place_submeshes,
     solve_each_stage_count,
@@ -182,6 +183,27 @@ def two_layer_problem(table: Mapping[Any, StageCost], **options: Any) -> StagePr
         costs=table,
         **options,
     )
+
+
+@pytest.mark.parametrize(
+    ("times", "once", "microbatches", "overcount"),
+    [
+        # The slowest stage (5) spends the most once a step (4): of its 4/4 a micro-batch the
+        # objective counts 1/4 + 3/4; the other's 2/4: 0.5 more than the 4 paid.
+        ((3.0, 5.0), (2.0, 4.0), 4, 0.5),
+        # The slowest stage spends less than the other: (2 + 4)/4 + 3 * 2/4 = 3, one short
+        # of the other's 4.
+        ((5.0, 3.0), (2.0, 4.0), 4, -1.0),
+        # One stage: its 1/M, M times, is what it pays.
+        ((7.0,), (3.0,), 8, 0.0),
+        # Nothing once a step: nothing to correct.
+        ((1.0, 2.0, 3.0), (0.0, 0.0, 0.0), 4, 0.0),
+    ],
+)
+def test_the_objective_overcounts_once_a_step_seconds_as_worked_by_hand(
+    times: tuple[float, ...], once: tuple[float, ...], microbatches: int, overcount: float
+) -> None:
+    assert per_step_overcount(times, once, microbatches) == pytest.approx(overcount)
 
 
 def test_pipeline_step_time_and_in_flight_counts() -> None:

@@ -131,7 +131,7 @@ from fxpar.planning.cost import (
 from fxpar.planning.grouping import BUCKET_BYTES, Bucketed, cut_buckets
 from fxpar.planning.step_time import price_schedule, step_overlap
 from fxpar.solvers.errors import InfeasiblePlanError, format_bytes
-from fxpar.solvers.stages import StageCost
+from fxpar.solvers.stages import StageCost, per_step_overcount
 
 if TYPE_CHECKING:
     from fxpar.planning.plan import Plan
@@ -405,10 +405,14 @@ class StageCostModel:
         less replayed with each stretch at the speed its computing ranks get
         (:func:`~fxpar.pipeline.schedule.replay_shared`, after the cluster's ``core_delay``
         each time another set of stages starts computing). The replicas' gradient reduction
-        and the update run on every rank at once at the end of the step: no faster. ``shape``
-        is the stage's mesh: its replicas, or the mesh its plan was made for."""
+        and the update run on every rank at once at the end of the step: no faster. And always
+        with each stage's once-a-step seconds (that reduction and update) paid once, after its
+        last backward, where the objective spreads them over its micro-batches and so counts
+        the slowest stage's ``M - 1`` times more (:meth:`_per_step_overcount`). ``shape`` is
+        the stage's mesh: its replicas, or the mesh its plan was made for."""
         schedule, cluster = self.pipeline.schedule, self.cluster
         shared = cluster.compute_speedup(1 / cluster.world_size) > 1
+        objective -= self._per_step_overcount(stages)
         if schedule != "zb-h1" and not shared:
             return objective
         times = self._stage_times(stages)
@@ -431,6 +435,14 @@ class StageCostModel:
             alone, _ = replay(lists, computed)
             step -= alone - replay_shared(lists, computed, speed, delay=cluster.core_delay)
         return step
+
+    def _per_step_overcount(self, stages: Sequence[tuple[int, int, Shape]]) -> float:
+        """:func:`~fxpar.solvers.stages.per_step_overcount` of ``stages``."""
+        costs = [self.cost(*stage) for stage in stages]
+        return per_step_overcount(
+            [cost.time for cost in costs], [cost.per_step for cost in costs],
+            self.pipeline.microbatches,
+        )  # fmt: skip
 
     def _stage_times(
         self, stages: Sequence[tuple[int, int, Shape]], *, compute_only: bool = False
@@ -527,6 +539,7 @@ class StageCostModel:
             time=per_microbatch_compute + lag + per_step / pipeline.microbatches + send,
             static_memory=static,
             activation_memory=float(activation),
+            per_step=per_step,
         )
         return _Priced(cost, per_microbatch_compute)
 
