@@ -1,6 +1,7 @@
 """How well fxpar's cost model predicts the steps it plans: estimate beside measurement.
 
     python benchmarks/cost_model.py [MODEL ...] [--worlds 2 4] [--rounds 9] [--steps 2]
+                                    [--round-seconds 0.25]
     python benchmarks/cost_model.py --no-time      # the memory table alone (2 minutes)
 
 For each world size, that many gloo processes start (one thread each; world 4 puts four
@@ -26,10 +27,11 @@ compiles every plan kind on it:
 collective the lowering runs in full, the figure ``fxpar plan`` prints as "estimated step"; the
 stage DP's for the pipeline); *price* the solver's objective for the same plan, communication
 priced edge by edge (``plan.solution.objective``, "solver's price"); *measured* is the median
-over ``--rounds`` rounds of the slowest rank's time per step, after ``--warmup`` untimed
+over ``--rounds`` rounds of the slowest rank's time per step (each round ``--steps`` steps, or
+as many as run ``--round-seconds`` by the model's fastest estimate), after ``--warmup`` untimed
 steps (by default enough that every program runs the copy fxpar runs in training,
 :mod:`fxpar.runtime.fastcall`). In each round every plan of the model
-runs ``--steps`` steps in turn, so a slow period of the machine hits all of them; each round
+runs its steps in turn, so a slow period of the machine hits all of them; each round
 starts one plan later than the one before, so that no plan always runs after the same one. *tau* is
 Kendall's tau-b between the estimated and the measured order of one model's distinct plans (1:
 the same order; a plan kind whose plan is an earlier kind's, strategy for strategy, such as an
@@ -57,6 +59,7 @@ import argparse
 import copy
 import dataclasses
 import functools
+import math
 import statistics
 import sys
 import time
@@ -109,6 +112,8 @@ class Schedule:
     warmup: int
     rounds: int
     steps: int
+    round_seconds: float = 0.0
+    """Each plan runs at least this long (by the model's fastest estimate) a round."""
     calibration: CalibrationOptions = field(default_factory=CalibrationOptions)
 
 
@@ -236,6 +241,7 @@ def _measure_world(
                 parallel.step(*args, **named)
         timed = {kind: estimates for kind, (_, estimates) in compiled.items()}
         kinds = list(compiled)
+        steps = _steps_per_round(schedule, min(t.estimate for t in timed.values()))
         for round_ in range(schedule.rounds):
             # Each round starts one plan later, so that no plan always follows the same one: in
             # a fixed order GPT's ILP plan (data parallelism's, the batch cut on the device)
@@ -245,15 +251,26 @@ def _measure_world(
                 parallel = compiled[kind][0]
                 dist.barrier()
                 start = time.perf_counter()
-                for _ in range(schedule.steps):
+                for _ in range(steps):
                     parallel.step(*args, **named)
-                timed[kind].seconds.append((time.perf_counter() - start) / schedule.steps)
+                timed[kind].seconds.append((time.perf_counter() - start) / steps)
         results.update({(name, kind): t for kind, t in timed.items()})
     demand = "-" if cluster.core_demand is None else f"{cluster.core_demand:.2f}"
     demand += f" after {cluster.core_delay * 1e3:.1f} ms"
     lag = f"{cluster.lag_share:.3f} after {cluster.lag_stretch * 1e3:.1f} ms"
     shares = f"hidden share {cluster.hidden_share:.2f}, core demand {demand}, lag share {lag}"
     return results, refusals, f"{cluster}, {shares} (calibrated)"
+
+
+def _steps_per_round(schedule: Schedule, fastest: float) -> int:
+    """Steps each plan of a model runs a round: ``schedule.steps``, or as many as the fastest
+    plan's estimate needs to run ``round_seconds`` (a short step's median over a few rounds
+    is noisier: ViT's ILP plan and data parallelism, 36 ms each, measured 9% apart); the same
+    on every rank."""
+    steps = max(schedule.steps, math.ceil(schedule.round_seconds / max(fastest, 1e-6)))
+    count = torch.tensor([steps])
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return int(count)
 
 
 def _slowest(per_rank: list[dict[tuple[str, str], Timed]]) -> dict[tuple[str, str], Timed]:
@@ -369,7 +386,11 @@ def main() -> int:
     parser.add_argument("models", nargs="*", default=list(DEFAULT_MODELS))
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=2, help="steps a plan runs a round, at least")
+    parser.add_argument(
+        "--round-seconds", type=float, default=0.25,
+        help="a plan runs at least this long a round (by the model's fastest estimate)",
+    )  # fmt: skip
     # Enough untimed steps that every program of a plan runs its fast copy when timed (fxpar
     # makes it after COPY_AFTER_CALLS calls): before it, a data-parallel Llama step on world 4
     # took 5% longer, and a pipeline, whose stage programs run once per micro-batch, reached
@@ -388,7 +409,9 @@ def main() -> int:
     if unknown:
         parser.error(f"unknown models {unknown}; choose from {sorted(MODELS)}")
     calibration = CalibrationOptions(quantile=args.quantile)
-    schedule = Schedule(args.warmup, args.rounds, args.steps, calibration)
+    schedule = Schedule(
+        args.warmup, args.rounds, args.steps, args.round_seconds, calibration=calibration
+    )
 
     if not args.no_time:
         _time_tables(args, schedule)
