@@ -37,10 +37,12 @@ crossing the boundary before atom ``c`` forwards and backwards. ``allreduce`` is
 :func:`fxpar.planning.cost.collective_seconds` (``alpha + 2 (d-1)/d G / beta``) on the innermost
 mesh axis that holds ``d`` consecutive ranks (a stage's replicas are consecutive ranks); sends
 use the slowest axis, which some pair of neighbouring stages may cross. The gradient reduction
-is charged ``1/M`` of it per micro-batch, so it enters the step time once per step for the
-slowest stage. ``lag`` is :meth:`fxpar.Cluster.lag_seconds` (0 but on ranks that share a host's
-cores) and ``W`` the stage's waits a step: ``M`` for each neighbour it receives from, one more
-for its gradient reduction; ``compute`` is the first line. Costs are cached per (atom range,
+is charged ``1/M`` of it per micro-batch, so the DP's objective counts the slowest stage's
+``(M - 1)/M`` times too often; the step of a plan pays each stage's once
+(:func:`~fxpar.solvers.stages.per_step_overcount`). ``lag`` is
+:meth:`fxpar.Cluster.lag_seconds` (0 but on ranks that share a host's cores) and ``W`` the
+stage's waits a step: ``M`` for each neighbour it receives from, one more for its gradient
+reduction; ``compute`` is the first line. Costs are cached per (atom range,
 stage mesh shape); data-parallel replicas only read the shape's number of devices ``d``.
 ``pack`` is the copy of the gradients into the reduction's buckets and back
 (:func:`~fxpar.planning.cost.copy_seconds`), ``update`` the optimizer's update of the stage's
