@@ -10,24 +10,25 @@ names, device type and memory stay as given)::
 
 What it times (:class:`CalibrationOptions` sets the sizes and repeats):
 
-- On each mesh axis of more than one device, an all-reduce of one element and one of
-  ``large_bytes``, on every process group of the axis at once, as a step runs them. The two
-  times fix the axis' ``α`` and ``β`` of the cost model's all-reduce,
-  ``α + 2(n−1)/n·B/β`` (:func:`fxpar.planning.cost.collective_seconds`): the line through both
-  points, so the model gives back both measured times. An all-reduce of ``check_bytes`` is
-  timed too and not fitted: it shows how well the straight line holds between them. An axis of
-  one device has no collective to time and keeps its numbers.
+- On each mesh axis of more than one device, an all-reduce of one element, one of
+  ``check_bytes`` and one of ``large_bytes``, on every process group of the axis at once, as a
+  step runs them. They fix the axis' ``α`` and ``β`` of the cost model's all-reduce,
+  ``α + 2(n−1)/n·B/β`` (:func:`fxpar.planning.cost.collective_seconds`): the line through the
+  large point and the smaller one that puts it on or above both
+  (:func:`fxpar.runtime.link_fit.upper_line`, which says why), so the model gives back the
+  large time and one smaller one, and the other no lower than measured. An axis of one device
+  has no collective to time and keeps its numbers.
 - On the same axes, the one-element all-reduce again, each run after a stretch of compute on
   every rank (:attr:`CalibrationOptions.compute_before`), as a step reaches its collectives:
   what it takes beyond the run started after a barrier is the *wait* for the last peer, which
   on a machine with more ranks than cores every collective of a step pays (the ranks leave a
   stretch of compute apart). It is added to the latency of every kind of collective on the
   axis; the model then gives back the fitted times plus the wait.
-- On the same axes, an all-gather, a reduce-scatter and an all-to-all of one element per device
-  and of ``large_bytes``, through the runtime's own
-  :class:`~fxpar.runtime.communicators.ProcessGroupCommunicator`, each kind fitted a line of
-  its own (:class:`~fxpar.cluster.CollectiveLink`): gloo runs them at speeds of their own
-  (``CalibrationOptions.each_kind`` turns this off).
+- On the same axes, an all-gather, a reduce-scatter and an all-to-all of one element per device,
+  of ``check_bytes`` and of ``large_bytes`` (each rounded to whole elements per device),
+  through the runtime's own :class:`~fxpar.runtime.communicators.ProcessGroupCommunicator`,
+  each kind fitted a line of its own (:class:`~fxpar.cluster.CollectiveLink`): gloo runs them
+  at speeds of their own (``CalibrationOptions.each_kind`` turns this off).
 - On the same axes, the ``large_bytes`` all-reduce once more beside as many of those products
   as take about as long (:attr:`CalibrationOptions.overlap`): started, the products run, then
   waited for, as the programs run an all-reduce started where its value is made. With ``c``
@@ -57,7 +58,7 @@ work runs back to back, every rank at once, as in a step (:func:`_typical_second
 rank keeps the lower quartile of a collective's times (:attr:`CalibrationOptions.quantile`), the
 mean of the wait's and the mean of its local work's, and the slowest rank's (one all-reduce MAX)
 is the time every rank fits: every rank returns the same Cluster. A kind of collective whose
-small run came out no faster than its large one (a noisy stretch) is timed again, up to
+small runs all came out no faster than its large one (a noisy stretch) is timed again, up to
 :attr:`CalibrationOptions.attempts` times. With the defaults calibration takes a few seconds on
 local CPU processes.
 
@@ -84,10 +85,11 @@ from fxpar import ir
 from fxpar.cluster import COLLECTIVE_KINDS, Cluster, CollectiveLink
 from fxpar.errors import DistributedError, FxparError
 from fxpar.ir.program import Program
-from fxpar.planning.cost import collective_seconds, collective_share, roofline_seconds
+from fxpar.planning.cost import collective_seconds, roofline_seconds
 from fxpar.runtime import core_sharing, waiting
 from fxpar.runtime.communicators import ProcessGroupCommunicator
 from fxpar.runtime.devices import for_collective, rank_device, synchronize
+from fxpar.runtime.link_fit import upper_line
 from fxpar.runtime.op_timing import OpTiming, time_ops
 from fxpar.runtime.text_table import columns, rate_text, seconds_text
 
@@ -112,7 +114,7 @@ class CalibrationOptions:
     large_bytes: int = 4 * 2**20
     """The all-reduce whose time fits each axis' bandwidth."""
     check_bytes: int = 256 * 2**10
-    """An all-reduce timed but not fitted: between the one element and ``large_bytes``."""
+    """The middle size of each collective: between the one element and ``large_bytes``."""
     matmul_size: int = 512
     """The product of two square matrices of this size fits ``flops``."""
     copy_bytes: int = 32 * 2**20
@@ -190,7 +192,7 @@ class CalibrationOptions:
         if not self.check_bytes < self.large_bytes:
             raise FxparError(
                 f"check_bytes={self.check_bytes} must be below large_bytes={self.large_bytes}: "
-                "it checks the fitted line between one element and large_bytes"
+                "it is the middle size of each collective's fitted line"
             )
         if self.local_seconds < 0:
             raise FxparError(f"local_seconds must be >= 0, got {self.local_seconds}")
@@ -229,7 +231,7 @@ class Timing:
     """The mesh axis of a collective."""
     flops: int = 0
     fitted: bool = True
-    """False for the all-reduce that only checks the fit."""
+    """False for a collective timed to show against the fitted line, not fitted to it."""
     after_compute: bool = False
     """Timed after a stretch of compute on every rank: the all-reduce that measures the
     axis' wait for the last peer."""
@@ -619,21 +621,6 @@ def _fits(timing: Timing, kind: str) -> bool:
     return timing.operation == kind and timing.fitted and not timing.after_compute
 
 
-def _line(
-    kind: str, devices: int, small: tuple[int, float], large: tuple[int, float]
-) -> tuple[float, float] | None:
-    """The latency and bandwidth of the line of :func:`~fxpar.planning.cost.collective_seconds`
-    through a small and a large collective's (bytes, seconds); None where no line of a positive
-    latency and bandwidth goes through both."""
-    (small_bytes, small_s), (large_bytes, large_s) = small, large
-    if large_s <= small_s:
-        return None
-    share = collective_share(kind, devices)  # bytes moved per local byte
-    bandwidth = share * (large_bytes - small_bytes) / (large_s - small_s)
-    latency = small_s - share * small_bytes / bandwidth
-    return (latency, bandwidth) if latency > 0 else None
-
-
 def retime_lineless(
     cluster: Cluster,
     timings: Sequence[Timing],
@@ -671,38 +658,35 @@ def _lines(
     cluster: Cluster, timings: Sequence[Timing]
 ) -> Iterator[tuple[int, str, list[int], list[tuple[int, float]], tuple[float, float] | None]]:
     """For each mesh axis and kind of collective with points in ``timings``: the axis, the
-    kind, the points' indices, the points as sorted (bytes, seconds), and the line of
-    :func:`_line` through the smallest and the largest (None where there is none)."""
+    kind, the points' indices, the points as sorted (bytes, seconds), and the line fitted to
+    them (:func:`~fxpar.runtime.link_fit.upper_line`; None where there is none)."""
     for axis, devices in enumerate(cluster.mesh_shape):
         for kind in (ALL_REDUCE, *OWN_LINKS):
             indices = [i for i, t in enumerate(timings) if t.axis == axis and _fits(t, kind)]
             if not indices:
                 continue
             points = sorted((timings[i].nbytes, timings[i].seconds) for i in indices)
-            yield axis, kind, indices, points, _line(kind, devices, points[0], points[-1])
+            yield axis, kind, indices, points, upper_line(kind, devices, points)
 
 
 def _planned_timings(cluster: Cluster, options: CalibrationOptions) -> list[Timing]:
     """What to time, in the order every rank times it (seconds still 0)."""
     itemsize = options.dtype.itemsize
+    middle_large = (options.check_bytes, options.large_bytes)
     planned = []
     for axis, devices in enumerate(cluster.mesh_shape):
         if devices == 1:
             continue
-        for nbytes, fitted in (
-            (itemsize, True),
-            (options.check_bytes, False),
-            (options.large_bytes, True),
-        ):
+        for nbytes in (itemsize, options.check_bytes, options.large_bytes):
             whole = nbytes // itemsize * itemsize
-            planned.append(Timing(ALL_REDUCE, whole, 0.0, axis=axis, fitted=fitted))
+            planned.append(Timing(ALL_REDUCE, whole, 0.0, axis=axis))
         if options.compute_before:
             planned.append(Timing(ALL_REDUCE, itemsize, 0.0, axis=axis, after_compute=True))
         if options.each_kind:
-            # One element per device, and large_bytes: sizes every kind splits evenly.
+            # One element per device, check_bytes and large_bytes: sizes every kind splits evenly.
             step = devices * itemsize
             for kind in OWN_LINKS:
-                for nbytes in (step, max(options.large_bytes // step, 1) * step):
+                for nbytes in (step, *(max(size // step, 1) * step for size in middle_large)):
                     planned.append(Timing(kind, nbytes, 0.0, axis=axis))
     size = options.matmul_size
     planned.append(Timing(MATMUL, 3 * size * size * itemsize, 0.0, flops=2 * size**3))
