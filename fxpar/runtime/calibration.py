@@ -230,8 +230,6 @@ class Timing:
     axis: int | None = None
     """The mesh axis of a collective."""
     flops: int = 0
-    fitted: bool = True
-    """False for a collective timed to show against the fitted line, not fitted to it."""
     after_compute: bool = False
     """Timed after a stretch of compute on every rank: the all-reduce that measures the
     axis' wait for the last peer."""
@@ -251,7 +249,7 @@ class Timing:
     def label(self, cluster: Cluster) -> str:
         if self.axis is None:
             return self.operation
-        role = "wait" if self.after_compute else "fit" if self.fitted else "check"
+        role = "wait" if self.after_compute else "fit"
         kind = self.operation.replace("_", "-")
         return f"{kind} on {cluster.axis_names[self.axis]} ({role})"
 
@@ -516,7 +514,7 @@ def _overlap(
         if devices == 1:
             continue
         large = max(
-            (t for t in timings if t.axis == axis and t.operation == ALL_REDUCE and t.fitted),
+            (t for t in timings if t.axis == axis and t.operation == ALL_REDUCE),
             key=lambda t: t.nbytes,
         )
         products = max(1, round(large.seconds / matmul))
@@ -618,7 +616,7 @@ def _wait(on_axis: Sequence[Timing]) -> float:
 
 def _fits(timing: Timing, kind: str) -> bool:
     """Whether ``timing`` is a point of the line fitted to ``kind`` on its axis."""
-    return timing.operation == kind and timing.fitted and not timing.after_compute
+    return timing.operation == kind and not timing.after_compute
 
 
 def retime_lineless(
@@ -677,7 +675,7 @@ def _planned_timings(cluster: Cluster, options: CalibrationOptions) -> list[Timi
     for axis, devices in enumerate(cluster.mesh_shape):
         if devices == 1:
             continue
-        for nbytes in (itemsize, options.check_bytes, options.large_bytes):
+        for nbytes in (itemsize, *middle_large):
             whole = nbytes // itemsize * itemsize
             planned.append(Timing(ALL_REDUCE, whole, 0.0, axis=axis))
         if options.compute_before:
