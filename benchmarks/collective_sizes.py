@@ -10,7 +10,7 @@ runtime waits). Each size is timed three ways: after a barrier, every rank start
 mean*), and in a loop of a stretch of products and an all-reduce with no barrier between, as
 a tensor-parallel step runs them (*after N ms*: the all-reduce's mean time, N the stretch's
 mean). *priced* is the calibrated cluster's alpha-beta price
-(:func:`fxpar.planning.cost.collective_seconds` on its all-reduce link, the latency including
+(:func:`fxpar.planning.cost.link_seconds` on its all-reduce lines, the latency including
 the calibrated wait for the last peer). Times are rank 0's, in milliseconds.
 
 It is the measured twin of the cost model's communication term: where ``priced`` is far below
@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 import fxpar
-from fxpar.planning.cost import collective_seconds
+from fxpar.planning.cost import link_seconds
 from fxpar.runtime import waiting
 from fxpar.runtime.launch import spawn
 
@@ -41,7 +41,6 @@ REPEATS = 20
 def _rank(rank: int, world: int) -> list[tuple[int, float, list[float]]]:
     torch.set_num_threads(1)
     cluster = fxpar.calibrate(fxpar.Cluster((world,)))
-    bandwidth, latency = cluster.link_of("all_reduce", 0)
     square = torch.randn(256, 256)
     product = torch.empty_like(square)
 
@@ -73,7 +72,7 @@ def _rank(rank: int, world: int) -> list[tuple[int, float, list[float]]]:
                 computing += middle - start
                 reducing += time.perf_counter() - middle
             cells += [computing / REPEATS, reducing / REPEATS]
-        priced = collective_seconds("all_reduce", nbytes, world, bandwidth, latency)
+        priced = link_seconds("all_reduce", nbytes, 0, cluster)
         rows.append((nbytes, priced, cells))
     return rows
 

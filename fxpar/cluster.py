@@ -43,10 +43,12 @@ COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 @dataclass(frozen=True)
 class CollectiveLink:
-    """The latency and bandwidth one kind of collective runs at on one mesh axis, where they
-    are not the axis' own (:attr:`Cluster.bandwidth` and :attr:`Cluster.latency`, which every
-    other collective of that axis takes). Calibration measures them: gloo, for one, runs a
-    reduce-scatter at a fraction of its all-reduce's speed."""
+    """A latency and bandwidth one kind of collective runs at on one mesh axis, where they are
+    not the axis' own (:attr:`Cluster.bandwidth` and :attr:`Cluster.latency`, which every other
+    collective of that axis takes). Calibration measures them: gloo, for one, runs a
+    reduce-scatter at a fraction of its all-reduce's speed. A kind may have several lines on an
+    axis (one for small collectives, one for large ones): it takes the lowest
+    (:meth:`Cluster.lines_of`)."""
 
     kind: str
     axis: int
@@ -67,7 +69,7 @@ class Cluster:
     seconds per collective), ``flops`` and ``memory_bandwidth`` per device, and ``memory``, the
     bytes a device may hold. Axes without a bandwidth or latency take the first one given (or
     the defaults). ``collective_links`` give a kind of collective its own numbers on an axis
-    (:class:`CollectiveLink`, :meth:`link_of`; ``fxpar calibrate`` measures them).
+    (:class:`CollectiveLink`, :meth:`lines_of`; ``fxpar calibrate`` measures them).
     ``op_overhead`` (seconds every ATen op costs beyond its work: dispatch, allocation) and
     ``op_slowdown`` (per ATen op, such as ``"aten.mm"``, how many times its roofline time it
     takes; ``"*"`` for the ops not named; a mapping or ``(op, slowdown)`` pairs) refine the
@@ -151,9 +153,9 @@ class Cluster:
                 raise FxparError(
                     f"a collective link needs a positive latency and bandwidth: {link}"
                 )
-            if (link.kind, link.axis) in seen:
-                raise FxparError(f"two links for {link.kind} on axis {link.axis}")
-            seen.add((link.kind, link.axis))
+            if link in seen:
+                raise FxparError(f"the same link twice: {link}")
+            seen.add(link)
         object.__setattr__(self, "collective_links", links)
         slowdown = self.op_slowdown
         pairs = tuple(slowdown.items()) if isinstance(slowdown, Mapping) else tuple(slowdown)
@@ -403,13 +405,20 @@ class Cluster:
                 return axis, block
         return None, block
 
-    def link_of(self, kind: str, axis: int) -> tuple[float, float]:
-        """Bandwidth and latency of a collective of ``kind`` on mesh axis ``axis``: its own
-        (:attr:`collective_links`) where it has them, else the axis'."""
+    def lines_of(self, kind: str, axis: int) -> tuple[tuple[float, float], ...]:
+        """The (bandwidth, latency) lines a collective of ``kind`` on mesh axis ``axis`` is
+        priced with, the lowest of them at its size
+        (:func:`fxpar.planning.cost.link_seconds`): its own (:attr:`collective_links`) where
+        it has them, else the axis'."""
+        return self._lines.get((kind, axis), ((self.bandwidth[axis], self.latency[axis]),))
+
+    @functools.cached_property
+    def _lines(self) -> dict[tuple[str, int], tuple[tuple[float, float], ...]]:
+        lines: dict[tuple[str, int], tuple[tuple[float, float], ...]] = {}
         for link in self.collective_links:
-            if link.axis == axis and link.kind == kind:
-                return link.bandwidth, link.latency
-        return self.bandwidth[axis], self.latency[axis]
+            key = (link.kind, link.axis)
+            lines[key] = (*lines.get(key, ()), (link.bandwidth, link.latency))
+        return lines
 
     def op_seconds(self, op: str, roofline: float) -> float:
         """Time one device takes for an ATen op ``op`` (``"aten.mm"``) whose roofline time on

@@ -45,6 +45,7 @@ from fxpar.planning.cost import (
     reshard_seconds,
     split_factor,
 )
+from fxpar.planning.problem import PlanOptions, _Builder
 from fxpar.planning.report import compact_spec
 from fxpar.planning.step_time import price_schedule, step_overlap
 from fxpar.sharding import Sharding, Spec, Strategy
@@ -202,6 +203,58 @@ def test_each_kind_of_collective_costs_its_formula_on_its_own_link(
     src: Spec, dst: Spec, expected: float
 ) -> None:
     assert reshard_seconds(src, dst, META, OWN) == pytest.approx(expected, rel=1e-12)
+
+
+# Two lines per axis for all-gathers, a small collectives' and a large ones' (as calibration
+# fits them where middle sizes run slow): each step of a resharding pays the lower at its bytes.
+OUTER_SMALL, OUTER_LARGE = (1e8, 1e-6), (1e9, 1e-4)
+INNER_SMALL, INNER_LARGE = (2e9, 1e-6), (25e9, 1e-4)
+TWO_LINES = Cluster(
+    (2, 4), bandwidth=(1e9, 25e9), latency=(30e-6, 4e-6),
+    collective_links=tuple(
+        CollectiveLink("all_gather", axis, latency=latency, bandwidth=bandwidth)
+        for axis, lines in enumerate([(OUTER_SMALL, OUTER_LARGE), (INNER_SMALL, INNER_LARGE)])
+        for bandwidth, latency in lines
+    ),
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("scale", [1 / 8, 1, 64])
+def test_each_step_pays_the_lowest_of_its_lines(scale: float) -> None:
+    """Gathering (S(0), S(0)) to (R, R): the inner axis gathers half the tensor, then the outer
+    the whole. At the (64, 48, 8) tensor the inner gather (36 KiB moved) is cheaper on its
+    small line and the outer one (48 KiB) on its large one, so neither all-small nor all-large
+    lines price it: the resharding pays each step's lowest, as the ILP's table of its pair does
+    for tensors of any size."""
+    meta = ir.TensorMeta((round(64 * scale), 48, 8), torch.float32)
+    whole = WHOLE * scale
+    inner = min(all_gather(whole / 2, 4, line) for line in (INNER_SMALL, INNER_LARGE))
+    outer = min(all_gather(whole, 2, line) for line in (OUTER_SMALL, OUTER_LARGE))
+    if scale == 1:
+        assert inner == all_gather(whole / 2, 4, INNER_SMALL)
+        assert outer == all_gather(whole, 2, OUTER_LARGE)
+    src, dst = (S(0), S(0)), (R, R)
+    assert reshard_seconds(src, dst, meta, TWO_LINES) == pytest.approx(inner + outer, rel=1e-12)
+    assert regathered_seconds(src, dst, meta, TWO_LINES) == pytest.approx(
+        2 * (inner + outer), rel=1e-12
+    )
+
+
+@pytest.mark.parametrize("scale", [1 / 8, 1, 64])
+def test_the_ilps_table_prices_each_pair_as_reshard_seconds_on_two_lines(scale: float) -> None:
+    """The ILP's builder keeps each pair of specs' price lines in a table (a pair of one line
+    beside pairs of several): its matrix of every pair of five specs, priced in an order that
+    grows the table, is :func:`reshard_seconds` of each pair."""
+    builder = _Builder(plan_program(tiny_gpt_program(), TWO_LINES).program, TWO_LINES,
+                       PlanOptions())  # fmt: skip
+    meta = ir.TensorMeta((round(64 * scale), 48, 8), torch.float32)
+    specs: list[Spec] = [(R, R), (P, R), (S(0), R), (S(0), S(0)), (R, S(0))]
+    for count in (2, 5):  # first the pairs of one line, then those of more
+        matrix = builder._reshard_matrix(specs[:count], specs[:count], meta, "")
+        for i, have in enumerate(specs[:count]):
+            for j, want in enumerate(specs[:count]):
+                expected = reshard_seconds(have, want, meta, TWO_LINES)
+                assert matrix[i, j] == pytest.approx(expected, rel=1e-12), (have, want)
 
 
 def test_results_that_leave_by_reductions_pay_their_bytes_without_latency() -> None:

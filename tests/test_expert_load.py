@@ -36,7 +36,7 @@ def test_an_exchange_moves_the_busiest_devices_rows() -> None:
     load = 1.75
     balanced, uneven = _dispatch_plan(1.0), _dispatch_plan(load)
     cluster = uneven.cluster
-    bandwidth, latency = cluster.link_of("all_to_all", 0)
+    ((bandwidth, latency),) = cluster.lines_of("all_to_all", 0)
     (block,) = moe_blocks.find_blocks(uneven.program.graph)[0]
     seconds = moe_blocks.exchange_seconds(uneven.program.graph, cluster, load=load)
     counts = {

@@ -125,6 +125,7 @@ from fxpar.pipeline.schedule import StageTimes, build_schedule, replay, replay_s
 from fxpar.planning.cost import (
     collective_seconds,
     copy_seconds,
+    link_seconds,
     node_seconds,
     saved_for_backward,
     update_seconds,
@@ -726,12 +727,7 @@ def _bucket_seconds(members: Sequence[Bucketed], mesh: Cluster) -> float:
     bytes."""
     route = members[0].route
     nbytes = sum(member.nbytes for member in members)
-    return sum(
-        collective_seconds(
-            route.kind, nbytes, mesh.mesh_shape[axis], *mesh.link_of(route.kind, axis)
-        )
-        for axis in route.axes
-    )
+    return sum(link_seconds(route.kind, nbytes, axis, mesh) for axis in route.axes)
 
 
 def _unfolded(table: Mapping[str, _V], origin: Mapping[str, str]) -> dict[str, _V]:

@@ -89,34 +89,68 @@ Price = Literal["", "output", "regathered"]
 :func:`regathered_seconds`."""
 
 
+def link_seconds(kind: str, local_bytes: float, axis: int, cluster: Cluster) -> float:
+    """Time of one collective step of ``kind`` on mesh axis ``axis`` of ``cluster``: the lowest
+    of its lines (:meth:`~fxpar.cluster.Cluster.lines_of`) at ``local_bytes``."""
+    devices = cluster.mesh_shape[axis]
+    return min(
+        collective_seconds(kind, local_bytes, devices, bandwidth, latency)
+        for bandwidth, latency in cluster.lines_of(kind, axis)
+    )
+
+
+Terms = tuple[tuple[float, float], ...]
+"""A resharding's price lines, ``(seconds, seconds per byte)``: a tensor of ``B`` bytes pays the
+lowest ``seconds + B * per_byte`` of them."""
+
+
 @functools.lru_cache(maxsize=1 << 18)
-def reshard_terms(src: Code, dst: Code, cluster: Cluster, price: Price = "") -> tuple[float, float]:
+def reshard_terms(src: Code, dst: Code, cluster: Cluster, price: Price = "") -> Terms:
     """The price of a resharding from ``src`` to ``dst`` (spec codes,
-    :func:`fxpar.sharding.reshard.spec_code`) as ``(seconds, seconds per byte)``: its
+    :func:`fxpar.sharding.reshard.spec_code`) as lines ``(seconds, seconds per byte)``: its
     collectives' latencies, and the time per byte of the whole tensor (every step moves a
-    fixed fraction of it). One pair of specs thus has one price for tensors of every size,
-    ``seconds + bytes * per_byte``: the ILP's builder prices a pair once for all its tensors."""
+    fixed fraction of it); a tensor pays the lowest line at its bytes. Where a collective has
+    several lines (:meth:`~fxpar.cluster.Cluster.lines_of`), each choice of one line per step
+    gives a line of the resharding, so the lowest of them is the sum of each step's lowest.
+    One pair of specs thus has one price for tensors of every size: the ILP's builder prices
+    a pair once for all its tensors."""
     if src == dst:
-        return 0.0, 0.0
+        return ((0.0, 0.0),)
     mesh = cluster.mesh_shape
     steps = coded_steps(src, dst, mesh)
     route = bucket_route_of(steps) if price == "output" else None
-    if route is not None:
-        per_byte = sum(collective_share(route.kind, mesh[a]) / cluster.link_of(route.kind, a)[0]
-                       for a in route.axes)  # fmt: skip
-        return 0.0, per_byte / _pieces(src, mesh)
-    seconds = per_byte = 0.0
+    if route is not None:  # buckets are large: each axis' flattest line
+        per_byte = sum(
+            collective_share(route.kind, mesh[a])
+            / max(bandwidth for bandwidth, _ in cluster.lines_of(route.kind, a))
+            for a in route.axes
+        )
+        return ((0.0, per_byte / _pieces(src, mesh)),)
+    lines = [(0.0, 0.0)]
     current = list(src)
     for step in steps:
         share = collective_share(step.kind, mesh[step.axis])
         if share:
-            bandwidth, latency = cluster.link_of(step.kind, step.axis)
-            seconds += latency
-            per_byte += share / (_pieces(current, mesh) * bandwidth)
+            pieces = _pieces(current, mesh)
+            lines = _lowest([
+                (seconds + latency, per_byte + share / (pieces * bandwidth))
+                for seconds, per_byte in lines
+                for bandwidth, latency in cluster.lines_of(step.kind, step.axis)
+            ])  # fmt: skip
         current[step.axis] = step.code_after
     if price == "regathered" and gather_route_of(steps) is not None:
-        return 2 * seconds, 2 * per_byte
-    return seconds, per_byte
+        return tuple((2 * seconds, 2 * per_byte) for seconds, per_byte in lines)
+    return tuple(lines)
+
+
+def _lowest(lines: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """``lines`` less those no lower than another at every size (their seconds and per-byte
+    both at least another's), by seconds."""
+    kept: list[tuple[float, float]] = []
+    for line in sorted(set(lines)):
+        if not kept or line[1] < kept[-1][1]:
+            kept.append(line)
+    return kept
 
 
 def _pieces(code: Sequence[int], mesh_shape: Sequence[int]) -> int:
@@ -133,8 +167,9 @@ def reshard_seconds(
         return 0.0
     shape = tuple(ir.evaluate(s) for s in meta.shape)
     local_shape(shape, src, cluster.mesh_shape)  # raises unless ``src`` splits it evenly
-    seconds, per_byte = reshard_terms(spec_code(src), spec_code(dst), cluster, price)
-    return seconds + per_byte * math.prod(shape) * meta.dtype.itemsize
+    nbytes = math.prod(shape) * meta.dtype.itemsize
+    terms = reshard_terms(spec_code(src), spec_code(dst), cluster, price)
+    return min(seconds + per_byte * nbytes for seconds, per_byte in terms)
 
 
 def output_seconds(src: Spec, dst: Spec, meta: ir.TensorMeta, cluster: Cluster) -> float:

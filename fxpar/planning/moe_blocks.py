@@ -49,7 +49,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from fxpar import ir
 from fxpar.cluster import Cluster
-from fxpar.planning.cost import collective_seconds
+from fxpar.planning.cost import link_seconds
 from fxpar.rules.experts import experts_spec, is_grouped_product
 from fxpar.rules.registry import op_call
 from fxpar.rules.routing import torchtitan_scatter_add
@@ -583,7 +583,7 @@ def exchange_seconds(
     boundary sends the rows of the value it moves to their devices (dispatch) or back
     (combine). Priced at the busiest device: a device sends its piece of the value as the
     boundary reads it, ``(n - 1) / n`` of it to the other devices of the axis
-    (:func:`~fxpar.planning.cost.collective_seconds` of an all-to-all on the axis' link), and
+    (:func:`~fxpar.planning.cost.link_seconds` of an all-to-all on the axis), and
     the busiest receives (dispatch) or sends back (combine) ``load`` times that (1: balanced
     routing; :class:`ExpertLoad`). A block computed op by op (not dispatched) exchanges
     nothing. ``chosen``: of the plan chosen (the default), or of the one candidate each node
@@ -614,7 +614,4 @@ def _dispatched(graph: fx.Graph, chosen: bool) -> list[tuple[MoEBlock, int]]:
 
 
 def _all_to_all(local_bytes: float, axis: int, cluster: Cluster) -> float:
-    bandwidth, latency = cluster.link_of("all_to_all", axis)
-    return collective_seconds(
-        "all_to_all", local_bytes, cluster.mesh_shape[axis], bandwidth, latency
-    )
+    return link_seconds("all_to_all", local_bytes, axis, cluster)

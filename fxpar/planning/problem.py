@@ -45,6 +45,7 @@ from fxpar.ir.fold import Multiplicity
 from fxpar.ir.program import Program
 from fxpar.planning.cost import (
     Price,
+    Terms,
     compute_seconds,
     local_bytes,
     numbered_layer,
@@ -331,8 +332,9 @@ class _Builder:
         return list(self._follow[key])
 
     def _moved(self, have: Spec, want: Spec, meta: ir.TensorMeta) -> float:
-        seconds, per_byte = self._terms(self._spec_id(have), self._spec_id(want), "")
-        return seconds + per_byte * ir.evaluate(meta.nbytes)
+        terms = self._terms(self._spec_id(have), self._spec_id(want), "")
+        nbytes = ir.evaluate(meta.nbytes)
+        return min(seconds + per_byte * nbytes for seconds, per_byte in terms)
 
     def _spec_id(self, spec: Spec) -> int:
         found = self._ids.get(spec)
@@ -341,22 +343,29 @@ class _Builder:
             self._codes.append(spec_code(spec))
         return found
 
-    def _terms(self, have: int, want: int, price: Price) -> tuple[float, float]:
+    def _terms(self, have: int, want: int, price: Price) -> Terms:
         """:func:`~fxpar.planning.cost.reshard_terms` of two specs by id."""
         table = self._table(price, max(have, want) + 1)
-        if np.isnan(table[have, want, 0]):
+        if np.isnan(table[have, want, 0, 0]):
             codes = self._codes
-            table[have, want] = reshard_terms(codes[have], codes[want], self.cluster, price)
-        return float(table[have, want, 0]), float(table[have, want, 1])
+            terms = reshard_terms(codes[have], codes[want], self.cluster, price)
+            table = self._table(price, len(table), len(terms))
+            # A pair of fewer lines repeats its last (the lowest of them is the same).
+            table[have, want] = [terms[min(k, len(terms) - 1)] for k in range(table.shape[2])]
+        return tuple(map(tuple, table[have, want].tolist()))
 
-    def _table(self, price: Price, ids: int) -> npt.NDArray[np.float64]:
+    def _table(self, price: Price, ids: int, lines: int = 1) -> npt.NDArray[np.float64]:
         """The price lines of every pair of spec ids priced as ``price`` so far (NaN where not
-        yet priced), grown to hold at least ``ids`` ids."""
+        yet priced), grown to hold at least ``ids`` ids and ``lines`` lines a pair."""
         table = self._tables.get(price)
-        if table is None or len(table) < ids:
-            grown = np.full((2 * ids, 2 * ids, 2), np.nan)
+        if table is None or len(table) < ids or table.shape[2] < lines:
+            size = 2 * ids if table is None or len(table) < ids else len(table)
+            grown = np.full((size, size, max(lines, 1 if table is None else table.shape[2]), 2),
+                            np.nan)  # fmt: skip
             if table is not None:
-                grown[: len(table), : len(table)] = table
+                old, width = len(table), table.shape[2]
+                grown[:old, :old, :width] = table
+                grown[:old, :old, width:] = table[:, :, width - 1 :]  # repeat the last line
             table = self._tables[price] = grown
         return table
 
@@ -364,9 +373,9 @@ class _Builder:
         self, produced: list[Spec], required: list[Spec], meta: ir.TensorMeta, price: Price
     ) -> npt.NDArray[np.float64]:
         """Seconds to reshard ``meta`` from each produced spec to each required one, priced as
-        the lowering sends it (``price``). A pair of specs has one price line for tensors of
-        every size (:func:`~fxpar.planning.cost.reshard_terms`), so each pair is priced once and
-        the lines of each distinct pair of spec lists are scaled by each tensor's bytes."""
+        the lowering sends it (``price``). A pair of specs has the same price lines for tensors
+        of every size (:func:`~fxpar.planning.cost.reshard_terms`), so each pair is priced once
+        and the lines of each distinct pair of spec lists are scaled by each tensor's bytes."""
         have_ids = tuple(self._spec_id(spec) for spec in produced)
         want_ids = tuple(self._spec_id(spec) for spec in required)
         key = (have_ids, want_ids, price)
@@ -375,12 +384,12 @@ class _Builder:
             table = self._table(price, len(self._codes))
             haves, wants = sorted(set(have_ids)), sorted(set(want_ids))
             block = table[np.ix_(haves, wants)]
-            for i, j in zip(*np.nonzero(np.isnan(block[..., 0])), strict=True):
+            for i, j in zip(*np.nonzero(np.isnan(block[..., 0, 0])), strict=True):
                 self._terms(haves[i], wants[j], price)
-            picked = table[np.ix_(have_ids, want_ids)]
+            picked = self._tables[price][np.ix_(have_ids, want_ids)]
             lines = self._lines[key] = (picked[..., 0], picked[..., 1])
         seconds, per_byte = lines
-        return seconds + per_byte * ir.evaluate(meta.nbytes)
+        return (seconds + per_byte * ir.evaluate(meta.nbytes)).min(axis=-1)
 
     def _compute_vector(self, node: fx.Node) -> list[float]:
         key = self._identity(node)

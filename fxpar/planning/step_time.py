@@ -128,9 +128,7 @@ def price_schedule(
     mesh = cluster.mesh_shape
     schedule = schedule_program(program, mesh)
     record_seconds = tuple(
-        cost.collective_seconds(
-            record.kind, record.bytes, mesh[record.axis], *cluster.link_of(record.kind, record.axis)
-        )
+        cost.link_seconds(record.kind, record.bytes, record.axis, cluster)
         for record in schedule.records
     )
     specs = schedule.specs

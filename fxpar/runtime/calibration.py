@@ -12,11 +12,12 @@ What it times (:class:`CalibrationOptions` sets the sizes and repeats):
 
 - On each mesh axis of more than one device, an all-reduce of one element, one of
   ``check_bytes`` and one of ``large_bytes``, on every process group of the axis at once, as a
-  step runs them. They fix the axis' ``α`` and ``β`` of the cost model's all-reduce,
-  ``α + 2(n−1)/n·B/β`` (:func:`fxpar.planning.cost.collective_seconds`): the line through the
-  large point and the smaller one that puts it on or above both
-  (:func:`fxpar.runtime.link_fit.upper_line`, which says why), so the model gives back the
-  large time and one smaller one, and the other no lower than measured. An axis of one device
+  step runs them. They fix the lines of the cost model's all-reduce, ``α + 2(n−1)/n·B/β``
+  (:func:`fxpar.planning.cost.collective_seconds`), of which a collective pays the lowest: those
+  of the points' upper hull (:func:`fxpar.runtime.link_fit.upper_lines`, which says why), so the
+  model gives back every time on the hull and the others no lower than measured. The large
+  collectives' line is the axis' ``α`` and ``β``; where there is a second line, for small ones,
+  both are the all-reduce's own links on the axis. An axis of one device
   has no collective to time and keeps its numbers.
 - On the same axes, the one-element all-reduce again, each run after a stretch of compute on
   every rank (:attr:`CalibrationOptions.compute_before`), as a step reaches its collectives:
@@ -85,11 +86,11 @@ from fxpar import ir
 from fxpar.cluster import COLLECTIVE_KINDS, Cluster, CollectiveLink
 from fxpar.errors import DistributedError, FxparError
 from fxpar.ir.program import Program
-from fxpar.planning.cost import collective_seconds, roofline_seconds
+from fxpar.planning.cost import link_seconds, roofline_seconds
 from fxpar.runtime import core_sharing, waiting
 from fxpar.runtime.communicators import ProcessGroupCommunicator
 from fxpar.runtime.devices import for_collective, rank_device, synchronize
-from fxpar.runtime.link_fit import upper_line
+from fxpar.runtime.link_fit import Line, upper_lines
 from fxpar.runtime.op_timing import OpTiming, time_ops
 from fxpar.runtime.text_table import columns, rate_text, seconds_text
 
@@ -237,12 +238,7 @@ class Timing:
     def model_seconds(self, cluster: Cluster) -> float:
         """What the cost model says this operation takes on ``cluster``."""
         if self.axis is not None:
-            return collective_seconds(
-                self.operation,
-                self.nbytes,
-                cluster.mesh_shape[self.axis],
-                *cluster.link_of(self.operation, self.axis),
-            )
+            return link_seconds(self.operation, self.nbytes, self.axis, cluster)
         work = ir.Cost(flops=self.flops, bytes_read=self.nbytes, bytes_written=0, output_bytes=0)
         return roofline_seconds(work, cluster)
 
@@ -275,8 +271,12 @@ class Calibration:
             fields.append(
                 (f"bandwidth {name}", *(rate_text(c.bandwidth[axis], "B/s") for c in clusters))
             )
-        for link in self.cluster.collective_links:
+        links = self.cluster.collective_links
+        for link in links:
             name = f"{link.kind} {self.cluster.axis_names[link.axis]}"
+            lines = [other for other in links if (other.kind, other.axis) == (link.kind, link.axis)]
+            if len(lines) > 1:  # a kind's lines, from small collectives' to large ones'
+                name += f" ({lines.index(link) + 1}/{len(lines)})"
             fields.append((f"latency {name}", "-", seconds_text(link.latency)))
             fields.append((f"bandwidth {name}", "-", rate_text(link.bandwidth, "B/s")))
         fields.append(("flops", *(rate_text(c.flops, "FLOP/s") for c in clusters)))
@@ -558,9 +558,11 @@ def fit(cluster: Cluster, timings: Sequence[Timing]) -> Cluster:
     collective timed apart from the all-reduce gets its own link on that axis
     (:class:`~fxpar.cluster.CollectiveLink`)."""
     latency, bandwidth = list(cluster.latency), list(cluster.bandwidth)
-    links = {(link.kind, link.axis): link for link in cluster.collective_links}
-    for axis, kind, _, points, line in _lines(cluster, timings):
-        if line is None:
+    links: dict[tuple[str, int], list[CollectiveLink]] = defaultdict(list)
+    for link in cluster.collective_links:
+        links[link.kind, link.axis].append(link)
+    for axis, kind, _, points, lines in _lines(cluster, timings):
+        if not lines:
             (small_bytes, small_s), (large_bytes, large_s) = points[0], points[-1]
             raise FxparError(
                 f"on mesh axis {cluster.axis_names[axis]}, {kind.replace('_', '-')}s of "
@@ -569,12 +571,12 @@ def fit(cluster: Cluster, timings: Sequence[Timing]) -> Cluster:
                 "through both (the machine is too noisy for these sizes); calibrate again "
                 "with a larger CalibrationOptions.large_bytes or more attempts"
             )
-        alpha, beta = line
         wait = wait_seconds(timings, axis)
-        if kind == ALL_REDUCE:
-            latency[axis], bandwidth[axis] = alpha + wait, beta
-        else:
-            links[kind, axis] = CollectiveLink(kind, axis, alpha + wait, beta)
+        own = [CollectiveLink(kind, axis, alpha + wait, beta) for alpha, beta in lines]
+        if kind == ALL_REDUCE:  # the axis' own line is the large collectives' one
+            latency[axis], bandwidth[axis] = own[-1].latency, own[-1].bandwidth
+            own = own if len(own) > 1 else []
+        links[kind, axis] = own
     flops, memory_bandwidth = cluster.flops, cluster.memory_bandwidth
     for timing in timings:
         if timing.operation == MATMUL:
@@ -588,7 +590,9 @@ def fit(cluster: Cluster, timings: Sequence[Timing]) -> Cluster:
         flops=flops,
         memory_bandwidth=memory_bandwidth,
         collective_links=tuple(
-            links[key] for key in sorted(links, key=lambda k: (k[1], COLLECTIVE_KINDS.index(k[0])))
+            link
+            for key in sorted(links, key=lambda k: (k[1], COLLECTIVE_KINDS.index(k[0])))
+            for link in links[key]
         ),
     )
 
@@ -648,23 +652,23 @@ def retime_lineless(
 
 def _lineless(cluster: Cluster, timings: Sequence[Timing]) -> list[int]:
     """The indices of the points of every (axis, kind) line :func:`fit` finds none through."""
-    return sorted(i for *_, indices, _, line in _lines(cluster, timings) if line is None
+    return sorted(i for *_, indices, _, lines in _lines(cluster, timings) if not lines
                   for i in indices)  # fmt: skip
 
 
 def _lines(
     cluster: Cluster, timings: Sequence[Timing]
-) -> Iterator[tuple[int, str, list[int], list[tuple[int, float]], tuple[float, float] | None]]:
+) -> Iterator[tuple[int, str, list[int], list[tuple[int, float]], list[Line]]]:
     """For each mesh axis and kind of collective with points in ``timings``: the axis, the
-    kind, the points' indices, the points as sorted (bytes, seconds), and the line fitted to
-    them (:func:`~fxpar.runtime.link_fit.upper_line`; None where there is none)."""
+    kind, the points' indices, the points as sorted (bytes, seconds), and the lines fitted to
+    them (:func:`~fxpar.runtime.link_fit.upper_lines`; empty where there is none)."""
     for axis, devices in enumerate(cluster.mesh_shape):
         for kind in (ALL_REDUCE, *OWN_LINKS):
             indices = [i for i, t in enumerate(timings) if t.axis == axis and _fits(t, kind)]
             if not indices:
                 continue
             points = sorted((timings[i].nbytes, timings[i].seconds) for i in indices)
-            yield axis, kind, indices, points, upper_line(kind, devices, points)
+            yield axis, kind, indices, points, upper_lines(kind, devices, points)
 
 
 def _planned_timings(cluster: Cluster, options: CalibrationOptions) -> list[Timing]:

@@ -1,25 +1,27 @@
-"""The latency and bandwidth of a collective, fitted to its measured times at a few sizes.
+"""The lines a collective's price follows, fitted to its measured times at a few sizes.
 
-The cost model prices a collective of ``B`` local bytes on ``n`` devices as a line,
-``α + share(n)·B/β`` (:func:`fxpar.planning.cost.collective_seconds`), and the ILP prices each
-pair of layouts with one such line for tensors of every size. Calibration times each kind at
-one element, a middle size and a large one (:class:`fxpar.runtime.calibration.CalibrationOptions`),
-and :func:`upper_line` chooses the line: through the large point, which bandwidth dominates,
-and whichever smaller point gives the line that prices every smaller point at no less than it
-took.
+The cost model prices a collective of ``B`` local bytes on ``n`` devices with lines of the form
+``α + share(n)·B/β`` (:func:`fxpar.planning.cost.collective_seconds`), taking the lowest of its
+lines where it has several (:meth:`fxpar.cluster.Cluster.lines_of`). Calibration times each kind
+at one element, a middle size and a large one
+(:class:`fxpar.runtime.calibration.CalibrationOptions`), and :func:`upper_lines` chooses the
+lines: those of the upper hull of the points, a price that is exact at every point on the hull
+and no lower than any point under it.
 
-Why not the line through the smallest and the largest alone: on gloo processes that share
+Why not one line through the smallest and the largest point: on gloo processes that share
 cores (four on the development machine's two), all-reduces of 64-512 KiB took about what
 4 MiB's fixed part takes, 2.2-3.7 ms after a barrier against 0.34 for one element, and that line
-priced them at half of what they took in a step (``benchmarks/collective_sizes.py``); a plan
-that waits at many of them, tensor parallelism, was estimated short. Where the middle point lies
-on or under that line (a host with a core per rank), the line is the same as before. The line
-chosen prices a one-element collective above what it took, by the difference: scalars are few
-in a step, and the lowering sends the gradients' in buckets.
+priced them at half of what they took in a step (``benchmarks/collective_sizes.py``): a plan
+that waits at many of them, tensor parallelism, was estimated short. One line through the large
+point and the middle one priced them right but put every small collective ~2 ms over (a fully
+sharded plan gathering many small parameters, a loss reduced as a one-element partial sum): the
+two lines of the hull price both. Where the middle point lies on or under the line of the
+extremes (a host with a core per rank), the hull is that one line.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 from fxpar.planning.cost import collective_share
@@ -27,8 +29,11 @@ from fxpar.planning.cost import collective_share
 Point = tuple[int, float]
 """A collective's local bytes and the seconds it took."""
 
+Line = tuple[float, float]
+"""A line's latency (seconds) and bandwidth (bytes/s)."""
 
-def line_through(kind: str, devices: int, small: Point, large: Point) -> tuple[float, float] | None:
+
+def line_through(kind: str, devices: int, small: Point, large: Point) -> Line | None:
     """The latency and bandwidth of the line of :func:`~fxpar.planning.cost.collective_seconds`
     through a small and a large collective's (bytes, seconds); None where no line of a positive
     latency and bandwidth goes through both."""
@@ -41,13 +46,29 @@ def line_through(kind: str, devices: int, small: Point, large: Point) -> tuple[f
     return (latency, bandwidth) if latency > 0 else None
 
 
-def upper_line(kind: str, devices: int, points: Sequence[Point]) -> tuple[float, float] | None:
-    """The line through the largest of ``points`` (by bytes) and one of the others that lies
-    on or above every other (the one of the largest latency: all go through the same large
-    point, so the flattest is the highest left of it), among the lines of positive latency and
-    bandwidth; None where there is none. A smaller point slower than the largest (noise) gives
-    no line and is passed over."""
-    *smaller, largest = sorted(points)
-    lines = [line_through(kind, devices, point, largest) for point in smaller]
-    found = [line for line in lines if line is not None]
-    return max(found) if found else None
+def upper_lines(kind: str, devices: int, points: Sequence[Point]) -> list[Line]:
+    """The lines of the upper hull of ``points`` (bytes, seconds), from the smallest collective's
+    to the largest's, of which a price takes the lowest: exact at the largest point and every
+    point on the hull, no lower than any other. Smaller points slower than the largest (noise)
+    are passed over, and so is a leading point whose line would need a latency of 0 or less
+    (the next line, extended, lies above it). Empty where no line of a positive latency and
+    bandwidth reaches the largest point."""
+    slowest = dict(sorted(points))  # of points of one size, the slowest
+    *smaller, largest = slowest.items()
+    hull: list[Point] = []
+    for point in [p for p in smaller if p[1] < largest[1]] + [largest]:
+        # Drop the last vertex while it lies on or under the chord from the one before it.
+        while len(hull) >= 2 and _turns_up(hull[-2], hull[-1], point):
+            hull.pop()
+        hull.append(point)
+    lines = [line_through(kind, devices, a, b) for a, b in itertools.pairwise(hull)]
+    while lines and lines[0] is None:
+        lines.pop(0)
+    return [line for line in lines if line is not None]
+
+
+def _turns_up(a: Point, b: Point, c: Point) -> bool:
+    """Whether ``b`` lies on or under the chord from ``a`` to ``c``, or above it by no more
+    than rounding (the hull is not concave at ``b``: one line serves all three)."""
+    chord = a[1] + (c[1] - a[1]) * (b[0] - a[0]) / (c[0] - a[0])
+    return b[1] <= chord * (1 + 1e-9)
