@@ -38,7 +38,10 @@ _PRESETS: dict[str, dict[str, Any]] = {
 }  # fmt: skip
 
 
-COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send")
+"""The kinds of communication a :class:`CollectiveLink` prices: the four collectives, and
+``send``, one rank's point-to-point send to another of the axis (a pipeline stage's
+activations to the next stage)."""
 
 
 @dataclass(frozen=True)

@@ -20,20 +20,23 @@ from fxpar.cli import main
 from fxpar.errors import DistributedError, FxparError
 from fxpar.planning.cost import collective_seconds
 from fxpar.runtime.calibration import (
+    Calibration,
+    CalibrationOptions,
+    Timing,
+    fit,
+    measure,
+    retime_lineless,
+    wait_seconds,
+)
+from fxpar.runtime.calibration_runs import (
     ALL_GATHER,
     ALL_REDUCE,
     ALL_TO_ALL,
     COPY,
     MATMUL,
     REDUCE_SCATTER,
-    Calibration,
-    CalibrationOptions,
-    Timing,
-    _typical_seconds,
-    fit,
-    measure,
-    retime_lineless,
-    wait_seconds,
+    SEND,
+    typical_seconds,
 )
 from fxpar.runtime.launch import spawn
 
@@ -95,12 +98,12 @@ def test_the_fitted_model_gives_back_the_fitted_times_and_lies_above_the_others(
     assert isinstance(calibration, Calibration)
     kinds = [(t.operation, t.after_compute) for t in calibration.timings]
     assert kinds == [*[(ALL_REDUCE, False)] * 3, (ALL_REDUCE, True),
-                     *[(kind, False) for kind in (ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL)
+                     *[(kind, False) for kind in (ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, SEND)
                        for _ in range(3)],
                      (MATMUL, False), (COPY, False)]  # fmt: skip
     cluster = calibration.cluster
     own = {(link.kind, link.axis) for link in cluster.collective_links}
-    kept = {(ALL_GATHER, 0), (REDUCE_SCATTER, 0), (ALL_TO_ALL, 0)}
+    kept = {(ALL_GATHER, 0), (REDUCE_SCATTER, 0), (ALL_TO_ALL, 0), (SEND, 0)}
     # The all-reduce has links of its own only beside the axis' large line (two lines).
     assert own == kept | ({(ALL_REDUCE, 0)} if len(cluster.lines_of(ALL_REDUCE, 0)) > 1 else set())
     # How much of an all-reduce products beside it hide: measured, a share.
@@ -108,7 +111,7 @@ def test_the_fitted_model_gives_back_the_fitted_times_and_lies_above_the_others(
     assert overlap is not None and 0 <= overlap <= 1
     assert re.search(rf"hidden share +0\.00 +{overlap:.2f}\n", calibration.table())
     # Every collective's latency carries the axis' wait for the last peer: the one-element
-    # all-reduce after compute, beyond the same one after a barrier.
+    # all-reduce after compute, beyond the same one after a barrier. A send's does not.
     small, wait_run = calibration.timings[0], calibration.timings[3]
     wait = wait_seconds(calibration.timings, 0)
     assert wait == max(wait_run.seconds - small.seconds, 0.0)
@@ -121,11 +124,12 @@ def test_the_fitted_model_gives_back_the_fitted_times_and_lies_above_the_others(
         elif timing.axis is None:
             assert model == pytest.approx(timing.seconds, rel=1e-9), timing
         else:  # each collective's lines lie on or above its points, through the large one
-            assert model >= timing.seconds + wait - 1e-9 * timing.seconds, timing
-            exact = model == pytest.approx(timing.seconds + wait, rel=1e-9)
+            waited = wait if timing.operation != SEND else 0.0
+            assert model >= timing.seconds + waited - 1e-9 * timing.seconds, timing
+            exact = model == pytest.approx(timing.seconds + waited, rel=1e-9)
             given_back[timing.operation] = given_back.get(timing.operation, 0) + exact
     # A kind of one line gives back two of its points, one of two lines all three.
-    kinds = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL)
+    kinds = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, SEND)
     assert given_back == {kind: len(cluster.lines_of(kind, 0)) + 1 for kind in kinds}
     # The axis' own line is the all-reduce's large one.
     large = calibration.timings[2]
@@ -148,7 +152,7 @@ def _late_peer_rank(rank: int, world_size: int) -> dict[str, float]:
         count = 1 + (extra if rank == 1 else 0)
         options = CalibrationOptions(compute_before=count, repeats=5, matmul_size=size)
         run = lambda: dist.all_reduce(buffer)  # noqa: E731
-        seconds = _typical_seconds(run, dist.group.WORLD, options, torch.device("cpu"), after)
+        seconds = typical_seconds(run, dist.group.WORLD, options, torch.device("cpu"), after)
         found[str(int(after))] = seconds
     matrix = torch.randn(size, size)
     start = time.perf_counter()
@@ -215,7 +219,7 @@ def _timings_of(cluster: fxpar.Cluster, options: CalibrationOptions) -> list[Tim
     step = cluster.mesh_shape[0] * itemsize
     timings += [
         Timing(kind, nbytes, 0.0, axis=0)
-        for kind in (ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL)
+        for kind in (ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, SEND)
         for nbytes in (step, options.check_bytes // step * step, options.large_bytes // step * step)
     ]
     timings.append(Timing(MATMUL, 3 * 512 * 512 * itemsize, 0.0, flops=2 * 512**3))
@@ -230,6 +234,7 @@ def test_fit_recovers_the_cluster_that_produced_the_times() -> None:
         fxpar.CollectiveLink(ALL_GATHER, 0, latency=5e-4, bandwidth=4e8),
         fxpar.CollectiveLink(REDUCE_SCATTER, 0, latency=6e-4, bandwidth=1.75e8),
         fxpar.CollectiveLink(ALL_TO_ALL, 0, latency=2e-4, bandwidth=9e8),
+        fxpar.CollectiveLink(SEND, 0, latency=4e-5, bandwidth=2e9),
     )
     machine = fxpar.Cluster((4,), latency=(3e-4,), bandwidth=(7e8,), flops=3e10,
                             memory_bandwidth=1.2e10, collective_links=own)  # fmt: skip
@@ -262,7 +267,7 @@ def test_a_middle_size_above_the_line_of_the_extremes_gets_a_line_for_small_coll
         for middle in [{options.check_bytes, options.check_bytes // 16 * 16}]
     ]
     fitted = fit(fxpar.Cluster.preset("cpu", (4,)), timings)
-    kinds = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL)
+    kinds = (ALL_REDUCE, ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL, SEND)
     assert all(len(fitted.lines_of(kind, 0)) == 2 for kind in kinds)
     small, large = fitted.lines_of(ALL_REDUCE, 0)
     assert large == (fitted.bandwidth[0], fitted.latency[0])
@@ -287,7 +292,7 @@ def test_the_wait_after_compute_is_added_to_every_collective_latency_of_its_axis
 ) -> None:
     """The one-element all-reduce timed after compute took ``late`` beyond the one after a
     barrier: every kind's latency on the axis grows by that (never by less than 0), the
-    bandwidths stay."""
+    bandwidths stay; a send's, which waits for one peer, keeps its latency."""
     options = CalibrationOptions()
     timings = _timings_of(GIVEN, options)
     without = fit(GIVEN, timings)
@@ -298,7 +303,8 @@ def test_the_wait_after_compute_is_added_to_every_collective_latency_of_its_axis
     assert fitted.latency[0] == pytest.approx(without.latency[0] + wait, rel=1e-9)
     assert fitted.bandwidth == without.bandwidth
     for link, before in zip(fitted.collective_links, without.collective_links, strict=True):
-        assert link.latency == pytest.approx(before.latency + wait, rel=1e-9)
+        waited = wait if link.kind != SEND else 0.0
+        assert link.latency == pytest.approx(before.latency + waited, rel=1e-9)
         assert link.bandwidth == before.bandwidth
 
 

@@ -36,10 +36,11 @@ included, views counted once at their base, parameters not at all) the range's b
 crossing the boundary before atom ``c`` forwards and backwards. ``allreduce`` is
 :func:`fxpar.planning.cost.collective_seconds` (``alpha + 2 (d-1)/d G / beta``) on the innermost
 mesh axis that holds ``d`` consecutive ranks (a stage's replicas are consecutive ranks); sends
-use the slowest axis, which some pair of neighbouring stages may cross. The gradient reduction
-is charged ``1/M`` of it per micro-batch, so the DP's objective counts the slowest stage's
-``(M - 1)/M`` times too often; the step of a plan pays each stage's once
-(:func:`~fxpar.solvers.stages.per_step_overcount`). ``lag`` is
+(:func:`send_seconds`) the slowest axis, which some pair of neighbouring stages may cross, at
+the ``send`` lines calibration fits (a point-to-point transfer, not a collective of the
+axis). The gradient reduction is charged ``1/M`` of it per micro-batch, so the DP's
+objective counts the slowest stage's ``(M - 1)/M`` times too often; the step of a plan pays
+each stage's once (:func:`~fxpar.solvers.stages.per_step_overcount`). ``lag`` is
 :meth:`fxpar.Cluster.lag_seconds` (0 but on ranks that share a host's cores) and ``W`` the
 stage's waits a step: ``M`` for each neighbour it receives from, one more for its gradient
 reduction; ``compute`` is the first line. Costs are cached per (atom range,
@@ -520,10 +521,9 @@ class StageCostModel:
         # Every call pays its dispatch whatever its share of the batch: that part of the
         # compute is not divided among micro-batches and replicas.
         overhead = min(calls * cluster.op_overhead, compute)
-        send_bandwidth, send_latency = min(cluster.bandwidth), max(cluster.latency)
         sent = [backward_crossing[start] if start > 0 else 0]
         sent.append(forward_crossing[stop] if stop < self.atoms.count else 0)
-        send = sum(send_latency + nbytes / share / send_bandwidth for nbytes in sent if nbytes)
+        send = sum(send_seconds(nbytes / share, cluster) for nbytes in sent if nbytes)
         static = float((2 + self.optimizer_states) * facts.trainable_bytes + facts.frozen_bytes)
         if pipeline.remat:
             received = forward_crossing[start] if start > 0 else 0
@@ -719,6 +719,15 @@ def _unfolded_buckets(
     ]
     order = {node: position for position, node in enumerate(program.graph.nodes)}
     return cut_buckets(members, order, BUCKET_BYTES)
+
+
+def send_seconds(nbytes: float, cluster: Cluster) -> float:
+    """Time of one stage's send of ``nbytes`` to a neighbour: a ``send`` on the slowest axis of
+    ``cluster`` at those bytes (:func:`~fxpar.planning.cost.link_seconds`; its own lines where
+    calibration fitted them, else the axis' latency and bandwidth), which some pair of
+    neighbouring stages may cross."""
+    axes = [axis for axis, devices in enumerate(cluster.mesh_shape) if devices > 1]
+    return max((link_seconds("send", nbytes, axis, cluster) for axis in axes), default=0.0)
 
 
 def _bucket_seconds(members: Sequence[Bucketed], mesh: Cluster) -> float:

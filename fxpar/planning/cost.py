@@ -70,6 +70,8 @@ def collective_share(kind: str, devices: int) -> float:
     """Bytes each device moves in one collective step, per byte of its local piece."""
     if devices <= 1 or kind in ("slice", "to_partial"):
         return 0.0
+    if kind == "send":  # point to point: the piece crosses once
+        return 1.0
     if kind == "all_reduce":
         return 2 * (devices - 1) / devices
     if kind == "all_gather":

@@ -29,7 +29,10 @@ What it times (:class:`CalibrationOptions` sets the sizes and repeats):
   of ``check_bytes`` and of ``large_bytes`` (each rounded to whole elements per device),
   through the runtime's own :class:`~fxpar.runtime.communicators.ProcessGroupCommunicator`,
   each kind fitted a line of its own (:class:`~fxpar.cluster.CollectiveLink`): gloo runs them
-  at speeds of their own (``CalibrationOptions.each_kind`` turns this off).
+  at speeds of their own (``CalibrationOptions.each_kind`` turns this off). So is a send of the
+  same sizes from each rank of the first half of the axis to one of the second, as pipeline
+  stages pass activations: its lines take no wait for the last peer (a send waits for one,
+  where the pipeline's schedule prices it), and the stage model prices its sends with them.
 - On the same axes, the ``large_bytes`` all-reduce once more beside as many of those products
   as take about as long (:attr:`CalibrationOptions.overlap`): started, the products run, then
   waited for, as the programs run an all-reduce started where its value is made. With ``c``
@@ -55,11 +58,12 @@ What it times (:class:`CalibrationOptions` sets the sizes and repeats):
 
 Each operation runs ``warmup`` times untimed, then ``repeats`` times. A collective starts each
 run after a barrier of its own process group (the wait's all-reduce after compute too); local
-work runs back to back, every rank at once, as in a step (:func:`_typical_seconds` says why). A
-rank keeps the lower quartile of a collective's times (:attr:`CalibrationOptions.quantile`), the
-mean of the wait's and the mean of its local work's, and the slowest rank's (one all-reduce MAX)
-is the time every rank fits: every rank returns the same Cluster. A kind of collective whose
-small runs all came out no faster than its large one (a noisy stretch) is timed again, up to
+work runs back to back, every rank at once, as in a step
+(:func:`fxpar.runtime.calibration_runs.typical_seconds` says why). A rank keeps the lower
+quartile of a collective's times (:attr:`CalibrationOptions.quantile`), the mean of the wait's
+and the mean of its local work's, and the slowest rank's (one all-reduce MAX) is the time every
+rank fits: every rank returns the same Cluster. A kind of collective whose small runs all came
+out no faster than its large one (a noisy stretch) is timed again, up to
 :attr:`CalibrationOptions.attempts` times. With the defaults calibration takes a few seconds on
 local CPU processes.
 
@@ -79,7 +83,6 @@ from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
-from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 
 from fxpar import ir
@@ -87,7 +90,16 @@ from fxpar.cluster import COLLECTIVE_KINDS, Cluster, CollectiveLink
 from fxpar.errors import DistributedError, FxparError
 from fxpar.ir.program import Program
 from fxpar.planning.cost import link_seconds, roofline_seconds
-from fxpar.runtime import core_sharing, waiting
+from fxpar.runtime import core_sharing
+from fxpar.runtime.calibration_runs import (
+    ALL_REDUCE,
+    COPY,
+    MATMUL,
+    OWN_LINKS,
+    SEND,
+    runner,
+    typical_seconds,
+)
 from fxpar.runtime.communicators import ProcessGroupCommunicator
 from fxpar.runtime.devices import for_collective, rank_device, synchronize
 from fxpar.runtime.link_fit import Line, upper_lines
@@ -96,10 +108,6 @@ from fxpar.runtime.text_table import columns, rate_text, seconds_text
 
 logger = logging.getLogger(__name__)
 
-ALL_REDUCE, MATMUL, COPY = "all_reduce", "matmul", "copy"
-ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL = "all_gather", "reduce_scatter", "all_to_all"
-OWN_LINKS = (ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL)
-"""The collectives timed apart from the all-reduce, each fitted a link of its own."""
 MIN_SLOWDOWN = 1e-3
 """The least slowdown an op is fitted: one whose calls all take no more than the overhead
 (a copy that is a view in practice) costs about nothing beyond it."""
@@ -123,8 +131,8 @@ class CalibrationOptions:
     dtype: torch.dtype = torch.float32
     """The element type of every tensor timed: the one training computes in."""
     each_kind: bool = True
-    """Also time all-gathers, reduce-scatters and all-to-alls (of one element per device
-    and of ``large_bytes``) and fit each its own latency and bandwidth on every axis
+    """Also time all-gathers, reduce-scatters, all-to-alls and sends (of one element per
+    device, ``check_bytes`` and ``large_bytes``) and fit each its own lines on every axis
     (:class:`~fxpar.cluster.CollectiveLink`); without, they take the all-reduce's."""
     warmup: int = 2
     repeats: int = 15
@@ -377,11 +385,8 @@ def measure(
         kept = []
         for timing in planned:
             group = None if timing.axis is None else device_mesh.get_group(timing.axis)
-            if timing.operation in OWN_LINKS:
-                run = _collective_runner(timing, communicator, group, options, device)
-            else:
-                run = _runner(timing, group, options, device)
-            kept.append(_typical_seconds(run, group, options, device, timing.after_compute))
+            run = runner(timing, communicator, group, options, device)
+            kept.append(typical_seconds(run, group, options, device, timing.after_compute))
         slowest = torch.tensor(kept, dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         return [
@@ -571,7 +576,9 @@ def fit(cluster: Cluster, timings: Sequence[Timing]) -> Cluster:
                 "through both (the machine is too noisy for these sizes); calibrate again "
                 "with a larger CalibrationOptions.large_bytes or more attempts"
             )
-        wait = wait_seconds(timings, axis)
+        # A send waits for one peer, at a point the pipeline's schedule prices: no wait for the
+        # last of the axis' peers.
+        wait = wait_seconds(timings, axis) if kind != SEND else 0.0
         own = [CollectiveLink(kind, axis, alpha + wait, beta) for alpha, beta in lines]
         if kind == ALL_REDUCE:  # the axis' own line is the large collectives' one
             latency[axis], bandwidth[axis] = own[-1].latency, own[-1].bandwidth
@@ -695,112 +702,3 @@ def _planned_timings(cluster: Cluster, options: CalibrationOptions) -> list[Timi
     copied = options.copy_bytes // itemsize * itemsize
     planned.append(Timing(COPY, 2 * copied, 0.0))  # read once, written once
     return planned
-
-
-def _runner(
-    timing: Timing,
-    group: ProcessGroup | None,
-    options: CalibrationOptions,
-    device: torch.device,
-) -> Callable[[], object]:
-    """A function that runs ``timing``'s operation once on ``device``, its tensors made
-    beforehand."""
-    dtype = options.dtype
-    if timing.operation == ALL_REDUCE:
-        # Zeros stay zeros however often they are summed: no overflow, no denormals.
-        zeros = torch.zeros(timing.nbytes // dtype.itemsize, dtype=dtype, device=device)
-        # Where the backend reads it (host memory for gloo, as the runtime stages it).
-        buffer = for_collective(zeros, group)
-        # Waited on as the runtime waits (polling small transfers), so the latency fitted is
-        # the one the programs see.
-        return lambda: waiting.all_reduce(buffer, group)
-    if timing.operation == MATMUL:
-        size = options.matmul_size
-        left = torch.randn(size, size, dtype=dtype, device=device)
-        right = torch.randn(size, size, dtype=dtype, device=device)
-        product = torch.empty(size, size, dtype=dtype, device=device)
-        return lambda: torch.mm(left, right, out=product)
-    source = torch.ones(timing.nbytes // 2 // dtype.itemsize, dtype=dtype, device=device)
-    target = torch.empty_like(source)
-    return lambda: target.copy_(source)
-
-
-def _collective_runner(
-    timing: Timing,
-    communicator: ProcessGroupCommunicator,
-    group: ProcessGroup | None,
-    options: CalibrationOptions,
-    device: torch.device,
-) -> Callable[[], object]:
-    """A function that runs ``timing``'s collective once, as the per-rank programs run it: a
-    call of the runtime's communicator on tensor dim 0 (output made and waited for by it)."""
-    assert timing.axis is not None
-    axis = timing.axis
-    count = timing.nbytes // options.dtype.itemsize
-    local = for_collective(torch.zeros(count, dtype=options.dtype, device=device), group)
-    if timing.operation == ALL_GATHER:
-        return lambda: communicator.all_gather(local, 0, axis)
-    if timing.operation == REDUCE_SCATTER:
-        return lambda: communicator.reduce_scatter(local, 0, axis)
-    return lambda: communicator.all_to_all(local, 0, 0, axis)
-
-
-def _typical_seconds(
-    run: Callable[[], object],
-    group: ProcessGroup | None,
-    options: CalibrationOptions,
-    device: torch.device,
-    after_compute: bool = False,
-) -> float:
-    """This rank's time of ``run``.
-
-    A collective (on ``group``) starts each run together with its peers, after a barrier of
-    that group alone (a barrier of the world wakes every process at once, and on a machine with
-    fewer cores than processes some then wait a whole scheduler slice), and its time is the
-    ``quantile`` of its repeats. ``after_compute``: every rank then computes
-    :attr:`CalibrationOptions.compute_before` products before the run starts, and the time is
-    the mean of the repeats, waits for late peers included. Local work (``group`` None) runs
-    back to back after one barrier of the world, every rank computing at once throughout, as in
-    a step, and its time is the mean over its repeats (``local_seconds`` of them at least): on
-    a machine with fewer cores than ranks, one run may hold a core alone for a scheduler slice,
-    and a quantile of single runs then measures a whole core where the step gets a share of one
-    (one such calibration priced a 4-rank step at half its measured time). On a GPU each run
-    is waited for (it is queued, not run, when the call returns)."""
-    for _ in range(options.warmup):
-        run()
-    synchronize(device)
-    dist.barrier(group=group)
-    if group is None:
-        start, runs = time.perf_counter(), 0
-        while runs < options.repeats or time.perf_counter() - start < options.local_seconds:
-            run()
-            synchronize(device)
-            runs += 1
-        return (time.perf_counter() - start) / runs
-    compute = _compute_before(options, device) if after_compute else lambda: None
-    samples = []
-    for _ in range(options.repeats):
-        dist.barrier(group=group)
-        compute()
-        start = time.perf_counter()
-        run()
-        synchronize(device)
-        samples.append(time.perf_counter() - start)
-    if after_compute:
-        return sum(samples) / len(samples)
-    return sorted(samples)[round(options.quantile * (len(samples) - 1))]
-
-
-def _compute_before(options: CalibrationOptions, device: torch.device) -> Callable[[], None]:
-    """The stretch of compute each rank runs before a run of the wait's all-reduce
-    (:attr:`CalibrationOptions.compute_before`), waited for on a GPU."""
-    size = options.matmul_size
-    left = torch.randn(size, size, dtype=options.dtype, device=device)
-    product = torch.empty_like(left)
-
-    def compute() -> None:
-        for _ in range(options.compute_before):
-            torch.mm(left, left, out=product)
-        synchronize(device)
-
-    return compute
