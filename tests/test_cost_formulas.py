@@ -37,6 +37,8 @@ from fxpar import ir, plans
 from fxpar.cluster import Cluster, CollectiveLink
 from fxpar.passes import plan_program
 from fxpar.pipeline import Pipeline, evaluate_split
+from fxpar.pipeline.partition import even_split_points
+from fxpar.pipeline.stage_costs import send_seconds
 from fxpar.planning.collective_schedule import Reshard, StartGather
 from fxpar.planning.cost import (
     collective_seconds,
@@ -498,6 +500,46 @@ def test_stage_costs_take_the_same_hidden_share_as_the_estimate() -> None:
         times[overlap] = stage.time
     assert times[1.0] < times[0.0]
     assert times[0.5] == pytest.approx((times[0.0] + times[1.0]) / 2, rel=1e-9)
+
+
+def test_a_stage_sends_on_the_send_lines_of_the_slowest_axis() -> None:
+    """A pipeline stage's send of ``B`` bytes to a neighbour costs ``α + B/β`` (the piece
+    crosses once) of the axis' ``send`` lines, the lowest at ``B`` where it has several, on
+    the axis where that is slowest; an axis without send lines, its own latency and bandwidth."""
+    nbytes = 1e6
+    assert send_seconds(nbytes, GRID) == pytest.approx(
+        max(OUTER[1] + nbytes / OUTER[0], INNER[1] + nbytes / INNER[0]), rel=1e-12
+    )
+    sends = Cluster(
+        (2, 4), bandwidth=(1e9, 25e9), latency=(30e-6, 4e-6),
+        collective_links=(CollectiveLink("send", 0, latency=1e-5, bandwidth=2e9),
+                          CollectiveLink("send", 1, latency=1e-6, bandwidth=1e8),
+                          CollectiveLink("send", 1, latency=3e-3, bandwidth=50e9)),
+    )  # fmt: skip
+    inner = min(1e-6 + nbytes / 1e8, 3e-3 + nbytes / 50e9)  # the second line, at 1 MB
+    assert inner == 3e-3 + nbytes / 50e9
+    assert send_seconds(nbytes, sends) == pytest.approx(max(1e-5 + nbytes / 2e9, inner))
+    assert send_seconds(nbytes, Cluster((1,))) == 0.0  # no neighbour to send to
+
+
+def test_each_stage_pays_its_sends_per_micro_batch() -> None:
+    """Two stages of a tiny GPT on two devices, two micro-batches: the first stage sends each
+    micro-batch's activations forward, the second its gradients back, so raising the send
+    line's latency by ``d`` raises each stage's time per micro-batch by ``d``, and nothing
+    else."""
+    program = tiny_gpt_program()
+    pipeline = Pipeline(stages=even_split_points(program, 2), microbatches=2)
+    times = []
+    for latency in (1e-5, 1e-5 + 2e-3):
+        cluster = Cluster(
+            (2,), bandwidth=(1e9,), latency=(30e-6,),
+            collective_links=(CollectiveLink("send", 0, latency=latency, bandwidth=3e9),),
+        )  # fmt: skip
+        choice = evaluate_split(program, cluster, pipeline)
+        times.append([stage.time for stage in choice.plan.stages])
+    assert [after - before for before, after in zip(*times, strict=True)] == pytest.approx(
+        [2e-3, 2e-3], rel=1e-9
+    )
 
 
 # -- the plan flips where the hand formulas say --------------------------------------------------
