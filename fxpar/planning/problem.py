@@ -358,14 +358,13 @@ class _Builder:
         """The price lines of every pair of spec ids priced as ``price`` so far (NaN where not
         yet priced), grown to hold at least ``ids`` ids and ``lines`` lines a pair."""
         table = self._tables.get(price)
-        if table is None or len(table) < ids or table.shape[2] < lines:
-            size = 2 * ids if table is None or len(table) < ids else len(table)
-            grown = np.full((size, size, max(lines, 1 if table is None else table.shape[2]), 2),
-                            np.nan)  # fmt: skip
+        old, width = (0, 0) if table is None else (len(table), table.shape[2])
+        if table is None or old < ids or width < lines:
+            size = 2 * ids if old < ids else old
+            grown = np.full((size, size, max(lines, width), 2), np.nan)
             if table is not None:
-                old, width = len(table), table.shape[2]
                 grown[:old, :old, :width] = table
-                grown[:old, :old, width:] = table[:, :, width - 1 :]  # repeat the last line
+                grown[:old, :old, width:] = table[:, :, -1:]  # repeat the last line
             table = self._tables[price] = grown
         return table
 

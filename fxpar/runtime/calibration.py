@@ -279,12 +279,11 @@ class Calibration:
             fields.append(
                 (f"bandwidth {name}", *(rate_text(c.bandwidth[axis], "B/s") for c in clusters))
             )
-        links = self.cluster.collective_links
-        for link in links:
+        for link in self.cluster.collective_links:
             name = f"{link.kind} {self.cluster.axis_names[link.axis]}"
-            lines = [other for other in links if (other.kind, other.axis) == (link.kind, link.axis)]
+            lines = self.cluster.lines_of(link.kind, link.axis)
             if len(lines) > 1:  # a kind's lines, from small collectives' to large ones'
-                name += f" ({lines.index(link) + 1}/{len(lines)})"
+                name += f" ({lines.index((link.bandwidth, link.latency)) + 1}/{len(lines)})"
             fields.append((f"latency {name}", "-", seconds_text(link.latency)))
             fields.append((f"bandwidth {name}", "-", rate_text(link.bandwidth, "B/s")))
         fields.append(("flops", *(rate_text(c.flops, "FLOP/s") for c in clusters)))

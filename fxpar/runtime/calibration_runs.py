@@ -35,17 +35,13 @@ def runner(
 ) -> Callable[[], object]:
     """A function that runs ``timing``'s operation once on ``device``, its tensors made
     beforehand (on ``group``, the process group of its mesh axis, for communication)."""
-    if timing.operation in OWN_LINKS:
-        return _collective_runner(timing, communicator, group, options, device)
     dtype = options.dtype
-    if timing.operation == ALL_REDUCE:
+    if timing.axis is not None:
         # Zeros stay zeros however often they are summed: no overflow, no denormals.
         zeros = torch.zeros(timing.nbytes // dtype.itemsize, dtype=dtype, device=device)
         # Where the backend reads it (host memory for gloo, as the runtime stages it).
         buffer = for_collective(zeros, group)
-        # Waited on as the runtime waits (polling small transfers), so the latency fitted is
-        # the one the programs see.
-        return lambda: waiting.all_reduce(buffer, group)
+        return _communication(timing.operation, timing.axis, buffer, communicator, group)
     if timing.operation == MATMUL:
         size = options.matmul_size
         left = torch.randn(size, size, dtype=dtype, device=device)
@@ -57,24 +53,24 @@ def runner(
     return lambda: target.copy_(source)
 
 
-def _collective_runner(
-    timing: Timing,
+def _communication(
+    operation: str,
+    axis: int,
+    local: torch.Tensor,
     communicator: ProcessGroupCommunicator,
     group: ProcessGroup | None,
-    options: CalibrationOptions,
-    device: torch.device,
 ) -> Callable[[], object]:
-    """A function that runs ``timing``'s collective once, as the per-rank programs run it: a
+    """A function that runs ``operation`` on ``local`` once along mesh axis ``axis``, as the
+    per-rank programs run it: the all-reduce waited on as the runtime waits (polling small
+    transfers, so the latency fitted is the one the programs see), the other collectives a
     call of the runtime's communicator on tensor dim 0 (output made and waited for by it)."""
-    assert timing.axis is not None
-    axis = timing.axis
-    count = timing.nbytes // options.dtype.itemsize
-    local = for_collective(torch.zeros(count, dtype=options.dtype, device=device), group)
-    if timing.operation == ALL_GATHER:
+    if operation == ALL_REDUCE:
+        return lambda: waiting.all_reduce(local, group)
+    if operation == ALL_GATHER:
         return lambda: communicator.all_gather(local, 0, axis)
-    if timing.operation == REDUCE_SCATTER:
+    if operation == REDUCE_SCATTER:
         return lambda: communicator.reduce_scatter(local, 0, axis)
-    if timing.operation == SEND:
+    if operation == SEND:
         return _send_runner(local, group)
     return lambda: communicator.all_to_all(local, 0, 0, axis)
 

@@ -62,8 +62,6 @@ def upper_lines(kind: str, devices: int, points: Sequence[Point]) -> list[Line]:
             hull.pop()
         hull.append(point)
     lines = [line_through(kind, devices, a, b) for a, b in itertools.pairwise(hull)]
-    while lines and lines[0] is None:
-        lines.pop(0)
     return [line for line in lines if line is not None]
 
 
