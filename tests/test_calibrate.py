@@ -91,9 +91,10 @@ def test_every_rank_gets_the_same_sane_cluster_on_the_same_mesh(
 def test_the_fitted_model_gives_back_the_fitted_times_and_lies_above_the_others(
     ranks: list[dict[str, object]],
 ) -> None:
-    """Each kind of collective's line goes through its large point and one of its two
-    smaller ones, each plus the axis' wait, and lies on or above the other; the matmul and
-    copy rates give back their times under the cost model's formulas."""
+    """Each kind of collective's lines go through the points of their upper hull, each plus
+    the axis' wait, and lie on or above the others (but a smaller collective slower than the
+    largest, noise the fit passes over); the matmul and copy rates give back their times under
+    the cost model's formulas."""
     calibration = ranks[0]["flat"]
     assert isinstance(calibration, Calibration)
     kinds = [(t.operation, t.after_compute) for t in calibration.timings]
@@ -116,6 +117,8 @@ def test_the_fitted_model_gives_back_the_fitted_times_and_lies_above_the_others(
     wait = wait_seconds(calibration.timings, 0)
     assert wait == max(wait_run.seconds - small.seconds, 0.0)
     given_back: dict[str, int] = {}
+    largest = {t.operation: t.seconds for t in sorted(calibration.timings, key=lambda t: t.nbytes)
+               if t.axis is not None and not t.after_compute}  # fmt: skip
     for timing in calibration.timings:
         model = timing.model_seconds(calibration.cluster)
         if timing.after_compute:  # priced as the one element after a barrier, wait and all
@@ -125,7 +128,10 @@ def test_the_fitted_model_gives_back_the_fitted_times_and_lies_above_the_others(
             assert model == pytest.approx(timing.seconds, rel=1e-9), timing
         else:  # each collective's lines lie on or above its points, through the large one
             waited = wait if timing.operation != SEND else 0.0
-            assert model >= timing.seconds + waited - 1e-9 * timing.seconds, timing
+            # A smaller collective that took longer than its kind's largest is noise the fit
+            # passes over (link_fit.upper_lines): no line of a positive bandwidth reaches it.
+            if timing.seconds < largest[timing.operation]:
+                assert model >= timing.seconds + waited - 1e-9 * timing.seconds, timing
             exact = model == pytest.approx(timing.seconds + waited, rel=1e-9)
             given_back[timing.operation] = given_back.get(timing.operation, 0) + exact
     # A kind of one line gives back two of its points, one of two lines all three.
