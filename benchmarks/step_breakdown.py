@@ -9,13 +9,17 @@ steps under ``torch.profiler``. Per plan it prints the estimate, the slowest ran
 step, and per rank on average: the seconds inside ATen ops (the profiler's self time of
 ``aten::`` events) and inside :func:`fxpar.runtime.waiting.wait` (every wait for a collective
 of the runtime, counted by wrapping it). What is left of the step is the runtime's own
-Python. It is the diagnosis of ``cost_model.py``'s rows whose estimate is far from the
-measurement: whether the ops or the waits are mispriced. ``FXPAR_WAIT=block`` compares the
+Python. Beside them, the estimate's parts (an intra-op plan's; the pipeline's estimate is the
+stage DP's, not split): its compute (ops and their dispatch), every collective of its
+schedule as priced, and the lag (waits for slower peers beyond the collectives). It is the
+diagnosis of ``cost_model.py``'s rows whose estimate is far from the measurement: whether the
+ops or the waits are mispriced. ``FXPAR_WAIT=block`` compares the
 two waiting policies (:mod:`fxpar.runtime.waiting`).
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import sys
 import time
@@ -26,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 import fxpar
+from fxpar.planning.step_time import price_schedule, step_overlap
 from fxpar.runtime import waiting
 from fxpar.runtime.launch import spawn
 
@@ -72,7 +77,13 @@ def _rank(rank: int, world: int, names: list[str]) -> dict[tuple[str, str], tupl
                     parallel.step(*args, **named)
             aten = sum(e.self_cpu_time_total for e in prof.key_averages()
                        if e.key.startswith("aten::")) / 1e6 / PROFILED  # fmt: skip
-            rows[name, kind] = (estimate, step, aten, waited)
+            parts = (math.nan,) * 3
+            if kind != cost_model.PIPELINE:  # the pipeline's estimate is the stage DP's
+                plan = parallel.plan
+                priced = price_schedule(plan.program, cluster)
+                overlap = step_overlap(priced, list(plan.program.graph.nodes))
+                parts = (overlap.compute, overlap.communication, overlap.lag)
+            rows[name, kind] = (estimate, step, aten, waited, *parts)
     return rows
 
 
@@ -82,13 +93,16 @@ def main() -> int:
         return 2
     world, names = int(sys.argv[1]), sys.argv[2:] or list(cost_model.DEFAULT_MODELS)
     ranks = spawn(_rank, world, names)
-    print("world | model | plan | estimate ms | measured ms | aten ms | waits ms | rest ms")
-    print("----- | ----- | ---- | ----------- | ----------- | ------- | -------- | -------")
-    for key, (estimate, *_) in ranks[0].items():
+    print("world | model | plan | estimate ms | measured ms | est compute | aten ms | "
+          "est comm | est lag | waits ms | rest ms")  # fmt: skip
+    print("----- | ----- | ---- | ----------- | ----------- | ----------- | ------- | "
+          "-------- | ------- | -------- | -------")  # fmt: skip
+    for key, (estimate, *_, compute, communication, lag) in ranks[0].items():
         step = max(r[key][1] for r in ranks)
         aten = statistics.mean(r[key][2] for r in ranks)
         waited = statistics.mean(r[key][3] for r in ranks)
-        cells = (estimate, step, aten, waited, step - aten - waited)
+        cells = (estimate, step, compute, aten, communication, lag, waited,
+                 step - aten - waited)  # fmt: skip
         print(" | ".join((str(world), *key, *(f"{c * 1e3:.1f}" for c in cells))), flush=True)
     return 0
 

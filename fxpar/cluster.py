@@ -89,6 +89,9 @@ class Cluster:
     compute since they last waited for each other, beyond the first ``lag_stretch`` seconds
     (whose wait the collectives' latency holds): what a collective that synchronises them
     waits for its last peer (:meth:`lag_seconds`; ``fxpar calibrate`` measures both on CPU).
+    ``peer_wait`` is, per mesh axis, the part of its collectives' latency that is that wait
+    after ``lag_stretch`` of compute; a collective after less compute since the ranks last
+    met on the axis waits less (:meth:`peer_wait_seconds`; ``fxpar calibrate`` measures it).
     :meth:`preset` builds common machines.
     """
 
@@ -108,6 +111,7 @@ class Cluster:
     core_delay: float = 0.0
     lag_share: float = 0.0
     lag_stretch: float = 0.0
+    peer_wait: tuple[float, ...] = ()
 
     # The op every op not in ``op_slowdown`` takes the slowdown of.
     OTHER_OPS = "*"
@@ -186,6 +190,31 @@ class Cluster:
             value = getattr(self, name)
             if not (_finite(value) and value >= 0):
                 raise FxparError(f"{name} must be a finite number >= 0, got {value!r}")
+        self._check_peer_wait()
+
+    def _check_peer_wait(self) -> None:
+        """``peer_wait`` as one number per axis (none given: 0), each within every latency of
+        its axis' collectives, which hold it."""
+        waits = tuple(self.peer_wait)
+        if len(waits) > self.ndim or not all(_finite(wait) and wait >= 0 for wait in waits):
+            raise FxparError(
+                f"peer_wait needs at most {self.ndim} finite numbers >= 0 (one per mesh axis), "
+                f"got {waits}"
+            )
+        waits += (waits[0] if waits else 0.0,) * (self.ndim - len(waits))
+        object.__setattr__(self, "peer_wait", waits)
+        for axis, wait in enumerate(waits):
+            held = [self.latency[axis]] + [
+                link.latency
+                for link in self.collective_links
+                if link.axis == axis and link.kind != "send"
+            ]
+            if wait > min(held):
+                raise FxparError(
+                    f"peer_wait {wait} on axis {self.axis_names[axis]} is more than a latency "
+                    f"of its collectives ({min(held)}): it is the part of each that waits for "
+                    "the last peer"
+                )
 
     @property
     def hidden_share(self) -> float:
@@ -214,6 +243,18 @@ class Cluster:
         ``stretch`` seconds of compute since the ranks last waited for each other, beyond the
         wait its latency holds: ``lag_share * max(0, stretch - lag_stretch)``."""
         return self.lag_share * max(0.0, stretch - self.lag_stretch)
+
+    def peer_wait_seconds(self, axis: int, stretch: float) -> float:
+        """How long a collective on ``axis`` waits for its last peer after ``stretch`` seconds
+        of compute since the ranks last met there, of the ``peer_wait`` its latency holds: all
+        of it after ``lag_stretch`` (the stretch calibration measured it after) or where that
+        is 0, less in proportion after less (ranks that leave a collective together drift
+        apart while they compute, by no more than they computed). Beyond ``lag_stretch`` the
+        ranks drift further: :meth:`lag_seconds`."""
+        wait = self.peer_wait[axis]
+        if self.lag_stretch <= 0 or stretch >= self.lag_stretch:
+            return wait
+        return wait * max(stretch, 0.0) / self.lag_stretch
 
     @staticmethod
     def preset(name: str, mesh_shape: tuple[int, ...], **overrides: Any) -> Cluster:
@@ -266,8 +307,8 @@ class Cluster:
 
     def to_dict(self) -> dict[str, Any]:
         """Every field, as JSON writes it (tuples as lists, ``op_slowdown`` as an object);
-        ``collective_links``, ``op_overhead``, ``op_slowdown``, ``overlap``, the core sharing
-        and the lag only when set."""
+        ``collective_links``, ``op_overhead``, ``op_slowdown``, ``overlap``, the core sharing,
+        the lag and the peer wait only when set."""
         data = {
             field.name: list(value) if isinstance(value, tuple) else value
             for field in fields(self)
@@ -280,6 +321,8 @@ class Cluster:
         for name in optional:
             if not data[name]:
                 del data[name]
+        if not any(self.peer_wait):
+            del data["peer_wait"]
         for name in ("overlap", "core_demand"):
             if data[name] is None:
                 del data[name]
@@ -322,7 +365,8 @@ class Cluster:
         ``mesh_shape`` if given: a mesh of as many axes keeps the file's axis names and
         per-axis links; another one takes the links of the file's last axis on every axis (as
         a preset gives a one-axis mesh its in-node links). A mesh of another number of devices
-        drops the core sharing and the lag, measured for the file's."""
+        drops the core sharing and the lag, measured for the file's (its collectives then
+        wait for their last peer in full, :meth:`peer_wait_seconds`)."""
         try:
             document = json.loads(Path(path).read_text())
         except (OSError, ValueError) as error:
@@ -336,6 +380,7 @@ class Cluster:
         if mesh_shape is None or tuple(mesh_shape) == saved.mesh_shape:
             return saved
         if math.prod(mesh_shape) != saved.world_size:  # measured for the file's ranks
+            # Without its lag_stretch, a collective pays the whole peer_wait its latency holds.
             saved = replace(saved, core_demand=None, core_delay=0.0, lag_share=0.0, lag_stretch=0.0)
         if len(mesh_shape) == saved.ndim:
             return replace(saved, mesh_shape=tuple(mesh_shape))
@@ -346,6 +391,7 @@ class Cluster:
             axis_names=(),
             bandwidth=saved.bandwidth[-1:],
             latency=saved.latency[-1:],
+            peer_wait=saved.peer_wait[-1:],
             collective_links=tuple(
                 replace(link, axis=axis) for axis in range(len(mesh_shape)) for link in last
             ),
@@ -485,6 +531,10 @@ class Cluster:
             axis_names=names,
             bandwidth=tuple(bandwidth for bandwidth, _ in links),
             latency=tuple(latency for _, latency in links),
+            peer_wait=tuple(
+                min(self.peer_wait) if source is None else self.peer_wait[source]
+                for source in sources
+            ),
             memory=self.memory * share,
             collective_links=kinds,
         )
@@ -572,6 +622,7 @@ _FIELD_KINDS = {
     "core_delay": "a finite number >= 0",
     "lag_share": "a finite number >= 0",
     "lag_stretch": "a finite number >= 0",
+    "peer_wait": "a list of finite numbers >= 0",
 }
 
 
@@ -598,6 +649,10 @@ def _is_json_field(key: str, value: object) -> bool:
         return isinstance(value, str)
     if key in ("bandwidth", "latency"):
         return isinstance(value, list | tuple) and all(_positive(number) for number in value)
+    if key == "peer_wait":
+        return isinstance(value, list | tuple) and all(
+            _finite(number) and number >= 0 for number in value
+        )
     if key == "collective_links":
         return isinstance(value, list | tuple) and all(
             isinstance(link, dict)

@@ -116,6 +116,7 @@ def test_the_fitted_model_gives_back_the_fitted_times_and_lies_above_the_others(
     small, wait_run = calibration.timings[0], calibration.timings[3]
     wait = wait_seconds(calibration.timings, 0)
     assert wait == max(wait_run.seconds - small.seconds, 0.0)
+    assert cluster.peer_wait == (wait,)  # the part of every latency a shorter stretch waits less
     given_back: dict[str, int] = {}
     largest = {t.operation: t.seconds for t in sorted(calibration.timings, key=lambda t: t.nbytes)
                if t.axis is not None and not t.after_compute}  # fmt: skip

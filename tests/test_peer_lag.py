@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.fx as fx
 from conftest import tiny_gpt_program
 
 import fxpar
@@ -25,8 +26,8 @@ from fxpar.passes import plan_program
 from fxpar.pipeline import Pipeline
 from fxpar.pipeline.atoms import Atoms
 from fxpar.pipeline.stage_costs import StageCostModel
-from fxpar.planning.collective_schedule import Reshard, WaitGather
-from fxpar.planning.step_time import price_schedule
+from fxpar.planning.collective_schedule import CollectiveRecord, Reshard, WaitGather
+from fxpar.planning.step_time import PricedSchedule, price_schedule
 from fxpar.runtime import waiting
 from fxpar.runtime.core_sharing import measure_lag
 from fxpar.runtime.launch import spawn
@@ -136,6 +137,125 @@ def test_the_estimate_and_the_report_carry_the_lag() -> None:
     assert lag > 0 and plan.estimate - plain.estimate == pytest.approx(lag)
     assert "waiting for the slowest rank" in plan.report()
     assert "waiting for the slowest rank" not in plain.report()
+
+
+# -- the wait the latency holds -----------------------------------------------------------------
+
+WAIT = 0.004
+"""The peer wait of the clusters below: within their latency (5 ms)."""
+
+
+def _waiting(lag_stretch: float, **fields: object) -> fxpar.Cluster:
+    return fxpar.Cluster((4,), latency=(0.005,), peer_wait=(WAIT,), lag_stretch=lag_stretch,
+                         **fields)  # type: ignore[arg-type]  # fmt: skip
+
+
+def test_the_peer_wait_grows_with_the_compute_before_up_to_its_stretch() -> None:
+    cluster = _waiting(0.002)
+    assert [cluster.peer_wait_seconds(0, s) for s in (0.0, 0.001, 0.002, 0.5)] == pytest.approx(
+        [0.0, WAIT / 2, WAIT, WAIT]
+    )
+    # Measured after no known stretch: the whole wait, whatever the compute before.
+    assert _waiting(0.0).peer_wait_seconds(0, 0.0) == WAIT
+    assert fxpar.Cluster((4,)).peer_wait == (0.0,)
+
+
+@pytest.mark.parametrize(
+    ("fields", "words"),
+    [
+        ({"peer_wait": (-0.001,)}, "finite numbers >= 0"),
+        ({"peer_wait": (math.nan,)}, "finite numbers >= 0"),
+        ({"peer_wait": (0.001, 0.001)}, "at most 1"),
+        ({"peer_wait": (0.006,)}, "more than a latency"),
+        ({"peer_wait": (0.003,), "collective_links": (fxpar.CollectiveLink("all_gather", 0,
+                                                      0.002, 1e9),)}, "more than a latency"),
+    ],
+)  # fmt: skip
+def test_a_bad_peer_wait_is_named(fields: dict[str, object], words: str) -> None:
+    with pytest.raises(FxparError, match=f"peer_wait.*{words}"):
+        fxpar.Cluster((4,), latency=(0.005,), **fields)  # type: ignore[arg-type]
+    with pytest.raises(FxparError, match="peer_wait"):
+        fxpar.Cluster.from_dict({"mesh_shape": [4], "peer_wait": [-1]})
+
+
+def test_a_send_line_holds_no_peer_wait() -> None:
+    """A send waits for one peer: its lines may lie below the wait of the axis' collectives."""
+    send = fxpar.CollectiveLink("send", 0, 0.0001, 1e9)
+    assert _waiting(0.0, collective_links=(send,)).peer_wait == (WAIT,)
+
+
+def test_the_peer_wait_goes_to_cluster_files_and_stage_meshes(tmp_path: Path) -> None:
+    assert "peer_wait" not in fxpar.Cluster((2,)).to_dict()
+    cluster = fxpar.Cluster((2, 2), latency=(0.005, 0.003), peer_wait=(0.004, 0.002),
+                            lag_stretch=0.002)  # fmt: skip
+    assert fxpar.Cluster.from_dict(cluster.to_dict()) == cluster
+    path = cluster.save(tmp_path / "cluster.json")
+    assert fxpar.Cluster.load(path).peer_wait == (0.004, 0.002)
+    # A mesh of another number of axes takes the last axis' links, its wait with them.
+    assert fxpar.Cluster.load(path, (4,)).peer_wait == (0.002,)
+    # A stage of two consecutive ranks runs on the inner axis' links.
+    assert cluster.submesh((2,)).peer_wait == (0.002,)
+
+
+def _issue_order(program: fxpar.Program, priced: PricedSchedule) -> list[tuple[int, float]]:
+    """Each collective of a priced schedule (its index among the schedule's records) with the
+    compute before it since the one before
+    on its axis, worked here from the schedule: the collectives of each op's conversions and
+    gather groups before the op, each bucket after its last member, the results' conversions
+    at the end; one axis, so a single running stretch. The first collective follows the
+    step before's last, and its optimizer's update after the graph (steps repeat)."""
+    schedule, compute = priced.schedule, priced.compute
+    index = {id(record): i for i, record in enumerate(schedule.records)}
+    buckets: dict[fx.Node, list[CollectiveRecord]] = {}
+    for bucket in schedule.leaving.buckets:
+        buckets.setdefault(bucket.starts_after, []).extend(bucket.records)
+    order: list[tuple[int, float]] = []
+    stretch = 0.0
+    for node in program.graph.nodes:
+        for action in schedule.inputs[node].actions if node in schedule.inputs else ():
+            for record in getattr(action, "records", ()):
+                order.append((index[id(record)], stretch))
+                stretch = 0.0
+        stretch += compute.get(node, 0.0)
+        for record in buckets.get(node, ()):
+            order.append((index[id(record)], stretch))
+            stretch = 0.0
+    for action in schedule.leaving.actions:
+        for record in getattr(action, "records", ()):
+            order.append((index[id(record)], stretch))
+            stretch = 0.0
+    first, before = order[0]
+    order[0] = (first, before + stretch + priced.update)
+    return order
+
+
+@pytest.mark.parametrize("manual", [plans.fully_sharded, plans.data_parallel])
+def test_each_collective_waits_for_the_compute_since_the_last_on_its_axis(
+    manual: object,
+) -> None:
+    """A collective's price holds the peer wait its compute before leaves (in proportion up
+    to ``lag_stretch``, then all of it; the first of a step after the last of the step
+    before): collectives issued one after another (a layer's gather
+    groups, the buckets of the gradients that start together) wait for nothing; the step is
+    that much shorter than with every collective waiting in full."""
+    full = _waiting(0.0)
+    program = _planned(manual, full)
+    whole = price_schedule(program, full, optimizer_states=2)
+    order = _issue_order(program, whole)
+    stretches = sorted(stretch for _, stretch in order)
+    assert len(order) == len(whole.records) >= 2
+    for limit in (stretches[len(stretches) // 2], 1e-12, 2 * stretches[-1]):
+        cluster = _waiting(limit)
+        priced = price_schedule(program, cluster, optimizer_states=2)
+        saved = 0.0
+        for record, stretch in order:
+            paid = WAIT * min(1.0, stretch / limit)
+            expected = whole.record_seconds[record] - WAIT + paid
+            assert priced.record_seconds[record] == pytest.approx(expected)
+            saved += WAIT - paid
+        assert whole.step - priced.step == pytest.approx(saved)
+    if manual is plans.fully_sharded:  # gather groups started together
+        assert any(stretch == 0 for _, stretch in order)
 
 
 # -- pipeline stages ----------------------------------------------------------------------------

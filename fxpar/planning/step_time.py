@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch.fx as fx
@@ -72,7 +73,9 @@ class PricedSchedule:
     schedule: CollectiveSchedule
     record_seconds: tuple[float, ...]
     """Alpha-beta seconds of each of ``schedule.records``, by
-    :func:`fxpar.planning.cost.collective_seconds`."""
+    :func:`fxpar.planning.cost.link_seconds`, less what of its axis' ``peer_wait`` the compute
+    since the collective before it on that axis leaves unwaited
+    (:meth:`fxpar.Cluster.peer_wait_seconds`, :func:`record_stretches`)."""
     compute: dict[fx.Node, float]
     """Roofline seconds of each op under its chosen strategy."""
     edge_seconds: float
@@ -127,10 +130,6 @@ def price_schedule(
     ``optimizer_states``: the update of an optimizer of so many states is priced too."""
     mesh = cluster.mesh_shape
     schedule = schedule_program(program, mesh)
-    record_seconds = tuple(
-        cost.link_seconds(record.kind, record.bytes, record.axis, cluster)
-        for record in schedule.records
-    )
     specs = schedule.specs
     compute: dict[fx.Node, float] = {}
     # Uneven routing, as the plan was priced (fxpar.planning.problem.PlanOptions.expert_load).
@@ -189,6 +188,20 @@ def price_schedule(
             piece = cost.local_bytes(ir.require(node, ir.ValueMeta).tensor, held, cluster)
             update += cost.update_seconds(piece, optimizer_states, cluster)
     copies = _copy_seconds(schedule, cluster)
+    record_seconds = tuple(
+        cost.link_seconds(record.kind, record.bytes, record.axis, cluster)
+        for record in schedule.records
+    )
+    if any(cluster.peer_wait):
+        # The wait for the last peer each latency holds, as far as the compute before each
+        # collective since the last one on its axis lets the ranks drift apart.
+        stretches = record_stretches(program, schedule, compute, tail=update)
+        record_seconds = tuple(
+            seconds
+            - cluster.peer_wait[record.axis]
+            + cluster.peer_wait_seconds(record.axis, stretches[id(record)])
+            for record, seconds in zip(schedule.records, record_seconds, strict=True)
+        )
     return PricedSchedule(
         schedule, record_seconds, compute, edge_seconds, exchanges, lag, copies, update
     )
@@ -210,6 +223,50 @@ def _copy_seconds(schedule: CollectiveSchedule, cluster: Cluster) -> float:
             gathered = group.nbytes * math.prod(schedule.mesh[axis] for axis in group.axes)
             seconds += cost.copy_seconds(gathered, cluster)
     return seconds
+
+
+def record_stretches(
+    program: Program, schedule: CollectiveSchedule, compute: dict[fx.Node, float], tail: float
+) -> dict[int, float]:
+    """The seconds of compute before each collective of ``schedule`` (by ``id`` of its
+    record) since the one before it on its mesh axis, in the order a device issues them: the
+    collectives before each op in graph order, each bucket after its last member's op, the
+    results' own conversions where the step returns. Steps repeat: the first collective on an
+    axis follows the last one of the step before, and the ``tail`` seconds after the graph
+    (the optimizer's update). ``compute`` holds each op's seconds. Collectives issued one
+    after another (a layer's gather groups, buckets that start together) have none between
+    them: the first one's wait brought the ranks together."""
+    after: defaultdict[fx.Node, list[CollectiveRecord]] = defaultdict(list)
+    for bucket in schedule.leaving.buckets:
+        after[bucket.starts_after].extend(bucket.records)
+
+    def walk(since: list[float]) -> tuple[dict[int, float], list[float]]:
+        stretches: dict[int, float] = {}
+
+        def issue(records: Sequence[CollectiveRecord]) -> None:
+            for record in records:
+                stretches[id(record)] = since[record.axis]
+                since[record.axis] = 0.0
+
+        for node in program.graph.nodes:
+            inputs = schedule.inputs.get(node)
+            for action in inputs.actions if inputs is not None else ():
+                issue(_records(action))
+            seconds = compute.get(node, 0.0)
+            since = [stretch + seconds for stretch in since]
+            issue(after.get(node, ()))
+        for action in schedule.leaving.actions:
+            issue(_records(action))
+        return stretches, since
+
+    _, ends = walk([math.inf] * len(schedule.mesh))
+    stretches, _ = walk([end + tail for end in ends])
+    return stretches
+
+
+def _records(action: Action) -> tuple[CollectiveRecord, ...]:
+    """The collectives ``action`` issues (a gather group's at its start)."""
+    return action.records if isinstance(action, Reshard | StartGather) else ()
 
 
 def step_lag(

@@ -279,6 +279,9 @@ class Calibration:
             fields.append(
                 (f"bandwidth {name}", *(rate_text(c.bandwidth[axis], "B/s") for c in clusters))
             )
+            fields.append(
+                (f"peer wait {name}", *(seconds_text(c.peer_wait[axis]) for c in clusters))
+            )
         for link in self.cluster.collective_links:
             name = f"{link.kind} {self.cluster.axis_names[link.axis]}"
             lines = self.cluster.lines_of(link.kind, link.axis)
@@ -562,6 +565,7 @@ def fit(cluster: Cluster, timings: Sequence[Timing]) -> Cluster:
     collective timed apart from the all-reduce gets its own link on that axis
     (:class:`~fxpar.cluster.CollectiveLink`)."""
     latency, bandwidth = list(cluster.latency), list(cluster.bandwidth)
+    peer_wait = list(cluster.peer_wait)
     links: dict[tuple[str, int], list[CollectiveLink]] = defaultdict(list)
     for link in cluster.collective_links:
         links[link.kind, link.axis].append(link)
@@ -578,6 +582,7 @@ def fit(cluster: Cluster, timings: Sequence[Timing]) -> Cluster:
         # A send waits for one peer, at a point the pipeline's schedule prices: no wait for the
         # last of the axis' peers.
         wait = wait_seconds(timings, axis) if kind != SEND else 0.0
+        peer_wait[axis] = wait_seconds(timings, axis)
         own = [CollectiveLink(kind, axis, alpha + wait, beta) for alpha, beta in lines]
         if kind == ALL_REDUCE:  # the axis' own line is the large collectives' one
             latency[axis], bandwidth[axis] = own[-1].latency, own[-1].bandwidth
@@ -593,6 +598,7 @@ def fit(cluster: Cluster, timings: Sequence[Timing]) -> Cluster:
         cluster,
         latency=tuple(latency),
         bandwidth=tuple(bandwidth),
+        peer_wait=tuple(peer_wait),
         flops=flops,
         memory_bandwidth=memory_bandwidth,
         collective_links=tuple(
