@@ -253,7 +253,7 @@ def record_stretches(
             for action in inputs.actions if inputs is not None else ():
                 issue(_records(action))
             seconds = compute.get(node, 0.0)
-            since = [stretch + seconds for stretch in since]
+            since[:] = [stretch + seconds for stretch in since]
             issue(after.get(node, ()))
         for action in schedule.leaving.actions:
             issue(_records(action))
