@@ -34,6 +34,7 @@ from fxpar.runtime.calibration_runs import (
     ALL_TO_ALL,
     COPY,
     MATMUL,
+    OWN_LINKS,
     REDUCE_SCATTER,
     SEND,
     typical_seconds,
@@ -313,6 +314,21 @@ def test_the_wait_after_compute_is_added_to_every_collective_latency_of_its_axis
         waited = wait if link.kind != SEND else 0.0
         assert link.latency == pytest.approx(before.latency + waited, rel=1e-9)
         assert link.bandwidth == before.bandwidth
+    assert fitted.peer_wait == pytest.approx((wait,), abs=1e-12)
+
+
+def test_a_link_fitted_before_caps_the_peer_wait() -> None:
+    """Timed without the other kinds (``each_kind`` off), a calibrated cluster keeps its
+    all-gather link; a wait longer than that link's latency is kept only up to it."""
+    options = CalibrationOptions()
+    gather = fxpar.CollectiveLink(ALL_GATHER, 0, latency=1e-3, bandwidth=4e8)
+    given = dataclasses.replace(GIVEN, collective_links=(gather,))
+    timings = [t for t in _timings_of(GIVEN, options) if t.operation not in OWN_LINKS]
+    small = timings[0]
+    late = Timing(ALL_REDUCE, small.nbytes, small.seconds + 3e-3, axis=0, after_compute=True)
+    fitted = fit(given, [*timings, late])
+    assert fitted.collective_links == (gather,)
+    assert fitted.latency[0] > 3e-3 and fitted.peer_wait == (1e-3,)
 
 
 def test_fit_refuses_times_no_line_of_positive_latency_and_bandwidth_passes_through() -> None:

@@ -588,6 +588,12 @@ def fit(cluster: Cluster, timings: Sequence[Timing]) -> Cluster:
             latency[axis], bandwidth[axis] = own[-1].latency, own[-1].bandwidth
             own = own if len(own) > 1 else []
         links[kind, axis] = own
+    # A kind's links that the timings did not fit again (each_kind off on a calibrated
+    # cluster) keep their latency, which may hold less than the new wait: the wait a
+    # collective skips after little compute is no more than its latency.
+    for (kind, axis), kept in links.items():
+        for link in kept if kind != SEND else ():
+            peer_wait[axis] = min(peer_wait[axis], link.latency)
     flops, memory_bandwidth = cluster.flops, cluster.memory_bandwidth
     for timing in timings:
         if timing.operation == MATMUL:
