@@ -579,10 +579,10 @@ def fit(cluster: Cluster, timings: Sequence[Timing]) -> Cluster:
                 "through both (the machine is too noisy for these sizes); calibrate again "
                 "with a larger CalibrationOptions.large_bytes or more attempts"
             )
+        peer_wait[axis] = wait_seconds(timings, axis)
         # A send waits for one peer, at a point the pipeline's schedule prices: no wait for the
         # last of the axis' peers.
-        wait = wait_seconds(timings, axis) if kind != SEND else 0.0
-        peer_wait[axis] = wait_seconds(timings, axis)
+        wait = peer_wait[axis] if kind != SEND else 0.0
         own = [CollectiveLink(kind, axis, alpha + wait, beta) for alpha, beta in lines]
         if kind == ALL_REDUCE:  # the axis' own line is the large collectives' one
             latency[axis], bandwidth[axis] = own[-1].latency, own[-1].bandwidth
