@@ -30,6 +30,7 @@ import fxpar
 from fxpar import plans
 from fxpar.errors import FxparError
 from fxpar.ir.repeat import StampedLayers, capture_repeated
+from fxpar.joint import pipeline_wins
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.models.corpus import batches, corpus_tokens
 from fxpar.models.shapes import GPT2_SHAPES, GPT3_SHAPES, LLAMA_SHAPES, gpt3, llama_named
@@ -418,10 +419,10 @@ def _verdict(plan: Plan | None, best: StageChoice | None) -> str:
     piped = format_seconds(best.step_time) if best is not None else "no pipeline fits"
     if plan is None and best is None:
         winner = "neither fits: use more devices, bf16, remat or a smaller batch"
-    elif best is None or (plan is not None and plan.estimate <= best.step_time):
-        winner = "the intra-op plan alone"
-    else:
+    elif pipeline_wins(plan.estimate if plan else None, best.step_time if best else None):
         winner = "the pipeline"
+    else:
+        winner = "the intra-op plan alone"
     return f"\nintra-op plan alone: {alone} per step; best pipeline: {piped}; chosen: {winner}"
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any, overload
+from typing import Any, Literal, overload
 
 import torch
 import torch.distributed as dist
@@ -34,9 +34,10 @@ from fxpar.errors import DistributedError, FxparError
 from fxpar.ir.capture import LossFn, capture
 from fxpar.ir.precision import MixedPrecision, check_policy
 from fxpar.ir.program import Program, named_state
+from fxpar.joint import JointChoice, pipeline_candidates
 from fxpar.optim import AdamW, Optimizer, check_optimizer
 from fxpar.passes import ManualPlan, PassManager, for_compile, passes_for, plan_program
-from fxpar.pipeline import Pipeline, PipelineModel, capture_microbatch, plan_stages
+from fxpar.pipeline import Pipeline, PipelineModel, StageChoice, capture_microbatch, plan_stages
 from fxpar.pipeline.auto import StagePlanner
 from fxpar.pipeline.intra_op import stage_devices
 from fxpar.pipeline.meshes import StageMeshes, stage_meshes
@@ -45,9 +46,11 @@ from fxpar.planning.plan import Plan
 from fxpar.planning.problem import PlanOptions
 from fxpar.rules import RuleRegistry
 from fxpar.runtime.devices import check_device_type, rank_device
+from fxpar.runtime.lowered import LoweredStep
 from fxpar.runtime.parallel import ParallelModel
 from fxpar.runtime.weights import check_sources
 from fxpar.sharding import Spec
+from fxpar.solvers.errors import InfeasiblePlanError
 from fxpar.solvers.problem import IntraOpSolver
 
 logger = logging.getLogger(__name__)
@@ -137,6 +140,7 @@ def compile(
 ) -> PipelineModel: ...
 
 
+@overload
 def compile(
     model: nn.Module,
     cluster: Cluster,
@@ -153,7 +157,30 @@ def compile(
     rules: RuleRegistry | None = None,
     check_batches: bool = True,
     batch: str = "global",
-    pipeline: Pipeline | None = None,
+    pipeline: Literal["auto"],
+    init: str | os.PathLike[str] | None = None,
+    mixed_precision: MixedPrecision | None = None,
+    max_kept_steps: int = 32,
+) -> ParallelModel | PipelineModel: ...
+
+
+def compile(
+    model: nn.Module,
+    cluster: Cluster,
+    example_inputs: Sequence[Any] | Mapping[str, Any],
+    loss_fn: LossFn | None = None,
+    *,
+    example_targets: Sequence[torch.Tensor] = (),
+    optimizer: Optimizer | None = None,
+    passes: PassManager | None = None,
+    solver: IntraOpSolver | None = None,
+    manual: ManualPlan | None = None,
+    pins: Mapping[str, Spec] | None = None,
+    options: PlanOptions | None = None,
+    rules: RuleRegistry | None = None,
+    check_batches: bool = True,
+    batch: str = "global",
+    pipeline: Pipeline | Literal["auto"] | None = None,
     init: str | os.PathLike[str] | None = None,
     mixed_precision: MixedPrecision | None = None,
     max_kept_steps: int = 32,
@@ -205,7 +232,12 @@ def compile(
             ``pipeline.data_parallel`` devices. With ``stages="auto"`` and stage plans, the
             step is captured once at one micro-batch's shapes, the stage DP prices every
             stage mesh under its plan of that program, and the pipeline runs those very
-            plans (``pipelined.stage_choice.plans``).
+            plans (``pipelined.stage_choice.plans``). ``pipeline="auto"``: whether to
+            pipeline at all is the cost model's choice too (:mod:`fxpar.joint`): the intra-op
+            plan of the whole batch, or the stage DP's best pipeline of planned stages over
+            :data:`~fxpar.joint.AUTO_MICROBATCHES` micro-batches, schedules and remat,
+            whichever is estimated faster (logged at INFO); returns a ``ParallelModel`` or a
+            ``PipelineModel``.
         init: a checkpoint of the model's weights under its own ``state_dict`` names to start
             from instead of the model's: a ``safetensors`` file, a directory holding
             ``model.safetensors`` or ``model.safetensors.index.json`` and its shards (what
@@ -240,26 +272,83 @@ def compile(
         raise FxparError(f"batch must be 'global' or 'local', got {batch!r}")
     stage_planner = PassPlanner(passes)
     if pipeline is not None:
+        if pipeline != "auto" and not isinstance(pipeline, Pipeline):
+            raise FxparError(f"pipeline must be a fxpar.Pipeline, 'auto' or None, got {pipeline!r}")
         if batch != "global":
             raise FxparError(
                 "batch='local' is for fxpar.compile without a pipeline; a pipeline takes the "
                 "whole batch on every rank"
             )
-        return _compile_pipeline(
-            model, cluster, example_inputs, loss_fn, example_targets, optimizer, pipeline,
-            planner=stage_planner, intra_op=intra_op, check_batches=check_batches, init=init,
-            mixed_precision=mixed_precision,
-        )  # fmt: skip
+        if pipeline == "auto":
+            device_mesh = _device_mesh(cluster)
+        else:
+            return _compile_pipeline(
+                model, cluster, example_inputs, loss_fn, example_targets, optimizer, pipeline,
+                planner=stage_planner, intra_op=intra_op, check_batches=check_batches,
+                init=init, mixed_precision=mixed_precision,
+            )  # fmt: skip
     driver = Driver(
         model, example_inputs, loss_fn, cluster, passes, example_targets=example_targets,
         mixed_precision=mixed_precision, device=rank_device(cluster.device_type),
         max_steps=max_kept_steps,
     )  # fmt: skip
-    step = driver.training_step()  # capture -> passes -> lower
+    if pipeline == "auto":
+        step, joint = _joint_choice(
+            driver, model, cluster, example_inputs, loss_fn, example_targets,
+            stage_planner=stage_planner, optimizer=optimizer, mixed_precision=mixed_precision,
+        )  # fmt: skip
+        best = joint.best
+        if joint.pipelined and best is not None and best.choice is not None:
+            assert best.program is not None
+            return _compile_pipeline(
+                model, cluster, example_inputs, loss_fn, example_targets, optimizer,
+                best.choice.pipeline, planner=stage_planner, intra_op=True,
+                check_batches=check_batches, init=init, mixed_precision=mixed_precision,
+                chosen=(best.program, best.choice),
+            )  # fmt: skip
+        if step is None:
+            raise AssertionError("a choice without a pipeline has the plan alone")
+    else:
+        step = driver.training_step()  # capture -> passes -> lower
     return ParallelModel(
         step, model, optimizer, device_mesh, steps=driver, check_batches=check_batches,
         batch=batch, init=init,
     )  # fmt: skip
+
+
+def _joint_choice(
+    driver: Driver,
+    model: nn.Module,
+    cluster: Cluster,
+    example_inputs: Sequence[Any] | Mapping[str, Any],
+    loss_fn: LossFn | None,
+    example_targets: Sequence[torch.Tensor],
+    *,
+    stage_planner: StagePlanner,
+    optimizer: Optimizer,
+    mixed_precision: MixedPrecision | None,
+) -> tuple[LoweredStep | None, JointChoice]:
+    """``pipeline="auto"``: the whole batch's intra-op step (None when no plan of it fits) and
+    what it was weighed against (:mod:`fxpar.joint`)."""
+    step: LoweredStep | None = None
+    try:
+        step = driver.training_step()
+    except InfeasiblePlanError as error:
+        logger.info("no intra-op plan of the whole batch fits: %s", error)
+    candidates = pipeline_candidates(
+        model, cluster, example_inputs, loss_fn, example_targets=example_targets,
+        stage_planner=stage_planner, optimizer_states=optimizer.state_copies,
+        mixed_precision=mixed_precision,
+    )  # fmt: skip
+    joint = JointChoice(step.plan.estimate if step is not None else None, candidates)
+    if step is None and joint.best is None:
+        reasons = "; ".join(c.describe() for c in candidates)
+        raise InfeasiblePlanError(
+            f"pipeline='auto' found neither an intra-op plan of the whole batch that fits nor "
+            f"a pipeline ({reasons}): use more devices, bf16, remat or a smaller batch"
+        )
+    logger.info("pipeline='auto' weighed:\n%s", joint.report())
+    return step, joint
 
 
 def _compile_pipeline(
@@ -276,13 +365,15 @@ def _compile_pipeline(
     check_batches: bool,
     init: str | os.PathLike[str] | None,
     mixed_precision: MixedPrecision | None,
+    chosen: tuple[Program, StageChoice] | None = None,
 ) -> PipelineModel:
     """A pipeline whose stages run an intra-op plan on the cluster's mesh without its first
     axis (when that axis is the stages, or a solver, manual plan, pins, options, rules or
     passes ask for a plan), or on meshes of their own (``Pipeline(stage_meshes=...)``), or
-    data-parallel replicas."""
+    data-parallel replicas. ``chosen``: the micro-batch program and the stage DP's choice on
+    it, made already (``pipeline="auto"``): run that, without planning again."""
     device = rank_device(cluster.device_type)  # where each rank's stage lives
-    if pipeline.stage_meshes is not None:
+    if pipeline.stage_meshes is not None and chosen is None:
         meshes = stage_meshes(pipeline, cluster)
         return PipelineModel(
             model, pipeline, example_inputs, loss_fn, example_targets=example_targets,
@@ -299,7 +390,9 @@ def _compile_pipeline(
     if intra_op or stages_first:
         choice = None
         program: Program | None = None
-        if pipeline.stages == "auto":
+        if chosen is not None:
+            program, choice = chosen
+        elif pipeline.stages == "auto":
             # Priced on the very program the pipeline runs, one micro-batch's step, whose
             # plans it then runs: the plan that runs is the plan that was priced.
             program = capture_microbatch(
@@ -311,6 +404,7 @@ def _compile_pipeline(
                 stage_planner=planner, microbatch=True,
             )  # fmt: skip
             logger.info("stages chosen by the stage DP:\n%s", choice.report())
+        if choice is not None:
             pipeline = choice.pipeline
             stage_cluster: Cluster | StageMeshes | None = choice.stage_cluster
             if pipeline.stage_meshes is not None:  # stages on submeshes of different shapes

@@ -95,7 +95,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "fxpar.runtime",
     ),
     ("fxpar.pipeline",),
-    ("fxpar.driver",),
+    ("fxpar.driver", "fxpar.joint"),
     ("fxpar.compiler",),
     ("fxpar.models", "fxpar.testing", "fxpar.cli", "fxpar.__main__"),
 )

@@ -1,0 +1,178 @@
+"""``fxpar.compile(..., pipeline="auto")``: whether to pipeline is the cost model's choice.
+
+- the rule: a pipeline runs only when estimated strictly faster than the plan alone, or when
+  no plan of the whole batch fits;
+- the candidates: one per micro-batch count, each the stage DP's best over schedules and
+  remat, on the step captured at that count's micro-batch; a count the batch does not divide
+  is kept with why;
+- on one device the plan alone wins (a pipeline of one stage only adds micro-batches) and
+  trains like eager PyTorch;
+- on two gloo ranks (slow tests) the faster of the two estimates, worked out in the test from
+  ``fxpar.plan`` and the stage DP, is what runs (the pipeline on fast links, the plan alone on
+  slow ones), and two SGD steps equal eager PyTorch's;
+- bad values are refused by name.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from typing import Any
+
+import pytest
+import torch
+
+import fxpar
+from fxpar import ir
+from fxpar.errors import FxparError
+from fxpar.joint import AUTO_MICROBATCHES, JointChoice, pipeline_candidates, pipeline_wins
+from fxpar.models import GPT, GPTConfig, gpt_loss
+from fxpar.optim import SGD
+from fxpar.passes import passes_for
+from fxpar.pipeline import PassPlanner, PipelineModel
+from fxpar.planning.problem import PlanOptions
+from fxpar.runtime.launch import spawn
+from fxpar.runtime.parallel import ParallelModel
+
+CONFIG = GPTConfig(n_layer=2, n_embd=64, n_head=4, vocab_size=64, block_size=16)
+LR = 0.1
+FAST, SLOW = 1e10, 1e6  # bytes/s: a pipeline of two stages wins on the first, not the second
+
+
+def _gpt(batch: int = 16) -> tuple[GPT, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, CONFIG.vocab_size, (batch, 16), generator=generator)
+    targets = torch.randint(0, CONFIG.vocab_size, (batch, 16), generator=generator)
+    return GPT(CONFIG), tokens, targets
+
+
+def _eager(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    model, tokens, targets = _gpt()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        loss = gpt_loss(model(tokens), targets)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, model.state_dict()
+
+
+def _joint(cluster: fxpar.Cluster) -> JointChoice:
+    """The choice worked out from the public pieces: ``fxpar.plan``'s estimate of the whole
+    batch, and the stage DP's candidates (SGD: no optimizer state)."""
+    model, tokens, targets = _gpt()
+    alone = fxpar.plan(
+        copy.deepcopy(model), cluster, (tokens,), gpt_loss, example_targets=(targets,),
+        options=PlanOptions(optimizer_states=0),
+    )  # fmt: skip
+    candidates = pipeline_candidates(
+        model, cluster, (tokens,), gpt_loss, example_targets=(targets,),
+        stage_planner=PassPlanner(passes_for(None, options=PlanOptions(optimizer_states=0))),
+        optimizer_states=0, mixed_precision=None,
+    )  # fmt: skip
+    return JointChoice(alone.estimate, candidates)
+
+
+def test_a_pipeline_runs_only_when_estimated_strictly_faster() -> None:
+    assert pipeline_wins(2.0, 1.0)
+    assert not pipeline_wins(1.0, 2.0)
+    assert not pipeline_wins(1.0, 1.0)  # a tie: the plan alone
+    assert pipeline_wins(None, 5.0)  # no plan of the whole batch fits
+    assert not pipeline_wins(1.0, None)
+    assert not pipeline_wins(None, None)
+
+
+def test_every_count_is_priced_on_its_own_micro_batch_or_says_why_not() -> None:
+    """A batch of 6 divides into 2 micro-batches, not 4 or 8: those say so; the count that
+    runs is priced on a step captured at 3 rows, and the best candidate is the cheapest."""
+    model, tokens, targets = _gpt(batch=6)
+    candidates = pipeline_candidates(
+        model, fxpar.Cluster((2,), bandwidth=(FAST,)), (tokens,), gpt_loss,
+        example_targets=(targets,), stage_planner=PassPlanner(passes_for(None)),
+        optimizer_states=0, mixed_precision=None,
+    )  # fmt: skip
+    assert [c.microbatches for c in candidates] == list(AUTO_MICROBATCHES)
+    two, *others = candidates
+    assert two.choice is not None and two.program is not None
+    target = two.program.placeholders()[two.program.signature.step_inputs[-1]]
+    assert ir.require(target, ir.ValueMeta).tensor.shape[0] == 3
+    for other in others:
+        assert other.choice is None and "cannot be cut into" in other.reason
+        assert "no pipeline (a batch of 6 rows" in other.describe()
+    joint = JointChoice(1.0, candidates)
+    assert joint.best is two and joint.pipelined == (two.choice.step_time < 1.0)
+    assert "chosen: " in joint.report() and "of 4 micro-batches: no pipeline" in joint.report()
+
+
+def test_one_device_runs_the_plan_alone_and_trains_like_eager(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """On one device every pipeline is one stage over micro-batches, estimated slower than the
+    plan alone: that runs, its step is eager PyTorch's, and the log says what was weighed."""
+    model, tokens, targets = _gpt()
+    with caplog.at_level(logging.INFO, logger="fxpar.compiler"):
+        parallel = fxpar.compile(
+            model, fxpar.Cluster((1,)), (tokens,), gpt_loss, example_targets=(targets,),
+            optimizer=SGD(lr=LR), pipeline="auto",
+        )  # fmt: skip
+    assert isinstance(parallel, ParallelModel)
+    assert "pipeline='auto' weighed" in caplog.text and "chosen: the intra-op plan" in caplog.text
+    losses, state = _eager(2)
+    assert [parallel.step(tokens, targets).item() for _ in range(2)] == pytest.approx(losses)
+    torch.testing.assert_close(parallel.full_state_dict(), state)
+
+
+def test_bad_pipeline_values_are_refused() -> None:
+    model, tokens, targets = _gpt()
+    with pytest.raises(FxparError, match=r"pipeline must be a fxpar\.Pipeline, 'auto' or None"):
+        fxpar.compile(model, fxpar.Cluster((1,)), (tokens,), gpt_loss, example_targets=(targets,),
+                      pipeline="pipelined")  # type: ignore[call-overload]  # fmt: skip
+    with pytest.raises(FxparError, match=r"batch='local' is for fxpar\.compile without a pipeline"):
+        fxpar.compile(model, fxpar.Cluster((1,)), (tokens,), gpt_loss, example_targets=(targets,),
+                      pipeline="auto", batch="local")  # fmt: skip
+
+
+# ---- on gloo ranks
+
+
+def _compiled(rank: int, world: int, bandwidth: float) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    model, tokens, targets = _gpt()
+    trained = fxpar.compile(
+        model, fxpar.Cluster((world,), bandwidth=(bandwidth,)), (tokens,), gpt_loss,
+        example_targets=(targets,), optimizer=SGD(lr=LR), pipeline="auto",
+    )  # fmt: skip
+    estimate = (
+        trained.stage_choice.step_time
+        if isinstance(trained, PipelineModel) and trained.stage_choice is not None
+        else trained.plan.estimate  # type: ignore[union-attr]
+    )
+    return {
+        "pipelined": isinstance(trained, PipelineModel),
+        "estimate": estimate,
+        "losses": [trained.step(tokens, targets).item() for _ in range(2)],
+        "state": trained.full_state_dict(),
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("bandwidth", "pipelined"), [(FAST, True), (SLOW, False)])
+def test_gloo_runs_the_faster_estimate_and_trains_like_one_device(
+    bandwidth: float, pipelined: bool
+) -> None:
+    cluster = fxpar.Cluster((2,), bandwidth=(bandwidth,))
+    joint = _joint(cluster)
+    assert joint.pipelined is pipelined  # the clusters were picked to fall either way
+    best = joint.best
+    assert best is not None and best.choice is not None
+    expected = best.choice.step_time if pipelined else joint.alone
+    ranks = spawn(_compiled, 2, bandwidth)
+    losses, state = _eager(2)
+    for result in ranks:
+        assert result["pipelined"] is pipelined
+        assert result["estimate"] == pytest.approx(expected)
+        assert result["losses"] == pytest.approx(losses, rel=1e-4)
+        torch.testing.assert_close(result["state"], state, rtol=1e-4, atol=1e-5)
