@@ -7,8 +7,10 @@ without ``pipeline`` runs, priced by its schedule: ``plan.estimate``) and, for e
 and each mesh's intra-op plan under every schedule and remat setting
 (:func:`fxpar.pipeline.search_pipelines` on the step captured at one micro-batch's shapes,
 with ``stage_planner``). The faster estimate runs; on a tie the plan alone does (it keeps no
-micro-batches in flight and runs one program a step). ``fxpar plan --microbatches`` prints
-the same verdict (:func:`pipeline_wins`).
+micro-batches in flight and runs one program a step). A pipeline whose step is not the whole
+batch's (:func:`fxpar.pipeline.pipeline_semantics` has notes, such as BatchNorm normalising each
+micro-batch by its own statistics) is never a candidate: the choice does not change what
+trains. ``fxpar plan --microbatches`` prints the same verdict (:func:`pipeline_wins`).
 
 Every rank makes the same choice: the solvers' answers are broadcast from rank 0 and the
 pricing is deterministic, as for ``stages="auto"``.
@@ -16,7 +18,7 @@ pricing is deterministic, as for ``stages="auto"``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +33,7 @@ from fxpar.ir.program import Program
 from fxpar.pipeline import Pipeline, PipelineError, StageChoice, capture_microbatch
 from fxpar.pipeline.auto import PipelineSearch, search_pipelines
 from fxpar.pipeline.options import ScheduleName
+from fxpar.pipeline.semantics import pipeline_semantics
 from fxpar.pipeline.stage_choice import format_seconds
 from fxpar.pipeline.stage_costs import StagePlanner
 from fxpar.solvers.stages import NoStagePlanError
@@ -41,6 +44,12 @@ AUTO_MICROBATCHES = (2, 4, 8)
 SEARCHED_SCHEDULES: tuple[ScheduleName, ...] = ("1f1b", "gpipe", "zb-h1")
 """Every schedule the stage DP may choose; on a tie the first (1F1B keeps the fewest micro-batches
 in flight)."""
+
+
+STEP_DIFFERS = "a pipeline would train another step than the whole batch's"
+"""Why a model whose micro-batches compute something else (BatchNorm's statistics per
+micro-batch, a loss that sums over the batch mixed with means) gets no pipeline candidate: the
+choice never changes what is trained; ask for such a pipeline with ``pipeline=Pipeline(...)``."""
 
 
 @dataclass(frozen=True)
@@ -120,10 +129,10 @@ def pipeline_candidates(
     optimizer_states: int,
     mixed_precision: MixedPrecision | None,
     counts: Sequence[int] = AUTO_MICROBATCHES,
-    on_candidate: Callable[[Candidate], None] | None = None,
 ) -> tuple[Candidate, ...]:
     """The stage DP's best pipeline for each of ``counts`` micro-batches (module docstring); a
-    count the batch does not divide into, or that no stage layout runs, is kept with why."""
+    count the batch does not divide into, that no stage layout runs, or whose pipeline would
+    train another step is kept with why."""
     candidates = []
     for count in counts:
         pipelines = [
@@ -136,16 +145,17 @@ def pipeline_candidates(
                 model, pipelines[0], example_inputs, loss_fn, example_targets=example_targets,
                 mixed_precision=mixed_precision,
             )  # fmt: skip
+            notes = pipeline_semantics(program).notes
+            if notes:
+                candidates.append(Candidate(count, None, None, f"{STEP_DIFFERS}: {notes[0]}"))
+                continue
             search = search_pipelines(
                 program, cluster, pipelines, optimizer_states=optimizer_states,
                 stage_planner=stage_planner, microbatch=True,
             )  # fmt: skip
-            candidate = Candidate(count, search, program)
+            candidates.append(Candidate(count, search, program))
         except (BatchError, PipelineError, NoStagePlanError) as error:
-            candidate = Candidate(count, None, None, str(error))
-        if on_candidate is not None:
-            on_candidate(candidate)
-        candidates.append(candidate)
+            candidates.append(Candidate(count, None, None, str(error)))
     return tuple(candidates)
 
 

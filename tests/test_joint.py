@@ -21,11 +21,18 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 import fxpar
 from fxpar import ir
 from fxpar.errors import FxparError
-from fxpar.joint import AUTO_MICROBATCHES, JointChoice, pipeline_candidates, pipeline_wins
+from fxpar.joint import (
+    AUTO_MICROBATCHES,
+    STEP_DIFFERS,
+    JointChoice,
+    pipeline_candidates,
+    pipeline_wins,
+)
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.optim import SGD
 from fxpar.passes import passes_for
@@ -105,6 +112,24 @@ def test_every_count_is_priced_on_its_own_micro_batch_or_says_why_not() -> None:
     joint = JointChoice(1.0, candidates)
     assert joint.best is two and joint.pipelined == (two.choice.step_time < 1.0)
     assert "chosen: " in joint.report() and "of 4 micro-batches: no pipeline" in joint.report()
+
+
+def test_a_pipeline_that_would_train_another_step_is_no_candidate() -> None:
+    """BatchNorm normalises each micro-batch by its own statistics: no count gets a pipeline,
+    each says why, and on links where a GPT's pipeline wins the plan alone still runs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 4))
+    inputs, targets = torch.randn(16, 8), torch.randint(0, 4, (16,))
+    candidates = pipeline_candidates(
+        model, fxpar.Cluster((2,), bandwidth=(FAST,)), (inputs,), nn.functional.cross_entropy,
+        example_targets=(targets,), stage_planner=PassPlanner(passes_for(None)),
+        optimizer_states=0, mixed_precision=None,
+    )  # fmt: skip
+    assert [c.microbatches for c in candidates] == list(AUTO_MICROBATCHES)
+    for candidate in candidates:
+        assert candidate.choice is None and candidate.reason.startswith(STEP_DIFFERS)
+        assert "batch" in candidate.reason.removeprefix(STEP_DIFFERS)
+    assert not JointChoice(1.0, candidates).pipelined
 
 
 def test_one_device_runs_the_plan_alone_and_trains_like_eager(
