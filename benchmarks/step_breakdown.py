@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 import fxpar
+from fxpar.pipeline import PipelineModel
 from fxpar.planning.step_time import price_schedule, step_overlap
 from fxpar.runtime import waiting
 from fxpar.runtime.launch import spawn
@@ -63,6 +64,8 @@ def _rank(rank: int, world: int, names: list[str]) -> dict[tuple[str, str], tupl
     for name in names:
         compiled, _, args, named = cost_model._compiled(name, cluster)
         for kind, (parallel, estimates) in compiled.items():
+            if kind == cost_model.AUTO and estimates.same_as:
+                continue  # the ILP row's plan, timed there
             estimate = estimates.estimate
             for _ in range(WARMUP):
                 parallel.step(*args, **named)
@@ -78,7 +81,7 @@ def _rank(rank: int, world: int, names: list[str]) -> dict[tuple[str, str], tupl
             aten = sum(e.self_cpu_time_total for e in prof.key_averages()
                        if e.key.startswith("aten::")) / 1e6 / PROFILED  # fmt: skip
             parts = (math.nan,) * 3
-            if kind != cost_model.PIPELINE:  # the pipeline's estimate is the stage DP's
+            if not isinstance(parallel, PipelineModel):  # a pipeline's estimate is the DP's
                 plan = parallel.plan
                 priced = price_schedule(plan.program, cluster)
                 overlap = step_overlap(priced, list(plan.program.graph.nodes))
