@@ -30,7 +30,7 @@ import fxpar
 from fxpar import plans
 from fxpar.errors import FxparError
 from fxpar.ir.repeat import StampedLayers, capture_repeated
-from fxpar.joint import pipeline_wins
+from fxpar.joint import SEARCHED_SCHEDULES, pipeline_wins
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.models.corpus import batches, corpus_tokens
 from fxpar.models.shapes import GPT2_SHAPES, GPT3_SHAPES, LLAMA_SHAPES, gpt3, llama_named
@@ -374,7 +374,7 @@ def _joint_plan(
     their meshes, and (``auto``) the schedule and remat. Prints it."""
     # On a tie the first wins: 1F1B keeps fewer micro-batches in flight, remat off computes less.
     schedules: tuple[ScheduleName, ...] = (
-        ("1f1b", "gpipe", "zb-h1") if args.schedule == "auto" else (args.schedule,)
+        SEARCHED_SCHEDULES if args.schedule == "auto" else (args.schedule,)
     )
     remats = (False, True) if args.remat == "auto" else (args.remat == "on",)
     pipelines = [

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_pipeline_priced import LR, _eager_gpt, _gpt  # the same GPT, batch and SGD
 from torch import nn
 
 import fxpar
@@ -33,7 +34,7 @@ from fxpar.joint import (
     pipeline_candidates,
     pipeline_wins,
 )
-from fxpar.models import GPT, GPTConfig, gpt_loss
+from fxpar.models import gpt_loss
 from fxpar.optim import SGD
 from fxpar.passes import passes_for
 from fxpar.pipeline import PassPlanner, PipelineModel
@@ -41,30 +42,7 @@ from fxpar.planning.problem import PlanOptions
 from fxpar.runtime.launch import spawn
 from fxpar.runtime.parallel import ParallelModel
 
-CONFIG = GPTConfig(n_layer=2, n_embd=64, n_head=4, vocab_size=64, block_size=16)
-LR = 0.1
 FAST, SLOW = 1e10, 1e6  # bytes/s: a pipeline of two stages wins on the first, not the second
-
-
-def _gpt(batch: int = 16) -> tuple[GPT, torch.Tensor, torch.Tensor]:
-    torch.manual_seed(0)
-    generator = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, CONFIG.vocab_size, (batch, 16), generator=generator)
-    targets = torch.randint(0, CONFIG.vocab_size, (batch, 16), generator=generator)
-    return GPT(CONFIG), tokens, targets
-
-
-def _eager(steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    model, tokens, targets = _gpt()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for _ in range(steps):
-        optimizer.zero_grad()
-        loss = gpt_loss(model(tokens), targets)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    return losses, model.state_dict()
 
 
 def _joint(cluster: fxpar.Cluster) -> JointChoice:
@@ -145,7 +123,7 @@ def test_one_device_runs_the_plan_alone_and_trains_like_eager(
         )  # fmt: skip
     assert isinstance(parallel, ParallelModel)
     assert "pipeline='auto' weighed" in caplog.text and "chosen: the intra-op plan" in caplog.text
-    losses, state = _eager(2)
+    losses, state = _eager_gpt(2)
     assert [parallel.step(tokens, targets).item() for _ in range(2)] == pytest.approx(losses)
     torch.testing.assert_close(parallel.full_state_dict(), state)
 
@@ -195,7 +173,7 @@ def test_gloo_runs_the_faster_estimate_and_trains_like_one_device(
     assert best is not None and best.choice is not None
     expected = best.choice.step_time if pipelined else joint.alone
     ranks = spawn(_compiled, 2, bandwidth)
-    losses, state = _eager(2)
+    losses, state = _eager_gpt(2)
     for result in ranks:
         assert result["pipelined"] is pipelined
         assert result["estimate"] == pytest.approx(expected)
