@@ -76,9 +76,14 @@ class Cluster:
     ``op_overhead`` (seconds every ATen op costs beyond its work: dispatch, allocation) and
     ``op_slowdown`` (per ATen op, such as ``"aten.mm"``, how many times its roofline time it
     takes; ``"*"`` for the ops not named; a mapping or ``(op, slowdown)`` pairs) refine the
-    roofline per op (:meth:`op_seconds`); :func:`fxpar.calibrate` measures them on a model's
-    own ops. ``overlap`` is the share of the communication a step runs beside compute that
-    the compute really hides (:attr:`hidden_share`; ``fxpar calibrate`` measures it).
+    roofline per op (:meth:`op_seconds`); ``op_fixed`` (per ATen op, seconds each call that
+    does work costs beyond ``op_overhead`` whatever its size: choosing a kernel, allocating
+    its output, waking threads; ``"*"`` for the others) makes that a line rather than a
+    proportion, so that a call on a small piece of the batch is not priced as that piece of
+    the whole call; :func:`fxpar.calibrate_ops` measures them on a model's own ops (the fixed
+    costs from the step timed at two batch sizes). ``overlap`` is the share of the
+    communication a step runs beside compute that the compute really hides
+    (:attr:`hidden_share`; ``fxpar calibrate`` measures it).
     ``core_demand`` is, for ranks that are processes of one host sharing its cores, the
     threads they compute with over those cores: above 1 the ranks take turns, and ranks that
     idle (a pipeline's bubble) leave their turns to the others (:meth:`compute_speedup`;
@@ -106,6 +111,7 @@ class Cluster:
     collective_links: tuple[CollectiveLink, ...] = ()
     op_overhead: float = 0.0
     op_slowdown: tuple[tuple[str, float], ...] = ()
+    op_fixed: tuple[tuple[str, float], ...] = ()
     overlap: float | None = None
     core_demand: float | None = None
     core_delay: float = 0.0
@@ -113,7 +119,7 @@ class Cluster:
     lag_stretch: float = 0.0
     peer_wait: tuple[float, ...] = ()
 
-    # The op every op not in ``op_slowdown`` takes the slowdown of.
+    # The op every op not in ``op_slowdown`` (``op_fixed``) takes the slowdown (fixed cost) of.
     OTHER_OPS = "*"
 
     def __post_init__(self) -> None:
@@ -164,20 +170,8 @@ class Cluster:
                 raise FxparError(f"the same link twice: {link}")
             seen.add(link)
         object.__setattr__(self, "collective_links", links)
-        slowdown = self.op_slowdown
-        pairs = tuple(slowdown.items()) if isinstance(slowdown, Mapping) else tuple(slowdown)
-        if not all(
-            isinstance(pair, tuple | list)
-            and len(pair) == 2
-            and isinstance(pair[0], str)
-            and _positive(pair[1])
-            for pair in pairs
-        ) or len({op for op, _ in pairs}) != len(pairs):
-            raise FxparError(
-                "op_slowdown maps distinct op names (such as 'aten.mm', or '*' for the others) "
-                f"to positive numbers, got {slowdown!r}"
-            )
-        object.__setattr__(self, "op_slowdown", tuple(sorted((op, float(s)) for op, s in pairs)))
+        object.__setattr__(self, "op_slowdown", _op_numbers("op_slowdown", self.op_slowdown))
+        object.__setattr__(self, "op_fixed", _op_numbers("op_fixed", self.op_fixed, zero=True))
         if not (_finite(self.op_overhead) and self.op_overhead >= 0):
             raise FxparError(f"op_overhead must be a finite number >= 0, got {self.op_overhead}")
         if self.overlap is not None and not (_finite(self.overlap) and 0 <= self.overlap <= 1):
@@ -306,8 +300,8 @@ class Cluster:
         return Cluster.preset(preset, mesh_shape, **overrides)
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field, as JSON writes it (tuples as lists, ``op_slowdown`` as an object);
-        ``collective_links``, ``op_overhead``, ``op_slowdown``, ``overlap``, the core sharing,
+        """Every field, as JSON writes it (tuples as lists, ``op_slowdown`` and ``op_fixed`` as
+        objects); ``collective_links``, the op fields, ``overlap``, the core sharing,
         the lag and the peer wait only when set."""
         data = {
             field.name: list(value) if isinstance(value, tuple) else value
@@ -316,8 +310,9 @@ class Cluster:
         }
         data["collective_links"] = [link.to_dict() for link in self.collective_links]
         data["op_slowdown"] = dict(self.op_slowdown)
-        optional = ("collective_links", "op_overhead", "op_slowdown", "core_delay", "lag_share",
-                    "lag_stretch")  # fmt: skip
+        data["op_fixed"] = dict(self.op_fixed)
+        optional = ("collective_links", "op_overhead", "op_slowdown", "op_fixed", "core_delay",
+                    "lag_share", "lag_stretch")  # fmt: skip
         for name in optional:
             if not data[name]:
                 del data[name]
@@ -343,7 +338,7 @@ class Cluster:
         try:
             values: dict[str, Any] = {
                 key: tuple(value)
-                if isinstance(value, list | dict) and key != "op_slowdown"
+                if isinstance(value, list | dict) and key not in ("op_slowdown", "op_fixed")
                 else value
                 for key, value in data.items()
             }
@@ -471,14 +466,28 @@ class Cluster:
 
     def op_seconds(self, op: str, roofline: float) -> float:
         """Time one device takes for an ATen op ``op`` (``"aten.mm"``) whose roofline time on
-        this cluster is ``roofline``: ``op_overhead`` plus ``roofline`` times the op's
+        this cluster is ``roofline``: :meth:`call_seconds` plus ``roofline`` times the op's
         slowdown (:attr:`op_slowdown`, else that of ``"*"``, else 1)."""
         slowdowns = self._slowdowns
-        return self.op_overhead + roofline * slowdowns.get(op, slowdowns.get(self.OTHER_OPS, 1.0))
+        slowdown = slowdowns.get(op, slowdowns.get(self.OTHER_OPS, 1.0))
+        return self.call_seconds(op, roofline) + roofline * slowdown
+
+    def call_seconds(self, op: str, roofline: float) -> float:
+        """The part of :meth:`op_seconds` a call pays whatever its size: ``op_overhead``, and
+        for a call that does work (``roofline > 0``) the op's fixed cost (:attr:`op_fixed`,
+        else that of ``"*"``, else 0)."""
+        if roofline <= 0:
+            return self.op_overhead
+        fixed = self._fixed
+        return self.op_overhead + fixed.get(op, fixed.get(self.OTHER_OPS, 0.0))
 
     @functools.cached_property
     def _slowdowns(self) -> dict[str, float]:
         return dict(self.op_slowdown)
+
+    @functools.cached_property
+    def _fixed(self) -> dict[str, float]:
+        return dict(self.op_fixed)
 
     def link(self, devices: int) -> tuple[float, float]:
         """Bandwidth and latency among ``devices`` consecutive ranks: those of
@@ -617,6 +626,7 @@ _FIELD_KINDS = {
     "collective_links": "a list of {kind, axis, latency, bandwidth} objects",
     "op_overhead": "a finite number >= 0",
     "op_slowdown": "an object of op names to finite numbers > 0",
+    "op_fixed": "an object of op names to finite numbers >= 0",
     "overlap": "a number from 0 to 1",
     "core_demand": "a finite number > 0",
     "core_delay": "a finite number >= 0",
@@ -634,6 +644,27 @@ def _finite(number: object) -> bool:
 
 def _positive(number: object) -> bool:
     return _finite(number) and number > 0  # type: ignore[operator]
+
+
+def _op_numbers(name: str, value: object, *, zero: bool = False) -> tuple[tuple[str, float], ...]:
+    """``value`` (a mapping or ``(op, number)`` pairs) as sorted pairs of distinct op names and
+    numbers, each positive (or, with ``zero``, at least 0)."""
+    pairs = tuple(value.items()) if isinstance(value, Mapping) else tuple(value)  # type: ignore[arg-type]
+
+    def fits(number: object) -> bool:
+        return _finite(number) and number >= 0 if zero else _positive(number)  # type: ignore[operator]
+
+    if not all(
+        isinstance(pair, tuple | list) and len(pair) == 2 and isinstance(pair[0], str)
+        and fits(pair[1])
+        for pair in pairs
+    ) or len({op for op, _ in pairs}) != len(pairs):  # fmt: skip
+        bound = ">= 0" if zero else "positive"
+        raise FxparError(
+            f"{name} maps distinct op names (such as 'aten.mm', or '*' for the others) "
+            f"to {bound} numbers, got {value!r}"
+        )
+    return tuple(sorted((op, float(number)) for op, number in pairs))
 
 
 def _is_json_field(key: str, value: object) -> bool:
@@ -667,6 +698,10 @@ def _is_json_field(key: str, value: object) -> bool:
         return _finite(value) and value >= 0  # type: ignore[operator]
     if key == "op_slowdown":
         return isinstance(value, dict) and all(_positive(number) for number in value.values())
+    if key == "op_fixed":
+        return isinstance(value, dict) and all(
+            _finite(number) and number >= 0 for number in value.values()
+        )
     if key == "overlap":
         return _finite(value) and 0 <= value <= 1  # type: ignore[operator]
     return _positive(value)

@@ -20,14 +20,9 @@ from fxpar.errors import DistributedError, FxparError
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.planning.cost import compute_seconds, roofline_seconds
 from fxpar.runtime import op_timing
-from fxpar.runtime.calibration import (
-    MIN_SLOWDOWN,
-    CalibrationOptions,
-    fit_ops,
-    measure,
-    shared_op_times,
-)
+from fxpar.runtime.calibration import CalibrationOptions, measure, shared_op_times
 from fxpar.runtime.launch import spawn
+from fxpar.runtime.op_fit import MIN_SLOWDOWN, fit_ops
 from fxpar.runtime.op_timing import OpTiming, time_ops
 from fxpar.sharding import R, S, Strategy
 
@@ -82,6 +77,78 @@ def test_fit_ops_recovers_the_overhead_and_slowdowns_that_made_the_times() -> No
     assert dataclasses.replace(fitted, op_overhead=0.0, op_slowdown=()) == CLUSTER
 
 
+def test_an_ops_fixed_cost_is_paid_by_every_call_that_works_whatever_its_share() -> None:
+    cluster = dataclasses.replace(
+        CLUSTER, op_overhead=5e-6, op_slowdown={"*": 2.0}, op_fixed={"aten.mm": 40e-6, "*": 1e-5}
+    )
+    matmul = _cost(4_000_000, 1_000, "aten.mm")
+    assert roofline_seconds(matmul, cluster) == pytest.approx(5e-6 + 40e-6 + 2 * 4e-3)
+    # Split over the axis: half the rate's part, the whole fixed cost.
+    split = Strategy(outputs=((S(0),),), inputs=((S(0),), (R,)))
+    assert compute_seconds(matmul, split, cluster) == pytest.approx(5e-6 + 40e-6 + 2 * 2e-3)
+    gelu = _cost(1_000, 2_000_000, "aten.gelu")  # not named: '*''s fixed cost
+    assert roofline_seconds(gelu, cluster) == pytest.approx(5e-6 + 1e-5 + 2 * 2e-3)
+    # A call that does no work pays only the overhead.
+    assert roofline_seconds(_cost(0, 0, "aten.view"), cluster) == pytest.approx(5e-6)
+
+
+def _step(scale: float, truth: fxpar.Cluster) -> list[OpTiming]:
+    """A step's calls at ``scale`` of the batch (weights' calls do not scale), timed as
+    ``truth`` prices them."""
+    costs = [
+        _cost(int(400_000 * scale), 10, "aten.mm"),
+        _cost(int(100_000 * scale), 10, "aten.mm"),
+        _cost(50_000, 10, "aten.mm"),  # a weight's: the same at every batch
+        _cost(10, int(400_000 * scale), "aten.gelu"),
+        _cost(10, int(600_000 * scale), "aten.gelu"),
+        *(_cost(0, 0, "aten.view") for _ in range(4)),
+    ]
+    return [OpTiming(f"n{i}", c, roofline_seconds(c, truth)) for i, c in enumerate(costs)]
+
+
+def test_fit_ops_on_two_batch_sizes_recovers_each_ops_fixed_cost_and_rate() -> None:
+    """One batch size cannot tell a call's fixed cost from its rate: the rate takes it, and a
+    quarter of the batch is then priced too cheap. The same step at two sizes fits both, and
+    the fitted cluster gives back each op's time at both sizes and at a third."""
+    truth = dataclasses.replace(
+        CLUSTER,
+        op_overhead=4e-6,
+        op_slowdown={"aten.mm": 1.5, "aten.gelu": 3.0},
+        op_fixed={"aten.mm": 50e-6, "aten.gelu": 20e-6},
+    )
+    whole, quarter, eighth = _step(1.0, truth), _step(0.25, truth), _step(0.125, truth)
+    alone = fit_ops(CLUSTER, whole)
+    assert alone.op_fixed == ()
+    assert dict(alone.op_slowdown)["aten.mm"] > 1.5  # the fixed cost taken into the rate
+    fitted = fit_ops(CLUSTER, whole, quarter)
+    assert fitted.op_overhead == pytest.approx(4e-6)
+    fixed, slowdown = dict(fitted.op_fixed), dict(fitted.op_slowdown)
+    assert fixed["aten.mm"] == pytest.approx(50e-6) and slowdown["aten.mm"] == pytest.approx(1.5)
+    assert fixed["aten.gelu"] == pytest.approx(20e-6)
+    assert slowdown["aten.gelu"] == pytest.approx(3.0)
+    assert fixed["*"] > 0
+    for step in (whole, quarter, eighth):
+        for op in ("aten.mm", "aten.gelu"):
+            calls = [t for t in step if t.cost.op == op]
+            measured = sum(t.seconds for t in calls)
+            assert sum(roofline_seconds(t.cost, fitted) for t in calls) == pytest.approx(measured)
+    # The rate fitted on one size prices the eighth's products of the batch at 60% of what
+    # they took.
+    products = eighth[:2]
+    guessed = sum(roofline_seconds(t.cost, alone) for t in products)
+    assert guessed < 0.7 * sum(t.seconds for t in products)
+
+
+def test_a_line_that_would_need_a_negative_fixed_cost_keeps_the_rate_alone() -> None:
+    """Calls that got relatively faster at the smaller size (noise, a cache) would fit a
+    negative fixed cost: the op gets none, and one rate over both steps."""
+    whole = [OpTiming("m", _cost(8_000_000, 10, "aten.mm"), 16e-3)]  # 2x its roofline
+    small = [OpTiming("m", _cost(1_000_000, 10, "aten.mm"), 1e-3)]  # 1x
+    fitted = fit_ops(CLUSTER, whole, small)
+    assert "aten.mm" not in dict(fitted.op_fixed)
+    assert dict(fitted.op_slowdown)["aten.mm"] == pytest.approx(17e-3 / 9e-3)
+
+
 def test_calls_whose_roofline_is_a_sliver_of_the_overhead_fit_no_rate() -> None:
     """A one-element ``ones_like`` taking 60 us would fit a slowdown of 10^5: it is left out,
     and the op takes ``"*"``'s slowdown."""
@@ -101,10 +168,10 @@ def test_an_op_faster_than_its_overhead_gets_the_least_slowdown() -> None:
     assert dict(fit_ops(CLUSTER, timings).op_slowdown)["aten._unsafe_view"] == MIN_SLOWDOWN
 
 
-def _gpt() -> tuple[fxpar.Program, list[torch.Tensor]]:
+def _gpt(batch: int = 2) -> tuple[fxpar.Program, list[torch.Tensor]]:
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
-    tokens = torch.randint(0, 64, (2, 16))
+    tokens = torch.randint(0, 64, (batch, 16))
     program = fxpar.capture(model, (tokens,), gpt_loss, example_targets=(tokens,))
     return program, program.flat_inputs(model, tokens, tokens)
 
@@ -198,12 +265,15 @@ def _calibrate_ops_rank(rank: int, world_size: int) -> tuple[object, ...]:
         fxpar.calibrate_ops(calibration.cluster, *(_gpt() if rank == 0 else _short()), options)
     except DistributedError as error:
         refused = str(error)
+    # The step at half the batch too: each op's fixed cost fitted apart from its rate.
+    two_sizes = fxpar.calibrate_ops(calibration.cluster, program, inputs, options,
+                                    microbatch=_gpt(1))  # fmt: skip
     # Rank 1 took twice as long as rank 0 for the first op and three times for the second:
     # each op takes the ranks' mean, scaled up to the slowest rank's step.
     cost = _cost(1, 1, "aten.mm")
     mine = [OpTiming("a", cost, (rank + 1) * 1e-3), OpTiming("b", cost, (2 * rank + 1) * 1e-3)]
     shared = [t.seconds for t in shared_op_times(mine)]
-    return calibration, refused, shared
+    return calibration, refused, shared, two_sizes
 
 
 def _short() -> tuple[fxpar.Program, list[torch.Tensor]]:
@@ -215,8 +285,9 @@ def _short() -> tuple[fxpar.Program, list[torch.Tensor]]:
 
 @pytest.mark.slow
 def test_calibrated_op_speeds_are_shared_and_give_back_each_ops_measured_time() -> None:
-    (first, refused, shared), (second, _, shared_too) = spawn(_calibrate_ops_rank, 2,
-                                                            timeout_s=120)  # fmt: skip
+    (first, refused, shared, two_sizes), (second, _, shared_too, two_sizes_too) = spawn(
+        _calibrate_ops_rank, 2, timeout_s=120
+    )
     # Means 1.5 and 2 ms (3.5 ms in all), scaled to the slower rank's 5 ms.
     assert shared == shared_too == pytest.approx([1.5e-3 * 5 / 3.5, 2e-3 * 5 / 3.5])
     assert first.cluster == second.cluster
@@ -236,6 +307,11 @@ def test_calibrated_op_speeds_are_shared_and_give_back_each_ops_measured_time() 
             assert modelled == pytest.approx(measured, rel=1e-6), op
     assert "aten.mm" in first.table()
     assert "timed between" in refused
+    # A tiny model's calls cost about as much at half the batch: a fixed cost a call.
+    assert first.cluster.op_fixed == ()
+    assert two_sizes == two_sizes_too
+    assert dict(two_sizes.op_fixed)["*"] > 0
+    assert set(dict(two_sizes.op_fixed)) <= set(dict(two_sizes.op_slowdown))
 
 
 def test_calibrate_ops_without_a_process_group_says_so() -> None:
@@ -249,8 +325,11 @@ def test_op_speeds_round_trip_through_a_cluster_file(tmp_path: Path) -> None:
     loaded = fxpar.Cluster.load(cluster.save(tmp_path / "c.json"))
     assert loaded == cluster
     assert loaded.op_seconds("aten.bmm", 1e-3) == pytest.approx(3e-6 + 1.5e-3)
+    fixed = dataclasses.replace(cluster, op_fixed={"aten.mm": 2e-5})
+    assert fxpar.Cluster.load(fixed.save(tmp_path / "f.json")) == fixed
+    assert fixed.op_seconds("aten.mm", 1e-3) == pytest.approx(3e-6 + 2e-5 + 1.1e-3)
     # Clusters without them write no such fields.
-    assert "op_slowdown" not in CLUSTER.to_dict() and "op_overhead" not in CLUSTER.to_dict()
+    assert not {"op_slowdown", "op_overhead", "op_fixed"} & set(CLUSTER.to_dict())
 
 
 @pytest.mark.parametrize(
@@ -261,6 +340,8 @@ def test_op_speeds_round_trip_through_a_cluster_file(tmp_path: Path) -> None:
         ({"op_slowdown": {"aten.mm": 0.0}}, "op_slowdown maps"),
         ({"op_slowdown": {"aten.mm": "fast"}}, "op_slowdown maps"),
         ({"op_slowdown": [("aten.mm", 1.0), ("aten.mm", 2.0)]}, "op_slowdown maps"),
+        ({"op_fixed": {"aten.mm": -1e-6}}, "op_fixed maps"),
+        ({"op_fixed": {"*": math.nan}}, "op_fixed maps"),
     ],
 )
 def test_bad_op_speeds_are_named(fields: dict[str, object], message: str) -> None:
@@ -270,7 +351,13 @@ def test_bad_op_speeds_are_named(fields: dict[str, object], message: str) -> Non
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("op_overhead", -1), ("op_slowdown", {"aten.mm": -2}), ("op_slowdown", [1, 2])],
+    [
+        ("op_overhead", -1),
+        ("op_slowdown", {"aten.mm": -2}),
+        ("op_slowdown", [1, 2]),
+        ("op_fixed", {"aten.mm": -2}),
+        ("op_fixed", [1, 2]),
+    ],
 )
 def test_bad_op_speeds_in_a_cluster_file_are_named(field: str, value: object) -> None:
     with pytest.raises(FxparError, match=f"cluster's {field} cannot be"):

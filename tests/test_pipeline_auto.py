@@ -172,27 +172,37 @@ def test_remat_lowers_the_memory_estimate_and_costs_time() -> None:
     assert remat.step_time > stash.step_time
 
 
+def _does_work(node: torch.fx.Node) -> bool:
+    cost = ir.get(node, ir.Cost)
+    assert cost is not None
+    return any(ir.evaluate(size) > 0 for size in (cost.flops, cost.bytes_read, cost.bytes_written))
+
+
 @pytest.mark.parametrize("remat", [False, True])
-def test_every_micro_batch_pays_each_calls_overhead_in_full(remat: bool) -> None:
+@pytest.mark.parametrize("field", ["op_overhead", "op_fixed"])
+def test_every_micro_batch_pays_each_calls_overhead_in_full(remat: bool, field: str) -> None:
     """A call's dispatch does not shrink with its share of the batch: on a cluster whose
     every ATen call costs ``h`` more, a stage of 2 replicas and 4 micro-batches takes ``h``
     more per call its micro-batch makes (the forward's twice under remat), not ``h / (M d)``,
     and once a step (a quarter of it per micro-batch) per parameter it updates (SGD's one
     call) and for its gradients' bucket. The calls are counted here from the graph, not from
-    the costs."""
+    the costs. So does an op's fixed cost (``op_fixed``), on the calls that do work (not
+    views)."""
     program = _gpt(2)[3]
     atoms = Atoms.build(program, ())
     pipeline = Pipeline(stages="auto", microbatches=4, data_parallel=2, remat=remat)
     h = 1e-3
     base = StageCostModel(atoms, Cluster((4,)), pipeline, optimizer_states=0)
-    slow = StageCostModel(atoms, Cluster((4,), op_overhead=h), pipeline, optimizer_states=0)
+    priced = {"op_overhead": h} if field == "op_overhead" else {"op_fixed": {"*": h}}
+    slow = StageCostModel(atoms, Cluster((4,), **priced), pipeline, optimizer_states=0)  # type: ignore[arg-type]
     start, stop = 0, atoms.count // 2
     calls = [
         node
         for atom in range(start, stop)
         for node in atoms.nodes[atom]
         if node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload)
-    ]
+        and (field == "op_overhead" or _does_work(node))
+    ]  # fmt: skip
     forward = [node for node in calls if region(node).phase is not ir.Phase.BACKWARD]
     assert 0 < len(forward) < len(calls)
     nodes = [node for atom in range(start, stop) for node in atoms.nodes[atom]]

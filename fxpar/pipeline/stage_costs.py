@@ -26,9 +26,10 @@ the once-a-step gradient terms, which stay ``/ M``:
 
 ``T`` is the roofline time of a node on one device, ``max(flops / F, bytes moved / memory
 bandwidth)`` (:func:`~fxpar.planning.cost.node_seconds`, with a calibrated cluster's op
-slowdowns and per-call overhead), summed over the range's forward or backward nodes; ``O`` the
-overhead of the calls in ``T`` (the cluster's ``op_overhead`` a call, the recompute's calls
-again under remat), which every micro-batch on every replica pays in full; ``G`` the bytes of
+slowdowns and per-call costs), summed over the range's forward or backward nodes; ``O`` the
+part of ``T`` its calls pay whatever their size (the cluster's ``op_overhead`` a call and the
+op's fixed cost, :func:`~fxpar.planning.cost.call_seconds`; the recompute's calls again under
+remat), which every micro-batch on every replica pays in full; ``G`` the bytes of
 trainable parameters the range reads (each holder of a tied weight counts it), ``S`` of its
 buffers and frozen parameters; ``A_saved`` the bytes of the forward values (batch tensors
 included, views counted once at their base, parameters not at all) the range's backward reads;
@@ -124,6 +125,7 @@ from fxpar.pipeline.backward_split import DIVIDED_WEIGHT_SHARE, divisible
 from fxpar.pipeline.options import ZERO_BUBBLE_SCHEDULES, Pipeline, PipelineError
 from fxpar.pipeline.schedule import StageTimes, build_schedule, replay, replay_shared
 from fxpar.planning.cost import (
+    call_seconds,
     collective_seconds,
     copy_seconds,
     link_seconds,
@@ -179,10 +181,11 @@ class RangeFacts:
     kept_bytes: int = 0
     """Values of the input-gradient part (B), this range's or received, that the weight part
     (W) reads."""
-    forward_calls: int = 0
-    backward_calls: int = 0
-    """ATen calls of the range's forward and backward nodes: each pays the cluster's
-    ``op_overhead`` per micro-batch, however small its share of the batch."""
+    forward_call_seconds: float = 0.0
+    backward_call_seconds: float = 0.0
+    """Seconds of the range's forward and backward nodes that every call pays, however small
+    its share of the batch: the cluster's ``op_overhead`` and op's fixed cost a call
+    (:func:`~fxpar.planning.cost.call_seconds`), per micro-batch."""
     update_seconds: float = 0.0
     """The optimizer's update of the range's trainable parameters (their pieces on a device),
     once a step (:func:`fxpar.planning.cost.update_seconds`)."""
@@ -238,7 +241,7 @@ class StageCostModel:
         self._costs: dict[tuple[int, int, Shape], _Priced] = {}
         self._seconds: dict[tuple[object, int], tuple[float, float, float]] = {}
         self._values: dict[int, _AtomValues] = {}
-        self._call_counts: dict[int, tuple[int, int]] = {}
+        self._call_seconds: dict[int, tuple[float, float]] = {}
         self._weights: _WeightSplit | None = None
 
     def with_pipeline(self, pipeline: Pipeline) -> StageCostModel:
@@ -281,15 +284,15 @@ class StageCostModel:
         once per key, and a range unions its atoms' sets of values."""
         atoms = range(start, stop)
         forward_seconds = backward_seconds = weight_seconds = 0.0
-        forward_calls = backward_calls = 0
+        forward_call_seconds = backward_call_seconds = 0.0
         for atom in atoms:
             forward, backward, weight = self._atom_seconds(atom, seconds, key)
             forward_seconds += forward
             backward_seconds += backward
             weight_seconds += weight
-            calls = self._calls(atom)
-            forward_calls += calls[0]
-            backward_calls += calls[1]
+            calls = self._per_call(atom)
+            forward_call_seconds += calls[0]
+            backward_call_seconds += calls[1]
         read: set[fx.Node] = set().union(*(self._sets(atom).read for atom in atoms))
         saved: set[fx.Node] = set().union(*(self._sets(atom).saved for atom in atoms))
         kept: set[fx.Node] = set().union(*(self._sets(atom).kept for atom in atoms))
@@ -302,8 +305,8 @@ class StageCostModel:
             batch_bytes=sum(nbytes(n) for n in read if n in self.atoms.batch),
             weight_seconds=weight_seconds,
             kept_bytes=sum(nbytes(n) for n in kept),
-            forward_calls=forward_calls,
-            backward_calls=backward_calls,
+            forward_call_seconds=forward_call_seconds,
+            backward_call_seconds=backward_call_seconds,
             # fsum: the same seconds whatever order the set gives its values in.
             update_seconds=math.fsum(
                 update_seconds(nbytes(n), self.optimizer_states, self.cluster)
@@ -312,17 +315,18 @@ class StageCostModel:
             ),
         )
 
-    def _calls(self, atom: int) -> tuple[int, int]:
-        """How many of one atom's forward and backward nodes call an ATen op (those the cost
-        model charges the cluster's ``op_overhead``: a Cost naming an op)."""
-        found = self._call_counts.get(atom)
+    def _per_call(self, atom: int) -> tuple[float, float]:
+        """The seconds one atom's forward and backward nodes pay a call whatever their size
+        (:func:`~fxpar.planning.cost.call_seconds`)."""
+        found = self._call_seconds.get(atom)
         if found is None:
-            counts = [0, 0]
+            seconds = [0.0, 0.0]
             for node in self.atoms.nodes[atom]:
                 cost = ir.get(node, ir.Cost)
                 if cost is not None and cost.op:
-                    counts[self.phases[node] is ir.Phase.BACKWARD] += 1
-            found = self._call_counts[atom] = (counts[0], counts[1])
+                    backward = self.phases[node] is ir.Phase.BACKWARD
+                    seconds[backward] += call_seconds(cost, self.cluster)
+            found = self._call_seconds[atom] = (seconds[0], seconds[1])
         return found
 
     def _atom_seconds(
@@ -514,13 +518,11 @@ class StageCostModel:
         ``per_microbatch`` seconds (``share`` times over) beside the compute."""
         pipeline, cluster = self.pipeline, self.cluster
         compute = facts.forward_seconds + facts.backward_seconds + per_microbatch
-        calls = facts.forward_calls + facts.backward_calls
-        if pipeline.remat:
-            compute += facts.forward_seconds
-            calls += facts.forward_calls
-        # Every call pays its dispatch whatever its share of the batch: that part of the
-        # compute is not divided among micro-batches and replicas.
-        overhead = min(calls * cluster.op_overhead, compute)
+        # Every call pays its dispatch and fixed cost whatever its share of the batch: that
+        # part of the compute is not divided among micro-batches and replicas.
+        overhead = facts.forward_call_seconds * (1 + pipeline.remat) + facts.backward_call_seconds
+        compute += facts.forward_seconds if pipeline.remat else 0.0
+        overhead = min(overhead, compute)
         sent = [backward_crossing[start] if start > 0 else 0]
         sent.append(forward_crossing[stop] if stop < self.atoms.count else 0)
         send = sum(send_seconds(nbytes / share, cluster) for nbytes in sent if nbytes)

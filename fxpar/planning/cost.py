@@ -46,6 +46,7 @@ import math
 import operator
 from collections import defaultdict
 from collections.abc import Collection, Iterable, Sequence
+from dataclasses import replace
 from typing import Literal
 
 import torch.fx as fx
@@ -214,6 +215,15 @@ def roofline_seconds(cost: ir.Cost, cluster: Cluster, share: int = 1) -> float:
     moved = (ir.evaluate(cost.bytes_read) + ir.evaluate(cost.bytes_written)) / share
     roofline = max(flops / cluster.flops, moved / cluster.memory_bandwidth)
     return cluster.op_seconds(cost.op, roofline) if cost.op else roofline
+
+
+def call_seconds(cost: ir.Cost, cluster: Cluster) -> float:
+    """The part of :func:`roofline_seconds` a node pays whatever its share of the work: its
+    op's overhead and fixed cost a call (:meth:`~fxpar.Cluster.call_seconds`); 0 for a node
+    that calls no op."""
+    if not cost.op:
+        return 0.0
+    return cluster.call_seconds(cost.op, roofline_seconds(replace(cost, op=""), cluster))
 
 
 def compute_seconds(cost: ir.Cost, strategy: Strategy, cluster: Cluster) -> float:

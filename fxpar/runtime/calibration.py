@@ -103,17 +103,14 @@ from fxpar.runtime.calibration_runs import (
 from fxpar.runtime.communicators import ProcessGroupCommunicator
 from fxpar.runtime.devices import for_collective, rank_device, synchronize
 from fxpar.runtime.link_fit import Line, upper_lines
+from fxpar.runtime.op_fit import fit_ops
 from fxpar.runtime.op_timing import OpTiming, time_ops
 from fxpar.runtime.text_table import columns, rate_text, seconds_text
 
 logger = logging.getLogger(__name__)
 
-MIN_SLOWDOWN = 1e-3
-"""The least slowdown an op is fitted: one whose calls all take no more than the overhead
-(a copy that is a view in practice) costs about nothing beyond it."""
-TINY_CALL = 0.01
-"""A call whose roofline time is below this share of the op overhead fits no slowdown
-(:func:`fit_ops`)."""
+MicroStep = tuple[Program, Sequence[object]] | None
+"""A step captured at a smaller batch and its flat inputs (``microbatch=``), or none."""
 
 
 @dataclass(frozen=True)
@@ -344,6 +341,7 @@ def calibrate(
     *,
     program: Program | None = None,
     inputs: Sequence[object] = (),
+    microbatch: MicroStep = None,
 ) -> Cluster:
     """``cluster`` with its links and devices measured on the processes of this job.
 
@@ -352,13 +350,15 @@ def calibrate(
     Given a ``program`` (:func:`fxpar.capture`'s) and its real flat ``inputs``
     (:meth:`~fxpar.Program.flat_inputs`), every ATen op of its step is timed too, on the
     shapes and values of that step, and the cluster's ``op_overhead`` and ``op_slowdown`` are
-    fitted to them (:func:`fit_ops`).
+    fitted to them (:func:`fit_ops`); ``microbatch`` as :func:`calibrate_ops` takes it.
 
     Raises:
         DistributedError: torch.distributed is not initialized, its world is not the mesh's,
             or ``device_mesh`` has another shape.
     """
-    return measure(cluster, device_mesh, options, program=program, inputs=inputs).cluster
+    return measure(
+        cluster, device_mesh, options, program=program, inputs=inputs, microbatch=microbatch
+    ).cluster
 
 
 def measure(
@@ -368,6 +368,7 @@ def measure(
     *,
     program: Program | None = None,
     inputs: Sequence[object] = (),
+    microbatch: MicroStep = None,
 ) -> Calibration:
     """:func:`calibrate`, keeping what was timed and the cluster it was given."""
     options = options or CalibrationOptions.for_device(cluster.device_type)
@@ -410,7 +411,7 @@ def measure(
     ops: tuple[OpTiming, ...] = ()
     if program is not None:
         ops = _mean_ops(program, inputs, options, device)
-        fitted = fit_ops(fitted, ops)
+        fitted = fit_ops(fitted, ops, *_smaller_ops(microbatch, options, device))
     logger.info("calibrated %s in %.2f s", cluster, time.perf_counter() - start)
     return Calibration(cluster, fitted, timings, ops)
 
@@ -420,10 +421,18 @@ def calibrate_ops(
     program: Program,
     inputs: Sequence[object],
     options: CalibrationOptions | None = None,
+    *,
+    microbatch: MicroStep = None,
 ) -> Cluster:
     """``cluster`` with its ``op_overhead`` and ``op_slowdown`` fitted to ``program``'s ops
     timed on its flat ``inputs`` (:func:`fit_ops`), its links and rooflines kept: after
     :func:`calibrate`, to fit the ops of each model apart. Call it on every rank at once.
+
+    ``microbatch``, the same step captured at a smaller batch and its flat inputs (such as
+    :func:`fxpar.pipeline.capture_microbatch`'s program), is timed too, and each op's calls are
+    then fitted a fixed cost apart from their rate (``op_fixed``): what a call costs whatever its
+    size, which a pipeline of small micro-batches, or a plan that splits the batch over many
+    devices, pays in every call (:mod:`fxpar.runtime.op_fit`).
 
     Raises:
         DistributedError: torch.distributed is not initialized, or the ranks' programs
@@ -432,8 +441,18 @@ def calibrate_ops(
     if not dist.is_initialized():
         raise DistributedError("calibrate_ops runs on every rank: initialize torch.distributed")
     options = options or CalibrationOptions.for_device(cluster.device_type)
-    ops = _mean_ops(program, inputs, options, rank_device(cluster.device_type))
-    return fit_ops(cluster, ops)
+    device = rank_device(cluster.device_type)
+    ops = _mean_ops(program, inputs, options, device)
+    return fit_ops(cluster, ops, *_smaller_ops(microbatch, options, device))
+
+
+def _smaller_ops(
+    microbatch: MicroStep, options: CalibrationOptions, device: torch.device
+) -> tuple[tuple[OpTiming, ...], ...]:
+    if microbatch is None:
+        return ()
+    program, inputs = microbatch
+    return (_mean_ops(program, inputs, options, device),)
 
 
 def _mean_ops(
@@ -467,37 +486,6 @@ def shared_op_times(mine: Sequence[OpTiming]) -> tuple[OpTiming, ...]:
     if mean.sum() > 0:
         mean *= slowest / mean.sum()
     return tuple(replace(t, seconds=s) for t, s in zip(mine, mean.tolist(), strict=True))
-
-
-def fit_ops(cluster: Cluster, timings: Sequence[OpTiming]) -> Cluster:
-    """``cluster`` with ``op_overhead`` and ``op_slowdown`` fitted to ``timings``.
-
-    The overhead is the lower quartile of the times of ops that do no work by the roofline
-    (views: what any op costs to dispatch). Each op's slowdown is its nodes' measured time
-    beyond the overhead over their roofline time on ``cluster`` (its ``flops`` and
-    ``memory_bandwidth``), both summed over its nodes, so large calls weigh most; ``"*"``,
-    which ops the timings did not see take, is the same over every op. A call whose roofline
-    is below :data:`TINY_CALL` of the overhead is left out: its time is all the call itself,
-    and a rate fitted to it (a one-element ``ones_like`` taking 60 us is 10⁵ times its
-    roofline) would price the op absurdly at any other size. An op with only such calls gets
-    no slowdown of its own."""
-    # A cost naming no op is priced by the roofline alone, whatever the cluster's op speeds.
-    rooflines = [roofline_seconds(replace(t.cost, op=""), cluster) for t in timings]
-    idle = sorted(t.seconds for t, r in zip(timings, rooflines, strict=True) if r == 0)
-    overhead = idle[len(idle) // 4] if idle else 0.0
-    sums: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
-    for timing, roofline in zip(timings, rooflines, strict=True):
-        if roofline == 0 or roofline < TINY_CALL * overhead:
-            continue
-        for op in (timing.cost.op, Cluster.OTHER_OPS):
-            sums[op][0] += 1
-            sums[op][1] += timing.seconds
-            sums[op][2] += roofline
-    slowdown = {
-        op: max(measured - calls * overhead, MIN_SLOWDOWN * roofline) / roofline
-        for op, (calls, measured, roofline) in sums.items()
-    }
-    return replace(cluster, op_overhead=overhead, op_slowdown=tuple(slowdown.items()))
 
 
 def _overlap(
