@@ -28,7 +28,7 @@ from fxpar.pipeline.auto import (
     search_pipelines,
 )
 from fxpar.pipeline.executor import Event, StageTrace, StageWorker
-from fxpar.pipeline.model import PipelineModel, capture_microbatch
+from fxpar.pipeline.model import PipelineModel, capture_microbatch, microbatch_step
 from fxpar.pipeline.options import Pipeline, PipelineError
 from fxpar.pipeline.partition import (
     Half,
@@ -80,6 +80,7 @@ __all__ = [
     "even_split_points",
     "ideal_bubble",
     "max_in_flight",
+    "microbatch_step",
     "modelled_bubble",
     "partition",
     "pipeline_semantics",

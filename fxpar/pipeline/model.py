@@ -700,6 +700,23 @@ def capture_microbatch(
     )
 
 
+def microbatch_step(
+    model: nn.Module,
+    pipeline: Pipeline,
+    example_inputs: Sequence[Any] | Mapping[str, Any],
+    loss_fn: LossFn | None = None,
+    *,
+    example_targets: Sequence[torch.Tensor] = (),
+    mixed_precision: MixedPrecision | None = None,
+) -> tuple[Program, list[torch.Tensor]]:
+    """:func:`capture_microbatch`'s program and its flat inputs on the first micro-batch of the
+    example batch: a step to time beside the whole one (``fxpar.calibrate_ops(...,
+    microbatch=...)``), so that calls are priced at a micro-batch's sizes as measured."""
+    _, micro_inputs, micro_targets = _microbatch(pipeline, example_inputs, example_targets)
+    program = _capture_canonical(model, micro_inputs, loss_fn, micro_targets, mixed_precision)
+    return program, program.flat_inputs(model, *batch_tensors(micro_inputs), *micro_targets)
+
+
 def _microbatch(
     pipeline: Pipeline,
     example_inputs: Sequence[Any] | Mapping[str, Any],

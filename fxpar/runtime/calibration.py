@@ -429,7 +429,7 @@ def calibrate_ops(
     :func:`calibrate`, to fit the ops of each model apart. Call it on every rank at once.
 
     ``microbatch``, the same step captured at a smaller batch and its flat inputs (such as
-    :func:`fxpar.pipeline.capture_microbatch`'s program), is timed too, and each op's calls are
+    :func:`fxpar.pipeline.microbatch_step` gives), is timed too, and each op's calls are
     then fitted a fixed cost apart from their rate (``op_fixed``): what a call costs whatever its
     size, which a pipeline of small micro-batches, or a plan that splits the batch over many
     devices, pays in every call (:mod:`fxpar.runtime.op_fit`).
