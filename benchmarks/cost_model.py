@@ -9,8 +9,9 @@ processes on the development machine's two cores, so each gets about half a core
 ``fxpar.calibrate`` measures that share). Every rank first calibrates ``fxpar.Cluster((world,))``
 on the running processes, then, for each model (``benchmarks/plan_quality.py``'s zoo: fxpar's
 GPT, HF Llama, Mixtral, T5 and ViT, and a BatchNorm CNN, each from seed 0 with real weights)
-fits the cluster's per-op speeds to that model's own step (``fxpar.calibrate_ops``) and
-compiles every plan kind on it:
+fits the cluster's per-op speeds to that model's own step and to the same step at a quarter of
+the batch (``fxpar.calibrate_ops(..., microbatch=fxpar.pipeline.microbatch_step(...))``: each
+op's fixed cost a call apart from its rate) and compiles every plan kind on it:
 
 - ``repl``, ``dp``, ``tp``, ``fsdp``: the manual plans (replicated, data parallel, tensor
   parallel on the mesh's axis with the default module names, fully sharded);
@@ -78,7 +79,7 @@ import fxpar
 from fxpar import ir, plans
 from fxpar.errors import FxparError
 from fxpar.passes import plan_program
-from fxpar.pipeline import Pipeline, PipelineModel, evaluate_split
+from fxpar.pipeline import Pipeline, PipelineModel, evaluate_split, microbatch_step
 from fxpar.pipeline.partition import even_split_points
 from fxpar.planning.peak_memory import peak_memory
 from fxpar.planning.plan import ChosenStrategies
@@ -103,6 +104,8 @@ PLANS: dict[str, Callable[..., Any] | None] = {
 }
 PIPELINE = "pp"
 AUTO = "auto"
+QUARTER = 4
+"""calibrate_ops also times each model's step at this part of the batch (its fixed costs)."""
 KINDS = (*PLANS, PIPELINE, AUTO)
 TARGET_ERROR, TARGET_TAU, TARGET_ILP = 0.20, 0.8, 1.05
 
@@ -189,7 +192,13 @@ def _compiled(
     model, inputs, loss_fn, targets = build(name)
     program = fxpar.capture(copy.deepcopy(model), inputs, loss_fn, example_targets=targets)
     batch = [*(inputs.values() if isinstance(inputs, dict) else inputs), *targets]
-    cluster = fxpar.calibrate_ops(cluster, program, program.flat_inputs(model, *batch))
+    # The step at a quarter of the batch too, so that each op's fixed cost a call is fitted
+    # apart from its rate (micro-batches and split batches are priced at their sizes).
+    smaller = microbatch_step(copy.deepcopy(model), Pipeline(microbatches=QUARTER), inputs,
+                              loss_fn, example_targets=targets)  # fmt: skip
+    cluster = fxpar.calibrate_ops(
+        cluster, program, program.flat_inputs(model, *batch), microbatch=smaller
+    )
     compiled: dict[str, tuple[Steppable, Timed]] = {}
     refused = {}
     optimizer = fxpar.optim.SGD(lr=1e-3)
