@@ -29,6 +29,7 @@ from torch import nn
 import fxpar
 from fxpar import plans
 from fxpar.errors import FxparError
+from fxpar.ir.capture import batch_tensors
 from fxpar.ir.repeat import StampedLayers, capture_repeated
 from fxpar.joint import SEARCHED_SCHEDULES, pipeline_wins
 from fxpar.models import GPT, GPTConfig, gpt_loss
@@ -41,6 +42,7 @@ from fxpar.pipeline import (
     PipelineSearch,
     StageChoice,
     capture_microbatch,
+    microbatch_step,
     search_pipelines,
 )
 from fxpar.pipeline.options import ScheduleName
@@ -470,7 +472,17 @@ def _calibrate_rank(
                             example_targets=target.example_targets)  # fmt: skip
     inputs = target.example_inputs
     batch = [*(inputs.values() if isinstance(inputs, dict) else inputs), *target.example_targets]
-    return measure(given, program=program, inputs=program.flat_inputs(target.model, *batch))
+    # The step at a quarter (or half) of the batch too: each op's fixed cost a call.
+    rows = batch_tensors(inputs)[0].shape[0]
+    pieces = next((n for n in (4, 2) if rows % n == 0), 1)
+    smaller = None
+    if pieces > 1:
+        smaller = microbatch_step(
+            target.model, Pipeline(microbatches=pieces), inputs, target.loss_fn,
+            example_targets=target.example_targets,
+        )  # fmt: skip
+    return measure(given, program=program, inputs=program.flat_inputs(target.model, *batch),
+                   microbatch=smaller)  # fmt: skip
 
 
 # -- entry point -----------------------------------------------------------------------------
