@@ -16,8 +16,9 @@ import torch
 
 import fxpar
 from fxpar import ir
-from fxpar.errors import DistributedError, FxparError
+from fxpar.errors import BatchError, DistributedError, FxparError
 from fxpar.models import GPT, GPTConfig, gpt_loss
+from fxpar.pipeline import Pipeline, microbatch_step
 from fxpar.planning.cost import compute_seconds, roofline_seconds
 from fxpar.runtime import op_timing
 from fxpar.runtime.calibration import CalibrationOptions, measure, shared_op_times
@@ -312,6 +313,27 @@ def test_calibrated_op_speeds_are_shared_and_give_back_each_ops_measured_time() 
     assert two_sizes == two_sizes_too
     assert dict(two_sizes.op_fixed)["*"] > 0
     assert set(dict(two_sizes.op_fixed)) <= set(dict(two_sizes.op_slowdown))
+
+
+def test_microbatch_step_is_the_step_on_the_first_micro_batch_with_its_inputs() -> None:
+    """What calibrate_ops times beside the whole step: the program a pipeline of 4 micro-batches
+    runs, its batch inputs the example's first quarter, its parameters the model's."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32))
+    tokens = torch.randint(0, 64, (8, 16))
+    program, inputs = microbatch_step(model, Pipeline(microbatches=4), (tokens,), gpt_loss,
+                                      example_targets=(tokens,))  # fmt: skip
+    whole = fxpar.capture(model, (tokens,), gpt_loss, example_targets=(tokens,))
+    batch = set(program.signature.inputs)
+    names = list(program.placeholders())
+    assert names == list(whole.placeholders())
+    flat = whole.flat_inputs(model, tokens, tokens)
+    for name, mine, theirs in zip(names, inputs, flat, strict=True):
+        assert torch.equal(mine, tokens[:2] if name in batch else theirs), name
+    assert len(time_ops(program, inputs, passes=1)) > 0  # it runs
+    with pytest.raises(BatchError, match="cannot be cut into 3"):
+        microbatch_step(model, Pipeline(microbatches=3), (tokens,), gpt_loss,
+                        example_targets=(tokens,))  # fmt: skip
 
 
 def test_calibrate_ops_without_a_process_group_says_so() -> None:
