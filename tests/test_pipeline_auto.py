@@ -108,10 +108,11 @@ def test_bandwidth_moves_the_choice_between_pipeline_and_data_parallel() -> None
     """Fast links make gradient all-reduces cheap (pure data parallelism wins); slow ones make
     the pipeline, which only sends one activation per micro-batch, win. (SGD: AdamW's update,
     which every replica runs on all of the weights and a stage on its own, would favour the
-    pipeline on its own for a model this small.)"""
+    pipeline on its own for a model this small; so would the sums of each micro-batch's
+    gradients, hence fast memory.)"""
     program = _gpt(4)[3]
     pipeline = Pipeline(microbatches=4)
-    fast_links = Cluster((4,), bandwidth=(1e12,), latency=(1e-7,))
+    fast_links = Cluster((4,), bandwidth=(1e12,), latency=(1e-7,), memory_bandwidth=1e13)
     fast = plan_stages(program, fast_links, pipeline, optimizer_states=0)
     slow = plan_stages(program, Cluster((4,), bandwidth=(1e8,)), pipeline, optimizer_states=0)
     assert fast.pipeline.data_parallel == 4 and fast.pipeline.num_stages == 1
@@ -185,7 +186,8 @@ def test_every_micro_batch_pays_each_calls_overhead_in_full(remat: bool, field: 
     every ATen call costs ``h`` more, a stage of 2 replicas and 4 micro-batches takes ``h``
     more per call its micro-batch makes (the forward's twice under remat), not ``h / (M d)``,
     and once a step (a quarter of it per micro-batch) per parameter it updates (SGD's one
-    call) and for its gradients' bucket. The calls are counted here from the graph, not from
+    call), per parameter whose micro-batches' gradients it sums (M - 1 adds) and for its
+    gradients' bucket. The calls are counted here from the graph, not from
     the costs. So does an op's fixed cost (``op_fixed``), on the calls that do work (not
     views)."""
     program = _gpt(2)[3]
@@ -208,12 +210,30 @@ def test_every_micro_batch_pays_each_calls_overhead_in_full(remat: bool, field: 
     nodes = [node for atom in range(start, stop) for node in atoms.nodes[atom]]
     read = {value for node in nodes for value in node.all_input_nodes}
     trainable = [n for n in program.placeholders().values() if n in read and n in atoms.trainable]
-    # A step's calls, a quarter of each per micro-batch: SGD's update, and the gradients
-    # packed into the replicas' bucket and copied back.
-    once = len(trainable) + 2
+    # A step's calls, a quarter of each per micro-batch: SGD's update, the sums of the 4
+    # micro-batches' gradients, and the gradients packed into the replicas' bucket and copied
+    # back.
+    once = len(trainable) + 3 * len(trainable) + 2
     expected = (len(calls) + (len(forward) if remat else 0) + once / 4) * h
     added = slow.cost(start, stop, (2,)).time - base.cost(start, stop, (2,)).time
     assert added == pytest.approx(expected, rel=1e-9)
+
+
+@pytest.mark.parametrize("microbatches", [1, 2, 4])
+def test_a_stage_sums_its_micro_batches_gradients_once_a_step(microbatches: int) -> None:
+    """The runtime adds each micro-batch's gradients to the stage's sums: M - 1 adds a step of
+    every trainable parameter, each reading two gradients and writing one, beside SGD's
+    update (one add of the same traffic): on one device, nothing else is once a step."""
+    program = _gpt(2)[3]
+    atoms = Atoms.build(program, ())
+    pipeline = Pipeline(stages="auto", microbatches=microbatches)
+    model = StageCostModel(atoms, Cluster((2,), memory_bandwidth=10e9), pipeline,
+                           optimizer_states=0)  # fmt: skip
+    start, stop = 0, atoms.count // 2
+    weights = model.facts(start, stop).trainable_bytes
+    assert weights > 0
+    cost = model.cost(start, stop, (1,))
+    assert cost.per_step == pytest.approx(microbatches * 3 * weights / 10e9)
 
 
 def test_layer_clustering_caps_the_layers() -> None:

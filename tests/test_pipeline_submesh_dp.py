@@ -33,8 +33,8 @@ from fxpar.pipeline.auto import (
     search_submeshes,
     stage_problem,
 )
-from fxpar.pipeline.meshes import stage_meshes
-from fxpar.pipeline.stage_costs import StagePlanner, stage_mesh, submesh_shapes
+from fxpar.pipeline.meshes import stage_mesh, stage_meshes, submesh_shapes
+from fxpar.pipeline.stage_costs import StagePlanner
 from fxpar.solvers.stages import (
     NoStagePlanError,
     StageCost,

@@ -364,7 +364,9 @@ def test_the_stage_dp_prices_zb_h1_and_picks_it_where_faster_and_it_fits() -> No
 
 # Links slow enough that the tensor parallel stage DP below puts its last stage on a mesh of
 # two and the first ones on one device each, where ZB-H1's W's fill part of 1F1B's bubble.
-MESH_DP_CLUSTER = fxpar.Cluster((4,), bandwidth=(2e8,))
+# Memory fast enough that the sums of each micro-batch's gradients, which a one-device stage
+# adds over all its weights, do not decide the stage meshes.
+MESH_DP_CLUSTER = fxpar.Cluster((4,), bandwidth=(2e8,), memory_bandwidth=1e11)
 MESH_DP_PIPELINES = [
     Pipeline(stages="auto", microbatches=4, schedule=schedule) for schedule in ("1f1b", "zb-h1")
 ]

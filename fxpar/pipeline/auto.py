@@ -45,7 +45,7 @@ with other schedules'.
 stage DP chooses the meshes too, among several shapes at once (Alpa's inter-op pass): on a 2-D
 cluster ``(R, C)`` Alpa's ``(1, w)``, ``w`` a power of two dividing ``C``, and whole rows
 ``(r, C)``; else ``(b,)`` for ``b`` dividing ``D`` or a power of two up to ``D``
-(:func:`~fxpar.pipeline.stage_costs.submesh_shapes` says why). A shape's axes of size 1 are
+(:func:`~fxpar.pipeline.meshes.submesh_shapes` says why). A shape's axes of size 1 are
 dropped from the stage mesh a stage runs on (``(1, 4)`` runs on ``(4,)``). Every distinct
 shape is planned once, for the whole step
 (:class:`~fxpar.pipeline.stage_costs.PlannedStageCostModel`); a shape whose plan fails is left
@@ -82,7 +82,13 @@ from fxpar.errors import FxparError
 from fxpar.ir.program import Program
 from fxpar.passes.manual import require_concrete_shapes
 from fxpar.pipeline.atoms import Atoms
-from fxpar.pipeline.meshes import straddling
+from fxpar.pipeline.meshes import (
+    divisors,
+    stage_mesh,
+    straddling,
+    submesh_shapes,
+    uniform_stage_mesh,
+)
 from fxpar.pipeline.options import Pipeline, PipelineError
 from fxpar.pipeline.partition import partition
 from fxpar.pipeline.stage_choice import (
@@ -92,15 +98,7 @@ from fxpar.pipeline.stage_choice import (
     flatten,
     format_seconds,
 )
-from fxpar.pipeline.stage_costs import (
-    PlannedStageCostModel,
-    StageCostModel,
-    StagePlanner,
-    divisors,
-    stage_mesh,
-    submesh_shapes,
-    uniform_stage_mesh,
-)
+from fxpar.pipeline.stage_costs import PlannedStageCostModel, StageCostModel, StagePlanner
 from fxpar.pipeline.stage_programs import PassPlanner
 from fxpar.planning.plan import Plan
 from fxpar.solvers.errors import format_bytes

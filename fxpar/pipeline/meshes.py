@@ -25,7 +25,6 @@ from fxpar.cluster import Cluster, Coordinate
 from fxpar.errors import FxparError
 from fxpar.ir.program import Program
 from fxpar.pipeline.options import Pipeline, PipelineError
-from fxpar.pipeline.stage_costs import crossing_stages
 from fxpar.solvers.stages import place_submeshes
 
 Shape = tuple[int, ...]
@@ -246,3 +245,63 @@ __all__ = [
     "straddling",
     "uniform_meshes",
 ]
+
+
+def submesh_shapes(cluster: Cluster) -> tuple[Shape, tuple[Shape, ...]]:
+    """The mesh the stage DP tiles and the submesh shapes a stage may take on it:
+
+    - on a 1-D cluster ``(D,)`` (and on clusters of more than two axes, taken as ``D`` ranks
+      in a row): ``(b,)`` for every ``b`` that divides ``D`` or is a power of two up to ``D``.
+      Any ``b <= D`` would tile a line, but each shape costs a plan of the whole step, and
+      sizes of neither kind rarely split a tensor evenly; divisors keep every uniform
+      pipeline, powers of two add Alpa's pieces (``(1,) + (2,)`` on 3 devices);
+    - on a 2-D cluster ``(R, C)``: Alpa's ``(1, w)`` for ``w`` a power of two dividing ``C``,
+      and whole rows ``(r, C)`` for ``r`` that divides ``R`` or is a power of two up to ``R``
+      (the 1-D rule, over rows: Alpa allows every ``r``, but each costs a plan of the whole
+      step, which on ``(128, 8)`` would be 128 plans instead of 8): every mix of them with
+      ``R C`` devices tiles the cluster (:func:`~fxpar.solvers.stages.check_submesh_shapes`).
+    """
+    if cluster.ndim == 2:
+        rows, columns = cluster.mesh_shape
+        pieces = [(1, w) for w in _powers_of_two(columns) if columns % w == 0 and w < columns]
+        counts = sorted(set(divisors(rows)) | set(_powers_of_two(rows)))
+        return cluster.mesh_shape, (*pieces, *((r, columns) for r in counts))
+    world = cluster.world_size
+    sizes = sorted(set(divisors(world)) | set(_powers_of_two(world)))
+    return (world,), tuple((size,) for size in sizes)
+
+
+def stage_mesh(submesh: Shape) -> Shape:
+    """The mesh a stage on the DP's ``submesh`` runs its plan on: its axes of size 1 dropped
+    (``(1, 4)`` -> ``(4,)``), keeping one."""
+    return tuple(n for n in submesh if n > 1) or (1,)
+
+
+def uniform_stage_mesh(cluster: Cluster, devices: int) -> Shape:
+    """The stage mesh of ``devices`` devices that :func:`submesh_shapes` offers, else
+    ``(devices,)``."""
+    _, shapes = submesh_shapes(cluster)
+    return next((stage_mesh(shape) for shape in shapes if math.prod(shape) == devices), (devices,))
+
+
+def crossing_stages(cluster: Cluster, meshes: Sequence[Shape]) -> tuple[int, ...]:
+    """The stages whose consecutive ranks (stage-major, as the runtime lays them out) leave
+    the block of ranks whose links :meth:`Cluster.link <fxpar.cluster.Cluster.link>` priced
+    them with."""
+    crossing = []
+    offset = 0
+    for index, mesh in enumerate(meshes):
+        devices = math.prod(mesh)
+        _, block = cluster.link_axis(devices)
+        if offset // block != (offset + devices - 1) // block:
+            crossing.append(index)
+        offset += devices
+    return tuple(crossing)
+
+
+def divisors(count: int) -> list[int]:
+    return [d for d in range(1, count + 1) if count % d == 0]
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [1 << k for k in range(limit.bit_length())]

@@ -15,7 +15,7 @@ very program its pipeline runs) is already ``1/M`` of the step: read ``M`` as 1 
 the once-a-step gradient terms, which stay ``/ M``:
 
     time   = (T_fwd + T_bwd + [remat] T_fwd - O) / (M d) + O             compute
-           + (allreduce(G, d) + [d > 1] pack(G) + update(G)) / M          gradients, once a step
+           + (allreduce(G, d) + [d > 1] pack(G) + update(G) + (M-1) add(G)) / M   once a step
            + W lag(M compute / W) / M                                     waits for slower peers
            + [i > 0] (alpha + B_back(i) / (M d) / beta)                   gradients sent back
            + [j < L] (alpha + B_fwd(j) / (M d) / beta)                    activations sent on
@@ -48,7 +48,9 @@ reduction; ``compute`` is the first line. Costs are cached per (atom range,
 stage mesh shape); data-parallel replicas only read the shape's number of devices ``d``.
 ``pack`` is the copy of the gradients into the reduction's buckets and back
 (:func:`~fxpar.planning.cost.copy_seconds`), ``update`` the optimizer's update of the stage's
-parameters (:func:`~fxpar.planning.cost.update_seconds`, of ``optimizer_states``).
+parameters (:func:`~fxpar.planning.cost.update_seconds`, of ``optimizer_states``), ``add`` the
+runtime's sum of each micro-batch's gradients (:func:`~fxpar.planning.cost.accumulate_seconds`;
+on ViT's stage of 8 micro-batches 2.5 ms a step of 100).
 
 **Zero-bubble** (``schedule="zb-h1"``). ``T_w`` is the part of ``T_bwd`` only weight
 gradients need: backward nodes no gradient sent back across an atom boundary depends on, found
@@ -125,6 +127,7 @@ from fxpar.pipeline.backward_split import DIVIDED_WEIGHT_SHARE, divisible
 from fxpar.pipeline.options import ZERO_BUBBLE_SCHEDULES, Pipeline, PipelineError
 from fxpar.pipeline.schedule import StageTimes, build_schedule, replay, replay_shared
 from fxpar.planning.cost import (
+    accumulate_seconds,
     call_seconds,
     collective_seconds,
     copy_seconds,
@@ -189,6 +192,8 @@ class RangeFacts:
     update_seconds: float = 0.0
     """The optimizer's update of the range's trainable parameters (their pieces on a device),
     once a step (:func:`fxpar.planning.cost.update_seconds`)."""
+    accumulate_seconds: float = 0.0
+    """One micro-batch's gradients of them added to the sums (``accumulate_seconds``)."""
 
     @property
     def seconds(self) -> float:
@@ -296,10 +301,11 @@ class StageCostModel:
         read: set[fx.Node] = set().union(*(self._sets(atom).read for atom in atoms))
         saved: set[fx.Node] = set().union(*(self._sets(atom).saved for atom in atoms))
         kept: set[fx.Node] = set().union(*(self._sets(atom).kept for atom in atoms))
+        trained = [n for n in read if n in self.atoms.trainable]
         return RangeFacts(
             forward_seconds=forward_seconds,
             backward_seconds=backward_seconds,
-            trainable_bytes=sum(nbytes(n) for n in read if n in self.atoms.trainable),
+            trainable_bytes=sum(nbytes(n) for n in trained),
             frozen_bytes=sum(nbytes(n) for n in read if n in self.atoms.frozen),
             saved_bytes=sum(nbytes(n) for n in saved),
             batch_bytes=sum(nbytes(n) for n in read if n in self.atoms.batch),
@@ -309,9 +315,10 @@ class StageCostModel:
             backward_call_seconds=backward_call_seconds,
             # fsum: the same seconds whatever order the set gives its values in.
             update_seconds=math.fsum(
-                update_seconds(nbytes(n), self.optimizer_states, self.cluster)
-                for n in read
-                if n in self.atoms.trainable
+                update_seconds(nbytes(n), self.optimizer_states, self.cluster) for n in trained
+            ),
+            accumulate_seconds=math.fsum(
+                accumulate_seconds(nbytes(n), self.cluster) for n in trained
             ),
         )
 
@@ -539,7 +546,8 @@ class StageCostModel:
             activation += (facts.kept_bytes + (facts.saved_bytes if pipeline.remat else 0)) / share
         per_microbatch_compute = (compute - overhead) / share + overhead
         lag = self._lag(start, stop, per_microbatch_compute, synchronised=per_step > 0)
-        per_step += facts.update_seconds  # the optimizer's, once a step
+        # The optimizer's update and the sums of the micro-batches' gradients, once a step.
+        per_step += facts.update_seconds + (pipeline.microbatches - 1) * facts.accumulate_seconds
         cost = StageCost(
             time=per_microbatch_compute + lag + per_step / pipeline.microbatches + send,
             static_memory=static,
@@ -758,63 +766,3 @@ class PlannedStep:
     local: dict[fx.Node, int]
     forward_crossing: tuple[int, ...]
     backward_crossing: tuple[int, ...]
-
-
-def submesh_shapes(cluster: Cluster) -> tuple[Shape, tuple[Shape, ...]]:
-    """The mesh the stage DP tiles and the submesh shapes a stage may take on it:
-
-    - on a 1-D cluster ``(D,)`` (and on clusters of more than two axes, taken as ``D`` ranks
-      in a row): ``(b,)`` for every ``b`` that divides ``D`` or is a power of two up to ``D``.
-      Any ``b <= D`` would tile a line, but each shape costs a plan of the whole step, and
-      sizes of neither kind rarely split a tensor evenly; divisors keep every uniform
-      pipeline, powers of two add Alpa's pieces (``(1,) + (2,)`` on 3 devices);
-    - on a 2-D cluster ``(R, C)``: Alpa's ``(1, w)`` for ``w`` a power of two dividing ``C``,
-      and whole rows ``(r, C)`` for ``r`` that divides ``R`` or is a power of two up to ``R``
-      (the 1-D rule, over rows: Alpa allows every ``r``, but each costs a plan of the whole
-      step, which on ``(128, 8)`` would be 128 plans instead of 8): every mix of them with
-      ``R C`` devices tiles the cluster (:func:`~fxpar.solvers.stages.check_submesh_shapes`).
-    """
-    if cluster.ndim == 2:
-        rows, columns = cluster.mesh_shape
-        pieces = [(1, w) for w in _powers_of_two(columns) if columns % w == 0 and w < columns]
-        counts = sorted(set(divisors(rows)) | set(_powers_of_two(rows)))
-        return cluster.mesh_shape, (*pieces, *((r, columns) for r in counts))
-    world = cluster.world_size
-    sizes = sorted(set(divisors(world)) | set(_powers_of_two(world)))
-    return (world,), tuple((size,) for size in sizes)
-
-
-def stage_mesh(submesh: Shape) -> Shape:
-    """The mesh a stage on the DP's ``submesh`` runs its plan on: its axes of size 1 dropped
-    (``(1, 4)`` -> ``(4,)``), keeping one."""
-    return tuple(n for n in submesh if n > 1) or (1,)
-
-
-def uniform_stage_mesh(cluster: Cluster, devices: int) -> Shape:
-    """The stage mesh of ``devices`` devices that :func:`submesh_shapes` offers, else
-    ``(devices,)``."""
-    _, shapes = submesh_shapes(cluster)
-    return next((stage_mesh(shape) for shape in shapes if math.prod(shape) == devices), (devices,))
-
-
-def crossing_stages(cluster: Cluster, meshes: Sequence[Shape]) -> tuple[int, ...]:
-    """The stages whose consecutive ranks (stage-major, as the runtime lays them out) leave
-    the block of ranks whose links :meth:`Cluster.link <fxpar.cluster.Cluster.link>` priced
-    them with."""
-    crossing = []
-    offset = 0
-    for index, mesh in enumerate(meshes):
-        devices = math.prod(mesh)
-        _, block = cluster.link_axis(devices)
-        if offset // block != (offset + devices - 1) // block:
-            crossing.append(index)
-        offset += devices
-    return tuple(crossing)
-
-
-def divisors(count: int) -> list[int]:
-    return [d for d in range(1, count + 1) if count % d == 0]
-
-
-def _powers_of_two(limit: int) -> list[int]:
-    return [1 << k for k in range(limit.bit_length())]

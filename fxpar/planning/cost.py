@@ -283,6 +283,13 @@ def update_seconds(nbytes: float, optimizer_states: int, cluster: Cluster) -> fl
     return sum(cluster.op_seconds(op, (reads + writes) * moved) for op, reads, writes in passes)
 
 
+def accumulate_seconds(nbytes: float, cluster: Cluster) -> float:
+    """Adding one micro-batch's gradient of a trainable parameter whose piece on a device holds
+    ``nbytes`` to the running sum a pipeline stage keeps (the runtime's ``add_``, ``M - 1`` a
+    step): one ``aten.add`` reading two gradients and writing one."""
+    return cluster.op_seconds("aten.add", 3 * nbytes / cluster.memory_bandwidth)
+
+
 def copy_seconds(nbytes: float, cluster: Cluster) -> float:
     """One copy that reads ``nbytes`` and writes as many (the lowering packing a bucket's
     tensors into one buffer, or cutting a gathered buffer back into its tensors), at the speed
