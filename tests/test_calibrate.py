@@ -389,6 +389,8 @@ def test_a_kind_of_collective_with_no_line_through_its_points_is_timed_again() -
         ({"idle_repeats": 0}, "idle_repeats >= 1"),
         ({"quantile": 1.5}, "quantile must lie in"),
         ({"compute_before": -1}, "compute_before must be >= 0"),
+        ({"op_passes": 0}, "op_passes must be >= 1"),
+        ({"op_rounds": 0}, "op_rounds must be >= 1"),
     ],
 )
 def test_bad_options_are_named(options: dict[str, object], message: str) -> None:

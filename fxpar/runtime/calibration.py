@@ -76,6 +76,7 @@ model, a cycle.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -139,6 +140,9 @@ class CalibrationOptions:
     op_passes: int = 5
     """Timed steps of a program given to :func:`calibrate` (or :func:`calibrate_ops`): each op
     call takes the median of its times in them (:func:`~fxpar.runtime.op_timing.time_ops`)."""
+    op_rounds: int = 3
+    """With a smaller step beside the program (``microbatch=``), how many times the two are
+    timed in turn; each call takes its median over the rounds."""
     compute_before: int = 1
     """Products of two ``matmul_size``-square matrices every rank computes before each run of
     the all-reduce that measures an axis' wait (the module docstring); 0 measures none."""
@@ -204,6 +208,8 @@ class CalibrationOptions:
             raise FxparError(f"local_seconds must be >= 0, got {self.local_seconds}")
         if self.op_passes < 1:
             raise FxparError(f"op_passes must be >= 1, got {self.op_passes}")
+        if self.op_rounds < 1:
+            raise FxparError(f"op_rounds must be >= 1, got {self.op_rounds}")
         if self.matmul_size < 1 or self.warmup < 0 or min(self.repeats, self.idle_repeats) < 1:
             raise FxparError(
                 "need matmul_size >= 1, warmup >= 0, repeats >= 1 and idle_repeats >= 1, got "
@@ -410,8 +416,10 @@ def measure(
             fitted = replace(fitted, overlap=share)
     ops: tuple[OpTiming, ...] = ()
     if program is not None:
-        ops = _mean_ops(program, inputs, options, device)
-        fitted = fit_ops(fitted, ops, *_smaller_ops(microbatch, options, device))
+        steps = [(program, inputs), *([microbatch] if microbatch is not None else [])]
+        timed = _timed_steps(steps, options, device)
+        ops = timed[0]
+        fitted = fit_ops(fitted, *timed)
     logger.info("calibrated %s in %.2f s", cluster, time.perf_counter() - start)
     return Calibration(cluster, fitted, timings, ops)
 
@@ -441,18 +449,31 @@ def calibrate_ops(
     if not dist.is_initialized():
         raise DistributedError("calibrate_ops runs on every rank: initialize torch.distributed")
     options = options or CalibrationOptions.for_device(cluster.device_type)
-    device = rank_device(cluster.device_type)
-    ops = _mean_ops(program, inputs, options, device)
-    return fit_ops(cluster, ops, *_smaller_ops(microbatch, options, device))
+    steps = [(program, inputs), *([microbatch] if microbatch is not None else [])]
+    return fit_ops(cluster, *_timed_steps(steps, options, rank_device(cluster.device_type)))
 
 
-def _smaller_ops(
-    microbatch: MicroStep, options: CalibrationOptions, device: torch.device
-) -> tuple[tuple[OpTiming, ...], ...]:
-    if microbatch is None:
-        return ()
-    program, inputs = microbatch
-    return (_mean_ops(program, inputs, options, device),)
+def _timed_steps(
+    steps: Sequence[tuple[Program, Sequence[object]]],
+    options: CalibrationOptions,
+    device: torch.device,
+) -> list[tuple[OpTiming, ...]]:
+    """Each step's ops timed (:func:`_mean_ops`). Several steps are timed in turn,
+    :attr:`CalibrationOptions.op_rounds` times, and each call takes its median over the rounds:
+    the machine's speed drifts by tens of percent over a minute, and steps timed one after the
+    other would fit their difference in size to that drift (a step at a quarter of the batch
+    came out at 0.94 to 1.09 of a quarter of the whole step's time in four single timings of
+    HF ViT, 1.20 to 1.34 timed in turn three times)."""
+    rounds = 1 if len(steps) == 1 else options.op_rounds
+    timed = [[_mean_ops(program, inputs, options, device) for program, inputs in steps]
+             for _ in range(rounds)]  # fmt: skip
+    return [
+        tuple(
+            replace(call, seconds=statistics.median(run[index][at].seconds for run in timed))
+            for at, call in enumerate(timed[0][index])
+        )
+        for index in range(len(steps))
+    ]
 
 
 def _mean_ops(
