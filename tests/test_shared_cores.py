@@ -276,8 +276,9 @@ def test_the_stage_dp_pipelines_deeper_the_more_the_ranks_share_cores(
     """On four devices of fast links, one stage of four replicas is cheapest where every rank
     has a core; the more the ranks outnumber the cores, the more a pipeline's idle stages are
     worth, and the stage DP's choice (over the devices per stage, each priced by its
-    re-priced step) moves to two stages."""
-    cluster = fxpar.Cluster((4,), core_demand=demand, bandwidth=(1.5e9,))
+    re-priced step) moves to two stages. (Fast memory: the replicas' sums of each micro-batch's
+    gradients, over all of the weights, would favour the pipeline on their own.)"""
+    cluster = fxpar.Cluster((4,), core_demand=demand, bandwidth=(1.5e9,), memory_bandwidth=1e11)
     pipeline = Pipeline(stages="auto", microbatches=4)
     choice = plan_stages(_gpt_program(), cluster, pipeline, optimizer_states=0)
     assert choice.pipeline.num_stages == stages
