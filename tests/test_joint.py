@@ -42,7 +42,10 @@ from fxpar.planning.problem import PlanOptions
 from fxpar.runtime.launch import spawn
 from fxpar.runtime.parallel import ParallelModel
 
-FAST, SLOW = 1e10, 1e6  # bytes/s: a pipeline of two stages wins on the first, not the second
+# Bytes/s. On the first, a pipeline of two stages (sending activations) wins over the plan of
+# the whole batch (which replicates the step rather than all-reduce its gradients there); on
+# the second, where the stages' sends cost too much as well, it does not.
+FAST, SLOW = 3e8, 1e6
 
 
 def _joint(cluster: fxpar.Cluster) -> JointChoice:

@@ -19,9 +19,10 @@ does no work by the roofline, a view, only ``op_overhead``). The three numbers c
   micro-batches priced by one step's rates came out 20% under its measured step.
 - ``"*"``, which ops the timings did not see take, is fitted the same way over every op.
 
-A call whose roofline is below :data:`TINY_CALL` of the overhead is left out of the sums: its
-time is all the call itself, and a rate fitted to it (a one-element ``ones_like`` taking 60 µs
-is 10⁵ times its roofline) would price the op absurdly at any other size.
+A call whose roofline is below :data:`TINY_CALL` of the overhead is left out of the sums (at
+every size, when its node is so at one): its time is all the call itself, and a rate fitted to
+it (a one-element ``ones_like`` taking 60 µs is 10⁵ times its roofline) would price the op
+absurdly at any other size.
 """
 
 from __future__ import annotations
@@ -53,12 +54,15 @@ def fit_ops(cluster: Cluster, *steps: Sequence[OpTiming]) -> Cluster:
     rooflines = {id(t): roofline_seconds(replace(t.cost, op=""), cluster) for t in every}
     idle = sorted(t.seconds for t in every if rooflines[id(t)] == 0)
     overhead = idle[len(idle) // 4] if idle else 0.0
+    # A node tiny at any size is left out at every size: each step's sums then hold the same
+    # calls (a bias add that is tiny only at a quarter of the batch would bend the line).
+    tiny = {t.node for t in every if rooflines[id(t)] < TINY_CALL * overhead}
     per_step: dict[str, list[_Sums]] = defaultdict(list)
     for step in steps:
         sums: dict[str, list[float]] = defaultdict(lambda: [0, 0.0, 0.0])
         for timing in step:
             roofline = rooflines[id(timing)]
-            if roofline == 0 or roofline < TINY_CALL * overhead:
+            if roofline == 0 or timing.node in tiny:
                 continue
             for op in (timing.cost.op, Cluster.OTHER_OPS):
                 sums[op][0] += 1
