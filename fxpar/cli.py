@@ -449,11 +449,16 @@ def calibrate_command(args: argparse.Namespace) -> int:
     )
     start = time.perf_counter()
     target = None
+    pieces = 1
     if args.model:
         # Built with real weights, on this machine: its step runs once per timing pass.
         target = build_target(args.model, args.batch, args.length, device="cpu")
-        print(f"timing the ops of {args.model} (batch {args.batch}, length {args.length})")
-    calibration = spawn(_calibrate_rank, args.world, given, threads, target)[0]
+        # The step at a quarter (or half) of the batch too: each op's fixed cost a call.
+        rows = batch_tensors(target.example_inputs)[0].shape[0]
+        pieces = next((n for n in (4, 2) if rows % n == 0), 1)
+        smaller = f", and at 1/{pieces} of it" if pieces > 1 else ""
+        print(f"timing the ops of {args.model} (batch {rows}, length {args.length}){smaller}")
+    calibration = spawn(_calibrate_rank, args.world, given, threads, target, pieces)[0]
     print(f"measured in {time.perf_counter() - start:.1f} s (start-up included)\n")
     print(calibration.table(given=f"{args.cluster} preset"))
     if args.output:
@@ -463,7 +468,12 @@ def calibrate_command(args: argparse.Namespace) -> int:
 
 
 def _calibrate_rank(
-    rank: int, world_size: int, given: fxpar.Cluster, threads: int, target: Target | None
+    rank: int,
+    world_size: int,
+    given: fxpar.Cluster,
+    threads: int,
+    target: Target | None,
+    pieces: int,
 ) -> Calibration:
     torch.set_num_threads(threads)
     if target is None:
@@ -472,9 +482,6 @@ def _calibrate_rank(
                             example_targets=target.example_targets)  # fmt: skip
     inputs = target.example_inputs
     batch = [*(inputs.values() if isinstance(inputs, dict) else inputs), *target.example_targets]
-    # The step at a quarter (or half) of the batch too: each op's fixed cost a call.
-    rows = batch_tensors(inputs)[0].shape[0]
-    pieces = next((n for n in (4, 2) if rows % n == 0), 1)
     smaller = None
     if pieces > 1:
         smaller = microbatch_step(

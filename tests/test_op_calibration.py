@@ -20,6 +20,7 @@ from fxpar.errors import BatchError, DistributedError, FxparError
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.pipeline import Pipeline, microbatch_step
 from fxpar.planning.cost import compute_seconds, roofline_seconds
+from fxpar.runtime import calibration as calibration_module
 from fxpar.runtime import op_timing
 from fxpar.runtime.calibration import CalibrationOptions, measure, shared_op_times
 from fxpar.runtime.launch import spawn
@@ -266,9 +267,24 @@ def _calibrate_ops_rank(rank: int, world_size: int) -> tuple[object, ...]:
         fxpar.calibrate_ops(calibration.cluster, *(_gpt() if rank == 0 else _short()), options)
     except DistributedError as error:
         refused = str(error)
-    # The step at half the batch too: each op's fixed cost fitted apart from its rate.
-    two_sizes = fxpar.calibrate_ops(calibration.cluster, program, inputs, options,
-                                    microbatch=_gpt(1))  # fmt: skip
+    # The step at half the batch too: both steps' timings reach the fit (each op's fixed cost
+    # apart from its rate; what the fit makes of them is the unit tests' above).
+    fitted: list[tuple[OpTiming, ...]] = []
+
+    def recorded(cluster: fxpar.Cluster, *steps: tuple[OpTiming, ...]) -> fxpar.Cluster:
+        fitted.extend(steps)
+        return fit_ops(cluster, *steps)
+
+    original = calibration_module.fit_ops
+    calibration_module.fit_ops = recorded
+    try:
+        half = _gpt(1)
+        two_sizes = fxpar.calibrate_ops(calibration.cluster, program, inputs, options,
+                                        microbatch=half)  # fmt: skip
+    finally:
+        calibration_module.fit_ops = original
+    calls = [len(time_ops(p, i, passes=1)) for p, i in ((program, inputs), half)]
+    two_sizes = (two_sizes, tuple(fitted), calls)
     # Rank 1 took twice as long as rank 0 for the first op and three times for the second:
     # each op takes the ranks' mean, scaled up to the slowest rank's step.
     cost = _cost(1, 1, "aten.mm")
@@ -308,11 +324,13 @@ def test_calibrated_op_speeds_are_shared_and_give_back_each_ops_measured_time() 
             assert modelled == pytest.approx(measured, rel=1e-6), op
     assert "aten.mm" in first.table()
     assert "timed between" in refused
-    # A tiny model's calls cost about as much at half the batch: a fixed cost a call.
+    # One step fits no fixed costs; with the half batch's, the fit gets both steps' calls,
+    # the same on both ranks, and the cluster is its answer.
     assert first.cluster.op_fixed == ()
     assert two_sizes == two_sizes_too
-    assert dict(two_sizes.op_fixed)["*"] > 0
-    assert set(dict(two_sizes.op_fixed)) <= set(dict(two_sizes.op_slowdown))
+    cluster, steps, calls = two_sizes
+    assert [len(step) for step in steps] == calls
+    assert cluster == fit_ops(first.cluster, *steps)
 
 
 def test_microbatch_step_is_the_step_on_the_first_micro_batch_with_its_inputs() -> None:
