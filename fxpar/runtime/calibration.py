@@ -416,8 +416,7 @@ def measure(
             fitted = replace(fitted, overlap=share)
     ops: tuple[OpTiming, ...] = ()
     if program is not None:
-        steps = [(program, inputs), *([microbatch] if microbatch is not None else [])]
-        timed = _timed_steps(steps, options, device)
+        timed = _timed_steps(program, inputs, microbatch, options, device)
         ops = timed[0]
         fitted = fit_ops(fitted, *timed)
     logger.info("calibrated %s in %.2f s", cluster, time.perf_counter() - start)
@@ -449,21 +448,25 @@ def calibrate_ops(
     if not dist.is_initialized():
         raise DistributedError("calibrate_ops runs on every rank: initialize torch.distributed")
     options = options or CalibrationOptions.for_device(cluster.device_type)
-    steps = [(program, inputs), *([microbatch] if microbatch is not None else [])]
-    return fit_ops(cluster, *_timed_steps(steps, options, rank_device(cluster.device_type)))
+    device = rank_device(cluster.device_type)
+    return fit_ops(cluster, *_timed_steps(program, inputs, microbatch, options, device))
 
 
 def _timed_steps(
-    steps: Sequence[tuple[Program, Sequence[object]]],
+    program: Program,
+    inputs: Sequence[object],
+    microbatch: MicroStep,
     options: CalibrationOptions,
     device: torch.device,
 ) -> list[tuple[OpTiming, ...]]:
-    """Each step's ops timed (:func:`_mean_ops`). Several steps are timed in turn,
+    """The ops of ``program`` and of the ``microbatch`` step, if any, timed
+    (:func:`_mean_ops`). Two steps are timed in turn,
     :attr:`CalibrationOptions.op_rounds` times, and each call takes its median over the rounds:
     the machine's speed drifts by tens of percent over a minute, and steps timed one after the
     other would fit their difference in size to that drift (a step at a quarter of the batch
     came out at 0.94 to 1.09 of a quarter of the whole step's time in four single timings of
     HF ViT, 1.20 to 1.34 timed in turn three times)."""
+    steps = [(program, inputs), *([microbatch] if microbatch is not None else [])]
     rounds = 1 if len(steps) == 1 else options.op_rounds
     timed = [[_mean_ops(program, inputs, options, device) for program, inputs in steps]
              for _ in range(rounds)]  # fmt: skip
