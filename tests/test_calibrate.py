@@ -9,6 +9,7 @@ import dataclasses
 import json
 import math
 import re
+import statistics
 import time
 from pathlib import Path
 
@@ -150,24 +151,28 @@ def _late_peer_rank(rank: int, world_size: int) -> dict[str, float]:
     """Rank 0's time of a one-element all-reduce when rank 1 computes 60 more products than it
     before each run (a peer that reaches the collective late, as on a machine with more ranks
     than cores), started after a barrier ("0") and after compute ("1"); and rank 1's time of
-    those 60 products (tens of ms: far above a stall of the run after a barrier)."""
+    those 60 products (tens of ms: far above a stall of the run after a barrier). Each is the
+    median of three rounds, so that one stall of the machine (a round's products held off a
+    core) does not decide the comparison."""
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     buffer, size, extra = torch.zeros(1), 256, 60
-    found = {}
-    for after in (False, True):
-        count = 1 + (extra if rank == 1 else 0)
-        options = CalibrationOptions(compute_before=count, repeats=5, matmul_size=size)
-        run = lambda: dist.all_reduce(buffer)  # noqa: E731
-        seconds = typical_seconds(run, dist.group.WORLD, options, torch.device("cpu"), after)
-        found[str(int(after))] = seconds
     matrix = torch.randn(size, size)
-    start = time.perf_counter()
-    for _ in range(extra):
-        torch.mm(matrix, matrix)
-    found["extra"] = time.perf_counter() - start
-    return found
+    rounds: dict[str, list[float]] = {"0": [], "1": [], "extra": []}
+    for _ in range(3):
+        for after in (False, True):
+            count = 1 + (extra if rank == 1 else 0)
+            options = CalibrationOptions(compute_before=count, repeats=5, matmul_size=size)
+            run = lambda: dist.all_reduce(buffer)  # noqa: E731
+            seconds = typical_seconds(run, dist.group.WORLD, options, torch.device("cpu"), after)
+            rounds[str(int(after))].append(seconds)
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(extra):
+            torch.mm(matrix, matrix)
+        rounds["extra"].append(time.perf_counter() - start)
+    return {key: statistics.median(times) for key, times in rounds.items()}
 
 
 @pytest.mark.slow
