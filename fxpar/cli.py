@@ -31,7 +31,7 @@ from fxpar import plans
 from fxpar.errors import FxparError
 from fxpar.ir.capture import batch_tensors
 from fxpar.ir.repeat import StampedLayers, capture_repeated
-from fxpar.joint import SEARCHED_SCHEDULES, pipeline_wins
+from fxpar.joint import SEARCHED_SCHEDULES, pipeline_wins, replica_search
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.models.corpus import batches, corpus_tokens
 from fxpar.models.shapes import GPT2_SHAPES, GPT3_SHAPES, LLAMA_SHAPES, gpt3, llama_named
@@ -39,7 +39,6 @@ from fxpar.passes import PassManager, default_passes, plan_program
 from fxpar.pipeline import (
     PassPlanner,
     Pipeline,
-    PipelineSearch,
     StageChoice,
     capture_microbatch,
     microbatch_step,
@@ -314,10 +313,13 @@ def plan_command(args: argparse.Namespace) -> int:
         )
         print(plan.report())
     best: StageChoice | None = None
+    # Stages of data-parallel replicas are priced on the whole batch's step: another capture,
+    # since planning rewrites the one planned.
+    whole = _capture(args, target, policy, say=False) if counts else None
     for count in counts:
-        search = _joint_plan(args, target, cluster, policy, passes, count)
-        if search.choice is not None and (best is None or search.choice.step_time < best.step_time):
-            best = search.choice
+        choice = _joint_plan(args, target, cluster, policy, passes, count, whole)
+        if choice is not None and (best is None or choice.step_time < best.step_time):
+            best = choice
     if counts:
         print(_verdict(plan, best))
         if plan is None and best is None:
@@ -334,7 +336,11 @@ def plan_command(args: argparse.Namespace) -> int:
 
 
 def _capture(
-    args: argparse.Namespace, target: Target, policy: fxpar.MixedPrecision | None
+    args: argparse.Namespace,
+    target: Target,
+    policy: fxpar.MixedPrecision | None,
+    *,
+    say: bool = True,
 ) -> fxpar.Program:
     """The whole batch's step, its repeated layers stamped unless ``--no-stamp-layers``."""
     capture = capture_repeated if args.stamp_layers else fxpar.capture
@@ -342,7 +348,8 @@ def _capture(
         target.model, target.example_inputs, target.loss_fn,
         example_targets=target.example_targets, mixed_precision=policy,
     )  # fmt: skip
-    _say_stamped(program)
+    if say:
+        _say_stamped(program)
     return program
 
 
@@ -370,10 +377,13 @@ def _joint_plan(
     policy: fxpar.MixedPrecision | None,
     passes: PassManager,
     count: int,
-) -> PipelineSearch:
+    whole: fxpar.Program | None,
+) -> StageChoice | None:
     """Alpa's joint plan for ``count`` micro-batches: the step captured at one micro-batch's
     shapes, every stage mesh planned by ``passes``, and the stage DP choosing the stages,
-    their meshes, and (``auto``) the schedule and remat. Prints it."""
+    their meshes, and (``auto``) the schedule and remat; and stages of data-parallel replicas
+    priced on ``whole`` (:func:`fxpar.joint.replica_search`). Prints both; returns the
+    cheaper (the meshes' on a tie), None when neither runs."""
     # On a tie the first wins: 1F1B keeps fewer micro-batches in flight, remat off computes less.
     schedules: tuple[ScheduleName, ...] = (
         SEARCHED_SCHEDULES if args.schedule == "auto" else (args.schedule,)
@@ -402,7 +412,14 @@ def _joint_plan(
     )
     if search.choice is not None:
         print(_stage_plans(search.choice))
-    return search
+    optimizer_states = PlanOptions().optimizer_states  # as the stage meshes' plans count them
+    replicas = replica_search(whole, cluster, pipelines, optimizer_states) if whole else None
+    if replicas is None or replicas.choice is None:
+        return search.choice
+    print(f"\nas stages of data-parallel replicas (no plan inside a stage):\n{replicas.report()}")
+    if search.choice is not None and search.choice.step_time <= replicas.choice.step_time:
+        return search.choice
+    return replicas.choice
 
 
 def _stage_plans(choice: StageChoice) -> str:

@@ -234,10 +234,10 @@ def compile(
             stage mesh under its plan of that program, and the pipeline runs those very
             plans (``pipelined.stage_choice.plans``). ``pipeline="auto"``: whether to
             pipeline at all is the cost model's choice too (:mod:`fxpar.joint`): the intra-op
-            plan of the whole batch, or the stage DP's best pipeline of planned stages over
-            :data:`~fxpar.joint.AUTO_MICROBATCHES` micro-batches, schedules and remat,
-            whichever is estimated faster (logged at INFO); returns a ``ParallelModel`` or a
-            ``PipelineModel``.
+            plan of the whole batch, or the stage DP's best pipeline of planned stages or of
+            data-parallel replicas over :data:`~fxpar.joint.AUTO_MICROBATCHES`
+            micro-batches, schedules and remat, whichever is estimated faster (logged at
+            INFO); returns a ``ParallelModel`` or a ``PipelineModel``.
         init: a checkpoint of the model's weights under its own ``state_dict`` names to start
             from instead of the model's: a ``safetensors`` file, a directory holding
             ``model.safetensors`` or ``model.safetensors.index.json`` and its shards (what
@@ -299,6 +299,14 @@ def compile(
         )  # fmt: skip
         best = joint.best
         if joint.pipelined and best is not None and best.choice is not None:
+            if best.runs_replicas:  # stages of data-parallel replicas: no plan inside them
+                replicated = _compile_pipeline(
+                    model, cluster, example_inputs, loss_fn, example_targets, optimizer,
+                    best.choice.pipeline, planner=stage_planner, intra_op=False,
+                    check_batches=check_batches, init=init, mixed_precision=mixed_precision,
+                )  # fmt: skip
+                replicated.stage_choice = best.choice
+                return replicated
             assert best.program is not None
             return _compile_pipeline(
                 model, cluster, example_inputs, loss_fn, example_targets, optimizer,
@@ -335,10 +343,13 @@ def _joint_choice(
         step = driver.training_step()
     except InfeasiblePlanError as error:
         logger.info("no intra-op plan of the whole batch fits: %s", error)
+    # The whole batch's step again (planning rewrites the one planned): data-parallel
+    # replicas' stages are priced on it.
+    whole = driver.capture("train", model.training, driver.example_inputs, example_targets)
     candidates = pipeline_candidates(
         model, cluster, example_inputs, loss_fn, example_targets=example_targets,
         stage_planner=stage_planner, optimizer_states=optimizer.state_copies,
-        mixed_precision=mixed_precision,
+        mixed_precision=mixed_precision, whole=whole,
     )  # fmt: skip
     joint = JointChoice(step.plan.estimate if step is not None else None, candidates)
     if step is None and joint.best is None:

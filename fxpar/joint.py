@@ -12,6 +12,13 @@ batch's (:func:`fxpar.pipeline.pipeline_semantics` has notes, such as BatchNorm 
 micro-batch by its own statistics) is never a candidate: the choice does not change what
 trains. ``fxpar plan --microbatches`` prints the same verdict (:func:`pipeline_wins`).
 
+Each count also prices stages of data-parallel replicas (:func:`replica_search`: the stage DP
+without ``stage_planner``, on the whole batch's step), and the cheaper of the two is that
+count's candidate. A replica runs its stage's program whole on its own rows, so an op that no
+sharding rule splits over the batch (a mixture-of-experts layer's grouped product, whose rows
+are sorted by expert over the whole batch) is split anyway, where an intra-op plan on the
+stage's mesh must replicate it and gather its operands.
+
 Every rank makes the same choice: the solvers' answers are broadcast from rank 0 and the
 pricing is deterministic, as for ``stages="auto"``.
 """
@@ -61,19 +68,38 @@ class Candidate:
     search: PipelineSearch | None
     program: Program | None
     reason: str = ""
+    replicas: PipelineSearch | None = None
+    """The stage DP's best pipeline of data-parallel replicas (:func:`replica_search`), when
+    it has one."""
 
     @property
     def choice(self) -> StageChoice | None:
-        return self.search.choice if self.search is not None else None
+        """The cheaper of the stage meshes' choice and the replicas' (the meshes' on a tie:
+        they run the plans priced on this count's own step)."""
+        meshes = self.search.choice if self.search is not None else None
+        replicas = self.replicas.choice if self.replicas is not None else None
+        if replicas is None or (meshes is not None and meshes.step_time <= replicas.step_time):
+            return meshes
+        return replicas
+
+    @property
+    def runs_replicas(self) -> bool:
+        """Whether the choice is the replicas' (run as ``pipeline=choice.pipeline``, with no
+        intra-op plan inside its stages)."""
+        choice = self.choice
+        return choice is not None and self.replicas is not None and choice is self.replicas.choice
 
     def describe(self) -> str:
         if self.choice is None:
             why = self.reason or (self.search.report() if self.search is not None else "")
             return f"{self.microbatches} micro-batches: no pipeline ({why.splitlines()[0]})"
         choice = self.choice
+        layout = _stages(choice.pipeline.num_stages)
+        if self.runs_replicas:
+            layout += f" x {choice.pipeline.data_parallel} replicas"
         return (
             f"{self.microbatches} micro-batches: {format_seconds(choice.step_time)} "
-            f"({_stages(choice.pipeline.num_stages)}, {choice.pipeline.schedule}, "
+            f"({layout}, {choice.pipeline.schedule}, "
             f"remat {'on' if choice.pipeline.remat else 'off'})"
         )
 
@@ -129,34 +155,75 @@ def pipeline_candidates(
     optimizer_states: int,
     mixed_precision: MixedPrecision | None,
     counts: Sequence[int] = AUTO_MICROBATCHES,
+    whole: Program | None = None,
 ) -> tuple[Candidate, ...]:
     """The stage DP's best pipeline for each of ``counts`` micro-batches (module docstring); a
     count the batch does not divide into, that no stage layout runs, or whose pipeline would
-    train another step is kept with why."""
+    train another step is kept with why. ``whole``: the whole batch's training step, on which
+    each count's stages of data-parallel replicas are priced too (without, none are)."""
     candidates = []
     for count in counts:
-        pipelines = [
-            Pipeline(stages="auto", microbatches=count, schedule=schedule, remat=remat)
-            for schedule in SEARCHED_SCHEDULES
-            for remat in (False, True)
-        ]
+        pipelines = searched_pipelines(count)
+        search: PipelineSearch | None = None
+        program: Program | None = None
+        reason = ""
         try:
-            program = capture_microbatch(
+            captured = capture_microbatch(
                 model, pipelines[0], example_inputs, loss_fn, example_targets=example_targets,
                 mixed_precision=mixed_precision,
             )  # fmt: skip
-            notes = pipeline_semantics(program).notes
+            notes = pipeline_semantics(captured).notes
             if notes:
                 candidates.append(Candidate(count, None, None, f"{STEP_DIFFERS}: {notes[0]}"))
                 continue
             search = search_pipelines(
-                program, cluster, pipelines, optimizer_states=optimizer_states,
+                captured, cluster, pipelines, optimizer_states=optimizer_states,
                 stage_planner=stage_planner, microbatch=True,
             )  # fmt: skip
-            candidates.append(Candidate(count, search, program))
+            program = captured
         except (BatchError, PipelineError, NoStagePlanError) as error:
-            candidates.append(Candidate(count, None, None, str(error)))
+            reason = str(error)
+        replicas = None
+        if whole is not None:
+            replicas = replica_search(whole, cluster, pipelines, optimizer_states)
+        candidates.append(Candidate(count, search, program, reason, replicas))
     return tuple(candidates)
 
 
-__all__ = ["AUTO_MICROBATCHES", "Candidate", "JointChoice", "pipeline_candidates", "pipeline_wins"]
+def searched_pipelines(count: int) -> list[Pipeline]:
+    """Every schedule and remat setting the joint search prices ``count`` micro-batches with;
+    on a tie the first wins (1F1B keeps the fewest micro-batches in flight, remat off computes
+    the least)."""
+    return [
+        Pipeline(stages="auto", microbatches=count, schedule=schedule, remat=remat)
+        for schedule in SEARCHED_SCHEDULES
+        for remat in (False, True)
+    ]
+
+
+def replica_search(
+    whole: Program, cluster: Cluster, pipelines: Sequence[Pipeline], optimizer_states: int
+) -> PipelineSearch | None:
+    """The stage DP's best pipeline of data-parallel replicas for ``pipelines`` (one count's
+    settings), priced on ``whole``, the whole batch's step, at each micro-batch's and
+    replica's share of it (every call's fixed cost paid whole by each). None where no such
+    pipeline runs, or where the best has one device a stage: that is a stage mesh of one
+    device, which the stage meshes' search prices on the micro-batch's own step."""
+    try:
+        search = search_pipelines(whole, cluster, pipelines, optimizer_states=optimizer_states)
+    except (PipelineError, NoStagePlanError):
+        return None
+    if search.choice is None or search.choice.pipeline.data_parallel == 1:
+        return None
+    return search
+
+
+__all__ = [
+    "AUTO_MICROBATCHES",
+    "Candidate",
+    "JointChoice",
+    "pipeline_candidates",
+    "pipeline_wins",
+    "replica_search",
+    "searched_pipelines",
+]

@@ -114,6 +114,29 @@ def test_group_of() -> None:
     assert group_of(ir.LOSS_REGION, 1) == ir.LOSS_REGION
 
 
+def test_plan_command_weighs_stages_of_replicas_too(capsys) -> None:  # type: ignore[no-untyped-def]
+    """With micro-batches, each count's stages of data-parallel replicas are printed beside
+    the stage meshes' pipeline, and the verdict's best pipeline is the cheaper of the two."""
+    argv = ["plan", "--model", "test_cli:tiny_target", "--mesh", "4", "--cluster", "cpu"]
+    assert main([*argv, "--microbatches", "2"]) == 0
+    out = capsys.readouterr().out
+    meshes, replicas = out.split("as stages of data-parallel replicas (no plan inside a stage):")
+    assert "inside each stage: an intra-op plan" in meshes
+    assert "inside each stage" not in replicas and "2 stage(s) x 2 device(s)" in replicas
+
+    def step(text: str) -> str:
+        found = re.search(r"remat \w+: (\S+ \S+) per step \(estimated\)", text)
+        assert found is not None
+        return found.group(1)
+
+    def seconds(shown: str) -> float:
+        number, unit = shown.split()
+        return float(number) * {"s": 1.0, "ms": 1e-3, "us": 1e-6}[unit]
+
+    best = min(step(meshes), step(replicas), key=seconds)
+    assert f"best pipeline: {best};" in out
+
+
 def test_plan_command_finds_a_pipeline_where_no_plan_of_the_batch_fits(tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
     """A memory limit below the most frugal plan of the whole batch, above what one
     micro-batch's stages need: the command says so, prints the joint plan and succeeds; below

@@ -4,7 +4,8 @@
   no plan of the whole batch fits;
 - the candidates: one per micro-batch count, each the stage DP's best over schedules and
   remat, on the step captured at that count's micro-batch; a count the batch does not divide
-  is kept with why;
+  is kept with why; stages of data-parallel replicas, priced on the whole batch's step, are
+  each count's candidate where cheaper (and run so on four gloo ranks);
 - on one device the plan alone wins (a pipeline of one stage only adds micro-batches) and
   trains like eager PyTorch;
 - on two gloo ranks (slow tests) the faster of the two estimates, worked out in the test from
@@ -30,14 +31,17 @@ from fxpar.errors import FxparError
 from fxpar.joint import (
     AUTO_MICROBATCHES,
     STEP_DIFFERS,
+    Candidate,
     JointChoice,
     pipeline_candidates,
     pipeline_wins,
+    replica_search,
+    searched_pipelines,
 )
 from fxpar.models import gpt_loss
 from fxpar.optim import SGD
 from fxpar.passes import passes_for
-from fxpar.pipeline import PassPlanner, PipelineModel
+from fxpar.pipeline import PassPlanner, PipelineModel, evaluate_split, search_pipelines
 from fxpar.planning.problem import PlanOptions
 from fxpar.runtime.launch import spawn
 from fxpar.runtime.parallel import ParallelModel
@@ -50,18 +54,24 @@ FAST, SLOW = 3e8, 1e6
 
 def _joint(cluster: fxpar.Cluster) -> JointChoice:
     """The choice worked out from the public pieces: ``fxpar.plan``'s estimate of the whole
-    batch, and the stage DP's candidates (SGD: no optimizer state)."""
+    batch, and the stage DP's candidates, stage meshes and replicas (SGD: no optimizer
+    state)."""
     model, tokens, targets = _gpt()
     alone = fxpar.plan(
         copy.deepcopy(model), cluster, (tokens,), gpt_loss, example_targets=(targets,),
         options=PlanOptions(optimizer_states=0),
     )  # fmt: skip
-    candidates = pipeline_candidates(
+    return JointChoice(alone.estimate, _candidates(cluster))
+
+
+def _candidates(cluster: fxpar.Cluster, replicas: bool = True) -> tuple[Candidate, ...]:
+    model, tokens, targets = _gpt()
+    whole = fxpar.capture(copy.deepcopy(model), (tokens,), gpt_loss, example_targets=(targets,))
+    return pipeline_candidates(
         model, cluster, (tokens,), gpt_loss, example_targets=(targets,),
         stage_planner=PassPlanner(passes_for(None, options=PlanOptions(optimizer_states=0))),
-        optimizer_states=0, mixed_precision=None,
+        optimizer_states=0, mixed_precision=None, whole=whole if replicas else None,
     )  # fmt: skip
-    return JointChoice(alone.estimate, candidates)
 
 
 def test_a_pipeline_runs_only_when_estimated_strictly_faster() -> None:
@@ -113,6 +123,45 @@ def test_a_pipeline_that_would_train_another_step_is_no_candidate() -> None:
     assert not JointChoice(1.0, candidates).pipelined
 
 
+def test_stages_of_replicas_are_priced_on_the_whole_batch_and_the_cheaper_runs() -> None:
+    """On four devices each count also prices stages of data-parallel replicas: the stage DP
+    without stage plans, on the whole batch's step, the best of more than one device a stage;
+    its step is what ``evaluate_split`` gives that pipeline on the same step, and the count's
+    choice is the cheaper of the two searches (without the whole step, no replicas)."""
+    cluster = fxpar.Cluster((4,), bandwidth=(FAST,))
+    model, tokens, targets = _gpt()
+    whole = fxpar.capture(copy.deepcopy(model), (tokens,), gpt_loss, example_targets=(targets,))
+    candidates = _candidates(cluster)
+    assert all(c.replicas is None for c in _candidates(cluster, replicas=False))
+    ran_replicas = False
+    for candidate in candidates:
+        assert candidate.replicas is not None and candidate.search is not None
+        replicas, meshes = candidate.replicas.choice, candidate.search.choice
+        assert replicas is not None and meshes is not None
+        assert replicas.pipeline.data_parallel > 1 and replicas.stage_cluster is None
+        scored = evaluate_split(whole, cluster, replicas.pipeline, optimizer_states=0)
+        assert replicas.step_time == pytest.approx(scored.step_time, rel=1e-12)
+        cheaper = replicas if replicas.step_time < meshes.step_time else meshes
+        assert candidate.choice is cheaper
+        assert candidate.runs_replicas is (cheaper is replicas)
+        assert ("replicas" in candidate.describe()) is candidate.runs_replicas
+        ran_replicas |= candidate.runs_replicas
+    assert ran_replicas  # the cluster was picked so that replicas win somewhere
+
+
+def test_replicas_of_one_device_a_stage_are_left_to_the_stage_meshes() -> None:
+    """Where the replicas' best has one device a stage (slow links: no gradient to all-reduce
+    beats any), it is a stage mesh of one device, which the meshes' search prices on the
+    micro-batch's own step: no replica candidate."""
+    cluster = fxpar.Cluster((4,), bandwidth=(SLOW,))
+    model, tokens, targets = _gpt()
+    whole = fxpar.capture(copy.deepcopy(model), (tokens,), gpt_loss, example_targets=(targets,))
+    pipelines = searched_pipelines(4)
+    best = search_pipelines(whole, cluster, pipelines, optimizer_states=0).choice
+    assert best is not None and best.pipeline.data_parallel == 1  # as the test supposes
+    assert replica_search(whole, cluster, pipelines, 0) is None
+
+
 def test_one_device_runs_the_plan_alone_and_trains_like_eager(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -145,6 +194,8 @@ def test_bad_pipeline_values_are_refused() -> None:
 
 
 def _compiled(rank: int, world: int, bandwidth: float) -> dict[str, Any]:
+    """Compiled with ``pipeline="auto"`` on ``world`` ranks, its estimate, two SGD steps' losses
+    and the state after them."""
     torch.set_num_threads(1)
     model, tokens, targets = _gpt()
     trained = fxpar.compile(
@@ -158,6 +209,7 @@ def _compiled(rank: int, world: int, bandwidth: float) -> dict[str, Any]:
     )
     return {
         "pipelined": isinstance(trained, PipelineModel),
+        "pipeline": trained.pipeline if isinstance(trained, PipelineModel) else None,
         "estimate": estimate,
         "losses": [trained.step(tokens, targets).item() for _ in range(2)],
         "state": trained.full_state_dict(),
@@ -180,5 +232,23 @@ def test_gloo_runs_the_faster_estimate_and_trains_like_one_device(
     for result in ranks:
         assert result["pipelined"] is pipelined
         assert result["estimate"] == pytest.approx(expected)
+        assert result["losses"] == pytest.approx(losses, rel=1e-4)
+        torch.testing.assert_close(result["state"], state, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_stages_of_replicas_chosen_on_four_ranks_train_like_one_device() -> None:
+    """Where stages of data-parallel replicas are the cheapest estimate, ``pipeline="auto"``
+    runs them as priced (the replicas' pipeline, no plan inside a stage), and two SGD steps
+    equal eager PyTorch's."""
+    joint = _joint(fxpar.Cluster((4,), bandwidth=(FAST,)))
+    best = joint.best
+    assert joint.pipelined and best is not None and best.runs_replicas  # the cluster's pick
+    assert best.choice is not None
+    ranks = spawn(_compiled, 4, FAST)
+    losses, state = _eager_gpt(2)
+    for result in ranks:
+        assert result["pipeline"] == best.choice.pipeline
+        assert result["estimate"] == pytest.approx(best.choice.step_time)
         assert result["losses"] == pytest.approx(losses, rel=1e-4)
         torch.testing.assert_close(result["state"], state, rtol=1e-4, atol=1e-5)
