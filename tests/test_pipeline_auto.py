@@ -30,7 +30,7 @@ from fxpar.pipeline.atoms import Atoms, region
 from fxpar.pipeline.auto import StageChoice, evaluate_split, plan_stages, search_pipelines
 from fxpar.pipeline.options import ScheduleName
 from fxpar.pipeline.stage_costs import StageCostModel
-from fxpar.solvers.stages import StageMemoryError
+from fxpar.solvers.stages import StageMemoryError, per_step_overcount
 
 BATCH = 16
 # Slow enough links that pipelining beats pure data parallelism for these small models.
@@ -223,17 +223,46 @@ def test_every_micro_batch_pays_each_calls_overhead_in_full(remat: bool, field: 
 def test_a_stage_sums_its_micro_batches_gradients_once_a_step(microbatches: int) -> None:
     """The runtime adds each micro-batch's gradients to the stage's sums: M - 1 adds a step of
     every trainable parameter, each reading two gradients and writing one, beside SGD's
-    update (one add of the same traffic): on one device, nothing else is once a step."""
+    update (one add of the same traffic): on one device, of a range that shares no weight
+    with another (the blocks), nothing else is once a step."""
     program = _gpt(2)[3]
     atoms = Atoms.build(program, ())
     pipeline = Pipeline(stages="auto", microbatches=microbatches)
     model = StageCostModel(atoms, Cluster((2,), memory_bandwidth=10e9), pipeline,
                            optimizer_states=0)  # fmt: skip
-    start, stop = 0, atoms.count // 2
+    start, stop = atoms.index_of("blocks.0"), atoms.index_of("ln_f")
     weights = model.facts(start, stop).trainable_bytes
-    assert weights > 0
+    assert weights > 0 and model.facts(start, stop).tied_bytes == 0
     cost = model.cost(start, stop, (1,))
     assert cost.per_step == pytest.approx(microbatches * 3 * weights / 10e9)
+
+
+def test_stages_holding_a_tied_weight_sum_its_gradient_once_a_step() -> None:
+    """GPT's head reads the embedding's weight: a stage holding one of the two and not the
+    other sums that weight's gradient with the stage holding the other once a step, an
+    all-reduce of two ranks (alpha + B / beta by hand) that a plan's step pays once after its
+    stages' once-a-step work; one stage holding both does not."""
+    program = _gpt(2)[3]
+    atoms = Atoms.build(program, ())
+    latency, bandwidth, microbatches = 1e-3, 1e8, 2
+    cluster = Cluster((2,), latency=(latency,), bandwidth=(bandwidth,), memory_bandwidth=10e9)
+    pipeline = Pipeline(stages="auto", microbatches=microbatches)
+    model = StageCostModel(atoms, cluster, pipeline, optimizer_states=0)
+    head, count = atoms.index_of("head"), atoms.count
+    embedding = 64 * 64 * 4  # wte: vocabulary x n_embd float32
+    assert model.facts(0, head).tied_bytes == model.facts(head, count).tied_bytes == embedding
+    assert model.facts(0, count).tied_bytes == 0
+    assert model.facts(atoms.index_of("blocks.0"), atoms.index_of("ln_f")).tied_bytes == 0
+    for stages, tied in (
+        ([(0, head, (1,)), (head, count, (1,))], latency + embedding / bandwidth),
+        ([(0, count, (1,))], 0.0),
+    ):
+        costs = [model.cost(start, stop, shape) for start, stop, shape in stages]
+        times, per_step = [c.time for c in costs], [c.per_step for c in costs]
+        overcount = per_step_overcount(times, per_step, microbatches)
+        assert model.tied_seconds(stages) == pytest.approx(tied, rel=1e-12)
+        step = model.step_time(stages, 1.0)
+        assert step == pytest.approx(1.0 - overcount + tied, rel=1e-12)
 
 
 def test_layer_clustering_caps_the_layers() -> None:

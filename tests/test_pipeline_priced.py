@@ -145,7 +145,8 @@ def test_replicas_carry_no_plan() -> None:
     ids=["different meshes", "uniform"],
 )
 def test_reported_estimate_is_the_stage_dps(mesh: tuple[int, ...], planner: StagePlanner) -> None:
-    """The choice's step time is ``sum t + (M - 1) max t`` of its stages, each stage's time
+    """The choice's step time is ``sum t + (M - 1) max t`` of its stages (each stage's
+    once-a-step seconds paid once, and the tied weights' sums), each stage's time
     and memory are the cost the DP's own problem gives its layers on its submesh, the
     chosen split scored again gives the same, and the report and to_dict say that number."""
     cluster = Cluster(mesh, bandwidth=(1e8,) if mesh == (3,) else (1e10,))
@@ -157,7 +158,10 @@ def test_reported_estimate_is_the_stage_dps(mesh: tuple[int, ...], planner: Stag
     objective = sum(times) + (MICROBATCHES - 1) * max(times)
     paid = objective - per_step_overcount(times, once, MICROBATCHES)
     assert choice.plan.objective == pytest.approx(objective)
-    assert choice.step_time == pytest.approx(paid)
+    # Then the sum of the tied embedding's gradient between the stages holding it, once.
+    holders = [i for i, modules in enumerate(choice.stage_modules) if {"wte", "head"} & {*modules}]
+    assert (choice.tied_seconds > 0) == (len(holders) > 1)
+    assert choice.step_time == pytest.approx(paid + choice.tied_seconds)
     problem = stage_problem(program, cluster, pipeline, stage_planner=planner, microbatch=True)
     for stage in choice.plan.stages:
         cost = problem.costs(stage.start, stage.stop, stage.submesh)

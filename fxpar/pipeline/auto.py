@@ -408,7 +408,9 @@ def evaluate_split(
         problem = _problem(model, starts, (world,), ((d,),), _replicas)
         plan = evaluate_stages(problem, boundaries, [(d,)] * stages)
         choice = _choice(atoms, starts, layer_names, plan, pipeline, cluster, d)
-        return dataclasses.replace(choice, step_time=_step_of(model, starts, _replicas)(plan))
+        step = _step_of(model, starts, _replicas)(plan)
+        tied = _tied_of(model, starts, _replicas)(plan)
+        return dataclasses.replace(choice, step_time=step, tied_seconds=tied)
     # Price each stage on its own mesh; the DP's shapes only count its devices.
     ranges = itertools.pairwise((0, *boundaries, atoms.count))
     mesh_of = dict(zip(ranges, meshes, strict=True))
@@ -422,8 +424,9 @@ def evaluate_split(
     choice = _with_stage_meshes(
         _choice(atoms, starts, layer_names, plan, pipeline, cluster), cluster, meshes
     )
-    step = _step_of(model, starts, own_mesh)(plan)
-    return dataclasses.replace(_with_plans(choice, model, meshes), step_time=step)
+    step, tied = _step_of(model, starts, own_mesh)(plan), _tied_of(model, starts, own_mesh)(plan)
+    choice = _with_plans(choice, model, meshes)
+    return dataclasses.replace(choice, step_time=step, tied_seconds=tied)
 
 
 def _layers(
@@ -483,7 +486,8 @@ def _plan_replicas(
         raise _no_pipeline_error(cluster, outcomes, memory_errors)
     step, plan = best
     choice = _choice(atoms, starts, layer_names, plan, pipeline, cluster, plan.stages[0].devices)
-    return dataclasses.replace(choice, degrees=tuple(outcomes), step_time=step)
+    tied = _tied_of(model, starts, _replicas)(plan)
+    return dataclasses.replace(choice, degrees=tuple(outcomes), step_time=step, tied_seconds=tied)
 
 
 def _plan_submeshes(
@@ -514,6 +518,7 @@ def _plan_submeshes(
     return dataclasses.replace(
         _with_plans(choice, model, meshes),
         step_time=step(plan),
+        tied_seconds=_tied_of(model, starts, _squeezed)(plan),
         degrees=degrees,
         submeshes=tried,
         mixed_step_time=step(search.mixed) if search.mixed is not None else None,
@@ -690,16 +695,31 @@ def _step_of(
     """A plan's step under the model's schedule (:meth:`StageCostModel.step_time`: its
     objective, but for ZB-H1), its stages priced on the meshes ``mesh_of`` gives, as in
     :func:`_problem`."""
+    return lambda plan: model.step_time(_stages_of(model, starts, mesh_of, plan), plan.objective)
+
+
+def _tied_of(
+    model: StageCostModel, starts: Sequence[int], mesh_of: Callable[[int, int, Submesh], Shape]
+) -> Callable[[StagePlan], float]:
+    """What a plan's step spends summing tied weights' gradients between its stages
+    (:meth:`StageCostModel.tied_seconds`), its stages priced as by :func:`_step_of`."""
+    return lambda plan: model.tied_seconds(_stages_of(model, starts, mesh_of, plan))
+
+
+def _stages_of(
+    model: StageCostModel,
+    starts: Sequence[int],
+    mesh_of: Callable[[int, int, Submesh], Shape],
+    plan: StagePlan,
+) -> list[tuple[int, int, Shape]]:
+    """``(start, stop, mesh)`` of each of ``plan``'s stages in atoms (its layers start at
+    ``starts``)."""
     stops = (*starts[1:], model.atoms.count)
-
-    def step(plan: StagePlan) -> float:
-        stages = []
-        for stage in plan.stages:
-            start, stop = starts[stage.start], stops[stage.stop - 1]
-            stages.append((start, stop, mesh_of(start, stop, tuple(stage.submesh))))
-        return model.step_time(stages, plan.objective)
-
-    return step
+    stages = []
+    for stage in plan.stages:
+        start, stop = starts[stage.start], stops[stage.stop - 1]
+        stages.append((start, stop, mesh_of(start, stop, tuple(stage.submesh))))
+    return stages
 
 
 def _replicas(start: int, stop: int, submesh: Submesh) -> Shape:

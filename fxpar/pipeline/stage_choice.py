@@ -89,6 +89,9 @@ class StageChoice:
     crossing: tuple[int, ...] = ()
     """Stages whose consecutive ranks cross a boundary of the links their mesh was priced
     with (module docstring)."""
+    tied_seconds: float = 0.0
+    """The part of ``step_time`` spent summing the gradients of weights two stages hold
+    (:meth:`~fxpar.pipeline.stage_costs.StageCostModel.tied_seconds`), once a step."""
     plans: Mapping[Shape, Plan] = field(default_factory=dict, compare=False, repr=False)
     """The intra-op plan each stage mesh shape of the choice was priced under (its keys are
     :attr:`stage_mesh_shapes`), made on the program the choice was made for; empty for
@@ -151,6 +154,9 @@ class StageChoice:
             f"step (estimated), memory limit {format_bytes(self.memory_limit)} per device",
             f"split points: {', '.join(self.split_points) or '(none)'}",
         ]
+        if self.tied_seconds:
+            tied = format_seconds(self.tied_seconds)
+            lines.append(f"of the step, {tied} summing tied weights' gradients between stages")
         if self.stage_cluster is not None:
             lines.append(f"inside each stage: an intra-op plan on {self.stage_cluster}")
         elif meshes is not None:
@@ -227,6 +233,7 @@ class StageChoice:
                 ),
             },
             "step_time": self.step_time,
+            "tied_seconds": self.tied_seconds,
             "memory_limit": self.memory_limit,
             "layers": [list(modules) for modules in self.layers],
             "stages": [

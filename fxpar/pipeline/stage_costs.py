@@ -50,7 +50,11 @@ stage mesh shape); data-parallel replicas only read the shape's number of device
 (:func:`~fxpar.planning.cost.copy_seconds`), ``update`` the optimizer's update of the stage's
 parameters (:func:`~fxpar.planning.cost.update_seconds`, of ``optimizer_states``), ``add`` the
 runtime's sum of each micro-batch's gradients (:func:`~fxpar.planning.cost.accumulate_seconds`;
-on ViT's stage of 8 micro-batches 2.5 ms a step of 100).
+on ViT's stage of 8 micro-batches 2.5 ms a step of 100). A plan's step adds, once, the
+all-reduce that sums a tied weight's gradient between the two stages holding it
+(:meth:`StageCostModel.tied_seconds`, of the bytes of a range's trainable parameters that atoms
+outside it read too: GPT's embedding, which its head reads, 6-11 ms a step of 125 on four gloo
+processes).
 
 **Zero-bubble** (``schedule="zb-h1"``). ``T_w`` is the part of ``T_bwd`` only weight
 gradients need: backward nodes no gradient sent back across an atom boundary depends on, found
@@ -194,6 +198,9 @@ class RangeFacts:
     once a step (:func:`fxpar.planning.cost.update_seconds`)."""
     accumulate_seconds: float = 0.0
     """One micro-batch's gradients of them added to the sums (``accumulate_seconds``)."""
+    tied_bytes: int = 0
+    """Bytes of the trainable parameters the range reads that atoms outside it read too:
+    weights whose gradients the stage sums with another stage's once a step."""
 
     @property
     def seconds(self) -> float:
@@ -248,6 +255,7 @@ class StageCostModel:
         self._values: dict[int, _AtomValues] = {}
         self._call_seconds: dict[int, tuple[float, float]] = {}
         self._weights: _WeightSplit | None = None
+        self._read_by: dict[fx.Node, frozenset[int]] | None = None
 
     def with_pipeline(self, pipeline: Pipeline) -> StageCostModel:
         """This model for another schedule or remat setting of the same micro-batches: what
@@ -302,6 +310,8 @@ class StageCostModel:
         saved: set[fx.Node] = set().union(*(self._sets(atom).saved for atom in atoms))
         kept: set[fx.Node] = set().union(*(self._sets(atom).kept for atom in atoms))
         trained = [n for n in read if n in self.atoms.trainable]
+        readers = self._readers()
+        tied = [n for n in trained if not readers[n] <= set(atoms)]
         return RangeFacts(
             forward_seconds=forward_seconds,
             backward_seconds=backward_seconds,
@@ -320,7 +330,19 @@ class StageCostModel:
             accumulate_seconds=math.fsum(
                 accumulate_seconds(nbytes(n), self.cluster) for n in trained
             ),
+            tied_bytes=sum(nbytes(n) for n in tied),
         )
+
+    def _readers(self) -> Mapping[fx.Node, frozenset[int]]:
+        """The atoms that read each trainable parameter; computed once."""
+        if self._read_by is None:
+            found: dict[fx.Node, set[int]] = {}
+            for atom in range(self.atoms.count):
+                for value in self._sets(atom).read:
+                    if value in self.atoms.trainable:
+                        found.setdefault(value, set()).add(atom)
+            self._read_by = {node: frozenset(atoms) for node, atoms in found.items()}
+        return self._read_by
 
     def _per_call(self, atom: int) -> tuple[float, float]:
         """The seconds one atom's forward and backward nodes pay a call whatever their size
@@ -423,11 +445,13 @@ class StageCostModel:
         and the update run on every rank at once at the end of the step: no faster. And always
         with each stage's once-a-step seconds (that reduction and update) paid once, after its
         last backward, where the objective spreads them over its micro-batches and so counts
-        the slowest stage's ``M - 1`` times more (:meth:`_per_step_overcount`). ``shape`` is
-        the stage's mesh: its replicas, or the mesh its plan was made for."""
+        the slowest stage's ``M - 1`` times more (:meth:`_per_step_overcount`), and the tied
+        weights' sums after that (:meth:`tied_seconds`). ``shape`` is the stage's mesh: its
+        replicas, or the mesh its plan was made for."""
         schedule, cluster = self.pipeline.schedule, self.cluster
         shared = cluster.compute_speedup(1 / cluster.world_size) > 1
         objective -= self._per_step_overcount(stages)
+        objective += self.tied_seconds(stages)
         if schedule != "zb-h1" and not shared:
             return objective
         times = self._stage_times(stages)
@@ -480,6 +504,15 @@ class StageCostModel:
             scale = seconds / total if total else 0.0
             times.append(StageTimes(forward * scale, backward * scale, weight * scale))
         return times
+
+    def tied_seconds(self, stages: Sequence[tuple[int, int, Shape]]) -> float:
+        """What the stages ``(start, stop, shape)`` spend summing the gradients of the weights
+        two of them hold (:func:`tied_seconds`), once at the end of a step, when the last of
+        them is done: the longest such all-reduce. Not in the stage costs, so the stage DP
+        does not weigh it, but every plan of two stages or more with the tied weight's readers
+        in different stages pays about the same (its bytes)."""
+        held = (self.facts(start, stop, shape).tied_bytes for start, stop, shape in stages)
+        return max((tied_seconds(nbytes, self.cluster) for nbytes in held if nbytes), default=0.0)
 
     def cost(self, start: int, stop: int, shape: Shape) -> StageCost:
         """The cost of atoms ``[start, stop)`` on a stage mesh of ``shape``."""
@@ -738,6 +771,17 @@ def send_seconds(nbytes: float, cluster: Cluster) -> float:
     neighbouring stages may cross."""
     axes = [axis for axis, devices in enumerate(cluster.mesh_shape) if devices > 1]
     return max((link_seconds("send", nbytes, axis, cluster) for axis in axes), default=0.0)
+
+
+def tied_seconds(nbytes: float, cluster: Cluster) -> float:
+    """Time of the all-reduce that sums a tied weight's gradient (``nbytes`` on a device)
+    with the other stage holding it, once a step (:func:`fxpar.pipeline.groups.tied_sums`): a
+    collective of two ranks at the all-reduce lines of the slowest axis, which the two stages
+    may cross, as their sends do (:func:`send_seconds`)."""
+    axes = [axis for axis, devices in enumerate(cluster.mesh_shape) if devices > 1]
+    lines = [cluster.lines_of("all_reduce", axis) for axis in axes]
+    each = [min(collective_seconds("all_reduce", nbytes, 2, *line) for line in of) for of in lines]
+    return max(each, default=0.0)
 
 
 def _bucket_seconds(members: Sequence[Bucketed], mesh: Cluster) -> float:
