@@ -269,7 +269,7 @@ def test_the_measured_core_demand_lies_between_one_and_the_count() -> None:
         assert (measured, delay) == (counted, 0.0)
 
 
-@pytest.mark.parametrize(("demand", "stages"), [(None, 1), (1.0, 1), (1.5, 2), (4.0, 2)])
+@pytest.mark.parametrize(("demand", "stages"), [(None, 1), (1.0, 1), (2.0, 2), (4.0, 2)])
 def test_the_stage_dp_pipelines_deeper_the_more_the_ranks_share_cores(
     demand: float | None, stages: int
 ) -> None:
