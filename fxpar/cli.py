@@ -31,7 +31,7 @@ from fxpar import plans
 from fxpar.errors import FxparError
 from fxpar.ir.capture import batch_tensors
 from fxpar.ir.repeat import StampedLayers, capture_repeated
-from fxpar.joint import SEARCHED_SCHEDULES, pipeline_wins, replica_search
+from fxpar.joint import SEARCHED_SCHEDULES, Candidate, pipeline_wins, replica_search
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.models.corpus import batches, corpus_tokens
 from fxpar.models.shapes import GPT2_SHAPES, GPT3_SHAPES, LLAMA_SHAPES, gpt3, llama_named
@@ -414,12 +414,11 @@ def _joint_plan(
         print(_stage_plans(search.choice))
     optimizer_states = PlanOptions().optimizer_states  # as the stage meshes' plans count them
     replicas = replica_search(whole, cluster, pipelines, optimizer_states) if whole else None
-    if replicas is None or replicas.choice is None:
-        return search.choice
-    print(f"\nas stages of data-parallel replicas (no plan inside a stage):\n{replicas.report()}")
-    if search.choice is not None and search.choice.step_time <= replicas.choice.step_time:
-        return search.choice
-    return replicas.choice
+    if replicas is not None:
+        print(
+            f"\nas stages of data-parallel replicas (no plan inside a stage):\n{replicas.report()}"
+        )
+    return Candidate(count, search, program, replicas=replicas).choice  # pipeline="auto"'s rule
 
 
 def _stage_plans(choice: StageChoice) -> str:

@@ -310,8 +310,8 @@ class StageCostModel:
         saved: set[fx.Node] = set().union(*(self._sets(atom).saved for atom in atoms))
         kept: set[fx.Node] = set().union(*(self._sets(atom).kept for atom in atoms))
         trained = [n for n in read if n in self.atoms.trainable]
-        readers = self._readers()
-        tied = [n for n in trained if not readers[n] <= set(atoms)]
+        readers, inside = self._readers(), set(atoms)
+        tied = [n for n in trained if not readers[n] <= inside]
         return RangeFacts(
             forward_seconds=forward_seconds,
             backward_seconds=backward_seconds,
