@@ -30,10 +30,10 @@ path answers, the answer is compared with the starting plans at the end, so it n
 than the cheapest of them that fits: at a time limit the solver still has a plan to return.
 The Lagrangian phase's best plan is often much better, but it is deliberately not the MIP start:
 a near-optimal incumbent makes HiGHS fix columns by reduced cost at once and restart over and
-over, so that proving even the optimum, given as the start, takes longer than from the
-greedy plan. When HiGHS stops on its time limit, the cheapest of its
-plan, the warm start and the Lagrangian plans that fit is returned with status ``"time_limit"``
-and the gap to the better of HiGHS's bound and the Lagrangian bound.
+over, so that proving even the optimum, given as the start, takes longer than from the greedy
+start. When HiGHS stops on its time limit, the cheapest of its plan, the warm start and the
+Lagrangian plans that fit is returned with status ``"time_limit"`` and the gap to the better
+of HiGHS's bound and the Lagrangian bound.
 """
 
 from __future__ import annotations

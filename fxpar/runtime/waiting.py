@@ -13,8 +13,8 @@ thread keeps its core and gives it up, at every poll, to any other thread that i
 libraries wait the same way by default. The bound is for oversubscribed machines: a process
 that polls counts as busy, so the kernel does not move a computing process onto its core. An
 unbounded poll holds that core for as long as the peer it waits for computes elsewhere; a
-bound of about a small collective's time keeps what a poll saves and gives the core back when
-the wait turns out long.
+bound of a few times a small collective's time keeps what a poll saves and gives the core back
+when the wait turns out long.
 
 Transfers larger than :data:`POLL_BYTES` are waited on by sleeping: a wake-up is small beside
 their own time, and the gloo threads moving them need the cores a poll would hold (a
@@ -56,9 +56,9 @@ from fxpar.planning.grouping import buckets as cut_buckets
 
 POLICIES = ("poll", "block")
 POLL_SECONDS = 0.01
-"""How long a wait polls before it blocks after all: longer than a small collective takes
-between ranks that reach it together (a millisecond or so), short beside a step, so that a
-wait for a peer still computing soon gives its core back."""
+"""How long a wait polls before it blocks after all: several times what a small collective
+takes between ranks that reach it together (about a millisecond), short beside a step, so
+that a wait for a peer still computing soon gives its core back."""
 POLL_BYTES = 4 * 2**20
 """The largest transfer waited on by polling (:func:`pollable`): a few megabytes, beyond which
 a transfer takes several times what a wake-up costs."""
