@@ -21,8 +21,9 @@ whose files differ from the record's list: a file missing, of another size, or w
 longer hash to the digest committed (a flipped bit inside tensor data would otherwise load a
 different model without a word). Every rank digests its share of the files, on save and on
 load, so the check costs one read of the checkpoint spread over the ranks. SHA-256, because it
-is the fastest of hashlib's digests where CPUs have instructions for it (1.3 GiB/s on the
-development machine, BLAKE2b 0.44 GiB/s): see benchmarks/README.md, "checkpoint.py".
+is the fastest of hashlib's digests where CPUs have instructions for it (x86's SHA extensions,
+ARMv8's cryptography extension): there it runs about as fast as a checksum, several times
+BLAKE2b's speed, and is still a cryptographic digest.
 
 Every failure of ``torch.distributed.checkpoint`` or of the file system reaches the caller as a
 :class:`~fxpar.errors.CheckpointError` naming the checkpoint (DCP's own ``CheckpointException``
@@ -47,8 +48,9 @@ tensors, numbers, strings, lists, tuples and dicts and nothing else; an entry ho
 objects (an instance of a class of yours, a function) is refused with a
 :class:`~fxpar.errors.CheckpointError` before anything in it is built, unless the load says
 ``trusted=True``. Checkpoints shared or downloaded are then as safe to load as their tensors.
-Checkpoints written before these entries existed load as they are; those whose entries are
-plain pickles (fxpar before this format) need ``trusted=True``.
+A checkpoint without these entries loads as it is (its optimizer keeps its hyperparameters,
+and ``extra`` is None); one whose entries are plain pickles rather than ``torch.save``
+archives loads only with ``trusted=True``, as unpickling them can run code.
 
 **In the background.** ``save(path, blocking=False)`` (and :func:`save_step`) returns a
 :class:`PendingSave` once this rank's state is copied to host memory (a copy of its pieces:

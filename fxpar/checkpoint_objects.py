@@ -88,7 +88,8 @@ def _deserialized(
     stream: io.BytesIO, path: str | os.PathLike[str], what: str, trusted: bool
 ) -> Any:
     """An entry written by :func:`_serialized`, built by torch's weights-only unpickler unless
-    ``trusted`` (or by a general one for a plain pickle of an older fxpar, when ``trusted``)."""
+    ``trusted``. An entry that is a plain pickle rather than ``torch.save``'s archive is
+    refused, or, when ``trusted``, built by a general unpickler."""
     stream.seek(0)
     data = stream.read()
     if not data.startswith(b"PK"):  # not torch.save's zip archive: a plain pickle

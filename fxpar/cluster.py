@@ -217,7 +217,7 @@ class Cluster:
         layer ahead) that the compute really hides: :attr:`overlap` where it is set, else 1 on
         CUDA devices, whose collectives run on copy engines of their own, and 0 elsewhere: on
         CPU processes, gloo moves the bytes on the cores the ops need, and a collective in
-        flight slows them by about what it takes (benchmarks/README.md, cost_model.py)."""
+        flight slows them by about what it takes."""
         if self.overlap is not None:
             return self.overlap
         return 1.0 if self.device_type.startswith("cuda") else 0.0

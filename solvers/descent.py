@@ -3,9 +3,9 @@
 On a mesh of ``k`` axes a node's strategies are the product of its placements on each axis:
 a matmul has up to 7 strategies on one axis, 49 on two and 343 on three, and an edge between
 two such nodes up to 343² pairs. The ILP of a Llama-3-8B step on a (2, 2, 2) mesh has 3.4
-million columns after its reductions; HiGHS did not solve its root relaxation in ten minutes
-on the 2-core development machine, and generating its columns as their reduced costs ask
-(the relaxation's optimum is held by 264 thousand of them) took eight.
+million columns after its reductions: too many for HiGHS to solve even the root relaxation
+within a planning time limit, and generating the columns as their reduced costs ask does not
+save it, as the relaxation's optimum is held by hundreds of thousands of them.
 
 :class:`AxisDescent` gives an exact solver problems no larger than a two-axis mesh's
 instead. It starts from the cheapest plan that fits among the problem's starts, the greedy
@@ -22,11 +22,10 @@ pair of axes: not a proven optimum. It is returned with status
 its plan is the answer for a problem too large for one model, and the starting plan of the
 model otherwise (docs/planning.md, "Meshes of three or more axes").
 
-Measured on Llama-3-8B, (2, 2, 2) H100, bf16, 8 x 2048 (the problem of
-``benchmarks/alpa.py 3d-222``): the single ILP stopped at its 30 s limit with the fully sharded
-starting plan, 1.17 s per step; the descent's one-axis steps bring it to 0.434 s in 11 steps
-of about 0.18 s, and its round of two-axis steps to 0.430 s in 3 more of 1.3-2.0 s, most of
-which is HiGHS solving the root relaxation (90 thousand columns, 0.8-1.5 s).
+The one-axis steps make most of the improvement, each cheaply. A two-axis step costs several
+of them (most of it HiGHS solving the root relaxation of its larger problem) and is there to
+make the moves that no single axis can, which are few once the one-axis steps are done: so
+pairs of axes get one round.
 """
 
 from __future__ import annotations
@@ -99,7 +98,7 @@ class AxisDescent:
             since_better = 0
             # One axis at a time: round the axes until a whole round improves nothing. Pairs
             # of axes: one round (a pair's step costs several one-axis steps, and a second
-            # round moved 3d-248's plan by 0.1% for 40% more time).
+            # round of pairs finds little the first left).
             rounds = itertools.cycle(groups) if size == 1 else iter(groups)
             for free in rounds:
                 if since_better == len(groups):

@@ -29,11 +29,11 @@ hand-written plans when the planner built the problem), given to HiGHS as a MIP 
 path answers, the answer is compared with the starting plans at the end, so it never costs more
 than the cheapest of them that fits: at a time limit the solver still has a plan to return.
 The Lagrangian phase's best plan is often much better, but it is deliberately not the MIP start:
-measured on Llama-8B at 80 GiB, HiGHS given the optimum as its start took 66 s to prove it
-against 39 s from the greedy start (a near-optimal incumbent makes it fix columns by reduced
-cost at once and restart over and over). When HiGHS stops on its time limit, the cheapest of its
-plan, the warm start and the Lagrangian plans that fit is returned with status ``"time_limit"``
-and the gap to the better of HiGHS's bound and the Lagrangian bound.
+a near-optimal incumbent makes HiGHS fix columns by reduced cost at once and restart over and
+over, so that proving even the optimum, given as the start, takes longer than from the greedy
+start. When HiGHS stops on its time limit, the cheapest of its plan, the warm start and the
+Lagrangian plans that fit is returned with status ``"time_limit"`` and the gap to the better
+of HiGHS's bound and the Lagrangian bound.
 """
 
 from __future__ import annotations
@@ -189,9 +189,9 @@ class ILPSolver:
         highs = new_highs(self.threads)
         if SHARED_READ in problem.kinds:
             # Their LP relaxation is weak (half-integral on a one-layer GPT), and after
-            # HiGHS's presolve its root spent seconds in cuts: that GPT's problem on (2,)
-            # solved in 3.8 s with presolve, 0.5 s without (tests/test_expert_choice.py 182 s
-            # against 82 s). Problems without them solve as fast or faster with it.
+            # HiGHS's presolve its root spends long in cuts, several times what the whole
+            # solve takes without presolve. Problems without them solve as fast or faster
+            # with it.
             highs.setOptionValue("presolve", "off")
         highs.setOptionValue("time_limit", max(seconds, 1e-3))
         highs.setOptionValue("mip_rel_gap", self.mip_gap)

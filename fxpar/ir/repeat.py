@@ -1,11 +1,12 @@
 """Capture a deep model by tracing six of its repeated layers and stamping the others.
 
 Tracing is the dearest part of planning a large model on a small machine: ``make_fx`` sends
-every op through fake tensors, functionalization and the proxy tracer, about half a second per
-decoder layer of a Llama on 2 cores, so Llama-3-70B's 80 layers take most of a minute before
-any planning starts. Yet a decoder's layers are one layer repeated, and so are their ops in the
-captured step. :func:`capture_repeated` traces the model with its layer container cut to its
-first :data:`TRACED` layers, then builds the step of all ``N`` layers from that graph:
+every op through fake tensors, functionalization and the proxy tracer, in Python, so its time
+grows with the number of ops, whatever their sizes, and a model of many layers is traced for
+long before any planning starts. Yet a decoder's layers are one layer repeated, and so are
+their ops in the captured step. :func:`capture_repeated` traces the model with its layer
+container cut to its first :data:`TRACED` layers, then builds the step of all ``N`` layers
+from that graph:
 
 - Layers 0-2 are kept as traced; layer 3, the *template*, is copied for layers 3 to ``N - 3``;
   the traced layers 4 and 5 become layers ``N - 2`` and ``N - 1``. (The first and last layers

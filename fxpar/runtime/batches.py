@@ -17,11 +17,11 @@ row and column sums of its bits read as integers (:func:`bit_sums`: two reductio
 ``2 * sqrt(n)`` numbers), hashes those with SHA-256, and the ranks compare digests (one small
 all-gather). Any difference in at most three elements (one altered, two swapped) is caught
 for certain, and more only slip through if they cancel in every row and column sum
-(docs/training.md, "Each rank its own rows"). Hashing every byte instead (BLAKE2b, before)
-cost a copy to the host and 0.4-0.7 GiB/s of one CPU core: several times the sums on a CPU,
-and far more beside a GPU's step (benchmarks/README.md, "batch_digest.py"). Comparing float
-checksums would call a batch containing NaN different from itself (NaN != NaN) and could miss
-low-order differences of large values; bit patterns have neither problem.
+(docs/training.md, "Each rank its own rows"). Hashing every byte instead would cost a copy
+of a GPU's batch to the host and a serial pass over every byte on one CPU core, where the sums
+are memory-bound reductions on the batch's own device that leave few numbers to hash.
+Comparing float checksums would call a batch containing NaN different from itself (NaN != NaN)
+and could miss low-order differences of large values; bit patterns have neither problem.
 """
 
 from __future__ import annotations
@@ -311,7 +311,7 @@ def bit_sums(tensor: torch.Tensor) -> torch.Tensor:
     rows = count // width
     body = words[: rows * width].view(rows, width)
     # In the words' own type: wrapping sums are as exact for equality as wider ones, and
-    # casting to int64 as it reads costs about 6x the reduction itself on a CPU.
+    # casting to int64 as it reads would cost several times the reduction itself on a CPU.
     row_sums = body.sum(1, dtype=words.dtype)
     column_sums = body.sum(0, dtype=words.dtype)
     tail = words[rows * width :]

@@ -156,8 +156,8 @@ class CalibrationOptions:
     """How many runs of the short stretch (each with every rank computing, then with half)
     the core sharing takes means over, a quarter as many of the long: a stretch of a few
     milliseconds gets its share of a core in scheduler slices of about that length, so one
-    run's speed swings widely (over 15 runs the speedup of four processes on two cores spread
-    1.14-1.65 between calibrations, over 60 1.37-1.56); they take about two seconds."""
+    run's speed swings widely, and a mean over a few runs moves from one calibration to the
+    next; a mean over dozens moves much less, at a cost of a few seconds."""
     drift_seconds: float = 0.1
     """How long the stretch of compute that measures the cluster's ``lag_share`` on CPU takes
     (:func:`~fxpar.runtime.core_sharing.measure_lag`); 0 measures none."""
@@ -462,10 +462,9 @@ def _timed_steps(
     """The ops of ``program`` and of the ``microbatch`` step, if any, timed
     (:func:`_mean_ops`). Two steps are timed in turn,
     :attr:`CalibrationOptions.op_rounds` times, and each call takes its median over the rounds:
-    the machine's speed drifts by tens of percent over a minute, and steps timed one after the
-    other would fit their difference in size to that drift (a step at a quarter of the batch
-    came out at 0.94 to 1.09 of a quarter of the whole step's time in four single timings of
-    HF ViT, 1.20 to 1.34 timed in turn three times)."""
+    a shared or virtual machine's speed can drift by tens of percent over a minute, and steps
+    timed one after the other would fit that drift, not their difference in size, as the ops'
+    fixed costs (or fit none); timed in turn, both steps see the same drift."""
     steps = [(program, inputs), *([microbatch] if microbatch is not None else [])]
     rounds = 1 if len(steps) == 1 else options.op_rounds
     timed = [[_mean_ops(program, inputs, options, device) for program, inputs in steps]

@@ -115,7 +115,7 @@ def typical_seconds(
     a step, and its time is the mean over its repeats (``local_seconds`` of them at least): on
     a machine with fewer cores than ranks, one run may hold a core alone for a scheduler slice,
     and a quantile of single runs then measures a whole core where the step gets a share of one
-    (one such calibration priced a 4-rank step at half its measured time). On a GPU each run
+    (and prices a step's compute at a fraction of what it takes). On a GPU each run
     is waited for (it is queued, not run, when the call returns)."""
     for _ in range(options.warmup):
         run()

@@ -19,7 +19,7 @@ from fxpar.lowering.collective_calls import Done, Pending
 from fxpar.runtime import waiting
 
 # torch 2.13 names the tensor collectives ``all_gather_single`` and ``reduce_scatter_single``;
-# earlier releases (the GPU machines' 2.11, say) ``all_gather_into_tensor`` and
+# earlier releases (2.11, say) ``all_gather_into_tensor`` and
 # ``reduce_scatter_tensor``, with the same arguments.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -76,9 +76,9 @@ class ProcessGroupCommunicator:
     ``all_to_all_single``), which gloo and NCCL both run.
 
     Those collectives work on dim 0 of a contiguous buffer; another dim is moved to the front
-    first (one copy, where the old list-of-pieces form made one too), and results come back
-    contiguous. ``all_reduce`` reduces a contiguous copy: the input may have other readers in
-    the per-rank program, so it is not reduced in place.
+    first (one copy, as gathering into a list of pieces and joining them would make too), and
+    results come back contiguous. ``all_reduce`` reduces a contiguous copy: the input may have
+    other readers in the per-rank program, so it is not reduced in place.
     """
 
     def __init__(self, device_mesh: object) -> None:

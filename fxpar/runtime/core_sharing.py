@@ -7,21 +7,21 @@ every rank computing a thread gets ``1 / d`` of a core, with the share ``f`` of 
 ``min(1, 1 / (f d))``. Counting threads over cores gives the ``d`` of long stretches; the
 scheduler gives a short stretch less than that (a woken process runs for a slice before it
 shares its core, so short stretches are barely slowed by peers, and barely sped up by their
-idling). On four single-threaded processes on two cores, half the ranks computed a stretch
-1.0x, 1.4-1.5x and 1.85-1.9x as fast as all of them at once for stretches of about 1, 8 and
-32 ms, and a Llama step of 48 and 87 ms 1.8x and 1.9x: about as if the first 2.7 ms of a
-stretch ran at the speed of all and the rest twice as fast.
+idling). So a stretch that half the ranks compute runs as if its first part went at the speed
+of all and the rest ``min(d, 2)`` times as fast: the speed-up approaches that factor only on
+stretches many times longer than the scheduler takes to hand a rank the cores its peers left.
 :attr:`fxpar.Cluster.core_delay` is that start, and :func:`measure_core_sharing` measures
-both on two stretches about as long as a pipeline's forwards and backwards.
+both on two stretches about as long as a pipeline's forwards and backwards, so that the line
+through them is right at the lengths a pipeline's price reads it at.
 
 Sharing cores also makes the ranks drift apart: each gets its turns on a core at other times,
 so after a stretch of compute that is the same work on every rank, some are done before the
-others, and a collective that synchronises them waits for the last. On four processes on two
-cores a one-element all-reduce after 2, 10, 50 and 94 ms of products waited 2.1, 4.2, 5.8 and
-13.8 ms (a pair of ranks about as long as all four); on two processes on two cores about 1-2.5
-ms whatever the stretch. The wait calibration adds to every collective's latency is the one
-after a short stretch; :func:`measure_lag` measures how much it grows with the stretch
-(:attr:`fxpar.Cluster.lag_share`, :meth:`~fxpar.Cluster.lag_seconds`).
+others, and a collective that synchronises them waits for the last. Where ranks outnumber
+cores that wait grows with the stretch (and is about as long for a pair of ranks as for all of
+them); with a core per rank it stays about the same whatever the stretch. The wait calibration
+adds to every collective's latency is the one after a short stretch; :func:`measure_lag`
+measures how much it grows with the stretch (:attr:`fxpar.Cluster.lag_share`,
+:meth:`~fxpar.Cluster.lag_seconds`).
 """
 
 from __future__ import annotations

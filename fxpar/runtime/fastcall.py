@@ -3,8 +3,8 @@
 torch.fx writes a call to an ATen overload as ``torch.ops.aten.mm.default(a, b)``: four
 attribute lookups and ``OpOverload.__call__``, a Python function whose only work is to call the
 overload's C++ entry point (``OpOverload._op``). A training step of a small model runs
-hundreds of such calls per micro-batch, and on a CPU that frame is several percent of the
-step (8% of a GPT block's backward at one row per micro-batch).
+hundreds of such calls per micro-batch, and where each call does little work (a CPU, small
+micro-batches) that frame is a noticeable share of the step.
 
 :func:`executable` gives the copy of a GraphModule that the runtime runs: the same graph, with
 every ATen overload replaced by its entry point, bound to a global named after the overload
@@ -67,9 +67,10 @@ def executable(graph_module: fx.GraphModule, *, boxed: bool = False) -> fx.Graph
 
 COPY_AFTER_CALLS = 16
 """Calls of a program that run the original before the copy is made. Making the copy costs
-about 35 µs per node (a deep copy and a recompile), and it saves about 1.4 µs per ATen call,
-so it pays back after some 25 calls: a program run a few times (tests, one-off calls, the first
-steps) does not pay for it, one run for a whole training does."""
+tens of microseconds per node (a deep copy of the graph and a recompile), and it saves about a
+microsecond per ATen call, so it pays back only after some tens of calls: a program run a few
+times (tests, one-off calls, the first steps) does not pay for it, one run for a whole
+training does."""
 
 
 def run(graph_module: fx.GraphModule, *args: Any) -> Any:

@@ -24,13 +24,13 @@ has read it).
 Processes start from a fork server (start method ``"forkserver"``) that has imported torch,
 fxpar and the parts of torch a capture loads on first use (:data:`_CAPTURE_MODULES`) once: a
 process then starts in milliseconds instead of the seconds a fresh interpreter takes to import
-them (about 5 s for four processes on two cores, paid by every call), and its first capture
-does not import 200 modules of its own (0.9 s of a two-layer GPT's first compile and step). Each
-process takes the caller's working directory, environment variables and standard output and
-error as they are at the call, like a freshly spawned one; what a process reads only as it
-starts (glibc's ``MALLOC_*`` variables, say) is the fork server's, from when the first call
-started it, and so is the import path (``sys.path``) that ``fn``'s module is found on. Pass
-``start_method="spawn"`` for fresh interpreters.
+them (paid by every call, and by every process at once where they share few cores), and its
+first capture does not import hundreds of modules of its own, a large part of a small model's
+first compile and step. Each process takes the caller's working directory, environment
+variables and standard output and error as they are at the call, like a freshly spawned one;
+what a process reads only as it starts (glibc's ``MALLOC_*`` variables, say) is the fork
+server's, from when the first call started it, and so is the import path (``sys.path``) that
+``fn``'s module is found on. Pass ``start_method="spawn"`` for fresh interpreters.
 """
 
 from __future__ import annotations

@@ -9,14 +9,14 @@ lines: those of the upper hull of the points, a price that is exact at every poi
 and no lower than any point under it.
 
 Why not one line through the smallest and the largest point: on gloo processes that share
-cores (four on the development machine's two), all-reduces of 64-512 KiB took about what
-4 MiB's fixed part takes, 2.2-3.7 ms after a barrier against 0.34 for one element, and that line
-priced them at half of what they took in a step (``benchmarks/collective_sizes.py``): a plan
-that waits at many of them, tensor parallelism, was estimated short. One line through the large
-point and the middle one priced them right but put every small collective ~2 ms over (a fully
-sharded plan gathering many small parameters, a loss reduced as a one-element partial sum): the
-two lines of the hull price both. Where the middle point lies on or under the line of the
-extremes (a host with a core per rank), the hull is that one line.
+cores (more processes than cores), a collective of some hundreds of kilobytes can take many
+times what one element takes, far above the chord from the one-element point to the large
+one, and that line then prices it at a fraction of what it takes in a step: a plan that waits
+at many of them, tensor parallelism, is estimated short. One line through the large point and
+the middle one prices those right but puts every small collective over by the difference of
+the two latencies (a fully sharded plan gathering many small parameters, a loss reduced as a
+one-element partial sum): the two lines of the hull price both. Where the middle point lies
+on or under the line of the extremes (a host with a core per rank), the hull is that one line.
 """
 
 from __future__ import annotations

@@ -10,19 +10,19 @@ does no work by the roofline, a view, only ``op_overhead``). The three numbers c
 - Per op, the calls' time beyond the overhead summed over each timed step, against their count
   and their summed roofline. From one step, the slowdown is the one over the other and the
   fixed cost 0: one batch size cannot tell a call's fixed cost from its rate (a least-squares
-  intercept over one step's calls came out at 7, -120 and -28 µs for three models), so the rate
-  absorbs it, right at that size and too cheap at any smaller one. From steps at two or more
-  batch sizes (the same step captured at a micro-batch's shapes, say), the fixed cost and the
+  intercept over one step's calls is noise, and can come out negative), so the rate absorbs
+  it, right at that size and too cheap at any smaller one. From steps at two or more batch
+  sizes (the same step captured at a micro-batch's shapes, say), the fixed cost and the
   slowdown are the least-squares line through the steps' sums, which gives back each step's
-  time of the op when there are two: on the development machine a compute call of HF ViT costs
-  some 40 µs whatever its size, against the overhead's 5, and a pipeline of eight
-  micro-batches priced by one step's rates came out 20% under its measured step.
+  time of the op when there are two. On a CPU a compute call's fixed cost can be several times
+  the overhead, so a pipeline of many micro-batches priced by one step's rates is priced well
+  under what it takes.
 - ``"*"``, which ops the timings did not see take, is fitted the same way over every op.
 
 A call whose roofline is below :data:`TINY_CALL` of the overhead is left out of the sums (at
 every size, when its node is so at one): its time is all the call itself, and a rate fitted to
-it (a one-element ``ones_like`` taking 60 µs is 10⁵ times its roofline) would price the op
-absurdly at any other size.
+it (a one-element ``ones_like`` takes a whole call's time, orders of magnitude beyond its
+roofline) would price the op absurdly at any other size.
 """
 
 from __future__ import annotations

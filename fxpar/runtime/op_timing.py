@@ -84,8 +84,8 @@ def time_ops(
     medians = [statistics.median(times) for times in samples]
     # Where ranks outnumber cores, a scheduler slice taken from a rank lands on one call in a
     # pass or two, which its median drops: the medians then add up to less than a pass takes
-    # (4 processes on 2 cores: 5-30% less; 2 on 2: within 2%). Scaled to the median pass,
-    # the calls add up to what the step pays.
+    # (by far more where ranks outnumber cores than with a core per rank). Scaled to the
+    # median pass, the calls add up to what the step pays.
     scale = statistics.median(totals) / sum(medians) if sum(medians) > 0 else 1.0
     flops = default_flop_registry()
     return [

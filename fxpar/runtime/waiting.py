@@ -2,40 +2,38 @@
 
 ``work.wait()`` on a gloo collective puts the calling thread to sleep until gloo's own thread
 finishes the transfer and wakes it. Where a process has nothing else to run, its core then goes
-idle, and in a virtual machine an idle virtual CPU is handed back to the host: waking it costs
-far more than the transfer. On the 2-core KVM development machine, two processes that each
-multiply a 1024x512 by a 512x256 matrix and then all-reduce the 1 MiB result take about 6 ms per
-round when they block in ``wait()`` and 4 ms when they poll ``work.is_completed()`` and call
-``os.sched_yield()`` between polls; the multiplication alone takes 2.7 ms.
+idle, and in a virtual machine an idle virtual CPU is handed back to the host: waking it can
+take longer than a small transfer does (an all-reduce of a megabyte between two processes), so
+a step that waits at many small collectives, tensor parallelism's activations say, pays a
+wake-up at each of them.
 
-So :func:`wait` polls where it can, for up to :data:`POLL_SECONDS` (10 ms), then blocks: the
-waiting thread keeps its core and gives it up, at every poll, to any other thread that is ready
+So :func:`wait` polls where it can, for up to :data:`POLL_SECONDS`, then blocks: the waiting
+thread keeps its core and gives it up, at every poll, to any other thread that is ready
 (gloo's thread of the same process, or another process on an oversubscribed machine). MPI
 libraries wait the same way by default. The bound is for oversubscribed machines: a process
-that polls counts as busy, so the kernel does not move a computing process onto its core. With
-four processes of a tensor-parallel GPT on two cores (``benchmarks/peers.py``'s model, medians
-of 7 rounds in one run), a step took 297 ms blocking, 295 ms polling without a bound and 240 ms
-polling for up to 10 ms; on two processes, 180, 170 and 171-174 ms (20 and 5 ms bounds).
+that polls counts as busy, so the kernel does not move a computing process onto its core. An
+unbounded poll holds that core for as long as the peer it waits for computes elsewhere; a
+bound of a few times a small collective's time keeps what a poll saves and gives the core back
+when the wait turns out long.
 
-Transfers larger than :data:`POLL_BYTES` (4 MiB) are waited on by sleeping: a wake-up is small
-beside their own time, and the gloo threads moving them need the cores a poll would hold (four
-data-parallel processes on two cores, whose 12 MiB gradient bucket is waited on at the end of
-the step, took 179-181 ms per step blocking and 184-188 ms polling).
+Transfers larger than :data:`POLL_BYTES` are waited on by sleeping: a wake-up is small beside
+their own time, and the gloo threads moving them need the cores a poll would hold (a
+data-parallel step's gradient buckets, waited on at the end of the step, are such transfers).
 
 Only work that reports its own completion is polled. On gloo in torch 2.13 that is
 ``all_reduce``, ``all_gather_single`` and ``all_to_all_single``; ``reduce_scatter_single``,
 ``send`` and ``recv`` say they are complete only once ``wait()`` has run (their transfer
-happens inside it), so their callers pass ``poll=False`` rather than poll in vain for 10 ms.
-``tests/test_waiting.py`` checks each kind on gloo, so a torch release that changes this shows
-there. Only CPU work is polled: a wait on NCCL work does not block the CPU at all (it orders
-the CUDA streams), and polling it would make the CPU wait for the GPU instead.
+happens inside it), so their callers pass ``poll=False`` rather than poll in vain for
+:data:`POLL_SECONDS`. ``tests/test_waiting.py`` checks each kind on gloo, so a torch release
+that changes this shows there. Only CPU work is polled: a wait on NCCL work does not block the
+CPU at all (it orders the CUDA streams), and polling it would make the CPU wait for the GPU
+instead.
 
-**Where ranks outnumber cores, waits block** (:func:`oversubscribed`). The figures above are
-from an earlier runtime; measured again with ``benchmarks/cost_model.py``'s 36 plans of six
-models on four processes on two cores, twice each way back to back (benchmarks/README.md,
-cost_model.py, session 25), blocking was faster on 26 and 30 of the 36 (median 0.93 of the
-polling step both times) and steadier from run to run: a rank that reaches a collective first
-polls on a core that a peer it waits for needs. On hosts with a core per rank, waits poll.
+**Where ranks outnumber cores, waits block** (:func:`oversubscribed`). There the rank that
+reaches a collective first would poll on a core that a peer it waits for needs to reach the
+collective at all: the wake-up the poll saves is worth less than the compute it holds up, and
+which rank gets the core becomes a matter of scheduling, so steps also vary more from one to
+the next. On hosts with a core per rank nothing waits for a core, and waits poll.
 
 ``FXPAR_WAIT=block`` or ``FXPAR_WAIT=poll`` in the environment (read at each call) chooses for
 every wait, to compare the two or to leave idle cores to other jobs.
@@ -58,9 +56,12 @@ from fxpar.planning.grouping import buckets as cut_buckets
 
 POLICIES = ("poll", "block")
 POLL_SECONDS = 0.01
-"""How long a wait polls before it blocks after all."""
+"""How long a wait polls before it blocks after all: several times what a small collective
+takes between ranks that reach it together (about a millisecond), short beside a step, so
+that a wait for a peer still computing soon gives its core back."""
 POLL_BYTES = 4 * 2**20
-"""The largest transfer waited on by polling (:func:`pollable`)."""
+"""The largest transfer waited on by polling (:func:`pollable`): a few megabytes, beyond which
+a transfer takes several times what a wake-up costs."""
 
 
 def policy() -> str:

@@ -82,8 +82,9 @@ def spec_code(spec: Spec) -> Code:
 
 class SpecCoder:
     """:func:`spec_code`, remembered by the spec's identity: the specs of a step are a few
-    shared objects met many times, and hashing their torch placements is what made
-    propagating a three-axis Llama slow."""
+    shared objects met many times, and the planner keys and compares codes instead of specs,
+    whose torch placements hash and compare through a Python call per placement at every
+    lookup (a cost that grows with the mesh's axes and the candidates propagated)."""
 
     def __init__(self) -> None:
         self._codes: dict[int, tuple[Spec, Code]] = {}  # the spec is kept, so its id stays its
