@@ -18,11 +18,13 @@ subject to
 - the submeshes use exactly the cluster: ``sum_k devices(s_k) = D`` (as in Alpa; exact use is
   what the tiling guarantee below needs, and a caller who wants devices left idle describes a
   smaller cluster);
-- every stage fits: ``static_k + f_k * activation_k <= memory_limit``, where the microbatches in
-  flight on stage ``k`` depend on the schedule: ``f_k = M`` under GPipe (every forward runs before
-  any backward), ``f_k = min(K - k, M)`` under 1F1B (stage ``k`` runs ``K - k`` warm-up forwards),
-  ``f_k = min(K, M)`` under ZB-H1 (every stage keeps what its B's leave for its deferred W's, up
-  to 1F1B's first stage's count; the caller's activation holds the stash and what B keeps);
+- every stage fits: ``static_k + f_k * activation_k <= memory_limit``, where ``f_k``, the
+  microbatches in flight on stage ``k`` of ``K``, is the caller's (``in_flight(K)[k]``: the
+  pipeline code reads them off the schedule's instruction lists,
+  :meth:`fxpar.pipeline.Schedule.in_flight`). Under GPipe ``f_k = M`` (every forward runs before
+  any backward), under 1F1B ``min(K - k, M)`` (stage ``k`` runs ``K - k`` warm-up forwards),
+  under ZB-H1 ``min(K, M)`` (every stage keeps what its B's leave for its deferred W's, up to
+  1F1B's first stage's count; the caller's activation holds the stash and what B keeps);
 - ``K`` is given (``stages=k``) or free (``stages="auto"``, any ``1 <= K <= min(L, D)``).
 
 Rematerialization is not a separate case: the caller's table then reports the smaller activation
@@ -39,19 +41,21 @@ times of ``n`` stages covering layers ``[l, L)`` on exactly ``d`` devices,
                      c.time <= t_max  and  c.static + f(n) * c.activation <= memory_limit
                  of  c.time + G(j, d - devices(s), n - 1),
 
-where ``f(n) = M`` for GPipe and ``min(n, M)`` for 1F1B (the new stage has ``n - 1`` stages behind
-it, so it is stage ``K - n`` of ``K``). The value for ``t_max`` is ``G(0, D, K) + (M - 1) * t_max``
-(minimized over ``K`` when it is free). Every ``t_max`` gives an upper bound on the step time of
-some plan, and with ``t_max`` set to the slowest stage time of an optimal plan it gives the
-optimum, so trying every distinct stage time in the table as ``t_max`` and keeping the least value
-is exact.
+where ``f(n)`` is what a stage with ``n - 1`` stages behind it keeps (it is stage ``K - n`` of
+``K``): ``M`` for GPipe and ``min(n, M)`` for 1F1B. The value for ``t_max`` is
+``G(0, D, K) + (M - 1) * t_max`` (minimized over ``K`` when it is free). Every ``t_max`` gives
+an upper bound on the step time of some plan, and with ``t_max`` set to the slowest stage time
+of an optimal plan it gives the optimum, so trying every distinct stage time in the table as
+``t_max`` and keeping the least value is exact.
 
-Only ``f(n)`` needs ``n``, so when ``K`` is free the count saturates: GPipe needs no count at all
-(one state, "at least one stage behind"), 1F1B needs ``n`` only up to ``M`` (``n >= M`` all hold
-``M``). ZB-H1's ``f = min(K, M)`` is the same on every stage, but it is the plan's own ``K``,
-which the DP does not know while it places a stage: with ``K`` fixed ``f`` is that constant,
-and with ``K`` free each ``K`` is solved on its own (:func:`solve_each_stage_count`, at most
-``min(L, D)`` solves) and the least value wins.
+Only ``f(n)`` needs ``n``, so when ``K`` is free the count saturates at the least ``n`` from
+which ``f`` no longer changes: GPipe needs no count at all (one state, "at least one stage
+behind"), 1F1B needs ``n`` only up to ``M`` (``n >= M`` all hold ``M``). That holds when the
+counts depend only on the stages behind, which the solver reads off the caller's counts for
+every ``K``. ZB-H1's ``f = min(K, M)`` is the same on every stage, but it is the plan's own
+``K``, which the DP does not know while it places a stage: with ``K`` fixed ``f`` is that
+constant, and with ``K`` free each ``K`` is solved on its own (:func:`solve_each_stage_count`,
+at most ``min(L, D)`` solves) and the least value wins.
 The candidate ``t_max`` values form one numpy axis and the device count another, so a whole
 batch of candidates is one pass over ``(l, n, table entry)``: ``O(L^2 S K)`` vector operations of
 size ``(candidates, D + 1)`` for ``S`` shapes. Not every candidate needs trying: the least sum
@@ -88,8 +92,9 @@ from fxpar.solvers.errors import format_bytes
 
 Submesh = tuple[int, ...]
 Coordinate = tuple[int, ...]
-Schedule = Literal["gpipe", "1f1b", "zb-h1"]
-SCHEDULES: tuple[Schedule, ...] = ("gpipe", "1f1b", "zb-h1")
+InFlightCounts = Callable[[int], Sequence[int]]
+"""``K -> counts``: the microbatches whose activations each of ``K`` stages keeps at once, by
+stage. Asked at most once per ``K`` and problem."""
 StageCount = int | Literal["auto"]
 StageCostTable = (
     Callable[[int, int, Submesh], "StageCost | None"]
@@ -156,7 +161,13 @@ class StageProblem:
     costs: StageCostTable = dataclasses.field(repr=False, compare=False)
     memory_limit: float | None = None
     """Bytes per device; ``None`` for no limit."""
-    schedule: Schedule = "1f1b"
+    schedule: str = "1f1b"
+    """The schedule's name, for the plan to carry; what it keeps in flight is
+    ``in_flight_counts``'."""
+    in_flight_counts: InFlightCounts = dataclasses.field(kw_only=True, repr=False, compare=False)
+    _counts: dict[int, tuple[int, ...]] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_layers, int) or self.num_layers < 1:
@@ -164,10 +175,6 @@ class StageProblem:
         if not isinstance(self.num_microbatches, int) or self.num_microbatches < 1:
             raise InvalidStageProblemError(
                 f"need at least one microbatch, got num_microbatches={self.num_microbatches}"
-            )
-        if self.schedule not in SCHEDULES:
-            raise InvalidStageProblemError(
-                f"schedule must be one of {', '.join(map(repr, SCHEDULES))}, got {self.schedule!r}"
             )
         if self.memory_limit is not None and not self.memory_limit >= 0:
             raise InvalidStageProblemError(
@@ -207,7 +214,29 @@ class StageProblem:
 
     def in_flight(self, stage_index: int, num_stages: int) -> int:
         """Microbatches whose activations stage ``stage_index`` of ``num_stages`` holds at once."""
-        return in_flight_microbatches(self.schedule, stage_index, num_stages, self.num_microbatches)
+        return self.stage_counts(num_stages)[stage_index]
+
+    def stage_counts(self, num_stages: int) -> tuple[int, ...]:
+        """``in_flight_counts(num_stages)``, checked: one non-negative count per stage."""
+        counts = self._counts.get(num_stages)
+        if counts is None:
+            counts = tuple(self.in_flight_counts(num_stages))
+            if len(counts) != num_stages or not all(
+                isinstance(count, int) and count >= 0 for count in counts
+            ):
+                raise InvalidStageProblemError(
+                    f"in_flight_counts({num_stages}) must give a non-negative number of "
+                    f"microbatches for each of the {num_stages} stages, got {counts!r}"
+                )
+            self._counts[num_stages] = counts
+        return counts
+
+    def counts_follow_stages_behind(self) -> bool:
+        """Whether what a stage keeps depends only on how many stages come after it, for every
+        ``K`` a plan may have (module docstring): then the DP with ``K`` free is one solve."""
+        most = min(self.num_layers, self.num_devices)
+        longest = self.stage_counts(most)
+        return all(self.stage_counts(count) == longest[most - count :] for count in range(1, most))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,7 +266,7 @@ class StagePlan:
     t_max: float
     """The slowest stage's time."""
     num_microbatches: int
-    schedule: Schedule
+    schedule: str
 
     @property
     def num_stages(self) -> int:
@@ -276,18 +305,6 @@ def pipeline_step_time(stage_times: Sequence[float], num_microbatches: int) -> f
     if not stage_times:
         raise InvalidStageProblemError("a pipeline needs at least one stage")
     return sum(stage_times) + (num_microbatches - 1) * max(stage_times)
-
-
-def in_flight_microbatches(
-    schedule: Schedule, stage_index: int, num_stages: int, num_microbatches: int
-) -> int:
-    """Microbatches stage ``stage_index`` (0-based) of ``num_stages`` keeps activations for:
-    all ``M`` under GPipe, ``min(K - k, M)`` under 1F1B, ``min(K, M)`` under ZB-H1."""
-    if schedule == "gpipe":
-        return num_microbatches
-    if schedule == "zb-h1":
-        return min(num_stages, num_microbatches)
-    return min(num_stages - stage_index, num_microbatches)
 
 
 def check_submesh_shapes(mesh_shape: tuple[int, ...], shapes: Sequence[Submesh]) -> None:
@@ -493,7 +510,7 @@ def solve_stages(problem: StageProblem, stages: StageCount = "auto") -> StagePla
     """The plan of least pipeline step time (module docstring), with ``stages`` stages or any
     number. Raises :class:`StageMemoryError` when plans exist but none fits in memory and
     :class:`NoStagePlanError` when none exists at all."""
-    if stages == "auto" and problem.schedule == "zb-h1":
+    if stages == "auto" and not problem.counts_follow_stages_behind():
         # Its microbatches in flight depend on the plan's own K (module docstring).
         return min(solve_each_stage_count(problem), key=lambda plan: plan.objective)
     counting = _stage_counting(problem, stages)
@@ -518,7 +535,8 @@ def solve_stages(problem: StageProblem, stages: StageCount = "auto") -> StagePla
 def solve_each_stage_count(problem: StageProblem) -> tuple[StagePlan, ...]:
     """The plan of least step time of every stage count that has one, fewest stages first:
     for a caller that ranks them by another measure than the objective (a zero-bubble
-    schedule's step), and for :func:`solve_stages` under ZB-H1 with ``K`` free. Raises like
+    schedule's step), and for :func:`solve_stages` with ``K`` free where the microbatches in
+    flight depend on ``K`` (ZB-H1's). Raises like
     :func:`solve_stages` when no count has a plan; a :class:`StageMemoryError` then names the
     most frugal plan of any count."""
     entries = _entries(problem)
@@ -551,10 +569,16 @@ def solve_each_stage_count(problem: StageProblem) -> tuple[StagePlan, ...]:
 
 def _stage_counting(problem: StageProblem, stages: StageCount) -> _StageCounting:
     most = min(problem.num_layers, problem.num_devices)
-    if stages == "auto" and problem.schedule == "zb-h1":
-        raise AssertionError("ZB-H1 with K free is solved one K at a time")
+    longest: tuple[int, ...] = ()
     if stages == "auto":
-        top = 1 if problem.schedule == "gpipe" else min(problem.num_microbatches, most)
+        if not problem.counts_follow_stages_behind():
+            raise AssertionError("counts that depend on K are solved one K at a time")
+        # f(n) is what stage most - n of the longest plan keeps; the count saturates where f
+        # stops changing.
+        longest = problem.stage_counts(most)
+        top = most
+        while top > 1 and longest[most - top + 1] == longest[most - top]:
+            top -= 1
         saturating = True
     elif isinstance(stages, int) and not isinstance(stages, bool) and 1 <= stages <= most:
         top, saturating = stages, False
@@ -564,10 +588,11 @@ def _stage_counting(problem: StageProblem, stages: StageCount) -> _StageCounting
             f"layer and per device: {problem.num_layers} layers, {problem.num_devices} devices), "
             f"got {stages!r}"
         )
-    if saturating:  # a stage with n - 1 stages behind it: stage 0 of n, for all we know
-        in_flight = tuple(problem.in_flight(0, count) for count in range(top + 1))
+    # Indexed by n, a stage with n - 1 stages behind it (n = 0 places no stage).
+    if saturating:  # stage most - n of the longest plan: any plan's, as the counts follow n
+        in_flight = (0, *(longest[most - count] for count in range(1, top + 1)))
     else:  # stage K - n of the K
-        in_flight = tuple(problem.in_flight(top - count, top) for count in range(top + 1))
+        in_flight = (0, *(problem.in_flight(top - count, top) for count in range(1, top + 1)))
     return _StageCounting(top=top, saturating=saturating, in_flight=in_flight)
 
 

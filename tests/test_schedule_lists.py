@@ -282,7 +282,7 @@ def test_the_simulator_checks_weights_come_after_their_input_gradients() -> None
 
 def test_zero_bubble_chunk_counts_are_said() -> None:
     """build_schedule wants ZB-V's two chunks and ZB-H1's one said as such."""
-    with pytest.raises(PipelineError, match="exactly two chunks"):
+    with pytest.raises(PipelineError, match="exactly two model chunks"):
         build_schedule("zb-v", 2, 4)
     with pytest.raises(PipelineError, match="one chunk per stage"):
         build_schedule("zb-h1", 2, 4, 2)

@@ -128,8 +128,9 @@ from fxpar.ir.fold import fold
 from fxpar.ir.program import Program
 from fxpar.pipeline.atoms import Atoms, crossings, output_bytes, region
 from fxpar.pipeline.backward_split import DIVIDED_WEIGHT_SHARE, divisible
-from fxpar.pipeline.options import ZERO_BUBBLE_SCHEDULES, Pipeline, PipelineError
-from fxpar.pipeline.schedule import StageTimes, build_schedule, replay, replay_shared
+from fxpar.pipeline.options import Pipeline, PipelineError
+from fxpar.pipeline.schedule import StageTimes, replay, replay_shared
+from fxpar.pipeline.schedules import ONE_F_ONE_B
 from fxpar.planning.cost import (
     accumulate_seconds,
     call_seconds,
@@ -256,6 +257,7 @@ class StageCostModel:
         self._call_seconds: dict[int, tuple[float, float]] = {}
         self._weights: _WeightSplit | None = None
         self._read_by: dict[fx.Node, frozenset[int]] | None = None
+        self._in_flight: dict[int, tuple[int, ...]] = {}
 
     def with_pipeline(self, pipeline: Pipeline) -> StageCostModel:
         """This model for another schedule or remat setting of the same micro-batches: what
@@ -429,10 +431,22 @@ class StageCostModel:
             found = self._values[atom] = _AtomValues(read, saved, kept)
         return found
 
+    def in_flight(self, num_stages: int) -> tuple[int, ...]:
+        """The micro-batches each of ``num_stages`` stages keeps in flight under this model's
+        pipeline: read off its schedule's lists (:meth:`~fxpar.pipeline.Schedule.in_flight`),
+        for the stage DP (:attr:`~fxpar.solvers.stages.StageProblem.in_flight_counts`)."""
+        counts = self._in_flight.get(num_stages)
+        if counts is None:
+            pipeline = self.pipeline
+            counts = pipeline.named_schedule.in_flight(num_stages, pipeline.microbatches)
+            self._in_flight[num_stages] = counts
+        return counts
+
     def step_time(self, stages: Sequence[tuple[int, int, Shape]], objective: float) -> float:
         """The step of the stages ``(start, stop, shape)`` whose stage DP objective (1F1B's
         ``sum t + (M - 1) max t``) is ``objective``, under this model's schedule and machine.
-        For ZB-H1, the objective less what ZB-H1's lists save over 1F1B's when both are
+        For a schedule that splits the backward (ZB-H1), the objective less what its lists
+        save over 1F1B's when both are
         replayed (:func:`~fxpar.pipeline.schedule.replay`) on stages whose time splits into
         forward, B and W as their nodes' seconds do (a remat recompute counted in B; the
         stage's collectives and sends shared by the three in proportion). On ranks that share
@@ -448,18 +462,18 @@ class StageCostModel:
         the slowest stage's ``M - 1`` times more (:meth:`_per_step_overcount`), and the tied
         weights' sums after that (:meth:`tied_seconds`). ``shape`` is the stage's mesh: its
         replicas, or the mesh its plan was made for."""
-        schedule, cluster = self.pipeline.schedule, self.cluster
+        schedule, cluster = self.pipeline.named_schedule, self.cluster
         shared = cluster.compute_speedup(1 / cluster.world_size) > 1
         objective -= self._per_step_overcount(stages)
         objective += self.tied_seconds(stages)
-        if schedule != "zb-h1" and not shared:
+        if not schedule.splits_backward and not shared:
             return objective
         times = self._stage_times(stages)
         count, microbatches = len(times), self.pipeline.microbatches
-        lists = build_schedule(schedule, count, microbatches)
+        lists = schedule.build(count, microbatches)
         step, (own, _) = objective, replay(lists, times)
-        if schedule == "zb-h1":
-            one_f_one_b, _ = replay(build_schedule("1f1b", count, microbatches), times)
+        if schedule.splits_backward:
+            one_f_one_b, _ = replay(ONE_F_ONE_B.build(count, microbatches), times)
             step -= one_f_one_b - own
         if shared:
             devices = [math.prod(shape) for _, _, shape in stages]
@@ -573,7 +587,7 @@ class StageCostModel:
             static += facts.saved_bytes / share
         else:
             activation = facts.saved_bytes / share
-        if pipeline.schedule in ZERO_BUBBLE_SCHEDULES:
+        if pipeline.named_schedule.splits_backward:
             # From B to W a micro-batch keeps what W reads: the kept values, and under remat
             # the recomputed forward values (at most what the stash would have held).
             activation += (facts.kept_bytes + (facts.saved_bytes if pipeline.remat else 0)) / share
