@@ -24,12 +24,13 @@ from fxpar.pipeline import (
     Op,
     PipelineError,
     build_schedule,
+    default_schedules,
     ideal_bubble,
     max_in_flight,
     modelled_bubble,
     simulate,
 )
-from fxpar.pipeline.schedule import forward_only
+from fxpar.pipeline.schedule import forward_only, virtual_stage
 
 _WORDS = {
     Op.RECV_ACTIVATION: "ra",
@@ -286,3 +287,85 @@ def test_zero_bubble_chunk_counts_are_said() -> None:
         build_schedule("zb-v", 2, 4)
     with pytest.raises(PipelineError, match="one chunk per stage"):
         build_schedule("zb-h1", 2, 4, 2)
+
+
+def _shape_class(stages: int, count: int) -> str:
+    if count < stages:
+        return "M<K"
+    return "K<=M<2K" if count < 2 * stages else "M>=2K"
+
+
+def _every_shape() -> list[tuple[str, int, int, int]]:
+    """Every default schedule at every K from 1 to 5 and every M from 1 to 2K + 2 (each of
+    the classes M < K, K <= M < 2K and M >= 2K, K=2 M=3 among them), at each chunk count it
+    runs (2 and 3 for the interleaved schedule), wherever its rules allow the shape."""
+    cases = []
+    for schedule in default_schedules().schedules:
+        chunk_counts = [schedule.fixed_chunks] if schedule.fixed_chunks else [2, 3]
+        for stages in range(1, 6):
+            for count in range(1, 2 * stages + 3):
+                for chunks in chunk_counts:
+                    try:
+                        schedule.check(stages, count, chunks)
+                    except PipelineError:
+                        continue
+                    cases.append((schedule.name, stages, count, chunks))
+    return cases
+
+
+EVERY_SHAPE = _every_shape()
+
+
+def test_every_schedule_is_checked_at_every_shape_class() -> None:
+    """The parametrization below reaches each schedule at each class of shape its rules
+    allow: the interleaved schedule needs M to be a multiple of K, so never M < K."""
+    classes = {(name, _shape_class(k, m)) for name, k, m, _ in EVERY_SHAPE}
+    for name in default_schedules().names():
+        expected = {"K<=M<2K", "M>=2K"} | (set() if name == "interleaved" else {"M<K"})
+        assert {c for n, c in classes if n == name} == expected, name
+    assert ("zb-v", 2, 3, 2) in EVERY_SHAPE
+
+
+@pytest.mark.parametrize(
+    ("name", "stages", "count", "chunks"),
+    EVERY_SHAPE,
+    ids=[f"{n}-K{k}-M{m}-V{v}-{_shape_class(k, m)}" for n, k, m, v in EVERY_SHAPE],
+)
+def test_every_schedule_runs_every_micro_batch_once_per_chunk(
+    name: str, stages: int, count: int, chunks: int
+) -> None:
+    """On every stage, each (chunk, micro-batch) runs its forward, its backward (or its B and
+    then its W, for a schedule that splits the backward) and its free exactly once and in that
+    order, receives and sends each message its place in the model needs exactly once, and
+    nothing else; the lists and their forward halves simulate to the end. A builder that left
+    out or repeated a micro-batch at some M fails here, at that M."""
+    schedule = default_schedules()[name]
+    lists = schedule.build(stages, count, chunks)
+    assert len(lists) == stages
+    computes = (
+        (Op.FORWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT, Op.FREE)
+        if schedule.splits_backward
+        else (Op.FORWARD, Op.BACKWARD, Op.FREE)
+    )
+    virtual_count = stages * chunks
+    for stage, instructions in enumerate(lists):
+        expected: list[tuple[Op, int, int]] = []
+        for chunk in range(chunks):
+            virtual = virtual_stage(stage, chunk, stages, schedule.placement)
+            ops = list(computes)
+            if virtual > 0:
+                ops += [Op.RECV_ACTIVATION, Op.SEND_GRAD]
+            if virtual < virtual_count - 1:
+                ops += [Op.SEND_ACTIVATION, Op.RECV_GRAD]
+            expected += [(op, chunk, m) for op in ops for m in range(count)]
+        found = [(i.op, i.chunk, i.microbatch) for i in instructions]
+        assert sorted(found, key=str) == sorted(expected, key=str), f"stage {stage}"
+        for chunk in range(chunks):
+            for m in range(count):
+                places = [instructions.index(Instruction(op, m, chunk)) for op in computes]
+                assert places == sorted(places), (stage, chunk, m)
+    simulate(lists, schedule.placement)
+    simulate([forward_only(instructions) for instructions in lists], schedule.placement)
+    assert all(
+        1 <= flight <= count * chunks for flight in schedule.in_flight(stages, count, chunks)
+    )

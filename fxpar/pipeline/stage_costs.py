@@ -130,7 +130,7 @@ from fxpar.pipeline.atoms import Atoms, crossings, output_bytes, region
 from fxpar.pipeline.backward_split import DIVIDED_WEIGHT_SHARE, divisible
 from fxpar.pipeline.options import Pipeline, PipelineError
 from fxpar.pipeline.schedule import StageTimes, replay, replay_shared
-from fxpar.pipeline.schedules import ONE_F_ONE_B
+from fxpar.pipeline.schedules import ONE_F_ONE_B, Schedule
 from fxpar.planning.cost import (
     accumulate_seconds,
     call_seconds,
@@ -257,7 +257,8 @@ class StageCostModel:
         self._call_seconds: dict[int, tuple[float, float]] = {}
         self._weights: _WeightSplit | None = None
         self._read_by: dict[fx.Node, frozenset[int]] | None = None
-        self._in_flight: dict[int, tuple[int, ...]] = {}
+        # By schedule and stage count; shared with the models of other settings (the same M).
+        self._in_flight: dict[tuple[Schedule, int], tuple[int, ...]] = {}
 
     def with_pipeline(self, pipeline: Pipeline) -> StageCostModel:
         """This model for another schedule or remat setting of the same micro-batches: what
@@ -435,11 +436,11 @@ class StageCostModel:
         """The micro-batches each of ``num_stages`` stages keeps in flight under this model's
         pipeline: read off its schedule's lists (:meth:`~fxpar.pipeline.Schedule.in_flight`),
         for the stage DP (:attr:`~fxpar.solvers.stages.StageProblem.in_flight_counts`)."""
-        counts = self._in_flight.get(num_stages)
+        schedule = self.pipeline.named_schedule
+        counts = self._in_flight.get((schedule, num_stages))
         if counts is None:
-            pipeline = self.pipeline
-            counts = pipeline.named_schedule.in_flight(num_stages, pipeline.microbatches)
-            self._in_flight[num_stages] = counts
+            counts = schedule.in_flight(num_stages, self.pipeline.microbatches)
+            self._in_flight[schedule, num_stages] = counts
         return counts
 
     def step_time(self, stages: Sequence[tuple[int, int, Shape]], objective: float) -> float:
