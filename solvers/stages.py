@@ -18,13 +18,10 @@ subject to
 - the submeshes use exactly the cluster: ``sum_k devices(s_k) = D`` (as in Alpa; exact use is
   what the tiling guarantee below needs, and a caller who wants devices left idle describes a
   smaller cluster);
-- every stage fits: ``static_k + f_k * activation_k <= memory_limit``, where ``f_k``, the
-  microbatches in flight on stage ``k`` of ``K``, is the caller's (``in_flight(K)[k]``: the
-  pipeline code reads them off the schedule's instruction lists,
-  :meth:`fxpar.pipeline.Schedule.in_flight`). Under GPipe ``f_k = M`` (every forward runs before
-  any backward), under 1F1B ``min(K - k, M)`` (stage ``k`` runs ``K - k`` warm-up forwards),
-  under ZB-H1 ``min(K, M)`` (every stage keeps what its B's leave for its deferred W's, up to
-  1F1B's first stage's count; the caller's activation holds the stash and what B keeps);
+- every stage fits: ``static_k + f_k * activation_k <= memory_limit``, ``f_k`` the caller's
+  ``in_flight_counts(K)[k]``, read off the schedule's lists (:meth:`fxpar.pipeline.Schedule.
+  in_flight`): ``M`` under GPipe, ``min(K - k, M)`` under 1F1B (``K - k - 1`` warm-up forwards),
+  ``min(K, M)`` under ZB-H1 (the caller's activation holds the stash and what B keeps for W);
 - ``K`` is given (``stages=k``) or free (``stages="auto"``, any ``1 <= K <= min(L, D)``).
 
 Rematerialization is not a separate case: the caller's table then reports the smaller activation
@@ -41,21 +38,16 @@ times of ``n`` stages covering layers ``[l, L)`` on exactly ``d`` devices,
                      c.time <= t_max  and  c.static + f(n) * c.activation <= memory_limit
                  of  c.time + G(j, d - devices(s), n - 1),
 
-where ``f(n)`` is what a stage with ``n - 1`` stages behind it keeps (it is stage ``K - n`` of
-``K``): ``M`` for GPipe and ``min(n, M)`` for 1F1B. The value for ``t_max`` is
-``G(0, D, K) + (M - 1) * t_max`` (minimized over ``K`` when it is free). Every ``t_max`` gives
-an upper bound on the step time of some plan, and with ``t_max`` set to the slowest stage time
-of an optimal plan it gives the optimum, so trying every distinct stage time in the table as
-``t_max`` and keeping the least value is exact.
+where ``f(n)`` is what a stage with ``n - 1`` stages behind it (stage ``K - n``) keeps. The
+value for ``t_max`` is ``G(0, D, K) + (M - 1) * t_max`` (minimized over ``K`` when it is free).
+Every ``t_max`` bounds the step time of some plan, and with ``t_max`` the slowest stage time of
+an optimal plan it gives the optimum: trying every distinct stage time as ``t_max`` is exact.
 
-Only ``f(n)`` needs ``n``, so when ``K`` is free the count saturates at the least ``n`` from
-which ``f`` no longer changes: GPipe needs no count at all (one state, "at least one stage
-behind"), 1F1B needs ``n`` only up to ``M`` (``n >= M`` all hold ``M``). That holds when the
-counts depend only on the stages behind, which the solver reads off the caller's counts for
-every ``K``. ZB-H1's ``f = min(K, M)`` is the same on every stage, but it is the plan's own
-``K``, which the DP does not know while it places a stage: with ``K`` fixed ``f`` is that
-constant, and with ``K`` free each ``K`` is solved on its own (:func:`solve_each_stage_count`,
-at most ``min(L, D)`` solves) and the least value wins.
+Where the counts depend only on the stages behind (checked on the caller's counts of every
+``K``), the count saturates when ``K`` is free, at the least ``n`` from which ``f`` stays put:
+GPipe needs none (one state), 1F1B ``n`` up to ``M``. ZB-H1's ``f = min(K, M)`` is the plan's
+own ``K``, unknown while the DP places a stage: with ``K`` free each ``K`` is solved on its own
+(:func:`solve_each_stage_count`, at most ``min(L, D)`` solves) and the least value wins.
 The candidate ``t_max`` values form one numpy axis and the device count another, so a whole
 batch of candidates is one pass over ``(l, n, table entry)``: ``O(L^2 S K)`` vector operations of
 size ``(candidates, D + 1)`` for ``S`` shapes. Not every candidate needs trying: the least sum
@@ -93,8 +85,7 @@ from fxpar.solvers.errors import format_bytes
 Submesh = tuple[int, ...]
 Coordinate = tuple[int, ...]
 InFlightCounts = Callable[[int], Sequence[int]]
-"""``K -> counts``: the microbatches whose activations each of ``K`` stages keeps at once, by
-stage. Asked at most once per ``K`` and problem."""
+"""``K ->`` the microbatches each of ``K`` stages keeps activations for; asked once per K."""
 StageCount = int | Literal["auto"]
 StageCostTable = (
     Callable[[int, int, Submesh], "StageCost | None"]
@@ -162,8 +153,7 @@ class StageProblem:
     memory_limit: float | None = None
     """Bytes per device; ``None`` for no limit."""
     schedule: str = "1f1b"
-    """The schedule's name, for the plan to carry; what it keeps in flight is
-    ``in_flight_counts``'."""
+    """The schedule's name, for the plan to carry (its counts are ``in_flight_counts``)."""
     in_flight_counts: InFlightCounts = dataclasses.field(kw_only=True, repr=False, compare=False)
     _counts: dict[int, tuple[int, ...]] = dataclasses.field(
         default_factory=dict, init=False, repr=False, compare=False
@@ -212,28 +202,21 @@ class StageProblem:
             )
         return cost
 
-    def in_flight(self, stage_index: int, num_stages: int) -> int:
-        """Microbatches whose activations stage ``stage_index`` of ``num_stages`` holds at once."""
-        return self.stage_counts(num_stages)[stage_index]
-
     def stage_counts(self, num_stages: int) -> tuple[int, ...]:
-        """``in_flight_counts(num_stages)``, checked: one non-negative count per stage."""
+        """What each of ``num_stages`` stages keeps in flight: ``in_flight_counts``', checked."""
         counts = self._counts.get(num_stages)
         if counts is None:
             counts = tuple(self.in_flight_counts(num_stages))
-            if len(counts) != num_stages or not all(
-                isinstance(count, int) and count >= 0 for count in counts
-            ):
+            if len(counts) != num_stages or not all(isinstance(c, int) and c >= 0 for c in counts):
+                message = f"one non-negative count per stage, got {counts!r}"
                 raise InvalidStageProblemError(
-                    f"in_flight_counts({num_stages}) must give a non-negative number of "
-                    f"microbatches for each of the {num_stages} stages, got {counts!r}"
+                    f"in_flight_counts({num_stages}) must give {message}"
                 )
             self._counts[num_stages] = counts
         return counts
 
     def counts_follow_stages_behind(self) -> bool:
-        """Whether what a stage keeps depends only on how many stages come after it, for every
-        ``K`` a plan may have (module docstring): then the DP with ``K`` free is one solve."""
+        """Whether a stage's count depends only on the stages after it, for every ``K``."""
         most = min(self.num_layers, self.num_devices)
         longest = self.stage_counts(most)
         return all(self.stage_counts(count) == longest[most - count :] for count in range(1, most))
@@ -436,7 +419,7 @@ def evaluate_stages(
             raise NoStagePlanError(
                 f"the cost table marks layers {start}..{stop - 1} on submesh {shape} infeasible"
             )
-        in_flight = problem.in_flight(index, len(shapes))
+        in_flight = problem.stage_counts(len(shapes))[index]
         memory = cost.memory(in_flight)
         stages.append(Stage(start, stop, shape, cost.time, memory, in_flight, cost.per_step))
     plan = _plan(problem, stages)
@@ -535,10 +518,9 @@ def solve_stages(problem: StageProblem, stages: StageCount = "auto") -> StagePla
 def solve_each_stage_count(problem: StageProblem) -> tuple[StagePlan, ...]:
     """The plan of least step time of every stage count that has one, fewest stages first:
     for a caller that ranks them by another measure than the objective (a zero-bubble
-    schedule's step), and for :func:`solve_stages` with ``K`` free where the microbatches in
-    flight depend on ``K`` (ZB-H1's). Raises like
-    :func:`solve_stages` when no count has a plan; a :class:`StageMemoryError` then names the
-    most frugal plan of any count."""
+    schedule's step), and for :func:`solve_stages` with ``K`` free where the counts in flight
+    depend on ``K`` (ZB-H1's). Raises like :func:`solve_stages` when no count has a plan; a
+    :class:`StageMemoryError` then names the most frugal plan of any count."""
     entries = _entries(problem)
     problem = dataclasses.replace(problem, costs=_entry_mapping(entries))
     plans: list[StagePlan] = []
@@ -569,30 +551,23 @@ def solve_each_stage_count(problem: StageProblem) -> tuple[StagePlan, ...]:
 
 def _stage_counting(problem: StageProblem, stages: StageCount) -> _StageCounting:
     most = min(problem.num_layers, problem.num_devices)
-    longest: tuple[int, ...] = ()
     if stages == "auto":
-        if not problem.counts_follow_stages_behind():
-            raise AssertionError("counts that depend on K are solved one K at a time")
-        # f(n) is what stage most - n of the longest plan keeps; the count saturates where f
-        # stops changing.
-        longest = problem.stage_counts(most)
+        # f(n) is stage most - n's of the longest plan; it saturates where it stops changing.
+        counts = problem.stage_counts(most)
         top = most
-        while top > 1 and longest[most - top + 1] == longest[most - top]:
+        while top > 1 and counts[most - top + 1] == counts[most - top]:
             top -= 1
         saturating = True
     elif isinstance(stages, int) and not isinstance(stages, bool) and 1 <= stages <= most:
-        top, saturating = stages, False
+        top, saturating, counts = stages, False, problem.stage_counts(stages)
     else:
         raise InvalidStageProblemError(
             f"stages must be 'auto' or a number of stages from 1 to {most} (at most one per "
             f"layer and per device: {problem.num_layers} layers, {problem.num_devices} devices), "
             f"got {stages!r}"
         )
-    # Indexed by n, a stage with n - 1 stages behind it (n = 0 places no stage).
-    if saturating:  # stage most - n of the longest plan: any plan's, as the counts follow n
-        in_flight = (0, *(longest[most - count] for count in range(1, top + 1)))
-    else:  # stage K - n of the K
-        in_flight = (0, *(problem.in_flight(top - count, top) for count in range(1, top + 1)))
+    # By n: a stage with n - 1 stages behind it is stage len(counts) - n (n = 0 places none).
+    in_flight = (0, *(counts[len(counts) - count] for count in range(1, top + 1)))
     return _StageCounting(top=top, saturating=saturating, in_flight=in_flight)
 
 
@@ -822,7 +797,7 @@ def brute_force_stages(problem: StageProblem, stages: StageCount = "auto") -> St
                 if any(cost is None for cost in costs):
                     continue
                 peak = max(
-                    cost.memory(problem.in_flight(k, num_stages))
+                    cost.memory(problem.stage_counts(num_stages)[k])
                     for k, cost in enumerate(costs)
                     if cost is not None
                 )

@@ -49,6 +49,10 @@ reads need stay from B to W: :mod:`.backward_split`). With forward, B and W taki
 
 The runtime runs both (:class:`~fxpar.pipeline.executor.StageWorker` runs B and W apart, and
 hands ZB-V's turn from chunk 0 to chunk 1 of the last stage over inside the process).
+
+Each builder here (``gpipe_lists``, ``one_f_one_b_lists``, ...) is the list function of a
+:class:`~fxpar.pipeline.schedules.Schedule` in the default registry
+(:mod:`fxpar.pipeline.schedules`), which is where pipelines look schedules up by name.
 """
 
 from __future__ import annotations

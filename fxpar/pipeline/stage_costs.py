@@ -61,13 +61,12 @@ gradients need: backward nodes no gradient sent back across an atom boundary dep
 once on the whole step (what a stage's W runs, :mod:`fxpar.pipeline.backward_split`, wherever
 the stages are cut; a tied weight's gradient terms joined across atoms count in B), plus
 ``DIVIDED_WEIGHT_SHARE`` (a half) of each fused backward op B and W divide (a convolution's:
-W calls it again for the weight gradients). ``A_kept``
-are the bytes of the other backward values those nodes read, the range's or received from the
-next stage (what B keeps for W; a divided op's inputs B computes, such as its output
-gradient, rather than the op). A micro-batch
+W calls it again for the weight gradients). ``A_kept`` are the bytes of the other backward
+values those nodes read, the range's or received from the next stage (what B keeps for W; a
+divided op's inputs B computes, such as its output gradient, rather than the op). A micro-batch
 in flight then holds ``(A_saved + A_kept) / (M d)`` (with remat: what it received, plus
 ``A_saved`` recomputed for W, plus ``A_kept``), and every stage holds up to ``min(K, M)`` of them
-(the stage DP's ``schedule="zb-h1"``, :mod:`fxpar.solvers.stages`). The step of a plan is its
+(:meth:`StageCostModel.in_flight`, read off ZB-H1's lists). The step of a plan is its
 1F1B estimate less what ZB-H1's lists save over 1F1B's on the same stages
 (:meth:`StageCostModel.step_time`). Under stage plans the same terms are read from the plan:
 ``T_w`` sums the planned seconds of the same nodes, and ``A_kept`` their bytes per device.
@@ -257,7 +256,6 @@ class StageCostModel:
         self._call_seconds: dict[int, tuple[float, float]] = {}
         self._weights: _WeightSplit | None = None
         self._read_by: dict[fx.Node, frozenset[int]] | None = None
-        # By schedule and stage count; shared with the models of other settings (the same M).
         self._in_flight: dict[tuple[Schedule, int], tuple[int, ...]] = {}
 
     def with_pipeline(self, pipeline: Pipeline) -> StageCostModel:
@@ -433,24 +431,19 @@ class StageCostModel:
         return found
 
     def in_flight(self, num_stages: int) -> tuple[int, ...]:
-        """The micro-batches each of ``num_stages`` stages keeps in flight under this model's
-        pipeline: read off its schedule's lists (:meth:`~fxpar.pipeline.Schedule.in_flight`),
-        for the stage DP (:attr:`~fxpar.solvers.stages.StageProblem.in_flight_counts`)."""
-        schedule = self.pipeline.named_schedule
-        counts = self._in_flight.get((schedule, num_stages))
-        if counts is None:
-            counts = schedule.in_flight(num_stages, self.pipeline.microbatches)
-            self._in_flight[schedule, num_stages] = counts
-        return counts
+        """Each stage's micro-batches in flight, read off the schedule's lists, for the DP."""
+        key = (self.pipeline.named_schedule, num_stages)
+        if key not in self._in_flight:  # shared with other settings' models (the same M)
+            self._in_flight[key] = key[0].in_flight(num_stages, self.pipeline.microbatches)
+        return self._in_flight[key]
 
     def step_time(self, stages: Sequence[tuple[int, int, Shape]], objective: float) -> float:
         """The step of the stages ``(start, stop, shape)`` whose stage DP objective (1F1B's
         ``sum t + (M - 1) max t``) is ``objective``, under this model's schedule and machine.
-        For a schedule that splits the backward (ZB-H1), the objective less what its lists
-        save over 1F1B's when both are
-        replayed (:func:`~fxpar.pipeline.schedule.replay`) on stages whose time splits into
-        forward, B and W as their nodes' seconds do (a remat recompute counted in B; the
-        stage's collectives and sends shared by the three in proportion). On ranks that share
+        Splitting the backward (ZB-H1), the objective less what its lists save over 1F1B's,
+        both replayed (:func:`~fxpar.pipeline.schedule.replay`) on stages whose time splits
+        into forward, B and W as their nodes' seconds do (a remat recompute in B; collectives
+        and sends shared by the three in proportion). On ranks that share
         a host's cores (:attr:`fxpar.Cluster.core_demand`), less what the schedule's idle
         stages leave the others: the lists of the stages' compute (their ops and the
         collectives those run, which on CPU share the cores) replayed at the calibrated speed,
