@@ -19,10 +19,13 @@ from collections.abc import Sequence
 
 import pytest
 
+from fxpar import cli, joint
 from fxpar.pipeline import (
     Instruction,
     Op,
+    Pipeline,
     PipelineError,
+    Schedule,
     build_schedule,
     default_schedules,
     ideal_bubble,
@@ -369,3 +372,78 @@ def test_every_schedule_runs_every_micro_batch_once_per_chunk(
     assert all(
         1 <= flight <= count * chunks for flight in schedule.in_flight(stages, count, chunks)
     )
+
+
+def test_the_registry_is_the_one_list_of_schedule_names(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Every list of schedules reads the registry: its names, in order of preference; the
+    stage DP's (``searched``), which pipeline='auto' and ``fxpar plan --schedule`` offer; and
+    an unknown name's error, which lists them."""
+    registry = default_schedules()
+    assert registry.names() == ("1f1b", "gpipe", "zb-h1", "interleaved", "zb-v")
+    assert registry.searched() == ("1f1b", "gpipe", "zb-h1") == joint.SEARCHED_SCHEDULES
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "gpt2", "--schedule", "interleaved"])
+    assert "choose from 'auto', '1f1b', 'gpipe', 'zb-h1'" in capsys.readouterr().err
+    with pytest.raises(PipelineError, match=r"one of \('1f1b', 'gpipe', .*'zb-v'\), got 'x'"):
+        Pipeline(schedule="x")
+
+
+def test_schedules_are_read_off_their_lists() -> None:
+    """What a schedule keeps in flight is its lists' (1F1B's min(K - s, M), GPipe's M, ZB-H1's
+    min(K, M)), and its rules are properties: ZB-V's V placement and two chunks, the
+    interleaved schedule's messages wrapping around the stages."""
+    registry = default_schedules()
+    assert registry["1f1b"].in_flight(4, 3) == (3, 3, 2, 1)
+    assert registry["gpipe"].in_flight(3, 5) == (5, 5, 5)
+    assert registry["zb-h1"].in_flight(3, 5) == (3, 3, 3)
+    for name in registry.names():
+        schedule = registry[name]
+        chunks = schedule.fixed_chunks or 2
+        lists = schedule.build(2, 4, chunks)
+        assert schedule.in_flight(2, 4, chunks) == tuple(max_in_flight(each) for each in lists)
+    assert Pipeline(stages=2, schedule="zb-v").virtual_stages == 2
+    assert Pipeline(stages=2, schedule="zb-v").v_shaped
+    assert (
+        Pipeline(stages=3, schedule="interleaved", virtual_stages=2, microbatches=3).neighbour(2, 1)
+        == 0
+    )
+
+
+def _reversed_gpipe(stages: int, count: int, chunks: int) -> list[list[Instruction]]:
+    """GPipe with its backwards from the last micro-batch down."""
+    gpipe = build_schedule("gpipe", stages, count)
+    lists = []
+    for instructions in gpipe:
+        forwards = [i for i in instructions if i.op in (Op.RECV_ACTIVATION, Op.FORWARD,
+                                                        Op.SEND_ACTIVATION)]  # fmt: skip
+        backwards = [i for i in instructions if i not in forwards]
+        per_microbatch = [[i for i in backwards if i.microbatch == m] for m in range(count)]
+        lists.append(forwards + [i for group in reversed(per_microbatch) for i in group])
+    return lists
+
+
+def test_a_registered_schedule_runs_where_its_registry_is_given() -> None:
+    """Adding a schedule returns a new registry and leaves the default one as it was; a
+    Pipeline knows the name only with that registry; names are unique; a schedule of several
+    chunks cannot claim the stage DP prices it; a builder giving the wrong number of lists
+    is refused."""
+    mine = Schedule("gpipe-reversed", _reversed_gpipe)
+    registry = default_schedules().with_schedule(mine)
+    assert registry.names()[-1] == "gpipe-reversed" and "gpipe-reversed" not in default_schedules()
+    with pytest.raises(PipelineError, match="Adding a schedule"):
+        Pipeline(stages=2, schedule="gpipe-reversed")
+    pipeline = Pipeline(stages=2, schedule="gpipe-reversed", schedules=registry)
+    assert pipeline.named_schedule is mine
+    lists = pipeline.instruction_lists()
+    simulate(lists)
+    assert render(lists[0]).endswith("rg3 B3 x3 rg2 B2 x2 rg1 B1 x1 rg0 B0 x0")
+    with pytest.raises(PipelineError, match="registered already"):
+        registry.with_schedule(mine)
+    with pytest.raises(PipelineError, match="cannot be searched=True"):
+        Schedule("wide", _reversed_gpipe, min_chunks=2, max_chunks=None, searched=True)
+    with pytest.raises(PipelineError, match="one list per stage"):
+        Schedule("short", lambda stages, count, chunks: []).build(2, 4)
+    with pytest.raises(PipelineError, match="stages='auto' cannot plan the gpipe-reversed"):
+        Pipeline(stages="auto", schedule="gpipe-reversed", schedules=registry)
