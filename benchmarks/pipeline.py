@@ -66,7 +66,8 @@ from fxpar.pipeline import (
     plot_timeline,
 )
 from fxpar.pipeline.executor import StageTrace
-from fxpar.pipeline.schedule import placement_of, virtual_stage
+from fxpar.pipeline.schedule import virtual_stage
+from fxpar.pipeline.schedules import default_schedules
 from fxpar.runtime import fastcall
 from fxpar.runtime.launch import spawn
 
@@ -181,7 +182,7 @@ def _chunks(schedule: str) -> int:
 def _chunks_of(rank: int, world_size: int, schedule: str) -> list[int]:
     """The model chunks ``rank`` holds, in its order: looped (``r, r+K, ...``), or for ZB-V
     in a V (``r`` and ``2K-1-r``), as fxpar places them."""
-    placement = placement_of(schedule)  # type: ignore[arg-type]
+    placement = default_schedules()[schedule].placement
     return [virtual_stage(rank, chunk, world_size, placement) for chunk in range(_chunks(schedule))]
 
 
@@ -189,7 +190,7 @@ def _modelled(num_stages: int, count: int, schedule: str) -> float:
     """The mean bubble the schedule's order makes with forward, B and W one unit each and
     messages free (:func:`fxpar.pipeline.modelled_bubble`)."""
     lists = build_schedule(schedule, num_stages, count, _chunks(schedule))  # type: ignore[arg-type]
-    placement = placement_of(schedule)  # type: ignore[arg-type]
+    placement = default_schedules()[schedule].placement
     return statistics.mean(modelled_bubble(lists, placement=placement))
 
 

@@ -44,7 +44,6 @@ from fxpar.pipeline import (
     microbatch_step,
     search_pipelines,
 )
-from fxpar.pipeline.options import ScheduleName
 from fxpar.pipeline.stage_choice import format_seconds
 from fxpar.planning.plan import Plan
 from fxpar.planning.problem import PlanOptions
@@ -385,9 +384,7 @@ def _joint_plan(
     priced on ``whole`` (:func:`fxpar.joint.replica_search`). Prints both; returns the
     cheaper (the meshes' on a tie), None when neither runs."""
     # On a tie the first wins: 1F1B keeps fewer micro-batches in flight, remat off computes less.
-    schedules: tuple[ScheduleName, ...] = (
-        SEARCHED_SCHEDULES if args.schedule == "auto" else (args.schedule,)
-    )
+    schedules: tuple[str, ...] = SEARCHED_SCHEDULES if args.schedule == "auto" else (args.schedule,)
     remats = (False, True) if args.remat == "auto" else (args.remat == "on",)
     pipelines = [
         Pipeline(stages="auto", microbatches=count, schedule=schedule, remat=remat)
@@ -548,7 +545,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                              help="also plan a pipeline (stages, their meshes and plans) for M "
                                   "micro-batches; counts separated by commas try each")  # fmt: skip
     plan_parser.add_argument("--schedule", default="auto",
-                             choices=("auto", "gpipe", "1f1b", "zb-h1"),
+                             choices=("auto", *SEARCHED_SCHEDULES),
                              help="pipeline schedule; auto: the faster that fits")  # fmt: skip
     plan_parser.add_argument("--remat", default="auto", choices=("auto", "off", "on"),
                              help="pipeline remat; auto: whichever is faster and fits")  # fmt: skip

@@ -76,3 +76,8 @@ class BatchError(FxparError):
 
 class CheckpointError(FxparError):
     """A checkpoint cannot be saved or loaded into this model."""
+
+
+class PipelineError(FxparError):
+    """A model, a split, a schedule or a launch that the pipeline runtime cannot run; the
+    message says which stage, module or schedule is at fault and what to change."""

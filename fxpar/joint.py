@@ -37,9 +37,14 @@ from fxpar.errors import BatchError
 from fxpar.ir.capture import LossFn
 from fxpar.ir.precision import MixedPrecision
 from fxpar.ir.program import Program
-from fxpar.pipeline import Pipeline, PipelineError, StageChoice, capture_microbatch
+from fxpar.pipeline import (
+    Pipeline,
+    PipelineError,
+    StageChoice,
+    capture_microbatch,
+    default_schedules,
+)
 from fxpar.pipeline.auto import PipelineSearch, search_pipelines
-from fxpar.pipeline.options import ScheduleName
 from fxpar.pipeline.semantics import pipeline_semantics
 from fxpar.pipeline.stage_choice import format_seconds
 from fxpar.pipeline.stage_costs import StagePlanner
@@ -48,9 +53,9 @@ from fxpar.solvers.stages import NoStagePlanError
 AUTO_MICROBATCHES = (2, 4, 8)
 """The micro-batch counts ``pipeline="auto"`` prices a pipeline of (those the batch divides)."""
 
-SEARCHED_SCHEDULES: tuple[ScheduleName, ...] = ("1f1b", "gpipe", "zb-h1")
-"""Every schedule the stage DP may choose; on a tie the first (1F1B keeps the fewest micro-batches
-in flight)."""
+SEARCHED_SCHEDULES: tuple[str, ...] = default_schedules().searched()
+"""Every schedule the stage DP may choose (the registry's searched ones, in its order); on a tie
+the first (1F1B keeps the fewest micro-batches in flight)."""
 
 
 STEP_DIFFERS = "a pipeline would train another step than the whole batch's"

@@ -18,11 +18,10 @@ subject to
 - the submeshes use exactly the cluster: ``sum_k devices(s_k) = D`` (as in Alpa; exact use is
   what the tiling guarantee below needs, and a caller who wants devices left idle describes a
   smaller cluster);
-- every stage fits: ``static_k + f_k * activation_k <= memory_limit``, where the microbatches in
-  flight on stage ``k`` depend on the schedule: ``f_k = M`` under GPipe (every forward runs before
-  any backward), ``f_k = min(K - k, M)`` under 1F1B (stage ``k`` runs ``K - k`` warm-up forwards),
-  ``f_k = min(K, M)`` under ZB-H1 (every stage keeps what its B's leave for its deferred W's, up
-  to 1F1B's first stage's count; the caller's activation holds the stash and what B keeps);
+- every stage fits: ``static_k + f_k * activation_k <= memory_limit``, ``f_k`` the caller's
+  ``in_flight_counts(K)[k]``, read off the schedule's lists (:meth:`fxpar.pipeline.Schedule.
+  in_flight`): ``M`` under GPipe, ``min(K - k, M)`` under 1F1B (``K - k - 1`` warm-up forwards),
+  ``min(K, M)`` under ZB-H1 (the caller's activation holds the stash and what B keeps for W);
 - ``K`` is given (``stages=k``) or free (``stages="auto"``, any ``1 <= K <= min(L, D)``).
 
 Rematerialization is not a separate case: the caller's table then reports the smaller activation
@@ -39,19 +38,16 @@ times of ``n`` stages covering layers ``[l, L)`` on exactly ``d`` devices,
                      c.time <= t_max  and  c.static + f(n) * c.activation <= memory_limit
                  of  c.time + G(j, d - devices(s), n - 1),
 
-where ``f(n) = M`` for GPipe and ``min(n, M)`` for 1F1B (the new stage has ``n - 1`` stages behind
-it, so it is stage ``K - n`` of ``K``). The value for ``t_max`` is ``G(0, D, K) + (M - 1) * t_max``
-(minimized over ``K`` when it is free). Every ``t_max`` gives an upper bound on the step time of
-some plan, and with ``t_max`` set to the slowest stage time of an optimal plan it gives the
-optimum, so trying every distinct stage time in the table as ``t_max`` and keeping the least value
-is exact.
+where ``f(n)`` is what a stage with ``n - 1`` stages behind it (stage ``K - n``) keeps. The
+value for ``t_max`` is ``G(0, D, K) + (M - 1) * t_max`` (minimized over ``K`` when it is free).
+Every ``t_max`` bounds the step time of some plan, and with ``t_max`` the slowest stage time of
+an optimal plan it gives the optimum: trying every distinct stage time as ``t_max`` is exact.
 
-Only ``f(n)`` needs ``n``, so when ``K`` is free the count saturates: GPipe needs no count at all
-(one state, "at least one stage behind"), 1F1B needs ``n`` only up to ``M`` (``n >= M`` all hold
-``M``). ZB-H1's ``f = min(K, M)`` is the same on every stage, but it is the plan's own ``K``,
-which the DP does not know while it places a stage: with ``K`` fixed ``f`` is that constant,
-and with ``K`` free each ``K`` is solved on its own (:func:`solve_each_stage_count`, at most
-``min(L, D)`` solves) and the least value wins.
+Where the counts depend only on the stages behind (checked on the caller's counts of every
+``K``), the count saturates when ``K`` is free, at the least ``n`` from which ``f`` stays put:
+GPipe needs none (one state), 1F1B ``n`` up to ``M``. ZB-H1's ``f = min(K, M)`` is the plan's
+own ``K``, unknown while the DP places a stage: with ``K`` free each ``K`` is solved on its own
+(:func:`solve_each_stage_count`, at most ``min(L, D)`` solves) and the least value wins.
 The candidate ``t_max`` values form one numpy axis and the device count another, so a whole
 batch of candidates is one pass over ``(l, n, table entry)``: ``O(L^2 S K)`` vector operations of
 size ``(candidates, D + 1)`` for ``S`` shapes. Not every candidate needs trying: the least sum
@@ -88,8 +84,8 @@ from fxpar.solvers.errors import format_bytes
 
 Submesh = tuple[int, ...]
 Coordinate = tuple[int, ...]
-Schedule = Literal["gpipe", "1f1b", "zb-h1"]
-SCHEDULES: tuple[Schedule, ...] = ("gpipe", "1f1b", "zb-h1")
+InFlightCounts = Callable[[int], Sequence[int]]
+"""``K ->`` the microbatches each of ``K`` stages keeps activations for; asked once per K."""
 StageCount = int | Literal["auto"]
 StageCostTable = (
     Callable[[int, int, Submesh], "StageCost | None"]
@@ -156,7 +152,12 @@ class StageProblem:
     costs: StageCostTable = dataclasses.field(repr=False, compare=False)
     memory_limit: float | None = None
     """Bytes per device; ``None`` for no limit."""
-    schedule: Schedule = "1f1b"
+    schedule: str = "1f1b"
+    """The schedule's name, for the plan to carry (its counts are ``in_flight_counts``)."""
+    in_flight_counts: InFlightCounts = dataclasses.field(kw_only=True, repr=False, compare=False)
+    _counts: dict[int, tuple[int, ...]] = dataclasses.field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_layers, int) or self.num_layers < 1:
@@ -164,10 +165,6 @@ class StageProblem:
         if not isinstance(self.num_microbatches, int) or self.num_microbatches < 1:
             raise InvalidStageProblemError(
                 f"need at least one microbatch, got num_microbatches={self.num_microbatches}"
-            )
-        if self.schedule not in SCHEDULES:
-            raise InvalidStageProblemError(
-                f"schedule must be one of {', '.join(map(repr, SCHEDULES))}, got {self.schedule!r}"
             )
         if self.memory_limit is not None and not self.memory_limit >= 0:
             raise InvalidStageProblemError(
@@ -205,9 +202,24 @@ class StageProblem:
             )
         return cost
 
-    def in_flight(self, stage_index: int, num_stages: int) -> int:
-        """Microbatches whose activations stage ``stage_index`` of ``num_stages`` holds at once."""
-        return in_flight_microbatches(self.schedule, stage_index, num_stages, self.num_microbatches)
+    def stage_counts(self, num_stages: int) -> tuple[int, ...]:
+        """What each of ``num_stages`` stages keeps in flight: ``in_flight_counts``', checked."""
+        counts = self._counts.get(num_stages)
+        if counts is None:
+            counts = tuple(self.in_flight_counts(num_stages))
+            if len(counts) != num_stages or not all(isinstance(c, int) and c >= 0 for c in counts):
+                message = f"one non-negative count per stage, got {counts!r}"
+                raise InvalidStageProblemError(
+                    f"in_flight_counts({num_stages}) must give {message}"
+                )
+            self._counts[num_stages] = counts
+        return counts
+
+    def counts_follow_stages_behind(self) -> bool:
+        """Whether a stage's count depends only on the stages after it, for every ``K``."""
+        most = min(self.num_layers, self.num_devices)
+        longest = self.stage_counts(most)
+        return all(self.stage_counts(count) == longest[most - count :] for count in range(1, most))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,7 +249,7 @@ class StagePlan:
     t_max: float
     """The slowest stage's time."""
     num_microbatches: int
-    schedule: Schedule
+    schedule: str
 
     @property
     def num_stages(self) -> int:
@@ -276,18 +288,6 @@ def pipeline_step_time(stage_times: Sequence[float], num_microbatches: int) -> f
     if not stage_times:
         raise InvalidStageProblemError("a pipeline needs at least one stage")
     return sum(stage_times) + (num_microbatches - 1) * max(stage_times)
-
-
-def in_flight_microbatches(
-    schedule: Schedule, stage_index: int, num_stages: int, num_microbatches: int
-) -> int:
-    """Microbatches stage ``stage_index`` (0-based) of ``num_stages`` keeps activations for:
-    all ``M`` under GPipe, ``min(K - k, M)`` under 1F1B, ``min(K, M)`` under ZB-H1."""
-    if schedule == "gpipe":
-        return num_microbatches
-    if schedule == "zb-h1":
-        return min(num_stages, num_microbatches)
-    return min(num_stages - stage_index, num_microbatches)
 
 
 def check_submesh_shapes(mesh_shape: tuple[int, ...], shapes: Sequence[Submesh]) -> None:
@@ -419,7 +419,7 @@ def evaluate_stages(
             raise NoStagePlanError(
                 f"the cost table marks layers {start}..{stop - 1} on submesh {shape} infeasible"
             )
-        in_flight = problem.in_flight(index, len(shapes))
+        in_flight = problem.stage_counts(len(shapes))[index]
         memory = cost.memory(in_flight)
         stages.append(Stage(start, stop, shape, cost.time, memory, in_flight, cost.per_step))
     plan = _plan(problem, stages)
@@ -493,7 +493,7 @@ def solve_stages(problem: StageProblem, stages: StageCount = "auto") -> StagePla
     """The plan of least pipeline step time (module docstring), with ``stages`` stages or any
     number. Raises :class:`StageMemoryError` when plans exist but none fits in memory and
     :class:`NoStagePlanError` when none exists at all."""
-    if stages == "auto" and problem.schedule == "zb-h1":
+    if stages == "auto" and not problem.counts_follow_stages_behind():
         # Its microbatches in flight depend on the plan's own K (module docstring).
         return min(solve_each_stage_count(problem), key=lambda plan: plan.objective)
     counting = _stage_counting(problem, stages)
@@ -518,9 +518,9 @@ def solve_stages(problem: StageProblem, stages: StageCount = "auto") -> StagePla
 def solve_each_stage_count(problem: StageProblem) -> tuple[StagePlan, ...]:
     """The plan of least step time of every stage count that has one, fewest stages first:
     for a caller that ranks them by another measure than the objective (a zero-bubble
-    schedule's step), and for :func:`solve_stages` under ZB-H1 with ``K`` free. Raises like
-    :func:`solve_stages` when no count has a plan; a :class:`StageMemoryError` then names the
-    most frugal plan of any count."""
+    schedule's step), and for :func:`solve_stages` with ``K`` free where the counts in flight
+    depend on ``K`` (ZB-H1's). Raises like :func:`solve_stages` when no count has a plan; a
+    :class:`StageMemoryError` then names the most frugal plan of any count."""
     entries = _entries(problem)
     problem = dataclasses.replace(problem, costs=_entry_mapping(entries))
     plans: list[StagePlan] = []
@@ -551,23 +551,23 @@ def solve_each_stage_count(problem: StageProblem) -> tuple[StagePlan, ...]:
 
 def _stage_counting(problem: StageProblem, stages: StageCount) -> _StageCounting:
     most = min(problem.num_layers, problem.num_devices)
-    if stages == "auto" and problem.schedule == "zb-h1":
-        raise AssertionError("ZB-H1 with K free is solved one K at a time")
     if stages == "auto":
-        top = 1 if problem.schedule == "gpipe" else min(problem.num_microbatches, most)
+        # f(n) is stage most - n's of the longest plan; it saturates where it stops changing.
+        counts = problem.stage_counts(most)
+        top = most
+        while top > 1 and counts[most - top + 1] == counts[most - top]:
+            top -= 1
         saturating = True
     elif isinstance(stages, int) and not isinstance(stages, bool) and 1 <= stages <= most:
-        top, saturating = stages, False
+        top, saturating, counts = stages, False, problem.stage_counts(stages)
     else:
         raise InvalidStageProblemError(
             f"stages must be 'auto' or a number of stages from 1 to {most} (at most one per "
             f"layer and per device: {problem.num_layers} layers, {problem.num_devices} devices), "
             f"got {stages!r}"
         )
-    if saturating:  # a stage with n - 1 stages behind it: stage 0 of n, for all we know
-        in_flight = tuple(problem.in_flight(0, count) for count in range(top + 1))
-    else:  # stage K - n of the K
-        in_flight = tuple(problem.in_flight(top - count, top) for count in range(top + 1))
+    # By n: a stage with n - 1 stages behind it is stage len(counts) - n (n = 0 places none).
+    in_flight = (0, *(counts[len(counts) - count] for count in range(1, top + 1)))
     return _StageCounting(top=top, saturating=saturating, in_flight=in_flight)
 
 
@@ -797,7 +797,7 @@ def brute_force_stages(problem: StageProblem, stages: StageCount = "auto") -> St
                 if any(cost is None for cost in costs):
                     continue
                 peak = max(
-                    cost.memory(problem.in_flight(k, num_stages))
+                    cost.memory(problem.stage_counts(num_stages)[k])
                     for k, cost in enumerate(costs)
                     if cost is not None
                 )

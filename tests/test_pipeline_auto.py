@@ -28,7 +28,6 @@ from fxpar.passes import plan_program
 from fxpar.pipeline import Pipeline, PipelineError, partition, split_program
 from fxpar.pipeline.atoms import Atoms, region
 from fxpar.pipeline.auto import StageChoice, evaluate_split, plan_stages, search_pipelines
-from fxpar.pipeline.options import ScheduleName
 from fxpar.pipeline.stage_costs import StageCostModel
 from fxpar.solvers.stages import StageMemoryError, per_step_overcount
 
@@ -85,9 +84,7 @@ def _every_split(
         (1e11, "gpipe", True),
     ],
 )
-def test_choice_is_the_brute_force_optimum(
-    schedule: ScheduleName, remat: bool, bandwidth: float
-) -> None:
+def test_choice_is_the_brute_force_optimum(schedule: str, remat: bool, bandwidth: float) -> None:
     """Over every split point set and devices-per-stage count, none beats the chosen plan, and
     the chosen plan scores the same when evaluated as a manual split."""
     program = _gpt(4)[3]

@@ -25,7 +25,7 @@ from fxpar.cluster import Cluster
 from fxpar.errors import FxparError
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.passes import plan_program
-from fxpar.pipeline import Pipeline, PipelineError
+from fxpar.pipeline import Pipeline, PipelineError, default_schedules
 from fxpar.pipeline.auto import (
     StageChoice,
     evaluate_split,
@@ -119,14 +119,18 @@ def submesh_problems(draw: st.DrawFn) -> StageProblem:
             table[(start, stop, shape)] = StageCost(
                 float(time), float(rng.randint(0, 6)), float(rng.randint(0, 3))
             )
+    microbatches = draw(st.sampled_from([1, 2, 4]))
+    schedule = draw(st.sampled_from(["gpipe", "1f1b"]))
+    named = default_schedules()[schedule]
     return StageProblem(
         num_layers=num_layers,
         mesh_shape=mesh_shape,
         submesh_shapes=shapes,
-        num_microbatches=draw(st.sampled_from([1, 2, 4])),
+        num_microbatches=microbatches,
         costs=table,
         memory_limit=draw(st.sampled_from([None, 8.0, 12.0])),
-        schedule=draw(st.sampled_from(["gpipe", "1f1b"])),
+        schedule=schedule,
+        in_flight_counts=lambda stages: named.in_flight(stages, microbatches),
     )
 
 

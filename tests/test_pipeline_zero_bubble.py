@@ -52,6 +52,7 @@ from fxpar.pipeline import (
     SplitProgram,
     build_schedule,
     capture_microbatch,
+    default_schedules,
     even_split_points,
     partition,
     split_program,
@@ -60,7 +61,7 @@ from fxpar.pipeline import executor as executor_module
 from fxpar.pipeline.auto import evaluate_split, search_pipelines
 from fxpar.pipeline.executor import StageResult, StageWorker
 from fxpar.pipeline.intra_op import GradientSync
-from fxpar.pipeline.schedule import placement_of, virtual_stage
+from fxpar.pipeline.schedule import virtual_stage
 from fxpar.runtime.launch import spawn
 from fxpar.solvers.stages import StagePlan, per_step_overcount
 
@@ -141,7 +142,7 @@ def _in_threads(
     chunks = 2 if schedule == "zb-v" else 1
     stages = split.num_stages // chunks
     lists = build_schedule(schedule, stages, microbatches, chunks)  # type: ignore[arg-type]
-    placement = placement_of(schedule)  # type: ignore[arg-type]
+    placement = default_schedules()[schedule].placement
     wire = _Wire()
     monkeypatch.setattr(executor_module, "dist", wire)
     workers = []

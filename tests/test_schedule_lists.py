@@ -19,17 +19,21 @@ from collections.abc import Sequence
 
 import pytest
 
+from fxpar import cli, joint
 from fxpar.pipeline import (
     Instruction,
     Op,
+    Pipeline,
     PipelineError,
+    Schedule,
     build_schedule,
+    default_schedules,
     ideal_bubble,
     max_in_flight,
     modelled_bubble,
     simulate,
 )
-from fxpar.pipeline.schedule import forward_only
+from fxpar.pipeline.schedule import forward_only, virtual_stage
 
 _WORDS = {
     Op.RECV_ACTIVATION: "ra",
@@ -282,7 +286,164 @@ def test_the_simulator_checks_weights_come_after_their_input_gradients() -> None
 
 def test_zero_bubble_chunk_counts_are_said() -> None:
     """build_schedule wants ZB-V's two chunks and ZB-H1's one said as such."""
-    with pytest.raises(PipelineError, match="exactly two chunks"):
+    with pytest.raises(PipelineError, match="exactly two model chunks"):
         build_schedule("zb-v", 2, 4)
     with pytest.raises(PipelineError, match="one chunk per stage"):
         build_schedule("zb-h1", 2, 4, 2)
+
+
+def _shape_class(stages: int, count: int) -> str:
+    if count < stages:
+        return "M<K"
+    return "K<=M<2K" if count < 2 * stages else "M>=2K"
+
+
+def _every_shape() -> list[tuple[str, int, int, int]]:
+    """Every default schedule at every K from 1 to 5 and every M from 1 to 2K + 2 (each of
+    the classes M < K, K <= M < 2K and M >= 2K, K=2 M=3 among them), at each chunk count it
+    runs (2 and 3 for the interleaved schedule), wherever its rules allow the shape."""
+    cases = []
+    for schedule in default_schedules().schedules:
+        chunk_counts = [schedule.fixed_chunks] if schedule.fixed_chunks else [2, 3]
+        for stages in range(1, 6):
+            for count in range(1, 2 * stages + 3):
+                for chunks in chunk_counts:
+                    try:
+                        schedule.check(stages, count, chunks)
+                    except PipelineError:
+                        continue
+                    cases.append((schedule.name, stages, count, chunks))
+    return cases
+
+
+EVERY_SHAPE = _every_shape()
+
+
+def test_every_schedule_is_checked_at_every_shape_class() -> None:
+    """The parametrization below reaches each schedule at each class of shape its rules
+    allow: the interleaved schedule needs M to be a multiple of K, so never M < K."""
+    classes = {(name, _shape_class(k, m)) for name, k, m, _ in EVERY_SHAPE}
+    for name in default_schedules().names():
+        expected = {"K<=M<2K", "M>=2K"} | (set() if name == "interleaved" else {"M<K"})
+        assert {c for n, c in classes if n == name} == expected, name
+    assert ("zb-v", 2, 3, 2) in EVERY_SHAPE
+
+
+@pytest.mark.parametrize(
+    ("name", "stages", "count", "chunks"),
+    EVERY_SHAPE,
+    ids=[f"{n}-K{k}-M{m}-V{v}-{_shape_class(k, m)}" for n, k, m, v in EVERY_SHAPE],
+)
+def test_every_schedule_runs_every_micro_batch_once_per_chunk(
+    name: str, stages: int, count: int, chunks: int
+) -> None:
+    """On every stage, each (chunk, micro-batch) runs its forward, its backward (or its B and
+    then its W, for a schedule that splits the backward) and its free exactly once and in that
+    order, receives and sends each message its place in the model needs exactly once, and
+    nothing else; the lists and their forward halves simulate to the end. A builder that left
+    out or repeated a micro-batch at some M fails here, at that M."""
+    schedule = default_schedules()[name]
+    lists = schedule.build(stages, count, chunks)
+    assert len(lists) == stages
+    computes = (
+        (Op.FORWARD, Op.BACKWARD_INPUT, Op.BACKWARD_WEIGHT, Op.FREE)
+        if schedule.splits_backward
+        else (Op.FORWARD, Op.BACKWARD, Op.FREE)
+    )
+    virtual_count = stages * chunks
+    for stage, instructions in enumerate(lists):
+        expected: list[tuple[Op, int, int]] = []
+        for chunk in range(chunks):
+            virtual = virtual_stage(stage, chunk, stages, schedule.placement)
+            ops = list(computes)
+            if virtual > 0:
+                ops += [Op.RECV_ACTIVATION, Op.SEND_GRAD]
+            if virtual < virtual_count - 1:
+                ops += [Op.SEND_ACTIVATION, Op.RECV_GRAD]
+            expected += [(op, chunk, m) for op in ops for m in range(count)]
+        found = [(i.op, i.chunk, i.microbatch) for i in instructions]
+        assert sorted(found, key=str) == sorted(expected, key=str), f"stage {stage}"
+        for chunk in range(chunks):
+            for m in range(count):
+                places = [instructions.index(Instruction(op, m, chunk)) for op in computes]
+                assert places == sorted(places), (stage, chunk, m)
+    simulate(lists, schedule.placement)
+    simulate([forward_only(instructions) for instructions in lists], schedule.placement)
+    assert all(
+        1 <= flight <= count * chunks for flight in schedule.in_flight(stages, count, chunks)
+    )
+
+
+def test_the_registry_is_the_one_list_of_schedule_names(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Every list of schedules reads the registry: its names, in order of preference; the
+    stage DP's (``searched``), which pipeline='auto' and ``fxpar plan --schedule`` offer; and
+    an unknown name's error, which lists them."""
+    registry = default_schedules()
+    assert registry.names() == ("1f1b", "gpipe", "zb-h1", "interleaved", "zb-v")
+    assert registry.searched() == ("1f1b", "gpipe", "zb-h1") == joint.SEARCHED_SCHEDULES
+    with pytest.raises(SystemExit):
+        cli.main(["plan", "gpt2", "--schedule", "interleaved"])
+    assert "choose from 'auto', '1f1b', 'gpipe', 'zb-h1'" in capsys.readouterr().err
+    with pytest.raises(PipelineError, match=r"one of \('1f1b', 'gpipe', .*'zb-v'\), got 'x'"):
+        Pipeline(schedule="x")
+
+
+def test_schedules_are_read_off_their_lists() -> None:
+    """What a schedule keeps in flight is its lists' (1F1B's min(K - s, M), GPipe's M, ZB-H1's
+    min(K, M)), and its rules are properties: ZB-V's V placement and two chunks, the
+    interleaved schedule's messages wrapping around the stages."""
+    registry = default_schedules()
+    assert registry["1f1b"].in_flight(4, 3) == (3, 3, 2, 1)
+    assert registry["gpipe"].in_flight(3, 5) == (5, 5, 5)
+    assert registry["zb-h1"].in_flight(3, 5) == (3, 3, 3)
+    for name in registry.names():
+        schedule = registry[name]
+        chunks = schedule.fixed_chunks or 2
+        lists = schedule.build(2, 4, chunks)
+        assert schedule.in_flight(2, 4, chunks) == tuple(max_in_flight(each) for each in lists)
+    assert Pipeline(stages=2, schedule="zb-v").virtual_stages == 2
+    assert Pipeline(stages=2, schedule="zb-v").v_shaped
+    assert (
+        Pipeline(stages=3, schedule="interleaved", virtual_stages=2, microbatches=3).neighbour(2, 1)
+        == 0
+    )
+
+
+def _reversed_gpipe(stages: int, count: int, chunks: int) -> list[list[Instruction]]:
+    """GPipe with its backwards from the last micro-batch down."""
+    gpipe = build_schedule("gpipe", stages, count)
+    lists = []
+    for instructions in gpipe:
+        forwards = [i for i in instructions if i.op in (Op.RECV_ACTIVATION, Op.FORWARD,
+                                                        Op.SEND_ACTIVATION)]  # fmt: skip
+        backwards = [i for i in instructions if i not in forwards]
+        per_microbatch = [[i for i in backwards if i.microbatch == m] for m in range(count)]
+        lists.append(forwards + [i for group in reversed(per_microbatch) for i in group])
+    return lists
+
+
+def test_a_registered_schedule_runs_where_its_registry_is_given() -> None:
+    """Adding a schedule returns a new registry and leaves the default one as it was; a
+    Pipeline knows the name only with that registry; names are unique; a schedule of several
+    chunks cannot claim the stage DP prices it; a builder giving the wrong number of lists
+    is refused."""
+    mine = Schedule("gpipe-reversed", _reversed_gpipe)
+    registry = default_schedules().with_schedule(mine)
+    assert registry.names()[-1] == "gpipe-reversed" and "gpipe-reversed" not in default_schedules()
+    with pytest.raises(PipelineError, match="Adding a schedule"):
+        Pipeline(stages=2, schedule="gpipe-reversed")
+    pipeline = Pipeline(stages=2, schedule="gpipe-reversed", schedules=registry)
+    assert pipeline.named_schedule is mine
+    lists = pipeline.instruction_lists()
+    simulate(lists)
+    assert render(lists[0]).endswith("rg3 B3 x3 rg2 B2 x2 rg1 B1 x1 rg0 B0 x0")
+    with pytest.raises(PipelineError, match="registered already"):
+        registry.with_schedule(mine)
+    with pytest.raises(PipelineError, match="cannot be searched=True"):
+        Schedule("wide", _reversed_gpipe, min_chunks=2, max_chunks=None, searched=True)
+    with pytest.raises(PipelineError, match="one list per stage"):
+        Schedule("short", lambda stages, count, chunks: []).build(2, 4)
+    with pytest.raises(PipelineError, match="stages='auto' cannot plan the gpipe-reversed"):
+        Pipeline(stages="auto", schedule="gpipe-reversed", schedules=registry)

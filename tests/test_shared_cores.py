@@ -21,14 +21,8 @@ from fxpar.pipeline import Pipeline, evaluate_split
 from fxpar.pipeline.auto import plan_stages
 from fxpar.pipeline.options import PipelineError
 from fxpar.pipeline.partition import even_split_points
-from fxpar.pipeline.schedule import (
-    Instruction,
-    Op,
-    StageTimes,
-    build_schedule,
-    replay,
-    replay_shared,
-)
+from fxpar.pipeline.schedule import Instruction, Op, StageTimes, replay, replay_shared
+from fxpar.pipeline.schedules import build_schedule
 from fxpar.runtime import waiting
 from fxpar.runtime.core_sharing import fit_core_sharing, measure_core_sharing
 from fxpar.runtime.launch import spawn

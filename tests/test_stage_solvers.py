@@ -7,7 +7,7 @@ import dataclasses
 import itertools
 import math
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 from unittest import mock
 
@@ -16,6 +16,7 @@ from hypothesis import assume, event, given, settings
 from hypothesis import strategies as st
 
 from fxpar.errors import FxparError
+from fxpar.pipeline import default_schedules
 from fxpar.solvers import stages as stages_module
 from fxpar.solvers.layers import (
     DataEdge,
@@ -34,13 +35,26 @@ from fxpar.solvers.stages import (
     brute_force_stages,
     check_submesh_shapes,
     evaluate_stages,
-    in_flight_microbatches,
     per_step_overcount,
     pipeline_step_time,
     place_submeshes,
     solve_each_stage_count,
     solve_stages,
 )
+
+
+def in_flight_of(schedule: str, microbatches: int) -> Callable[[int], tuple[int, ...]]:
+    """What the pipeline hands the stage DP: each stage's micro-batches in flight, read off the
+    named schedule's instruction lists for every stage count."""
+    named = default_schedules()[schedule]
+    return lambda stages: named.in_flight(stages, microbatches)
+
+
+def stage_problem(*, schedule: str = "1f1b", **fields: Any) -> StageProblem:
+    """A StageProblem under the named schedule (its in-flight counts included)."""
+    counts = in_flight_of(schedule, fields["num_microbatches"])
+    return StageProblem(schedule=schedule, in_flight_counts=counts, **fields)
+
 
 # Meshes and the submesh shapes allowed on them (any subset of these tiles, given the counts).
 MESHES: list[tuple[tuple[int, ...], list[tuple[int, ...]]]] = [
@@ -87,14 +101,14 @@ def stage_problems(draw: st.DrawFn) -> tuple[StageProblem, StageCount]:
     num_layers = draw(st.integers(1, 6))
     missing = draw(st.sampled_from([0.0, 0.2, 0.5]))
     table = random_table(draw(st.integers(0, 2**32 - 1)), num_layers, shapes, missing)
-    problem = StageProblem(
+    problem = stage_problem(
         num_layers=num_layers,
         mesh_shape=mesh_shape,
         submesh_shapes=tuple(shapes),
         num_microbatches=draw(st.sampled_from([1, 2, 4, 8])),
         costs=table,
         memory_limit=draw(st.one_of(st.none(), st.integers(5, 60).map(float))),
-        schedule=draw(st.sampled_from(["gpipe", "1f1b", "zb-h1"])),
+        schedule=draw(st.sampled_from(default_schedules().searched())),
     )
     most = min(num_layers, problem.num_devices)
     stages: StageCount = draw(st.one_of(st.just("auto"), st.integers(1, most)))
@@ -176,7 +190,7 @@ def test_allowed_submeshes_always_tile_the_mesh(
 
 def two_layer_problem(table: Mapping[Any, StageCost], **options: Any) -> StageProblem:
     """Two layers on two devices, stages of one device or of both."""
-    return StageProblem(
+    return stage_problem(
         num_layers=2,
         mesh_shape=(2,),
         submesh_shapes=((1,), (2,)),
@@ -209,11 +223,11 @@ def test_the_objective_overcounts_once_a_step_seconds_as_worked_by_hand(
 def test_pipeline_step_time_and_in_flight_counts() -> None:
     assert pipeline_step_time([1.0, 2.0, 3.0], 4) == 6.0 + 3 * 3.0
     assert pipeline_step_time([1.0, 2.0, 3.0], 1) == 6.0
-    assert [in_flight_microbatches("1f1b", k, 4, 2) for k in range(4)] == [2, 2, 2, 1]
-    assert [in_flight_microbatches("1f1b", k, 4, 8) for k in range(4)] == [4, 3, 2, 1]
-    assert [in_flight_microbatches("gpipe", k, 4, 8) for k in range(4)] == [8, 8, 8, 8]
-    assert [in_flight_microbatches("zb-h1", k, 4, 8) for k in range(4)] == [4, 4, 4, 4]
-    assert [in_flight_microbatches("zb-h1", k, 4, 2) for k in range(4)] == [2, 2, 2, 2]
+    assert list(in_flight_of("1f1b", 2)(4)) == [2, 2, 2, 1]
+    assert list(in_flight_of("1f1b", 8)(4)) == [4, 3, 2, 1]
+    assert list(in_flight_of("gpipe", 8)(4)) == [8, 8, 8, 8]
+    assert list(in_flight_of("zb-h1", 8)(4)) == [4, 4, 4, 4]
+    assert list(in_flight_of("zb-h1", 2)(4)) == [2, 2, 2, 2]
 
 
 def test_zb_h1_with_stages_free_weighs_each_count_by_its_own_memory() -> None:
@@ -324,7 +338,10 @@ def test_callable_table_is_asked_once_per_entry() -> None:
         asked.append((start, stop, submesh))
         return StageCost(float(stop - start) / math.prod(submesh), 0.0, 0.0)
 
-    problem = StageProblem(3, (2, 4), ((1, 1), (1, 2), (1, 4), (2, 4)), 4, cost)
+    problem = stage_problem(
+        num_layers=3, mesh_shape=(2, 4), submesh_shapes=((1, 1), (1, 2), (1, 4), (2, 4)),
+        num_microbatches=4, costs=cost,
+    )  # fmt: skip
     solve_stages(problem)
     assert len(asked) == len(set(asked)) == 6 * 4
 
@@ -344,18 +361,42 @@ def test_bad_stage_problems_are_rejected() -> None:
         dict(num_layers=2, mesh_shape=(1, 6), submesh_shapes=((1, 2), (1, 3)), num_microbatches=1),
         dict(num_layers=2, mesh_shape=(2, 2, 2), submesh_shapes=((1, 1, 1),), num_microbatches=1),
         dict(num_layers=2, mesh_shape=(2,), submesh_shapes=(), num_microbatches=1),
-        dict(num_layers=2, mesh_shape=(2,), submesh_shapes=((1,),), num_microbatches=1,
-             schedule="interleaved"),
     ]  # fmt: skip
     for options in bad:
         with pytest.raises(InvalidStageProblemError):
-            StageProblem(costs=table, **options)
+            stage_problem(costs=table, **options)
+
+
+@pytest.mark.parametrize(
+    "counts", [lambda stages: (1,) * (stages + 1), lambda stages: (-1,) * stages]
+)
+def test_in_flight_counts_not_one_per_stage_are_rejected(
+    counts: Callable[[int], tuple[int, ...]],
+) -> None:
+    """The caller's in-flight counts must give one non-negative count per stage."""
+    table = {(0, 2, (2,)): StageCost(1.0, 0.0, 0.0)}
+    problem = StageProblem(2, (2,), ((1,), (2,)), 2, table, in_flight_counts=counts)
+    with pytest.raises(InvalidStageProblemError, match="in_flight_counts"):
+        solve_stages(problem)
+
+
+def test_counts_that_follow_the_plans_stage_count_are_solved_one_count_at_a_time() -> None:
+    """1F1B's and GPipe's counts follow the stages behind a stage; ZB-H1's follow the plan's K
+    (every stage keeps min(K, M)), read off the lists, so the DP solves each K apart."""
+    fields: dict[str, Any] = dict(
+        num_layers=3, mesh_shape=(4,), submesh_shapes=((1,), (2,)), num_microbatches=4, costs={}
+    )
+    follows = {name: stage_problem(schedule=name, **fields).counts_follow_stages_behind()
+               for name in default_schedules().searched()}  # fmt: skip
+    assert follows == {"1f1b": True, "gpipe": True, "zb-h1": False}
 
 
 @pytest.mark.parametrize("stages", [0, 3, 5, "some"])
 def test_stage_count_out_of_range_is_rejected(stages: object) -> None:
     """2 layers on 4 devices: 1 or 2 stages, or "auto"."""
-    problem = StageProblem(2, (4,), ((1,), (2,)), 2, {})
+    problem = stage_problem(
+        num_layers=2, mesh_shape=(4,), submesh_shapes=((1,), (2,)), num_microbatches=2, costs={}
+    )
     with pytest.raises(InvalidStageProblemError, match="stages must be"):
         solve_stages(problem, stages)
 

@@ -3,7 +3,9 @@
 - :class:`Pipeline` says how (stages, micro-batches, schedule, remat, devices per stage).
 - :func:`partition` and :func:`split_program` cut a Program into per-stage forward and backward
   programs (:class:`SplitProgram`).
-- :func:`build_schedule` turns GPipe or 1F1B into an instruction list per stage.
+- :class:`Schedule` s (GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-V) build an instruction list
+  per stage; a :class:`ScheduleRegistry` holds them by name (:func:`default_schedules`), and
+  :func:`build_schedule` builds a default one's lists.
 - :class:`PipelineModel` trains on ``torch.distributed`` processes, one stage replica each.
 - :func:`pipeline_semantics` says how the micro-batches' losses make the step's, and where a
   pipelined step differs from one on the whole batch (:class:`PipelineSemantics`).
@@ -39,13 +41,12 @@ from fxpar.pipeline.partition import (
     even_split_points,
     partition,
 )
-from fxpar.pipeline.schedule import (
-    Instruction,
-    Op,
+from fxpar.pipeline.schedule import Instruction, Op, max_in_flight, modelled_bubble, simulate
+from fxpar.pipeline.schedules import (
+    Schedule,
+    ScheduleRegistry,
     build_schedule,
-    max_in_flight,
-    modelled_bubble,
-    simulate,
+    default_schedules,
 )
 from fxpar.pipeline.semantics import PipelineSemantics, pipeline_semantics
 from fxpar.pipeline.split import SplitProgram, StageProgram, split_program
@@ -65,6 +66,8 @@ __all__ = [
     "PipelineModel",
     "PipelineSearch",
     "PipelineSemantics",
+    "Schedule",
+    "ScheduleRegistry",
     "SplitProgram",
     "StageChoice",
     "StageOrderError",
@@ -76,6 +79,7 @@ __all__ = [
     "build_schedule",
     "capture_microbatch",
     "check_causal",
+    "default_schedules",
     "evaluate_split",
     "even_split_points",
     "ideal_bubble",

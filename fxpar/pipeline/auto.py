@@ -289,8 +289,9 @@ def search_submeshes(
     stages all on one shape on a tie: the best plan of every shape alone (``D / devices``
     stages, for shapes whose devices divide the mesh's ``D``) and the best over every mix
     (:func:`~fxpar.solvers.stages.solve_stages` with ``stages="auto"``). Plans are ranked by
-    ``step_time`` (default: their objective); under ZB-H1 the mix's best plan of every stage
-    count is ranked by it (:func:`~fxpar.solvers.stages.solve_each_stage_count`), as is the
+    ``step_time`` (default: their objective); where the micro-batches in flight depend on the
+    plan's stage count (ZB-H1's), the mix's best plan of every stage count is ranked by it
+    (:func:`~fxpar.solvers.stages.solve_each_stage_count`), as is the
     choice between the plans of each shape alone and the mix."""
     step = step_time if step_time is not None else _objective
     world = problem.num_devices
@@ -326,7 +327,7 @@ def search_submeshes(
     mixed: StagePlan | None = None
     mixed_reason = ""
     try:
-        if problem.schedule == "zb-h1" and step_time is not None:
+        if step_time is not None and not problem.counts_follow_stages_behind():
             mixed = min(solve_each_stage_count(problem), key=step)
         else:
             mixed = solve_stages(problem, "auto")
@@ -583,11 +584,12 @@ def _cost_model(
 
 
 def _check_schedule(pipeline: Pipeline) -> None:
-    if pipeline.schedule in ("interleaved", "zb-v"):
+    if not pipeline.named_schedule.searched:
         raise PipelineError(
-            f"the stage DP prices one model chunk per stage (GPipe, 1F1B, ZB-H1), not the "
-            f"{pipeline.schedule} schedule: choose its split points yourself "
-            "(K * virtual_stages - 1 module names), or plan stages for schedule='1f1b'"
+            f"the stage DP prices one model chunk per stage "
+            f"({', '.join(pipeline.schedules.searched())}), not the {pipeline.schedule} "
+            "schedule: choose its split points yourself (K * virtual_stages - 1 module names), "
+            "or plan stages for schedule='1f1b'"
         )
 
 
@@ -670,9 +672,8 @@ def _problem(
     ``mesh_of(starts[i], starts[j], shape)``, under the model's schedule (whose micro-batches
     in flight the solver counts)."""
     stops = (*starts[1:], model.atoms.count)
-    schedule = model.pipeline.schedule
-    if schedule in ("interleaved", "zb-v"):
-        raise AssertionError("_cost_model refuses schedules of several chunks per stage")
+    if not model.pipeline.named_schedule.searched:
+        raise AssertionError("_cost_model refuses schedules the stage DP does not price")
 
     def table(first: int, last: int, submesh: Submesh) -> StageCost:
         start, stop = starts[first], stops[last - 1]
@@ -685,7 +686,8 @@ def _problem(
         num_microbatches=model.pipeline.microbatches,
         costs=table,
         memory_limit=model.cluster.memory,
-        schedule=schedule,
+        schedule=model.pipeline.schedule,
+        in_flight_counts=model.in_flight,
     )
 
 

@@ -91,7 +91,7 @@ from fxpar.pipeline.intra_op import ShardedStage, local_batch, planned_specs
 from fxpar.pipeline.meshes import StageMeshes, meshes_of, plan_each
 from fxpar.pipeline.options import Pipeline, PipelineError
 from fxpar.pipeline.partition import even_split_points, partition
-from fxpar.pipeline.schedule import build_schedule, placement_of, simulate
+from fxpar.pipeline.schedule import simulate
 from fxpar.pipeline.semantics import PipelineSemantics
 from fxpar.pipeline.split import SplitProgram, split_program
 from fxpar.pipeline.stage_programs import (
@@ -255,10 +255,8 @@ class PipelineModel(Trainer):
         self.plan: Plan | None = self.plans.get(own)
         self.split: SplitProgram = cut[own]
         program = self.split.program
-        self.schedule = build_schedule(
-            pipeline.schedule, pipeline.num_stages, pipeline.microbatches, pipeline.virtual_stages
-        )
-        simulate(self.schedule, placement_of(pipeline.schedule))
+        self.schedule = pipeline.instruction_lists()
+        simulate(self.schedule, pipeline.named_schedule.placement)
         self.signature = program.signature
         self.semantics: PipelineSemantics = self.split.semantics
         if self.rank == 0:

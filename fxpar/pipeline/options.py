@@ -1,26 +1,18 @@
-"""What a user asks of a pipeline: :class:`Pipeline`, and the error pipelines raise."""
+"""What a user asks of a pipeline: :class:`Pipeline` (and, from :mod:`fxpar.errors`, the error
+pipelines raise)."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
-from fxpar.errors import FxparError
+from fxpar.errors import PipelineError
+from fxpar.pipeline.schedule import StageSchedule
+from fxpar.pipeline.schedules import Schedule, ScheduleRegistry, default_schedules
 
-ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"]
-SCHEDULES: tuple[ScheduleName, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
-"""The schedules a pipeline runs."""
-ZeroBubbleName = Literal["zb-h1", "zb-v"]
-ZERO_BUBBLE_SCHEDULES: tuple[ZeroBubbleName, ...] = ("zb-h1", "zb-v")
-"""Schedules with the backward split into input and weight gradients
-(:mod:`fxpar.pipeline.backward_split`)."""
-
-
-class PipelineError(FxparError):
-    """A model, a split or a launch that the pipeline runtime cannot run; the message says
-    which stage or module is at fault and what to change."""
+__all__ = ["Pipeline", "PipelineError"]
 
 
 @dataclass(frozen=True)
@@ -44,7 +36,7 @@ class Pipeline:
             weight gradients, deferred into the idle time; at most ``K`` micro-batches in
             flight on every stage), or ``"zb-v"`` (zero-bubble over two model chunks per
             stage in a V, ``virtual_stages=2``: a smaller bubble still, for the same
-            memory). All compute the same step.
+            memory). All compute the same step. Another schedule: a name in ``schedules``.
         remat: keep only the activations that cross stage boundaries and recompute the rest of
             a stage's forward inside its backward (about a third more compute, far less memory).
         data_parallel: devices per stage; each holds a copy of the stage and takes an equal
@@ -62,15 +54,19 @@ class Pipeline:
             ranks after those of stages ``0 .. s-1``. None: every stage has the same devices
             (``data_parallel``, or the stage mesh a cluster of mesh ``(K, *stage_mesh)``
             gives).
+        schedules: the registry ``schedule`` is looked up in (:func:`fxpar.pipeline.
+            default_schedules`, or one with schedules of your own: docs/pipelines.md,
+            "Adding a schedule").
     """
 
     stages: int | tuple[str, ...] | Literal["auto"] = 2
     microbatches: int = 4
-    schedule: ScheduleName = "1f1b"
+    schedule: str = "1f1b"
     remat: bool = False
     data_parallel: int = 1
     virtual_stages: int = 1
     stage_meshes: tuple[tuple[int, ...], ...] | None = None
+    schedules: ScheduleRegistry = field(default=default_schedules(), repr=False)
 
     def __post_init__(self) -> None:
         if self.stages == "auto":
@@ -86,8 +82,11 @@ class Pipeline:
             )
         if self.microbatches < 1:
             raise PipelineError(f"microbatches must be >= 1, got {self.microbatches}")
-        if self.schedule not in SCHEDULES:
-            raise PipelineError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if not isinstance(self.schedules, ScheduleRegistry):
+            raise PipelineError(
+                f"schedules must be a ScheduleRegistry (fxpar.pipeline.default_schedules()), "
+                f"got {type(self.schedules).__name__}"
+            )
         if self.data_parallel < 1:
             raise PipelineError(f"data_parallel must be >= 1, got {self.data_parallel}")
         self._check_interleaving()
@@ -133,65 +132,56 @@ class Pipeline:
             )
 
     def _check_interleaving(self) -> None:
+        schedule = self.named_schedule
+        if self.virtual_stages == 1 and schedule.fixed_chunks is not None:
+            object.__setattr__(self, "virtual_stages", schedule.fixed_chunks)
         chunks = self.virtual_stages
-        if self.schedule == "zb-v":
-            self._check_v()
-            return
-        if self.schedule != "interleaved":
-            if chunks != 1:
+        if not isinstance(chunks, int) or not schedule.accepts(chunks):
+            raise PipelineError(self._chunk_advice(schedule, chunks))
+        if self.stages == "auto":
+            if not schedule.searched:
                 raise PipelineError(
-                    f"virtual_stages={chunks} needs schedule='interleaved' (got "
-                    f"{self.schedule!r}, which runs one model chunk per stage)"
+                    f"stages='auto' cannot plan {schedule.title} (the stage DP prices one chunk "
+                    f"per stage, for schedules {self.schedules.searched()}): give stages=K or "
+                    f"{chunks} K - 1 split points"
                 )
             return
-        if not isinstance(chunks, int) or chunks < 2:
-            raise PipelineError(
-                f"the interleaved schedule needs virtual_stages >= 2 model chunks per stage, "
-                f"got {chunks!r} (with one chunk per stage, use schedule='1f1b')"
-            )
-        if self.stages == "auto":
-            raise PipelineError(
-                "stages='auto' cannot plan the interleaved schedule (the stage DP prices one "
-                "chunk per stage): give stages=K or K * virtual_stages - 1 split points"
-            )
         if isinstance(self.stages, tuple) and (len(self.stages) + 1) % chunks:
             raise PipelineError(
                 f"{len(self.stages)} split points make {len(self.stages) + 1} chunks, which "
-                f"do not divide into {chunks} per stage: give K * {chunks} - 1 split points"
+                f"do not divide into {chunks} per stage: give {chunks} K - 1 split points"
             )
-        if self.num_stages < 2:
-            raise PipelineError("the interleaved schedule needs at least 2 stages")
-        if self.microbatches % self.num_stages:
-            raise PipelineError(
-                f"the interleaved schedule runs micro-batches in groups of one per stage: "
-                f"microbatches={self.microbatches} must be a multiple of the "
-                f"{self.num_stages} stages"
-            )
+        schedule.check(self.num_stages, self.microbatches, chunks)
 
-    def _check_v(self) -> None:
-        if self.virtual_stages == 1:
-            object.__setattr__(self, "virtual_stages", 2)
-        if self.virtual_stages != 2:
-            raise PipelineError(
-                f"ZB-V runs exactly two model chunks per stage: virtual_stages must be 2, not "
-                f"{self.virtual_stages!r}"
+    def _chunk_advice(self, schedule: Schedule, chunks: object) -> str:
+        """Why ``chunks`` per stage does not run ``schedule``, and which schedules it runs."""
+        others = self.schedules.accepting(chunks) if isinstance(chunks, int) else ()
+        if schedule.fixed_chunks == 1 and others:
+            choices = " or ".join(f"schedule={name!r}" for name in others)
+            return (
+                f"virtual_stages={chunks} needs {choices} (got {self.schedule!r}, which runs "
+                "one model chunk per stage)"
             )
-        if self.stages == "auto":
-            raise PipelineError(
-                "stages='auto' cannot plan ZB-V (the stage DP prices one chunk per stage): "
-                "give stages=K or 2 K - 1 split points"
-            )
-        if isinstance(self.stages, tuple) and len(self.stages) % 2 == 0:
-            raise PipelineError(
-                f"{len(self.stages)} split points make {len(self.stages) + 1} chunks, which "
-                "do not divide into 2 per stage: give 2 K - 1 split points"
-            )
+        advice = schedule.chunk_error(chunks)
+        if others:
+            advice += f" (for {chunks} per stage, use schedule={others[0]!r})"
+        return advice
+
+    @property
+    def named_schedule(self) -> Schedule:
+        """The :class:`~fxpar.pipeline.schedules.Schedule` that ``schedule`` names."""
+        return self.schedules[self.schedule]
+
+    def instruction_lists(self) -> tuple[StageSchedule, ...]:
+        """Every stage's instruction list for this pipeline's stages, micro-batches and
+        chunks."""
+        return self.named_schedule.build(self.num_stages, self.microbatches, self.virtual_stages)
 
     @property
     def v_shaped(self) -> bool:
         """Whether stage ``s`` holds chunks ``s`` and ``2K - 1 - s`` (ZB-V) rather than
         ``s, s + K, ...``."""
-        return self.schedule == "zb-v"
+        return self.named_schedule.placement == "v"
 
     @property
     def num_stages(self) -> int:
@@ -220,8 +210,8 @@ class Pipeline:
     def neighbour(self, stage: int, step: int) -> int | None:
         """The stage ``step`` (1 or -1) after ``stage`` that a stage's first chunk sends
         activations (1) or gradients (-1) to; None past the ends, around which the
-        interleaved schedule's messages wrap (ZB-V's turn back at the last stage instead)."""
-        if self.schedule == "interleaved":
+        messages of several looped chunks wrap (ZB-V's turn back at the last stage instead)."""
+        if not self.v_shaped and self.virtual_stages > 1:
             return (stage + step) % self.num_stages
         return stage + step if 0 <= stage + step < self.num_stages else None
 

@@ -49,6 +49,10 @@ reads need stay from B to W: :mod:`.backward_split`). With forward, B and W taki
 
 The runtime runs both (:class:`~fxpar.pipeline.executor.StageWorker` runs B and W apart, and
 hands ZB-V's turn from chunk 0 to chunk 1 of the last stage over inside the process).
+
+Each builder here (``gpipe_lists``, ``one_f_one_b_lists``, ...) is the list function of a
+:class:`~fxpar.pipeline.schedules.Schedule` in the default registry
+(:mod:`fxpar.pipeline.schedules`), which is where pipelines look schedules up by name.
 """
 
 from __future__ import annotations
@@ -59,13 +63,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from fxpar.pipeline.options import (
-    SCHEDULES,
-    ZERO_BUBBLE_SCHEDULES,
-    PipelineError,
-    ScheduleName,
-    ZeroBubbleName,
-)
+from fxpar.errors import PipelineError
 
 
 class Op(enum.Enum):
@@ -87,11 +85,6 @@ Placement = Literal["loop", "v"]
 """Where a stage's chunks sit in the model: ``"loop"``, chunk ``c`` of stage ``s`` is virtual
 stage ``c K + s`` (one chunk per stage, and the interleaved schedule); ``"v"``, chunk 0 is
 virtual stage ``s`` and chunk 1 is ``2K-1-s`` (ZB-V)."""
-
-
-def placement_of(name: ScheduleName | ZeroBubbleName) -> Placement:
-    """How the schedule ``name`` places chunks on stages."""
-    return "v" if name == "zb-v" else "loop"
 
 
 def virtual_stage(stage: int, chunk: int, num_stages: int, placement: Placement = "loop") -> int:
@@ -126,55 +119,45 @@ class Instruction:
 StageSchedule = tuple[Instruction, ...]
 
 
-def build_schedule(
-    name: ScheduleName | ZeroBubbleName,
-    num_stages: int,
-    num_microbatches: int,
-    virtual_stages: int = 1,
+def gpipe_lists(
+    num_stages: int, num_microbatches: int, chunks: int = 1
 ) -> tuple[StageSchedule, ...]:
-    """The instruction list of every stage, by stage (``virtual_stages``: chunks per stage,
-    for ``"interleaved"``, and 2 for ``"zb-v"``). Check ``"zb-v"`` lists with
-    ``simulate(lists, placement="v")``.
+    """GPipe's lists: every forward, then every backward in micro-batch order."""
+    return tuple(_gpipe_list(stage, num_stages, num_microbatches) for stage in range(num_stages))
 
-    Raises:
-        PipelineError: an unknown schedule name, a non-positive count, an interleaved
-            schedule whose micro-batches are not a multiple of its stages, or a chunk count
-            the schedule does not run.
-    """
-    if name not in SCHEDULES and name not in ZERO_BUBBLE_SCHEDULES:
-        raise PipelineError(
-            f"unknown schedule {name!r}; choose one of {SCHEDULES + ZERO_BUBBLE_SCHEDULES}"
-        )
-    if num_stages < 1 or num_microbatches < 1:
-        raise PipelineError(
-            f"a pipeline needs at least one stage and one micro-batch, got {num_stages} stages "
-            f"and {num_microbatches} micro-batches"
-        )
-    stages = range(num_stages)
-    if name == "interleaved":
-        if virtual_stages < 1:
-            raise PipelineError(f"a stage needs at least one chunk, got {virtual_stages}")
-        if num_microbatches % num_stages:
-            raise PipelineError(
-                f"the interleaved schedule runs micro-batches in groups of one per stage: "
-                f"{num_microbatches} micro-batches are not a multiple of {num_stages} stages"
-            )
-        return tuple(
-            _interleaved_list(stage, num_stages, virtual_stages, num_microbatches)
-            for stage in stages
-        )
-    if name == "zb-v":
-        if virtual_stages != 2:
-            raise PipelineError(
-                f"ZB-V runs exactly two chunks per stage: pass virtual_stages=2, not "
-                f"{virtual_stages}"
-            )
-        return tuple(_zb_v_list(stage, num_stages, num_microbatches) for stage in stages)
-    if virtual_stages != 1:
-        raise PipelineError(f"the {name} schedule runs one chunk per stage, not {virtual_stages}")
-    if name == "zb-h1":
-        return tuple(_zb_h1_list(stage, num_stages, num_microbatches) for stage in stages)
-    return tuple(_stage_list(name, stage, num_stages, num_microbatches) for stage in stages)
+
+def one_f_one_b_lists(
+    num_stages: int, num_microbatches: int, chunks: int = 1
+) -> tuple[StageSchedule, ...]:
+    """1F1B's lists: ``K - s - 1`` warm-up forwards on stage ``s``, then one forward and one
+    backward in turn."""
+    return tuple(
+        _one_f_one_b_list(stage, num_stages, num_microbatches) for stage in range(num_stages)
+    )
+
+
+def interleaved_lists(
+    num_stages: int, num_microbatches: int, chunks: int
+) -> tuple[StageSchedule, ...]:
+    """Interleaved 1F1B's lists over ``chunks`` model chunks per stage (module docstring)."""
+    return tuple(
+        _interleaved_list(stage, num_stages, chunks, num_microbatches)
+        for stage in range(num_stages)
+    )
+
+
+def zb_h1_lists(
+    num_stages: int, num_microbatches: int, chunks: int = 1
+) -> tuple[StageSchedule, ...]:
+    """ZB-H1's lists (module docstring)."""
+    return tuple(_zb_h1_list(stage, num_stages, num_microbatches) for stage in range(num_stages))
+
+
+def zb_v_lists(
+    num_stages: int, num_microbatches: int, chunks: int = 2
+) -> tuple[StageSchedule, ...]:
+    """ZB-V's lists over two chunks per stage in a V (module docstring)."""
+    return tuple(_zb_v_list(stage, num_stages, num_microbatches) for stage in range(num_stages))
 
 
 def _forward(m: int, chunk: int, virtual: int, chunks: int) -> list[Instruction]:
@@ -210,20 +193,22 @@ def _backward_weight(m: int, chunk: int) -> list[Instruction]:
     return [Instruction(Op.BACKWARD_WEIGHT, m, chunk), Instruction(Op.FREE, m, chunk)]
 
 
-def _stage_list(name: ScheduleName, stage: int, num_stages: int, count: int) -> StageSchedule:
+def _gpipe_list(stage: int, num_stages: int, count: int) -> StageSchedule:
+    instructions: list[Instruction] = []
+    for m in range(count):
+        instructions += _forward(m, 0, stage, num_stages)
+    for m in range(count):
+        instructions += _backward(m, 0, stage, num_stages)
+    return tuple(instructions)
+
+
+def _one_f_one_b_list(stage: int, num_stages: int, count: int) -> StageSchedule:
     def forward(m: int) -> list[Instruction]:
         return _forward(m, 0, stage, num_stages)
 
     def backward(m: int) -> list[Instruction]:
         return _backward(m, 0, stage, num_stages)
 
-    if name == "gpipe":
-        instructions: list[Instruction] = []
-        for m in range(count):
-            instructions += forward(m)
-        for m in range(count):
-            instructions += backward(m)
-        return tuple(instructions)
     return _one_forward_one_backward(forward, backward, count, num_stages - stage - 1)
 
 

@@ -61,13 +61,12 @@ gradients need: backward nodes no gradient sent back across an atom boundary dep
 once on the whole step (what a stage's W runs, :mod:`fxpar.pipeline.backward_split`, wherever
 the stages are cut; a tied weight's gradient terms joined across atoms count in B), plus
 ``DIVIDED_WEIGHT_SHARE`` (a half) of each fused backward op B and W divide (a convolution's:
-W calls it again for the weight gradients). ``A_kept``
-are the bytes of the other backward values those nodes read, the range's or received from the
-next stage (what B keeps for W; a divided op's inputs B computes, such as its output
-gradient, rather than the op). A micro-batch
+W calls it again for the weight gradients). ``A_kept`` are the bytes of the other backward
+values those nodes read, the range's or received from the next stage (what B keeps for W; a
+divided op's inputs B computes, such as its output gradient, rather than the op). A micro-batch
 in flight then holds ``(A_saved + A_kept) / (M d)`` (with remat: what it received, plus
 ``A_saved`` recomputed for W, plus ``A_kept``), and every stage holds up to ``min(K, M)`` of them
-(the stage DP's ``schedule="zb-h1"``, :mod:`fxpar.solvers.stages`). The step of a plan is its
+(:meth:`StageCostModel.in_flight`, read off ZB-H1's lists). The step of a plan is its
 1F1B estimate less what ZB-H1's lists save over 1F1B's on the same stages
 (:meth:`StageCostModel.step_time`). Under stage plans the same terms are read from the plan:
 ``T_w`` sums the planned seconds of the same nodes, and ``A_kept`` their bytes per device.
@@ -128,8 +127,9 @@ from fxpar.ir.fold import fold
 from fxpar.ir.program import Program
 from fxpar.pipeline.atoms import Atoms, crossings, output_bytes, region
 from fxpar.pipeline.backward_split import DIVIDED_WEIGHT_SHARE, divisible
-from fxpar.pipeline.options import ZERO_BUBBLE_SCHEDULES, Pipeline, PipelineError
-from fxpar.pipeline.schedule import StageTimes, build_schedule, replay, replay_shared
+from fxpar.pipeline.options import Pipeline, PipelineError
+from fxpar.pipeline.schedule import StageTimes, replay, replay_shared
+from fxpar.pipeline.schedules import ONE_F_ONE_B, Schedule
 from fxpar.planning.cost import (
     accumulate_seconds,
     call_seconds,
@@ -256,6 +256,7 @@ class StageCostModel:
         self._call_seconds: dict[int, tuple[float, float]] = {}
         self._weights: _WeightSplit | None = None
         self._read_by: dict[fx.Node, frozenset[int]] | None = None
+        self._in_flight: dict[tuple[Schedule, int], tuple[int, ...]] = {}
 
     def with_pipeline(self, pipeline: Pipeline) -> StageCostModel:
         """This model for another schedule or remat setting of the same micro-batches: what
@@ -429,13 +430,20 @@ class StageCostModel:
             found = self._values[atom] = _AtomValues(read, saved, kept)
         return found
 
+    def in_flight(self, num_stages: int) -> tuple[int, ...]:
+        """Each stage's micro-batches in flight, read off the schedule's lists, for the DP."""
+        key = (self.pipeline.named_schedule, num_stages)
+        if key not in self._in_flight:  # shared with other settings' models (the same M)
+            self._in_flight[key] = key[0].in_flight(num_stages, self.pipeline.microbatches)
+        return self._in_flight[key]
+
     def step_time(self, stages: Sequence[tuple[int, int, Shape]], objective: float) -> float:
         """The step of the stages ``(start, stop, shape)`` whose stage DP objective (1F1B's
         ``sum t + (M - 1) max t``) is ``objective``, under this model's schedule and machine.
-        For ZB-H1, the objective less what ZB-H1's lists save over 1F1B's when both are
-        replayed (:func:`~fxpar.pipeline.schedule.replay`) on stages whose time splits into
-        forward, B and W as their nodes' seconds do (a remat recompute counted in B; the
-        stage's collectives and sends shared by the three in proportion). On ranks that share
+        Splitting the backward (ZB-H1), the objective less what its lists save over 1F1B's,
+        both replayed (:func:`~fxpar.pipeline.schedule.replay`) on stages whose time splits
+        into forward, B and W as their nodes' seconds do (a remat recompute in B; collectives
+        and sends shared by the three in proportion). On ranks that share
         a host's cores (:attr:`fxpar.Cluster.core_demand`), less what the schedule's idle
         stages leave the others: the lists of the stages' compute (their ops and the
         collectives those run, which on CPU share the cores) replayed at the calibrated speed,
@@ -448,18 +456,18 @@ class StageCostModel:
         the slowest stage's ``M - 1`` times more (:meth:`_per_step_overcount`), and the tied
         weights' sums after that (:meth:`tied_seconds`). ``shape`` is the stage's mesh: its
         replicas, or the mesh its plan was made for."""
-        schedule, cluster = self.pipeline.schedule, self.cluster
+        schedule, cluster = self.pipeline.named_schedule, self.cluster
         shared = cluster.compute_speedup(1 / cluster.world_size) > 1
         objective -= self._per_step_overcount(stages)
         objective += self.tied_seconds(stages)
-        if schedule != "zb-h1" and not shared:
+        if not schedule.splits_backward and not shared:
             return objective
         times = self._stage_times(stages)
         count, microbatches = len(times), self.pipeline.microbatches
-        lists = build_schedule(schedule, count, microbatches)
+        lists = schedule.build(count, microbatches)
         step, (own, _) = objective, replay(lists, times)
-        if schedule == "zb-h1":
-            one_f_one_b, _ = replay(build_schedule("1f1b", count, microbatches), times)
+        if schedule.splits_backward:
+            one_f_one_b, _ = replay(ONE_F_ONE_B.build(count, microbatches), times)
             step -= one_f_one_b - own
         if shared:
             devices = [math.prod(shape) for _, _, shape in stages]
@@ -573,7 +581,7 @@ class StageCostModel:
             static += facts.saved_bytes / share
         else:
             activation = facts.saved_bytes / share
-        if pipeline.schedule in ZERO_BUBBLE_SCHEDULES:
+        if pipeline.named_schedule.splits_backward:
             # From B to W a micro-batch keeps what W reads: the kept values, and under remat
             # the recomputed forward values (at most what the stash would have held).
             activation += (facts.kept_bytes + (facts.saved_bytes if pipeline.remat else 0)) / share

@@ -74,7 +74,7 @@ from fxpar.pipeline.intra_op import GradientSync, ShardedStage, neighbour_sides,
 from fxpar.pipeline.meshes import Shape, StageMeshes, plan_each
 from fxpar.pipeline.options import Pipeline, PipelineError
 from fxpar.pipeline.partition import partition
-from fxpar.pipeline.schedule import StageSchedule, forward_only, placement_of, simulate
+from fxpar.pipeline.schedule import StageSchedule, forward_only, simulate
 from fxpar.pipeline.split import SplitProgram, StageProgram, split_program
 from fxpar.planning.plan import Plan
 from fxpar.runtime.batches import BatchSignature
@@ -209,7 +209,7 @@ class StageLayout:
         worker = self._worker(forward, backward, self.schedule[self.stage], crossings, keys)
         # The forwards alone, which cannot deadlock either.
         forward_lists = [forward_only(instructions) for instructions in self.schedule]
-        simulate(forward_lists, placement_of(self.pipeline.schedule))
+        simulate(forward_lists, self.pipeline.named_schedule.placement)
         forward_worker = self._worker(forward, backward, forward_lists[self.stage], crossings)
         return StageStep(kind, training, split, sharded, worker, forward_worker, batch, splits)
 
@@ -249,7 +249,7 @@ class StageLayout:
             forward, backward, instructions,
             rank=self.rank, previous_rank=self.previous_rank, next_rank=self.next_rank,
             num_stages=self.pipeline.num_stages, crossings=crossings, device=self.device,
-            placement=placement_of(self.pipeline.schedule), gradient_keys=gradient_keys,
+            placement=self.pipeline.named_schedule.placement, gradient_keys=gradient_keys,
         )  # fmt: skip
 
     def gather_outputs(
