@@ -283,6 +283,7 @@ def _routed_rows(
     """On every simulated device: its rows (slot order), their experts, and what dispatch then
     combine gives back, with the route each device computed."""
     from fxpar.lowering import expert_dispatch as ed
+    from fxpar.lowering.collective_calls import exchange_counts, exchange_rows
     from fxpar.testing.simulate import SimulatedMesh
 
     experts_count = 4
@@ -295,10 +296,17 @@ def _routed_rows(
     def body(coordinate: Any, comm: Any) -> None:
         ids = ids_of(coordinate)
         piece, pieces = coordinate[axis], mesh[axis]
-        found = ed.route(comm, ids, experts_count, piece, pieces, axis, torch.int32)
+        # As a rank program runs them: the counts exchanged, then rows sent and sent back.
+        counts = ed.expert_counts(ids, experts_count)
+        received = exchange_counts(comm, counts, axis)
+        found = ed.route(ids, counts, received, piece, pieces, torch.int32)
         routes[coordinate] = found
-        dispatched[coordinate] = ed.dispatch(comm, found, rows[coordinate], axis)
-        returned[coordinate] = ed.combine(comm, found, dispatched[coordinate] * 2, axis)
+        sent = exchange_rows(comm, ed.dispatch(found, rows[coordinate]), found.splits, axis)
+        dispatched[coordinate] = ed.grouped(found, sent)
+        back = ed.ungrouped(found, dispatched[coordinate] * 2)
+        returned[coordinate] = ed.combine(
+            found, exchange_rows(comm, back, found.splits.back(), axis)
+        )
 
     SimulatedMesh(mesh).run(body)
     return rows, routes, {"dispatched": dispatched, "returned": returned}  # type: ignore[dict-item]

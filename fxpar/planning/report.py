@@ -59,7 +59,10 @@ if TYPE_CHECKING:
     from fxpar.planning.plan import Plan
 
 MEMORY_KINDS = ("params", "grads", "optimizer", "activations")
-SHORT_KIND = {"all_gather": "AG", "all_reduce": "AR", "reduce_scatter": "RS", "all_to_all": "A2A"}
+SHORT_KIND = {
+    "all_gather": "AG", "all_reduce": "AR", "reduce_scatter": "RS", "all_to_all": "A2A",
+    "all_to_all_rows": "A2Av",
+}  # fmt: skip
 INPUTS_ROW = "<inputs>"
 ROOT_ROW = "<root>"
 
