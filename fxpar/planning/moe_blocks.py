@@ -26,11 +26,14 @@ With the tokens split on the batch over the expert axis, a device's dispatched r
 rows of its own experts from every device's tokens: :func:`dispatch_strategies` gives every
 node of a block a strategy saying so (row values ``Shard`` on their row dim over every axis
 the tokens are split on, per-expert values ``Shard(0)`` on the expert axis, counts made
-outside the block ``Partial`` over those axes: each device counts its own tokens). The lowering
-(:mod:`fxpar.lowering.spmd`) recognises a block so planned (its sort's input split on the
-expert axis, which no rule offers) and emits the exchange of
-:mod:`fxpar.lowering.expert_dispatch` for its routing and boundaries; the region's ops run
-on the rows each device received (a view's row size inferred, ``-1``). Values inside a
+outside the block ``Partial`` over those axes: each device counts its own tokens). A block so
+planned is known by its sort's input split on the expert axis, which no rule offers
+(:func:`dispatch_axis`); its all-to-alls (:func:`block_exchanges`: the count exchange at its
+sort, the rows' exchange at each boundary) are entries of the collective schedule
+(:mod:`fxpar.planning.collective_schedule`), which the lowering (:mod:`fxpar.lowering.spmd`)
+emits around the local calls of :mod:`fxpar.lowering.expert_dispatch` for the block's routing
+and boundaries; the region's ops run on the rows each device received (a view's row size
+inferred, ``-1``). Values inside a
 block are never converted (the specs of its nodes agree by construction): the pieces are as
 large as routing makes them, and a spec prices them as even pieces, which is the balanced
 routing.

@@ -485,10 +485,13 @@ def render_text(data: Mapping[str, Any], width: int = 100) -> str:
         lines += extra
     lines += [rule, render(footer)]
     lines += _wrap(["collectives:", *_kinds(totals, axis_names)], width, _INDENT)
+    legend = "AG all-gather, AR all-reduce, RS reduce-scatter, A2A all-to-all, "
+    if any(c["kind"] == "all_to_all_rows" for c in totals):
+        legend += "A2Av all-to-all of routed rows, "
     lines += [
         "",
         "Per device. A collapsed row shows one of its layers; the total counts all of them.",
-        "AG all-gather, AR all-reduce, RS reduce-scatter, A2A all-to-all, (mesh axis).",
+        legend + "(mesh axis).",
     ]
     if data.get("no_rule"):
         ops = [f"{op} x{count}" for op, count in data["no_rule"].items()]
