@@ -392,7 +392,8 @@ class _RankLowering:
             assert exchange is not None, "a dispatched block's sort exchanges its counts"
             ids = local(block.expert_ids)
             counts = call(expert_dispatch.expert_counts, (ids, block.num_experts))
-            received = call(collective_calls.exchange_counts, (self.comm, counts, axis))
+            on = exchange.record.axis
+            received = call(collective_calls.exchange_counts, (self.comm, counts, on))
             offsets = ir.require(block.offsets, ir.ValueMeta).tensor.dtype
             piece = (self.coordinate[axis], self.mesh[axis], offsets)
             route = call(expert_dispatch.route, (ids, counts, received, *piece))
@@ -411,15 +412,15 @@ class _RankLowering:
         elif node in block.boundaries:
             assert exchange is not None, "each boundary of a dispatched block exchanges rows"
             kind, moved = block.boundaries[node]
-            value = local(moved)
+            value, on = local(moved), exchange.record.axis
             if kind in expert_dispatch.DISPATCHES:
                 extra = (block.top_k,) if kind == "dispatch_tokens" else ()
                 sent = call(expert_dispatch.DISPATCHES[kind], (route, value, *extra))
-                arrived = call(collective_calls.exchange_rows, (self.comm, sent, there, axis))
+                arrived = call(collective_calls.exchange_rows, (self.comm, sent, there, on))
                 made = call(expert_dispatch.grouped, (route, arrived))
             else:
                 sent = call(expert_dispatch.ungrouped, (route, value))
-                arrived = call(collective_calls.exchange_rows, (self.comm, sent, back, axis))
+                arrived = call(collective_calls.exchange_rows, (self.comm, sent, back, on))
                 extra = (block.top_k,) if kind == "combine_tokens" else ()
                 made = call(expert_dispatch.COMBINES[kind], (route, arrived, *extra))
             self.env[node] = (made, spec)

@@ -33,10 +33,9 @@ sort, the rows' exchange at each boundary) are entries of the collective schedul
 (:mod:`fxpar.planning.collective_schedule`), which the lowering (:mod:`fxpar.lowering.spmd`)
 emits around the local calls of :mod:`fxpar.lowering.expert_dispatch` for the block's routing
 and boundaries; the region's ops run on the rows each device received (a view's row size
-inferred, ``-1``). Values inside a
-block are never converted (the specs of its nodes agree by construction): the pieces are as
-large as routing makes them, and a spec prices them as even pieces, which is the balanced
-routing.
+inferred, ``-1``). Values inside a block are never converted (the specs of its nodes agree by
+construction): the pieces are as large as routing makes them, and a spec prices them as even
+pieces, which is the balanced routing.
 """
 
 from __future__ import annotations
@@ -596,8 +595,9 @@ class BlockExchange:
     value: fx.Node
     """What it exchanges: the sort's expert ids (their counts), or the boundary's moved value."""
     bytes: int
-    """Bytes one device sends under balanced routing: the counts of every expert
-    (:data:`COUNT_BYTES` each), or its piece of the moved value as the boundary reads it."""
+    """Bytes one device sends under balanced routing, as its price counts them: the counts of
+    every expert (:data:`COUNT_BYTES` each), or its piece of the moved value as the boundary
+    reads it (so a token, which travels once per expert of its ``top_k``, counts once)."""
 
     @property
     def collective(self) -> str:
