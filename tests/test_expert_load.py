@@ -7,6 +7,8 @@ token goes to one device the planner stops dispatching that it chose under balan
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from test_expert_choice import FAST, _cluster, _dispatched, _inputs, mixtral
 
@@ -16,7 +18,7 @@ from fxpar.errors import FxparError
 from fxpar.passes import plan_program
 from fxpar.planning import moe_blocks
 from fxpar.planning.problem import PlanOptions
-from fxpar.planning.step_time import price_schedule
+from fxpar.planning.step_time import price_schedule, record_stretches, step_overlap
 from fxpar.sharding import Sharding, piece_bytes
 
 
@@ -87,3 +89,58 @@ def test_the_planner_stops_dispatching_when_one_device_gets_every_token() -> Non
 def test_a_load_below_balanced_is_refused(load: object) -> None:
     with pytest.raises(FxparError, match="expert_load must be a number >= 1"):
         PlanOptions(expert_load=load)  # type: ignore[arg-type]
+
+
+def _exchange_records(priced: Any) -> dict[str, tuple[Any, float]]:
+    """The priced schedule's records of the dispatched blocks' exchanges, by the node that
+    runs each, with their seconds."""
+    exchanges = {e.record for e in priced.schedule.exchanges.values()}
+    return {
+        record.consumer: (record, seconds)
+        for record, seconds in zip(priced.records, priced.record_seconds, strict=True)
+        if record in exchanges
+    }
+
+
+def test_the_exchanges_records_are_priced_at_the_busiest_device_and_block() -> None:
+    """The exchanges are records of the plan's collective schedule, priced by the step-time
+    model like every other: each record costs what ``exchange_seconds`` says at the plan's
+    load, the step adds the records up (nothing priced outside them), and the overlap walk
+    exposes each exchange in full (it blocks: started and waited for where its node runs)."""
+    load = 1.75
+    plan = _dispatch_plan(load)
+    priced = price_schedule(plan.program, plan.cluster)
+    found = _exchange_records(priced)
+    expected = moe_blocks.exchange_seconds(plan.program.graph, plan.cluster, load=load)
+    assert set(found) == {node.name for node in expected}
+    for node, seconds in expected.items():
+        assert found[node.name][1] == pytest.approx(seconds, rel=1e-12), node.name
+    step = priced.compute_seconds + sum(priced.record_seconds) + priced.lag
+    assert priced.step == pytest.approx(step, rel=1e-12)
+    walked = step_overlap(priced, list(plan.program.graph.nodes))
+    for name, (record, seconds) in found.items():
+        assert walked.exposed_records[id(record)] >= seconds * (1 - 1e-12), name
+
+
+def test_an_exchange_meets_its_peers_like_any_collective() -> None:
+    """On a cluster whose latencies hold a wait for the last peer, an exchange's record pays
+    the part of it that the compute since the last collective on its axis leaves
+    (:func:`record_stretches`), as every record of the schedule does."""
+    cluster = fxpar.Cluster(
+        (2,), latency=(1e-4,), bandwidth=(1e9,), peer_wait=(5e-5,), lag_stretch=1e-3
+    )
+
+    def manual(program: fxpar.Program, cluster: fxpar.Cluster) -> fxpar.Program:
+        return plans.expert_parallel(program, cluster, axis=0, dispatch="all_to_all")
+
+    plan = plan_program(fxpar.capture(mixtral(), _inputs()), cluster, manual=manual)
+    priced = price_schedule(plan.program, cluster)
+    stretches = record_stretches(plan.program, priced.schedule, priced.compute, tail=0.0)
+    found = _exchange_records(priced)
+    assert found
+    plain = moe_blocks.exchange_seconds(plan.program.graph, cluster)
+    nodes = {node.name: node for node in plan.program.graph.nodes}
+    for name, (record, seconds) in found.items():
+        waited = cluster.peer_wait_seconds(0, stretches[id(record)])
+        assert seconds == pytest.approx(plain[nodes[name]] - 5e-5 + waited, rel=1e-12)
+    assert any(seconds < plain[nodes[name]] for name, (_, seconds) in found.items())

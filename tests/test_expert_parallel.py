@@ -13,7 +13,9 @@ steps equal eager PyTorch's.
 With the tokens dispatched by all-to-all (``dispatch="all_to_all"``, fxpar/planning/moe_blocks.py
 and fxpar/lowering/expert_dispatch.py): the exchange sends every row to its experts' device and
 back, the MoE blocks are found, and the models train like eager PyTorch in the simulator (also
-every token on one expert, and under bf16 mixed precision) and on gloo processes.
+every token on one expert, and under bf16 mixed precision) and on gloo processes. The exchanges
+are entries of the collective schedule: ``lower(plan).collectives()`` lists them, the report
+counts them, and the simulated devices run exactly them.
 """
 
 from __future__ import annotations
@@ -283,6 +285,7 @@ def _routed_rows(
     """On every simulated device: its rows (slot order), their experts, and what dispatch then
     combine gives back, with the route each device computed."""
     from fxpar.lowering import expert_dispatch as ed
+    from fxpar.lowering.collective_calls import exchange_counts, exchange_rows
     from fxpar.testing.simulate import SimulatedMesh
 
     experts_count = 4
@@ -295,10 +298,17 @@ def _routed_rows(
     def body(coordinate: Any, comm: Any) -> None:
         ids = ids_of(coordinate)
         piece, pieces = coordinate[axis], mesh[axis]
-        found = ed.route(comm, ids, experts_count, piece, pieces, axis, torch.int32)
+        # As a rank program runs them: the counts exchanged, then rows sent and sent back.
+        counts = ed.expert_counts(ids, experts_count)
+        received = exchange_counts(comm, counts, axis)
+        found = ed.route(ids, counts, received, piece, pieces, torch.int32)
         routes[coordinate] = found
-        dispatched[coordinate] = ed.dispatch(comm, found, rows[coordinate], axis)
-        returned[coordinate] = ed.combine(comm, found, dispatched[coordinate] * 2, axis)
+        sent = exchange_rows(comm, ed.dispatch(found, rows[coordinate]), found.splits, axis)
+        dispatched[coordinate] = ed.grouped(found, sent)
+        back = ed.ungrouped(found, dispatched[coordinate] * 2)
+        returned[coordinate] = ed.combine(
+            found, exchange_rows(comm, back, found.splits.back(), axis)
+        )
 
     SimulatedMesh(mesh).run(body)
     return rows, routes, {"dispatched": dispatched, "returned": returned}  # type: ignore[dict-item]
@@ -542,3 +552,145 @@ def test_the_plan_says_which_axis_splits_the_experts(dispatch: str) -> None:
     plan = plan_program(fxpar.capture(mixtral(), _inputs()), Cluster((2, 2)), manual=manual)
     assert plan.layout_summary().startswith("axis0 (2): expert parallel")
     assert "axis1 (2): data parallel" in plan.layout_summary()
+
+
+# -- tokens dispatched by all-to-all: the exchanges in the collective schedule -----------------
+
+
+class _Counting:
+    """A simulated device's communicator that notes every collective it is handed, in order:
+    (kind, mesh axis, bytes sent)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.calls: list[tuple[str, int, int]] = []
+
+    def _note(self, kind: str, tensor: torch.Tensor, axis: int) -> None:
+        self.calls.append((kind, axis, tensor.numel() * tensor.element_size()))
+
+    def all_gather(self, tensor: torch.Tensor, dim: int, axis: int) -> torch.Tensor:
+        self._note("all_gather", tensor, axis)
+        return self.inner.all_gather(tensor, dim, axis)  # type: ignore[no-any-return]
+
+    def all_reduce(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
+        self._note("all_reduce", tensor, axis)
+        return self.inner.all_reduce(tensor, axis)  # type: ignore[no-any-return]
+
+    def reduce_scatter(self, tensor: torch.Tensor, dim: int, axis: int) -> torch.Tensor:
+        self._note("reduce_scatter", tensor, axis)
+        return self.inner.reduce_scatter(tensor, dim, axis)  # type: ignore[no-any-return]
+
+    def all_to_all(self, tensor: torch.Tensor, split: int, concat: int, axis: int) -> Any:
+        self._note("all_to_all", tensor, axis)
+        return self.inner.all_to_all(tensor, split, concat, axis)
+
+    def all_to_all_rows(self, tensor: torch.Tensor, send: Any, receive: Any, axis: int) -> Any:
+        self._note("all_to_all_rows", tensor, axis)
+        return self.inner.all_to_all_rows(tensor, send, receive, axis)
+
+    def start_all_reduce(self, flat: torch.Tensor, axis: int) -> Any:
+        self._note("all_reduce", flat, axis)
+        return self.inner.start_all_reduce(flat, axis)
+
+    def start_reduce_scatter(self, output: torch.Tensor, flat: torch.Tensor, axis: int) -> Any:
+        self._note("reduce_scatter", flat, axis)
+        return self.inner.start_reduce_scatter(output, flat, axis)
+
+    def start_all_gather(self, output: torch.Tensor, flat: torch.Tensor, axis: int) -> Any:
+        self._note("all_gather", flat, axis)
+        return self.inner.start_all_gather(output, flat, axis)
+
+
+EXCHANGES = ("all_to_all", "all_to_all_rows")
+
+
+def test_a_dispatched_plan_lists_its_all_to_alls_in_the_collective_schedule() -> None:
+    """A two-layer Qwen2-MoE dispatched on (2, 2): per MoE layer, the collective schedule
+    (``lower(plan).collectives()``) lists one count exchange at its routing sort (an
+    all-to-all of its experts' counts) and one variable-size all-to-all per boundary (three
+    dispatches and three combines, half of them in the backward), all on the expert axis, in
+    graph order; the plan report counts them in their layer; the rank programs make every
+    collective through the schedule's calls (no other call is handed the communicator); and
+    the simulated devices run exactly those collectives, the counts' bytes as recorded and
+    the rows as many bytes over the devices as the records say (a token dispatched to
+    ``top_k`` experts is sent ``top_k`` times, and recorded once)."""
+    from fxpar.lowering import collective_calls
+    from fxpar.planning.moe_blocks import COUNT_BYTES, find_blocks
+    from fxpar.planning.report import plan_collectives, report_data
+    from fxpar.testing.simulate import run_ranks
+
+    model = qwen2_moe(layers=2)
+    manual = functools.partial(plans.expert_parallel, dispatch="all_to_all")
+    plan = plan_program(fxpar.capture(model, _inputs()), Cluster((2, 2)), manual=manual)
+    spmd = fxpar.lower(plan)
+    records = spmd.collectives()
+    assert records == plan_collectives(plan.program, plan.cluster)
+    blocks, _ = find_blocks(plan.program.graph)
+    assert len(blocks) == 2
+    nodes = {node.name: node for node in plan.program.graph.nodes}
+    order = {node: position for position, node in enumerate(plan.program.graph.nodes)}
+    exchanged = [r for r in records if r.kind in EXCHANGES]
+    assert len(exchanged) == 2 * 7
+    for block in blocks:
+        mine = [r for r in exchanged if nodes[r.consumer] in block.nodes()]
+        (counts,) = [r for r in mine if r.kind == "all_to_all"]
+        assert (counts.consumer, counts.tensor) == (block.sort.name, block.expert_ids.name)
+        assert counts.bytes == block.num_experts * COUNT_BYTES
+        assert counts.phase is ir.Phase.FORWARD
+        rows = [r for r in mine if r.kind == "all_to_all_rows"]
+        kinds = [block.boundaries[nodes[r.consumer]][0] for r in rows]
+        assert sorted(kinds) == sorted(["dispatch_tokens", "dispatch", "dispatch", "combine",
+                                        "combine", "combine_tokens"])  # fmt: skip
+        assert [r.phase for r in rows].count(ir.Phase.BACKWARD) == 3
+        assert all(r.axis == 0 for r in mine)
+        for record in rows:
+            moved = block.boundaries[nodes[record.consumer]][1]
+            assert record.tensor == moved.name
+            assert record.bytes == ir.require(moved, ir.ValueMeta).tensor.nbytes // 4
+    # In the order the programs run them: graph order.
+    positions = [order[nodes[r.consumer]] for r in exchanged]
+    assert positions == sorted(positions)
+
+    data = report_data(plan)
+    assert data["header"]["collectives"] == len(records)
+    for index in range(2):
+        (layer,) = [row for row in data["layers"] if row["name"] == f"model.layers.{index}"]
+        counted = {(c["kind"], c["axis"]): c["count"] for c in layer["collectives"]}
+        assert counted[("all_to_all", 0)] == 1 and counted[("all_to_all_rows", 0)] == 6
+    assert "6 A2Av(axis0)" in plan.report() and "A2Av all-to-all of routed rows" in plan.report()
+
+    for rank in spmd.ranks:
+        graph = rank.graph_module.graph
+        (comm,) = [n for n in graph.nodes if n.op == "placeholder" and n.name == "comm"]
+        assert {user.target for user in comm.users} <= {
+            *collective_calls.COLLECTIVE_FUNCTIONS,
+            collective_calls.wait_bucket,
+        }
+        made = [n for n in graph.nodes if n.target is collective_calls.exchange_rows]
+        assert len(made) == 12 and all(n.args[3] == 0 for n in made)
+        made = [n for n in graph.nodes if n.target is collective_calls.exchange_counts]
+        assert len(made) == 2 and all(n.args[2] == 0 for n in made)
+
+    def run(module: Any, comm: Any, local: list[torch.Tensor]) -> list[tuple[str, int, int]]:
+        counting = _Counting(comm)
+        module(counting, *local)
+        return counting.calls
+
+    flat = plan.program.flat_inputs(model, *_inputs().values())
+    ran = list(run_ranks(spmd, flat, run).values())
+    kind_of = {n.name: kind for b in blocks for n, (kind, _) in b.boundaries.items()}
+    for calls in ran:
+        assert sorted(call[:2] for call in calls) == sorted((r.kind, r.axis) for r in records)
+        done = [call for call in calls if call[0] in EXCHANGES]
+        assert [call[:2] for call in done] == [(r.kind, r.axis) for r in exchanged]
+        for (_, _, nbytes), record in zip(done, exchanged, strict=True):
+            if record.kind == "all_to_all":
+                assert nbytes == record.bytes
+    sent = [
+        sum(nbytes for _, _, nbytes in column)
+        for column in zip(*([c for c in calls if c[0] in EXCHANGES] for calls in ran), strict=True)
+    ]
+    for nbytes, record in zip(sent, exchanged, strict=True):
+        if record.kind == "all_to_all_rows":
+            copies = 2 if kind_of[record.consumer] == "dispatch_tokens" else 1  # top_k
+            assert nbytes == copies * 4 * record.bytes, kind_of[record.consumer]

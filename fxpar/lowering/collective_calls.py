@@ -103,11 +103,37 @@ def all_to_all(
 
 def exchange_counts(comm: RowCommunicator, send_counts: torch.Tensor, axis: int) -> torch.Tensor:
     """What each device along ``axis`` will send this one, from what each sends every other:
-    ``send_counts[j]`` (a 1-D integer tensor with one entry per device of the axis) goes to
-    device ``j``; entry ``i`` of the result came from device ``i``. A fixed-size all-to-all,
-    run before a variable-size one (:func:`all_to_all_rows`) so that every device can size
-    what it receives."""
+    ``send_counts`` (a 1-D integer tensor of ``n * c`` entries, ``n`` the devices of the
+    axis) sends entries ``[j * c, (j + 1) * c)`` to device ``j``, and entries
+    ``[i * c, (i + 1) * c)`` of the result came from device ``i`` (``c`` is 1 for counts per
+    device, a device's expert count for counts per expert). A fixed-size all-to-all, run
+    before a variable-size one (:func:`exchange_rows`) so that every device can size what it
+    receives."""
     return comm.all_to_all(send_counts, 0, 0, axis)
+
+
+@dataclass(frozen=True)
+class RowSplits:
+    """How many rows one device sends to and receives from each device of a mesh axis, in
+    device order: the split sizes of a variable-size all-to-all (:func:`exchange_rows`)."""
+
+    send: tuple[int, ...]
+    receive: tuple[int, ...]
+
+    def back(self) -> RowSplits:
+        """The splits of the reverse exchange (what came is sent back)."""
+        return RowSplits(self.receive, self.send)
+
+
+def exchange_rows(
+    comm: RowCommunicator, tensor: torch.Tensor, splits: RowSplits, axis: int
+) -> torch.Tensor:
+    """Rows of ``tensor`` (dim 0) sent by ``splits`` along ``axis``: ``splits.send[j]``
+    consecutive rows to device ``j``, and what arrives stacked on dim 0 in device order,
+    ``splits.receive[i]`` rows from device ``i``. A variable-size all-to-all whose counts
+    every device knows beforehand (:func:`exchange_counts`): a mixture-of-experts block's
+    dispatch and combine (:mod:`fxpar.lowering.expert_dispatch`)."""
+    return comm.all_to_all_rows(tensor, splits.send, splits.receive, axis)
 
 
 def all_to_all_rows(
@@ -249,8 +275,8 @@ def wait_bucket(comm: Communicator, bucket: Bucket) -> tuple[torch.Tensor, ...]:
 
 
 COLLECTIVE_FUNCTIONS = (
-    all_gather, all_reduce, reduce_scatter, all_to_all, exchange_counts, all_to_all_rows,
-    start_all_reduce,
+    all_gather, all_reduce, reduce_scatter, all_to_all, exchange_counts, exchange_rows,
+    all_to_all_rows, start_all_reduce,
     start_all_reduce_bucket, start_reduce_scatter_bucket, start_all_gather_bucket,
 )  # fmt: skip
 """The calls of a per-rank program that start collectives (:func:`wait_bucket` and

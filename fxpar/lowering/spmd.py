@@ -13,6 +13,11 @@ by the collective schedule (:mod:`fxpar.planning.collective_schedule`). For each
 - ops whose arguments spell out a shape (``view``, ``expand``, ...) get the local shape;
 - a strategy whose pieces the op itself cannot compute (a grouped product's experts split)
   becomes the local call its op family gives (:mod:`fxpar.rules.local`);
+- a mixture-of-experts block whose tokens the plan dispatches by all-to-all has its routing
+  sort and boundaries lowered around the schedule's exchanges
+  (:class:`~fxpar.planning.collective_schedule.Exchange`): each exchange is one call of
+  :mod:`fxpar.lowering.collective_calls`, between the local calls of
+  :mod:`fxpar.lowering.expert_dispatch` that order the rows for it;
 - outputs leave in their required specs: the loss replicated (a forward's outputs as
   computed, partial sums reduced), each gradient in its parameter's
   spec (this is where data parallelism's gradient all-reduce appears), each buffer update in its
@@ -54,7 +59,6 @@ from fxpar.planning.collective_schedule import (
     value_spec,
 )
 from fxpar.planning.grouping import BUCKET_BYTES, GatherGroup, needs_strategy
-from fxpar.planning.moe_blocks import MoEBlock, dispatch_axis, find_blocks
 from fxpar.planning.plan import Plan
 from fxpar.rules.local import has_local_calls, local_call
 from fxpar.rules.registry import op_call
@@ -255,17 +259,6 @@ def conversion_program(
     return lower_graph(module, mesh_shape, coordinate, sources, targets, class_name=class_name)
 
 
-def dispatched_blocks(graph: fx.Graph) -> dict[fx.Node, tuple[MoEBlock, int]]:
-    """Every node of an MoE block whose tokens its plan dispatches by all-to-all
-    (:func:`fxpar.planning.moe_blocks.dispatch_axis`), with its block and the axis."""
-    found: dict[fx.Node, tuple[MoEBlock, int]] = {}
-    for block in find_blocks(graph)[0]:
-        axis = dispatch_axis(block)
-        if axis is not None:
-            found.update({node: (block, axis) for node in block.nodes()})
-    return found
-
-
 def localize_shape_arguments(
     node: fx.Node, args: tuple[Any, ...], specs: tuple[Spec | None, ...], mesh: tuple[int, ...]
 ) -> tuple[Any, ...]:
@@ -322,9 +315,11 @@ class _RankLowering:
         """The start of each gather group, by index."""
         self.recomputed: dict[fx.Node, fx.Node] = {}
         """The local value of each view the backward computes again."""
-        self.dispatched = dispatched_blocks(graph_module.graph)
+        self.dispatched = schedule.dispatched
         """The MoE blocks whose tokens the plan dispatches by all-to-all, by node."""
-        self.routes: dict[fx.Node, fx.Node] = {}
+        self.routes: dict[fx.Node, tuple[fx.Node, fx.Node, fx.Node]] = {}
+        """Each dispatched block's route, by its sort, with the splits of its dispatches'
+        and of its combines' exchanges."""
 
     def run(self, class_name: str) -> fx.GraphModule:
         specs = self.schedule.specs
@@ -371,17 +366,20 @@ class _RankLowering:
         self.env[node] = (self._emit_op(node, replace), self.schedule.specs[node])
 
     def _lower_dispatch(self, node: fx.Node) -> None:
-        """A node of a dispatched MoE block's routing or boundaries: the sort becomes the
-        route of this device's rows (:func:`expert_dispatch.route`), the offsets its own
-        experts' offsets, each boundary a dispatch or combine on that route; the rest of the
-        routing (permutations, zero buffers) has no local counterpart."""
+        """A node of a dispatched MoE block's routing or boundaries, around the schedule's
+        exchanges: the sort becomes this device's rows counted per expert, the count
+        exchange and the route of its rows (:func:`expert_dispatch.route`); the offsets
+        become its own experts' offsets; each boundary the rows ordered for its exchange,
+        the exchange, and the rows ordered as they arrive (a dispatch's grouped by expert, a
+        combine's back in slot order). The rest of the routing (permutations, zero buffers)
+        has no local counterpart."""
         block, axis = self.dispatched[node]
         spec = self.schedule.specs[node]
         inputs = self.schedule.inputs.get(node)
         for action in inputs.actions if inputs is not None else ():
             self._act(action)
         reads = iter(inputs.reads if inputs is not None else ())
-        route = self.routes.get(block.sort)
+        exchange = self.schedule.exchanges.get(node)
 
         def local(arg: fx.Node) -> fx.Node:
             for read in reads:
@@ -391,25 +389,40 @@ class _RankLowering:
 
         call = self.graph.call_function
         if node is block.sort:
+            assert exchange is not None, "a dispatched block's sort exchanges its counts"
+            ids = local(block.expert_ids)
+            counts = call(expert_dispatch.expert_counts, (ids, block.num_experts))
+            on = exchange.record.axis
+            received = call(collective_calls.exchange_counts, (self.comm, counts, on))
             offsets = ir.require(block.offsets, ir.ValueMeta).tensor.dtype
-            piece = (self.coordinate[axis], self.mesh[axis], axis, offsets)
-            args = (self.comm, local(block.expert_ids), block.num_experts, *piece)
-            self.routes[node] = route = call(expert_dispatch.route, args)
+            piece = (self.coordinate[axis], self.mesh[axis], offsets)
+            route = call(expert_dispatch.route, (ids, counts, received, *piece))
+            there = call(expert_dispatch.route_splits, (route,))
+            back = call(expert_dispatch.return_splits, (route,))
+            self.routes[node] = (route, there, back)
             self.env[node] = (route, spec)
-        elif route is None:
+            return
+        if block.sort not in self.routes:
             raise LoweringError(f"{node.name} of an MoE block comes before its routing sort")
-        elif node is block.offsets:
+        route, there, back = self.routes[block.sort]
+        if node is block.offsets:
             self.env[node] = (call(expert_dispatch.route_offsets, (route,)), spec)
         elif node.target is operator.getitem and node.args == (block.sort, 0):
             self.env[node] = (call(expert_dispatch.route_expert_ids, (route,)), spec)
         elif node in block.boundaries:
+            assert exchange is not None, "each boundary of a dispatched block exchanges rows"
             kind, moved = block.boundaries[node]
-            value = local(moved)
-            if kind.endswith("_tokens"):
-                function = getattr(expert_dispatch, kind)
-                made = call(function, (self.comm, route, value, block.top_k, axis))
+            value, on = local(moved), exchange.record.axis
+            if kind in expert_dispatch.DISPATCHES:
+                extra = (block.top_k,) if kind == "dispatch_tokens" else ()
+                sent = call(expert_dispatch.DISPATCHES[kind], (route, value, *extra))
+                arrived = call(collective_calls.exchange_rows, (self.comm, sent, there, on))
+                made = call(expert_dispatch.grouped, (route, arrived))
             else:
-                made = call(getattr(expert_dispatch, kind), (self.comm, route, value, axis))
+                sent = call(expert_dispatch.ungrouped, (route, value))
+                arrived = call(collective_calls.exchange_rows, (self.comm, sent, back, on))
+                extra = (block.top_k,) if kind == "combine_tokens" else ()
+                made = call(expert_dispatch.COMBINES[kind], (route, arrived, *extra))
             self.env[node] = (made, spec)
         else:
             self.env[node] = (route, spec)  # read only by the boundaries, which use the route

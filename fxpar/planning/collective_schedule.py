@@ -18,6 +18,10 @@ graph once, in order, and writes down what that takes, the same on every rank:
 - results that take only reductions in buckets (:class:`Bucket`;
   :func:`fxpar.planning.grouping.cut_buckets`), each started right after its last value is made
   and waited for where the graph returns;
+- the all-to-alls of mixture-of-experts blocks whose tokens are dispatched to their experts'
+  devices (:class:`Exchange`; :mod:`fxpar.planning.moe_blocks`): the count exchange at a
+  block's routing sort and the rows' exchange of each dispatch and combine, run by those
+  nodes themselves, started and waited for where they run;
 - which local value every op's tensor input and every result reads (:class:`Read`);
 - every collective, in the order the per-rank programs run it (:class:`CollectiveRecord`), and
   the layout of every value.
@@ -49,6 +53,7 @@ from fxpar.planning.grouping import (
     gather_groups,
     needs_strategy,
 )
+from fxpar.planning.moe_blocks import BlockExchange, MoEBlock, dispatched_blocks, exchanges_of
 from fxpar.rules.registry import tensor_inputs
 from fxpar.sharding import Sharding, Spec, local_shape, piece_bytes, replicated, spec_str
 from fxpar.sharding.reshard import BucketRoute, ReshardStep, bucket_route, reshard_steps
@@ -57,7 +62,12 @@ from fxpar.sharding.reshard import BucketRoute, ReshardStep, bucket_route, resha
 @dataclass(frozen=True)
 class CollectiveRecord:
     """One collective in the per-rank programs: what, on which mesh axis, how many bytes each
-    device contributes, and where (the consumer's phase; OUTPUT for gradient synchronisation)."""
+    device contributes, and where (the consumer's phase; OUTPUT for gradient synchronisation).
+
+    ``kind`` is a step of a resharding (``all_gather``, ``all_reduce``, ``reduce_scatter``,
+    ``all_to_all``) or ``all_to_all_rows``, the variable-size all-to-all of a dispatched
+    mixture-of-experts block's dispatch or combine (:class:`Exchange`; its count exchange is
+    an ``all_to_all``), whose bytes are those of balanced routing."""
 
     kind: str
     axis: int
@@ -128,6 +138,20 @@ class Recompute:
     read: Read
 
 
+@dataclass(frozen=True)
+class Exchange:
+    """An all-to-all of a dispatched mixture-of-experts block, run by the node of
+    ``exchange`` itself (its sort's count exchange, or a boundary's rows) after that node's
+    conversions: blocking, started and waited for where the node runs."""
+
+    exchange: BlockExchange
+    record: CollectiveRecord
+
+    @property
+    def node(self) -> fx.Node:
+        return self.exchange.node
+
+
 Action = Reshard | StartGather | WaitGather | Recompute
 """What runs before an op (or the return), in order."""
 
@@ -180,6 +204,11 @@ class CollectiveSchedule:
     gathers: Gathers
     records: tuple[CollectiveRecord, ...]
     """Every collective, in the order the per-rank programs run them."""
+    exchanges: dict[fx.Node, Exchange]
+    """The all-to-alls of the dispatched MoE blocks, by the node that runs each."""
+    dispatched: dict[fx.Node, tuple[MoEBlock, int]]
+    """Every node of a dispatched MoE block (routing, boundaries, region), with its block and
+    expert axis: the lowering emits the block's routing and boundaries around its exchanges."""
 
 
 def check_planned(graph: fx.Graph, mesh_ndim: int) -> None:
@@ -333,7 +362,8 @@ def _schedule(
         gathers = gather_groups(graph, specs, mesh)
     else:
         gathers = Gathers([], {}, {}, dict(specs))
-    scheduler = _Scheduler(graph, mesh, bucket_bytes, gathers)
+    blocks = dispatched_blocks(graph)
+    scheduler = _Scheduler(graph, mesh, bucket_bytes, gathers, exchanges_of(graph, blocks, mesh))
     inputs: dict[fx.Node, OpInputs] = {}
     leaving: Leaving | None = None
     for node in graph.nodes:
@@ -350,16 +380,23 @@ def _schedule(
         elif needs_strategy(node):
             inputs[node] = scheduler.op(node)
     assert leaving is not None, "a graph has an output node"
+    dispatched = {node: (block, axis) for block, axis in blocks for node in block.nodes()}
     return CollectiveSchedule(
-        mesh, scheduler.specs, inputs, leaving, gathers, tuple(scheduler.records)
-    )
+        mesh, scheduler.specs, inputs, leaving, gathers, tuple(scheduler.records),
+        scheduler.exchanges, dispatched,
+    )  # fmt: skip
 
 
 class _Scheduler:
     """The decisions of one walk over a graph, in order (module docstring)."""
 
     def __init__(
-        self, graph: fx.Graph, mesh: tuple[int, ...], bucket_bytes: int, gathers: Gathers
+        self,
+        graph: fx.Graph,
+        mesh: tuple[int, ...],
+        bucket_bytes: int,
+        gathers: Gathers,
+        block_exchanges: dict[fx.Node, BlockExchange],
     ) -> None:
         self.graph = graph
         self.mesh = mesh
@@ -373,6 +410,8 @@ class _Scheduler:
         self.recomputed: set[fx.Node] = set()
         """The last views of the chains computed again so far."""
         self.records: list[CollectiveRecord] = []
+        self.block_exchanges = block_exchanges
+        self.exchanges: dict[fx.Node, Exchange] = {}
 
     def op(self, node: fx.Node) -> OpInputs:
         strategy = ir.require(node, Sharding).strategy
@@ -392,6 +431,13 @@ class _Scheduler:
             else:
                 reads.append(self._convert(source, want, node, phase, actions))
         self.specs[node] = strategy.outputs
+        exchange = self.block_exchanges.get(node)
+        if exchange is not None:
+            names = exchange.value.name, node.name
+            record = CollectiveRecord(exchange.collective, exchange.axis, exchange.bytes, *names,
+                                      phase)  # fmt: skip
+            self.records.append(record)
+            self.exchanges[node] = Exchange(exchange, record)
         return OpInputs(tuple(actions), tuple(reads))
 
     def leave(self, output: fx.Node, leaving: Sequence[Spec]) -> Leaving:
@@ -521,6 +567,7 @@ __all__ = [
     "CollectiveRecord",
     "CollectiveSchedule",
     "ConversionKey",
+    "Exchange",
     "Leaving",
     "OpInputs",
     "Read",

@@ -77,7 +77,7 @@ def collective_share(kind: str, devices: int) -> float:
         return 2 * (devices - 1) / devices
     if kind == "all_gather":
         return devices - 1
-    return (devices - 1) / devices  # reduce_scatter, all_to_all
+    return (devices - 1) / devices  # reduce_scatter, all_to_all, all_to_all_rows
 
 
 def collective_seconds(kind: str, local_bytes: float, devices: int, bandwidth: float,
@@ -92,13 +92,19 @@ Price = Literal["", "output", "regathered"]
 :func:`regathered_seconds`."""
 
 
+LINK_OF = {"all_to_all_rows": "all_to_all"}
+"""Collectives priced on another kind's links: a variable-size all-to-all (a mixture-of-experts
+block's dispatch or combine, :mod:`fxpar.planning.moe_blocks`) travels as an all-to-all."""
+
+
 def link_seconds(kind: str, local_bytes: float, axis: int, cluster: Cluster) -> float:
     """Time of one collective step of ``kind`` on mesh axis ``axis`` of ``cluster``: the lowest
-    of its lines (:meth:`~fxpar.cluster.Cluster.lines_of`) at ``local_bytes``."""
+    of its lines (:meth:`~fxpar.cluster.Cluster.lines_of`, of :data:`LINK_OF`'s kind where it
+    names one) at ``local_bytes``."""
     devices = cluster.mesh_shape[axis]
     return min(
         collective_seconds(kind, local_bytes, devices, bandwidth, latency)
-        for bandwidth, latency in cluster.lines_of(kind, axis)
+        for bandwidth, latency in cluster.lines_of(LINK_OF.get(kind, kind), axis)
     )
 
 

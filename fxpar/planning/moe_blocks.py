@@ -26,14 +26,16 @@ With the tokens split on the batch over the expert axis, a device's dispatched r
 rows of its own experts from every device's tokens: :func:`dispatch_strategies` gives every
 node of a block a strategy saying so (row values ``Shard`` on their row dim over every axis
 the tokens are split on, per-expert values ``Shard(0)`` on the expert axis, counts made
-outside the block ``Partial`` over those axes: each device counts its own tokens). The lowering
-(:mod:`fxpar.lowering.spmd`) recognises a block so planned (its sort's input split on the
-expert axis, which no rule offers) and emits the exchange of
-:mod:`fxpar.lowering.expert_dispatch` for its routing and boundaries; the region's ops run
-on the rows each device received (a view's row size inferred, ``-1``). Values inside a
-block are never converted (the specs of its nodes agree by construction): the pieces are as
-large as routing makes them, and a spec prices them as even pieces, which is the balanced
-routing.
+outside the block ``Partial`` over those axes: each device counts its own tokens). A block so
+planned is known by its sort's input split on the expert axis, which no rule offers
+(:func:`dispatch_axis`); its all-to-alls (:func:`block_exchanges`: the count exchange at its
+sort, the rows' exchange at each boundary) are entries of the collective schedule
+(:mod:`fxpar.planning.collective_schedule`), which the lowering (:mod:`fxpar.lowering.spmd`)
+emits around the local calls of :mod:`fxpar.lowering.expert_dispatch` for the block's routing
+and boundaries; the region's ops run on the rows each device received (a view's row size
+inferred, ``-1``). Values inside a block are never converted (the specs of its nodes agree by
+construction): the pieces are as large as routing makes them, and a spec prices them as even
+pieces, which is the balanced routing.
 """
 
 from __future__ import annotations
@@ -570,40 +572,104 @@ def dispatched_ops(graph: fx.Graph, *, chosen: bool = True) -> set[fx.Node]:
     of each takes ``factor`` times an even share's. ``chosen`` as in :func:`exchange_seconds`."""
     return {
         node
-        for block, _ in _dispatched(graph, chosen)
+        for block, _ in dispatched_blocks(graph, chosen=chosen)
         for node in (*block.region, *block.boundaries)
     }
 
 
-def exchange_seconds(
-    graph: fx.Graph, cluster: Cluster, *, chosen: bool = True, load: float = 1.0
-) -> dict[fx.Node, float]:
-    """What the all-to-all exchanges of ``graph``'s dispatched blocks cost on ``cluster``, by
-    the node that runs each: a block's sort exchanges its experts' row counts, and each
-    boundary sends the rows of the value it moves to their devices (dispatch) or back
-    (combine). Priced at the busiest device: a device sends its piece of the value as the
-    boundary reads it, ``(n - 1) / n`` of it to the other devices of the axis
-    (:func:`~fxpar.planning.cost.link_seconds` of an all-to-all on the axis), and
-    the busiest receives (dispatch) or sends back (combine) ``load`` times that (1: balanced
-    routing; :class:`ExpertLoad`). A block computed op by op (not dispatched) exchanges
-    nothing. ``chosen``: of the plan chosen (the default), or of the one candidate each node
-    of a dispatch plan has before the choice (:func:`dispatch_axis`)."""
-    seconds: dict[fx.Node, float] = {}
-    for block, axis in _dispatched(graph, chosen):
-        seconds[block.sort] = _all_to_all(block.num_experts * COUNT_BYTES, axis, cluster)
-        for node, (_, value) in block.boundaries.items():
+ExchangeKind = Literal["route", "dispatch", "dispatch_tokens", "combine", "combine_tokens"]
+"""What an exchange of a dispatched block does: ``route`` is the count exchange at its sort,
+the others are its boundaries' kinds."""
+
+
+@dataclass(frozen=True)
+class BlockExchange:
+    """One all-to-all of a dispatched block, run where ``node`` runs: at the block's sort the
+    exchange of its experts' row counts (a fixed-size ``all_to_all``), at each boundary the
+    rows of the value it moves sent to their experts' devices or back (a variable-size
+    ``all_to_all_rows``). Blocking: it starts and is waited for there."""
+
+    node: fx.Node
+    kind: ExchangeKind
+    axis: int
+    value: fx.Node
+    """What it exchanges: the sort's expert ids (their counts), or the boundary's moved value."""
+    bytes: int
+    """Bytes one device sends under balanced routing, as its price counts them: the counts of
+    every expert (:data:`COUNT_BYTES` each), or its piece of the moved value as the boundary
+    reads it (so a token, which travels once per expert of its ``top_k``, counts once)."""
+
+    @property
+    def collective(self) -> str:
+        """The collective's kind, as a :class:`~fxpar.planning.collective_schedule.CollectiveRecord`
+        names it."""
+        return "all_to_all" if self.kind == "route" else "all_to_all_rows"
+
+    def priced_bytes(self, load: float) -> float:
+        """The bytes its price counts at the busiest device, under an :class:`ExpertLoad` of
+        ``load``: the rows grow with it, the counts do not."""
+        return self.bytes if self.kind == "route" else load * self.bytes
+
+    def price(self, cluster: Cluster, load: float = 1.0) -> float:
+        """Its seconds on ``cluster`` at the busiest device (:meth:`priced_bytes`)."""
+        return link_seconds(self.collective, self.priced_bytes(load), self.axis, cluster)
+
+
+def block_exchanges(
+    graph: fx.Graph, mesh: tuple[int, ...], *, chosen: bool = True
+) -> dict[fx.Node, BlockExchange]:
+    """Every all-to-all of ``graph``'s dispatched blocks on ``mesh``, by the node that runs it,
+    in graph order: a block's sort exchanges its experts' row counts, each boundary the rows
+    of the value it moves. A block computed op by op (not dispatched) exchanges nothing.
+    ``chosen``: of the plan chosen (the default), or of the one candidate each node of a
+    dispatch plan has before the choice (:func:`dispatch_axis`)."""
+    return exchanges_of(graph, dispatched_blocks(graph, chosen=chosen), mesh, chosen=chosen)
+
+
+def exchanges_of(
+    graph: fx.Graph,
+    blocks: list[tuple[MoEBlock, int]],
+    mesh: tuple[int, ...],
+    *,
+    chosen: bool = True,
+) -> dict[fx.Node, BlockExchange]:
+    """:func:`block_exchanges` of ``graph``'s dispatched ``blocks`` (with their expert axes,
+    :func:`dispatched_blocks`)."""
+    found: dict[fx.Node, BlockExchange] = {}
+    for block, axis in blocks:
+        counts = block.num_experts * COUNT_BYTES
+        found[block.sort] = BlockExchange(block.sort, "route", axis, block.expert_ids, counts)
+        for node, (kind, value) in block.boundaries.items():
             strategy = _planned(node, chosen)
             if strategy is None:
                 continue
             spec = strategy.inputs[_tensor_args(node).index(value)]
             meta = ir.require(value, ir.ValueMeta).tensor
-            piece = load * piece_bytes(meta, spec, cluster.mesh_shape)
-            seconds[node] = _all_to_all(piece, axis, cluster)
-    return seconds
+            found[node] = BlockExchange(node, kind, axis, value, piece_bytes(meta, spec, mesh))
+    order = {node: position for position, node in enumerate(graph.nodes)}
+    return dict(sorted(found.items(), key=lambda item: order[item[0]]))
 
 
-def _dispatched(graph: fx.Graph, chosen: bool) -> list[tuple[MoEBlock, int]]:
-    """Each block of ``graph`` whose tokens are dispatched, with its expert axis."""
+def exchange_seconds(
+    graph: fx.Graph, cluster: Cluster, *, chosen: bool = True, load: float = 1.0
+) -> dict[fx.Node, float]:
+    """What the all-to-all exchanges of ``graph``'s dispatched blocks
+    (:func:`block_exchanges`) cost on ``cluster``, by the node that runs each. Priced at the
+    busiest device: a device sends its piece of the value as the boundary reads it,
+    ``(n - 1) / n`` of it to the other devices of the axis
+    (:func:`~fxpar.planning.cost.link_seconds` of an all-to-all on the axis), and the busiest
+    receives (dispatch) or sends back (combine) ``load`` times that (1: balanced routing;
+    :class:`ExpertLoad`); the count exchange is the same at any load. ``chosen`` as in
+    :func:`block_exchanges`."""
+    return {
+        node: exchange.price(cluster, load)
+        for node, exchange in block_exchanges(graph, cluster.mesh_shape, chosen=chosen).items()
+    }
+
+
+def dispatched_blocks(graph: fx.Graph, *, chosen: bool = True) -> list[tuple[MoEBlock, int]]:
+    """Each block of ``graph`` whose tokens are dispatched, with its expert axis
+    (:func:`dispatch_axis`; ``chosen`` as there)."""
     blocks, _ = find_blocks(graph)
     found = []
     for block in blocks:
@@ -611,7 +677,3 @@ def _dispatched(graph: fx.Graph, chosen: bool) -> list[tuple[MoEBlock, int]]:
         if axis is not None:
             found.append((block, axis))
     return found
-
-
-def _all_to_all(local_bytes: float, axis: int, cluster: Cluster) -> float:
-    return link_seconds("all_to_all", local_bytes, axis, cluster)

@@ -59,7 +59,10 @@ if TYPE_CHECKING:
     from fxpar.planning.plan import Plan
 
 MEMORY_KINDS = ("params", "grads", "optimizer", "activations")
-SHORT_KIND = {"all_gather": "AG", "all_reduce": "AR", "reduce_scatter": "RS", "all_to_all": "A2A"}
+SHORT_KIND = {
+    "all_gather": "AG", "all_reduce": "AR", "reduce_scatter": "RS", "all_to_all": "A2A",
+    "all_to_all_rows": "A2Av",
+}  # fmt: skip
 INPUTS_ROW = "<inputs>"
 ROOT_ROW = "<root>"
 
@@ -482,10 +485,13 @@ def render_text(data: Mapping[str, Any], width: int = 100) -> str:
         lines += extra
     lines += [rule, render(footer)]
     lines += _wrap(["collectives:", *_kinds(totals, axis_names)], width, _INDENT)
+    legend = "AG all-gather, AR all-reduce, RS reduce-scatter, A2A all-to-all, "
+    if any(c["kind"] == "all_to_all_rows" for c in totals):
+        legend += "A2Av all-to-all of routed rows, "
     lines += [
         "",
         "Per device. A collapsed row shows one of its layers; the total counts all of them.",
-        "AG all-gather, AR all-reduce, RS reduce-scatter, A2A all-to-all, (mesh axis).",
+        legend + "(mesh axis).",
     ]
     if data.get("no_rule"):
         ops = [f"{op} x{count}" for op, count in data["no_rule"].items()]

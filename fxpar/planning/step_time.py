@@ -7,8 +7,9 @@ solver's communication term); the plan report and the stage DP read it.
 
 The lowering does not run every collective where its value is needed: an all-reduce starts
 right after its input is made and is waited for where it is read, a group of parameters'
-all-gathers starts one layer ahead, and the gradients' buckets start as soon as their last
-gradient exists and are waited for where the step returns (:mod:`fxpar.planning.collective_schedule`
+all-gathers starts one layer ahead, the gradients' buckets start as soon as their last
+gradient exists and are waited for where the step returns, and a dispatched mixture-of-experts
+block's all-to-alls run blocking where their nodes run (:mod:`fxpar.planning.collective_schedule`
 decides all of it). :func:`step_overlap` walks that schedule as one device runs it, with two
 kinds of clocks: the device's compute, which runs the ops in graph order, each taking its
 priced seconds (:func:`price_schedule`), and one link per mesh axis,
@@ -58,7 +59,7 @@ from fxpar.planning.collective_schedule import (
     schedule_program,
 )
 from fxpar.planning.grouping import holds_parameter, reread_in_backward
-from fxpar.planning.moe_blocks import ExpertLoad, dispatched_ops, exchange_seconds
+from fxpar.planning.moe_blocks import ExpertLoad, dispatched_ops
 from fxpar.rules.registry import tensor_inputs
 from fxpar.sharding import Sharding, Spec
 
@@ -81,10 +82,6 @@ class PricedSchedule:
     edge_seconds: float
     """Resharding seconds summed per consumer, as the cost model charges them, and the
     exchanges."""
-    exchanges: dict[fx.Node, float] = field(default_factory=dict)
-    """Seconds of the all-to-all exchanges of dispatched mixture-of-experts blocks, by the
-    node that runs each (:func:`fxpar.planning.moe_blocks.exchange_seconds`): blocking, and
-    outside the schedule (the lowering emits them for those nodes)."""
     lag: float = 0.0
     """Seconds the step waits for its slowest rank at the collectives that synchronise the
     ranks, beyond their latency (:func:`step_lag`)."""
@@ -101,14 +98,21 @@ class PricedSchedule:
         return self.schedule.records
 
     @property
+    def exchanges(self) -> dict[fx.Node, float]:
+        """Seconds of the all-to-alls of dispatched mixture-of-experts blocks, by the node
+        that runs each: their records' (:class:`~fxpar.planning.collective_schedule.Exchange`),
+        priced at the busiest device (:func:`fxpar.planning.moe_blocks.exchange_seconds`)."""
+        seconds = {id(r): s for r, s in zip(self.records, self.record_seconds, strict=True)}
+        return {node: seconds[id(e.record)] for node, e in self.schedule.exchanges.items()}
+
+    @property
     def step(self) -> float:
         """The step as lowered, every collective in full: each op's seconds, every collective
-        of the schedule (a gather group's one all-gather, a bucket's one reduction, each with
-        its latency) and the exchanges, added up: a plan's estimated step where the cluster
-        hides nothing behind compute (:func:`estimated_step`), the lag, the lowering's copies
-        and the optimizer's update."""
-        collectives = sum(self.record_seconds) + sum(self.exchanges.values())
-        return self.compute_seconds + collectives + self.lag
+        of the schedule (a gather group's one all-gather, a bucket's one reduction, a
+        dispatched block's exchanges, each with its latency) added up: a plan's estimated
+        step where the cluster hides nothing behind compute (:func:`estimated_step`), the
+        lag, the lowering's copies and the optimizer's update."""
+        return self.compute_seconds + sum(self.record_seconds) + self.lag
 
     @property
     def compute_seconds(self) -> float:
@@ -134,9 +138,9 @@ def price_schedule(
     compute: dict[fx.Node, float] = {}
     # Uneven routing, as the plan was priced (fxpar.planning.problem.PlanOptions.expert_load).
     load = (program.get(ExpertLoad) or ExpertLoad()).factor
-    exchanges = exchange_seconds(program.graph, cluster, load=load)
     loaded = dispatched_ops(program.graph) if load != 1 else set()
-    edge_seconds = sum(exchanges.values())
+    exchanged = {id(e.record): e.exchange for e in schedule.exchanges.values()}
+    edge_seconds = sum(e.price(cluster, load) for e in exchanged.values())
     converted: set[tuple[fx.Node, Spec]] = set()
     for node in program.graph.nodes:
         if node.op == "output":
@@ -177,7 +181,7 @@ def price_schedule(
         if work is not None:
             seconds = cost.compute_seconds(work, strategy, cluster)
             compute[node] = seconds * load if node in loaded else seconds
-    lag = step_lag(program, schedule, compute, exchanges, cluster) if cluster.lag_share else 0.0
+    lag = step_lag(program, schedule, compute, cluster) if cluster.lag_share else 0.0
     update = 0.0
     if optimizer_states is not None:
         placeholders = program.placeholders()
@@ -188,8 +192,11 @@ def price_schedule(
             piece = cost.local_bytes(ir.require(node, ir.ValueMeta).tensor, held, cluster)
             update += cost.update_seconds(piece, optimizer_states, cluster)
     copies = _copy_seconds(schedule, cluster)
+    # A dispatched block's exchange is priced at its busiest device (ExpertLoad).
     record_seconds = tuple(
-        cost.link_seconds(record.kind, record.bytes, record.axis, cluster)
+        exchanged[id(record)].price(cluster, load)
+        if id(record) in exchanged
+        else cost.link_seconds(record.kind, record.bytes, record.axis, cluster)
         for record in schedule.records
     )
     if any(cluster.peer_wait):
@@ -202,9 +209,7 @@ def price_schedule(
             + cluster.peer_wait_seconds(record.axis, stretches[id(record)])
             for record, seconds in zip(schedule.records, record_seconds, strict=True)
         )
-    return PricedSchedule(
-        schedule, record_seconds, compute, edge_seconds, exchanges, lag, copies, update
-    )
+    return PricedSchedule(schedule, record_seconds, compute, edge_seconds, lag, copies, update)
 
 
 def _copy_seconds(schedule: CollectiveSchedule, cluster: Cluster) -> float:
@@ -230,8 +235,9 @@ def record_stretches(
 ) -> dict[int, float]:
     """The seconds of compute before each collective of ``schedule`` (by ``id`` of its
     record) since the one before it on its mesh axis, in the order a device issues them: the
-    collectives before each op in graph order, each bucket after its last member's op, the
-    results' own conversions where the step returns. Steps repeat: the first collective on an
+    collectives before each op in graph order (an op's own exchange, a dispatched MoE
+    block's, after them), each bucket after its last member's op, the results' own
+    conversions where the step returns. Steps repeat: the first collective on an
     axis follows the last one of the step before, and the ``tail`` seconds after the graph
     (the optimizer's update). ``compute`` holds each op's seconds. Collectives issued one
     after another (a layer's gather groups, buckets that start together) have none between
@@ -252,6 +258,8 @@ def record_stretches(
             inputs = schedule.inputs.get(node)
             for action in inputs.actions if inputs is not None else ():
                 issue(_records(action))
+            if node in schedule.exchanges:
+                issue((schedule.exchanges[node].record,))
             seconds = compute.get(node, 0.0)
             since[:] = [stretch + seconds for stretch in since]
             issue(after.get(node, ()))
@@ -269,11 +277,17 @@ def _records(action: Action) -> tuple[CollectiveRecord, ...]:
     return action.records if isinstance(action, Reshard | StartGather) else ()
 
 
+def _exchanges(schedule: CollectiveSchedule, node: fx.Node) -> bool:
+    """Whether ``node`` runs an exchange of a dispatched MoE block with other devices (a
+    blocking all-to-all: the ranks meet there)."""
+    exchange = schedule.exchanges.get(node)
+    return exchange is not None and schedule.mesh[exchange.record.axis] > 1
+
+
 def step_lag(
     program: Program,
     schedule: CollectiveSchedule,
     compute: dict[fx.Node, float],
-    exchanges: dict[fx.Node, float],
     cluster: Cluster,
 ) -> float:
     """What a step waits for its slowest rank beyond its collectives' latency, on ranks that
@@ -288,7 +302,7 @@ def step_lag(
         inputs = schedule.inputs.get(node)
         if inputs is not None and any([_waits(action, gathered) for action in inputs.actions]):
             lag, stretch = lag + cluster.lag_seconds(stretch), 0.0
-        if exchanges.get(node):
+        if _exchanges(schedule, node):
             lag, stretch = lag + cluster.lag_seconds(stretch), 0.0
         stretch += compute.get(node, 0.0)
     leaving = schedule.leaving
@@ -342,7 +356,7 @@ class StepOverlap:
     """Seconds the compute waited for communication."""
     exposed_records: dict[int, float] = field(default_factory=dict)
     """Of ``exposed``, the seconds spent waiting for each collective of the schedule, by
-    ``id`` of its record (the rest are the blocking exchanges)."""
+    ``id`` of its record."""
     lag: float = 0.0
     """Seconds waited for the slowest rank beyond the collectives' time
     (:attr:`PricedSchedule.lag`): never hidden."""
@@ -373,12 +387,6 @@ class _Clocks:
         start = max(ready, self.link[record.axis])
         end = self.link[record.axis] = start + self.seconds[id(record)]
         return end
-
-    def block(self, seconds: float) -> None:
-        """A blocking collective of ``seconds`` outside the schedule: the compute waits all of
-        it."""
-        self.exposed += seconds
-        self.now += seconds
 
     def wait(self, until: float, record: CollectiveRecord | None) -> None:
         """Wait until ``until``, for ``record`` (the collective that ends then)."""
@@ -422,7 +430,9 @@ def step_overlap(priced: PricedSchedule, nodes: list[fx.Node]) -> StepOverlap:
         if inputs is not None:
             run(inputs.actions)
         clocks.now += priced.compute.get(node, 0.0)
-        clocks.block(priced.exchanges.get(node, 0.0))
+        exchange = schedule.exchanges.get(node)
+        if exchange is not None:  # blocking, on its axis' link once that is free
+            clocks.wait(clocks.send(exchange.record, clocks.now), exchange.record)
         done[node] = clocks.now
     leaving = schedule.leaving
     ends: list[tuple[float, CollectiveRecord | None]] = []
@@ -435,7 +445,7 @@ def step_overlap(priced: PricedSchedule, nodes: list[fx.Node]) -> StepOverlap:
     clocks.wait(*max(ends, key=lambda end: end[0], default=(0.0, None)))
     return StepOverlap(
         compute=priced.compute_seconds,
-        communication=sum(priced.record_seconds) + sum(priced.exchanges.values()),
+        communication=sum(priced.record_seconds),
         exposed=clocks.exposed,
         exposed_records=dict(clocks.exposed_records),
         lag=priced.lag,
