@@ -1,7 +1,7 @@
 """The layout keeps its promises (docs/architecture.md): the architecture document names exactly
 the modules the tree has, no module imports another in a cycle or from inside a function, the
-packages import one another only down the stages (a DAG, checked at package level too), and no
-module is much over 800 lines."""
+packages import one another only down the stages (a DAG, checked at package level too), and
+only the modules of the ownership table capture, plan or lower."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import networkx as nx
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"fxpar": "fxpar", "passes": "fxpar.passes", "solvers": "fxpar.solvers"}
-MAX_LINES = 820
 
 
 def _sources() -> dict[str, Path]:
@@ -155,22 +154,52 @@ def test_no_import_hides_in_a_function() -> None:
     assert {name: found for name, found in hidden.items() if found} == {}
 
 
-def test_no_module_is_much_over_800_lines() -> None:
-    long = {
-        str(path.relative_to(ROOT)): lines
-        for path in _sources().values()
-        if (lines := len(path.read_text().splitlines())) > MAX_LINES
-    }
-    assert long == {}
+MAKERS: dict[str, str] = {
+    "capture": "captures",
+    "capture_repeated": "captures",
+    "capture_microbatch": "captures",
+    "microbatch_step": "captures",
+    "plan_program": "plans",
+    "plan_stages": "plans",
+    "search_pipelines": "plans",
+    "evaluate_split": "plans",
+    "split_program": "lowers",
+    "lower": "lowers",
+    "lower_graph": "lowers",
+    "conversion_program": "lowers",
+    "Driver": "lowers",
+}
+"""The functions that capture a step, plan one (the pass list, the stage DP) or lower one (SPMD
+lowering, cutting stages), and what importing each one makes a module do."""
+
+OWNERS: dict[str, frozenset[str]] = {
+    # Capture: a model to a Program.
+    "fxpar.ir.repeat": frozenset({"captures"}),
+    # The driver and the public entry points built on it.
+    "fxpar.driver": frozenset({"captures", "plans", "lowers"}),
+    "fxpar.compiler": frozenset({"captures", "plans", "lowers"}),
+    "fxpar.cli": frozenset({"captures", "plans"}),
+    "fxpar.joint": frozenset({"captures", "plans"}),
+    # Choosing a pipeline (the stage DP over a captured step) and cutting and lowering stages.
+    "fxpar.pipeline.stage_programs": frozenset({"captures", "plans", "lowers"}),
+    "fxpar.pipeline.intra_op": frozenset({"lowers"}),
+    # A runtime object that still captures and cuts the steps it runs: issue 60, item 3 moves
+    # that into the driver, and then this row goes.
+    "fxpar.pipeline.model": frozenset({"captures", "lowers"}),
+}
+"""Who may capture, plan and lower (docs/architecture.md, "Who owns what"): every other module
+of the package only uses what those hand it. A package's ``__init__`` re-exporting a maker is
+not counted (it runs nothing)."""
 
 
-def test_the_runtime_never_captures_plans_or_lowers() -> None:
-    """The runtime receives lowered programs from the driver (fxpar/driver.py): no module of
-    fxpar/runtime/ imports capture, the pass list or a lowering function."""
-    makers = {"capture", "plan_program", "lower", "lower_graph", "conversion_program", "Driver"}
-    found = {}
-    for name, path in _sources().items():
-        if not name.startswith("fxpar.runtime"):
+def test_only_the_owners_capture_plan_or_lower() -> None:
+    """Over the whole package (pipeline/ included), a module that imports a maker of
+    :data:`MAKERS` owns that role in :data:`OWNERS`; and every owner listed still does (a row
+    left behind after a move would hide the next module that starts capturing)."""
+    sources = _sources()
+    done: dict[str, set[str]] = {}
+    for name, path in sources.items():
+        if path.name == "__init__.py":
             continue
         tree = ast.parse(path.read_text())
         imported = {
@@ -179,6 +208,21 @@ def test_the_runtime_never_captures_plans_or_lowers() -> None:
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fxpar")
             for alias in node.names
         }
-        if imported & makers:
-            found[name] = sorted(imported & makers)
-    assert found == {}
+        roles = {MAKERS[maker] for maker in imported & set(MAKERS)}
+        if roles:
+            done[name.replace("fxpar.passes.", "passes.").replace("fxpar.solvers.", "solvers.")] = (
+                roles
+            )
+    trespassing = {
+        name: sorted(roles - OWNERS.get(name, frozenset()))
+        for name, roles in done.items()
+        if roles - OWNERS.get(name, frozenset())
+    }
+    assert trespassing == {}, "modules that capture, plan or lower without owning it"
+    idle = {name: sorted(roles - done.get(name, set())) for name, roles in OWNERS.items()}
+    assert {name: roles for name, roles in idle.items() if roles} == {}, "owners that no longer do"
+    # fxpar/runtime/ and the pipeline's executor run what the driver hands them.
+    runners = [
+        name for name in OWNERS if name.startswith(("fxpar.runtime", "fxpar.pipeline.executor"))
+    ]
+    assert runners == []
