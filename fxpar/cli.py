@@ -39,6 +39,7 @@ from fxpar.passes import PassManager, default_passes, plan_program
 from fxpar.pipeline import (
     PassPlanner,
     Pipeline,
+    PipelinePlan,
     StageChoice,
     capture_microbatch,
     microbatch_step,
@@ -324,6 +325,14 @@ def plan_command(args: argparse.Namespace) -> int:
         print(_verdict(plan, best))
         if plan is None and best is None:
             return 2
+    if args.save_pipeline:
+        if not counts:
+            raise FxparError("--save-pipeline writes the best pipeline: give --microbatches M")
+        if best is None:
+            print("\n--save-pipeline writes the best pipeline: none fits")
+        else:
+            chosen = PipelinePlan.from_choice(best, cluster)
+            print(f"\npipeline plan written to {chosen.save(args.save_pipeline)}")
     if plan is None:
         if args.save or args.plot:
             print("\n--save and --plot write the intra-op plan of the whole batch: none fits")
@@ -561,6 +570,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan_parser.add_argument("--recompute", default="none", choices=("none", "all", "auto"),
                              help="activation checkpointing: PlanOptions(remat=...)")  # fmt: skip
     plan_parser.add_argument("--save", help="write the plan as JSON here")
+    plan_parser.add_argument("--save-pipeline",
+                             help="with --microbatches: write the best pipeline as JSON "
+                                  "here (fxpar.compile(..., plan=path) runs it)")  # fmt: skip
     plan_parser.add_argument("--plot", help="write a PNG of memory and communication here")
     plan_parser.set_defaults(run=plan_command)
 

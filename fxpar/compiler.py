@@ -19,9 +19,11 @@ chosen reaches the runtime: it sees per-rank programs and the specs of their inp
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Literal, overload
 
 import torch
@@ -36,13 +38,32 @@ from fxpar.ir.precision import MixedPrecision, check_policy
 from fxpar.ir.program import Program, named_state
 from fxpar.joint import JointChoice, pipeline_candidates
 from fxpar.optim import AdamW, Optimizer, check_optimizer
-from fxpar.passes import ManualPlan, PassManager, for_compile, passes_for, plan_program
-from fxpar.pipeline import Pipeline, PipelineModel, StageChoice, capture_microbatch, plan_stages
+from fxpar.passes import (
+    ApplyPlanFile,
+    ManualPlan,
+    PassManager,
+    for_compile,
+    passes_for,
+    plan_program,
+)
+from fxpar.pipeline import (
+    Pipeline,
+    PipelineError,
+    PipelineModel,
+    StageChoice,
+    capture_microbatch,
+    partition,
+    plan_stages,
+)
 from fxpar.pipeline.auto import StagePlanner
 from fxpar.pipeline.intra_op import stage_devices
 from fxpar.pipeline.meshes import StageMeshes, stage_meshes
+from fxpar.pipeline.pipeline_plan import FORMAT as PIPELINE_PLAN_FORMAT
+from fxpar.pipeline.pipeline_plan import PipelinePlan, PipelinePlanError, SavedPlan
 from fxpar.pipeline.stage_programs import PassPlanner
 from fxpar.planning.plan import Plan
+from fxpar.planning.plan_file import FORMAT as PLAN_FORMAT
+from fxpar.planning.plan_file import PlanFileError, saved_cluster
 from fxpar.planning.problem import PlanOptions
 from fxpar.rules import RuleRegistry
 from fxpar.runtime.devices import check_device_type, rank_device
@@ -113,6 +134,7 @@ def compile(
     init: str | os.PathLike[str] | None = None,
     mixed_precision: MixedPrecision | None = None,
     max_kept_steps: int = 32,
+    plan: None = None,
 ) -> ParallelModel: ...
 
 
@@ -137,7 +159,58 @@ def compile(
     init: str | os.PathLike[str] | None = None,
     mixed_precision: None = None,
     max_kept_steps: int = 32,
+    plan: None = None,
 ) -> PipelineModel: ...
+
+
+@overload
+def compile(
+    model: nn.Module,
+    cluster: Cluster,
+    example_inputs: Sequence[Any] | Mapping[str, Any],
+    loss_fn: LossFn | None = None,
+    *,
+    example_targets: Sequence[torch.Tensor] = (),
+    optimizer: Optimizer | None = None,
+    passes: PassManager | None = None,
+    solver: None = None,
+    manual: None = None,
+    pins: None = None,
+    options: PlanOptions | None = None,
+    rules: RuleRegistry | None = None,
+    check_batches: bool = True,
+    batch: str = "global",
+    pipeline: None = None,
+    init: str | os.PathLike[str] | None = None,
+    mixed_precision: MixedPrecision | None = None,
+    max_kept_steps: int = 32,
+    plan: PipelinePlan,
+) -> PipelineModel: ...
+
+
+@overload
+def compile(
+    model: nn.Module,
+    cluster: Cluster,
+    example_inputs: Sequence[Any] | Mapping[str, Any],
+    loss_fn: LossFn | None = None,
+    *,
+    example_targets: Sequence[torch.Tensor] = (),
+    optimizer: Optimizer | None = None,
+    passes: PassManager | None = None,
+    solver: None = None,
+    manual: None = None,
+    pins: None = None,
+    options: PlanOptions | None = None,
+    rules: RuleRegistry | None = None,
+    check_batches: bool = True,
+    batch: str = "global",
+    pipeline: None = None,
+    init: str | os.PathLike[str] | None = None,
+    mixed_precision: MixedPrecision | None = None,
+    max_kept_steps: int = 32,
+    plan: str | os.PathLike[str],
+) -> ParallelModel | PipelineModel: ...
 
 
 @overload
@@ -161,6 +234,7 @@ def compile(
     init: str | os.PathLike[str] | None = None,
     mixed_precision: MixedPrecision | None = None,
     max_kept_steps: int = 32,
+    plan: None = None,
 ) -> ParallelModel | PipelineModel: ...
 
 
@@ -184,6 +258,7 @@ def compile(
     init: str | os.PathLike[str] | None = None,
     mixed_precision: MixedPrecision | None = None,
     max_kept_steps: int = 32,
+    plan: PipelinePlan | str | os.PathLike[str] | None = None,
 ) -> ParallelModel | PipelineModel:
     """Plan ``model``'s training step for ``cluster`` and build this process's share of it.
 
@@ -251,6 +326,18 @@ def compile(
             one compiled for; past it the one used least recently is dropped, and planned
             again if it comes back, so a long run over ever new shapes stays bounded (a
             pipeline keeps each of its steps).
+        plan: run this choice instead of making one: a
+            :class:`~fxpar.pipeline.PipelinePlan` (returns a ``PipelineModel`` of exactly
+            its stages, schedule and stage plans), or the path of a file that
+            :meth:`PipelinePlan.save <fxpar.pipeline.PipelinePlan.save>` (``fxpar plan
+            --microbatches M --save-pipeline``) or :meth:`fxpar.Plan.save` (``fxpar plan
+            --save``) wrote, which runs that pipeline, or that intra-op plan as
+            :func:`fxpar.passes.load_plan` applies it. ``passes``, ``options`` and ``rules``
+            still make the programs it runs (with the plan's choice in place of the
+            ``choose-strategies`` pass); ``solver``, ``manual``, ``pins`` and ``pipeline``,
+            which choose what the plan fixes, must be left out. A plan that does not fit the
+            model or cluster is refused (:class:`~fxpar.pipeline.PipelinePlanError`,
+            :class:`~fxpar.planning.plan_file.PlanFileError`).
     """
     if (
         isinstance(max_kept_steps, bool)
@@ -260,17 +347,45 @@ def compile(
         raise FxparError(f"max_kept_steps must be a whole number >= 0, got {max_kept_steps!r}")
     optimizer = check_optimizer(optimizer if optimizer is not None else AdamW())
     mixed_precision = check_policy(mixed_precision)
+    chosen: PipelinePlan | None = None
+    if plan is not None:
+        fixed = [
+            name
+            for name, value in (
+                ("solver", solver), ("manual", manual), ("pins", pins), ("pipeline", pipeline),
+            )
+            if value is not None
+        ]  # fmt: skip
+        if fixed:
+            raise FxparError(
+                f"plan= is the choice to run, so {', '.join(fixed)} would choose it again: "
+                "leave them out, or leave plan= out to choose"
+            )
+        chosen, spmd_file = _given_plan(plan)
+        if spmd_file is not None:  # an intra-op plan: its choice in the pass list
+            passes = passes_for(passes, options=options, rules=rules)
+            passes = passes.replace("choose-strategies", ApplyPlanFile(spmd_file))
+            saved_cluster(spmd_file, cluster)  # refuses a plan of another mesh
+            options = rules = None
     intra_op = any(value is not None for value in (passes, solver, manual, pins, options, rules))
     passes = passes_for(
         passes, solver=solver, manual=manual, options=options, rules=rules, pins=pins
     )
     passes = for_compile(passes, optimizer_states=optimizer.state_copies)
-    if pipeline is None:
+    if pipeline is None and chosen is None:
         device_mesh = _device_mesh(cluster)
     check_sources(model, list(named_state(model)), init)
     if batch not in ("global", "local"):
         raise FxparError(f"batch must be 'global' or 'local', got {batch!r}")
     stage_planner = PassPlanner(passes)
+    if chosen is not None:
+        if batch != "global":
+            raise FxparError("batch='local' is for fxpar.compile without a pipeline plan")
+        return _compile_pipeline_plan(
+            model, cluster, example_inputs, loss_fn, example_targets, optimizer, chosen,
+            passes=passes, check_batches=check_batches, init=init,
+            mixed_precision=mixed_precision,
+        )  # fmt: skip
     if pipeline is not None:
         if pipeline != "auto" and not isinstance(pipeline, Pipeline):
             raise FxparError(f"pipeline must be a fxpar.Pipeline, 'auto' or None, got {pipeline!r}")
@@ -454,6 +569,106 @@ def _compile_pipeline(
     )  # fmt: skip
     pipelined.stage_choice = choice
     return pipelined
+
+
+def _given_plan(
+    plan: PipelinePlan | str | os.PathLike[str],
+) -> tuple[PipelinePlan | None, Path | None]:
+    """``compile``'s ``plan=``: the pipeline plan it is or names, or the path of an intra-op
+    plan file (told apart by the file's ``"format"``)."""
+    if isinstance(plan, PipelinePlan):
+        return plan, None
+    if not isinstance(plan, str | os.PathLike):
+        raise FxparError(
+            f"plan must be a fxpar.pipeline.PipelinePlan or the path of a plan file, got "
+            f"{type(plan).__name__}"
+        )
+    path = Path(plan)
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as error:
+        raise PipelinePlanError(f"cannot read the plan file {path}: {error}") from error
+    kind = document.get("format") if isinstance(document, dict) else None
+    if kind == PIPELINE_PLAN_FORMAT:
+        return PipelinePlan.load(path), None
+    if kind == PLAN_FORMAT:
+        return None, path
+    raise PipelinePlanError(
+        f"{path} is neither a pipeline plan file (format {PIPELINE_PLAN_FORMAT!r}) nor an "
+        f"intra-op plan file (format {PLAN_FORMAT!r}); write one with fxpar plan --save or "
+        "--save-pipeline"
+    )
+
+
+def _compile_pipeline_plan(
+    model: nn.Module,
+    cluster: Cluster,
+    example_inputs: Sequence[Any] | Mapping[str, Any],
+    loss_fn: LossFn | None,
+    example_targets: Sequence[torch.Tensor],
+    optimizer: Optimizer,
+    chosen: PipelinePlan,
+    *,
+    passes: PassManager,
+    check_batches: bool,
+    init: str | os.PathLike[str] | None,
+    mixed_precision: MixedPrecision | None,
+) -> PipelineModel:
+    """The pipeline ``chosen`` says, run as it says: its split, schedule and stages, each
+    stage mesh under its plan (applied, not solved, when read from a file)."""
+    chosen.check_cluster(cluster)
+    pipeline = chosen.pipeline
+    program = capture_microbatch(
+        model, pipeline, example_inputs, loss_fn, example_targets=example_targets,
+        mixed_precision=mixed_precision,
+    )  # fmt: skip
+    try:
+        partition(program, chosen.split_points)
+    except PipelineError as error:
+        raise PipelinePlanError(f"split_points {list(chosen.split_points)}: {error}") from error
+    planner = PassPlanner(passes)
+    device = rank_device(cluster.device_type)
+    stage_cluster: Cluster | StageMeshes | None = None
+    plans: dict[tuple[int, ...], Plan] | None = None
+    if chosen.stage_mode == "meshes":
+        if pipeline.stage_meshes is not None:
+            meshes = stage_meshes(pipeline, cluster)
+            stage_cluster = meshes
+            clusters = dict(zip(meshes.shapes, meshes.clusters, strict=True))
+        else:
+            stage_cluster = cluster.submesh(chosen.stages[0].mesh)
+            clusters = {stage_cluster.mesh_shape: stage_cluster}
+        plans = {
+            shape: _stage_plan(program, clusters[shape], chosen.plans[shape], passes, shape)
+            for shape in chosen.mesh_shapes
+        }
+    pipelined = PipelineModel(
+        model, pipeline, example_inputs, loss_fn, example_targets=example_targets,
+        optimizer=optimizer, stage_cluster=stage_cluster, planner=planner,
+        check_batches=check_batches, init=init, mixed_precision=mixed_precision,
+        program=program, plans=plans, device=device,
+    )  # fmt: skip
+    pipelined.pipeline_plan = chosen
+    return pipelined
+
+
+def _stage_plan(
+    program: Program,
+    mesh: Cluster,
+    plan: Plan | SavedPlan,
+    passes: PassManager,
+    shape: tuple[int, ...],
+) -> Plan:
+    """The plan a stage mesh of ``shape`` runs: ``plan`` itself when it was made in this
+    process, else the saved plan's choice applied to ``program`` (a copy) by ``passes``."""
+    if isinstance(plan, Plan):
+        return plan
+    where = f"the pipeline plan's plan for stage mesh {list(shape)}"
+    applying = passes.replace("choose-strategies", ApplyPlanFile(where, plan.document))
+    try:
+        return plan_program(program.copy(), mesh, passes=applying)
+    except PlanFileError as error:
+        raise PipelinePlanError(f"{where} does not fit this model's step: {error}") from error
 
 
 def _device_mesh(cluster: Cluster) -> Any:

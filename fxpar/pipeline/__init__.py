@@ -1,6 +1,8 @@
 """Pipeline parallelism: a captured step cut into stages, run by a static schedule per rank.
 
-- :class:`Pipeline` says how (stages, micro-batches, schedule, remat, devices per stage).
+- :class:`Pipeline` says how (stages, micro-batches, schedule, remat, devices per stage): the
+  request, which may leave choices open; :class:`PipelinePlan` is the answer, every choice
+  made, saved and loaded as JSON (:mod:`fxpar.pipeline.pipeline_plan`).
 - :func:`partition` and :func:`split_program` cut a Program into per-stage forward and backward
   programs (:class:`SplitProgram`).
 - :func:`build_schedule` turns GPipe or 1F1B into an instruction list per stage.
@@ -39,6 +41,7 @@ from fxpar.pipeline.partition import (
     even_split_points,
     partition,
 )
+from fxpar.pipeline.pipeline_plan import PipelinePlan, PipelinePlanError, PipelineStage, SavedPlan
 from fxpar.pipeline.schedule import (
     Instruction,
     Op,
@@ -63,8 +66,12 @@ __all__ = [
     "Pipeline",
     "PipelineError",
     "PipelineModel",
+    "PipelinePlan",
+    "PipelinePlanError",
     "PipelineSearch",
     "PipelineSemantics",
+    "PipelineStage",
+    "SavedPlan",
     "SplitProgram",
     "StageChoice",
     "StageOrderError",
