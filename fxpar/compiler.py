@@ -19,6 +19,7 @@ chosen reaches the runtime: it sees per-rank programs and the specs of their inp
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -57,7 +58,7 @@ from fxpar.pipeline import (
 )
 from fxpar.pipeline.auto import StagePlanner
 from fxpar.pipeline.intra_op import stage_devices
-from fxpar.pipeline.meshes import StageMeshes, stage_meshes
+from fxpar.pipeline.meshes import StageMeshes, stage_meshes, uniform_stage_mesh
 from fxpar.pipeline.pipeline_plan import FORMAT as PIPELINE_PLAN_FORMAT
 from fxpar.pipeline.pipeline_plan import PipelinePlan, PipelinePlanError, SavedPlan
 from fxpar.pipeline.stage_programs import PassPlanner
@@ -367,7 +368,14 @@ def compile(
             passes = passes.replace("choose-strategies", ApplyPlanFile(spmd_file))
             saved_cluster(spmd_file, cluster)  # refuses a plan of another mesh
             options = rules = None
-    intra_op = any(value is not None for value in (passes, solver, manual, pins, options, rules))
+    choosing = [
+        name
+        for name, value in (
+            ("passes", passes), ("solver", solver), ("manual", manual), ("pins", pins),
+            ("options", options), ("rules", rules),
+        )
+        if value is not None
+    ]  # fmt: skip
     passes = passes_for(
         passes, solver=solver, manual=manual, options=options, rules=rules, pins=pins
     )
@@ -397,9 +405,12 @@ def compile(
         if pipeline == "auto":
             device_mesh = _device_mesh(cluster)
         else:
+            on_meshes = pipeline.resolved_stage_mode(cluster.mesh_shape) == "meshes"
+            if not on_meshes and choosing:
+                raise FxparError(_replicas_plan_nothing(pipeline, choosing))
             return _compile_pipeline(
                 model, cluster, example_inputs, loss_fn, example_targets, optimizer, pipeline,
-                planner=stage_planner, intra_op=intra_op, check_batches=check_batches,
+                planner=stage_planner, on_meshes=on_meshes, check_batches=check_batches,
                 init=init, mixed_precision=mixed_precision,
             )  # fmt: skip
     driver = Driver(
@@ -417,7 +428,7 @@ def compile(
             if best.runs_replicas:  # stages of data-parallel replicas: no plan inside them
                 replicated = _compile_pipeline(
                     model, cluster, example_inputs, loss_fn, example_targets, optimizer,
-                    best.choice.pipeline, planner=stage_planner, intra_op=False,
+                    best.choice.pipeline, planner=stage_planner, on_meshes=False,
                     check_batches=check_batches, init=init, mixed_precision=mixed_precision,
                 )  # fmt: skip
                 replicated.stage_choice = best.choice
@@ -425,7 +436,7 @@ def compile(
             assert best.program is not None
             return _compile_pipeline(
                 model, cluster, example_inputs, loss_fn, example_targets, optimizer,
-                best.choice.pipeline, planner=stage_planner, intra_op=True,
+                best.choice.pipeline, planner=stage_planner, on_meshes=True,
                 check_batches=check_batches, init=init, mixed_precision=mixed_precision,
                 chosen=(best.program, best.choice),
             )  # fmt: skip
@@ -487,17 +498,18 @@ def _compile_pipeline(
     pipeline: Pipeline,
     *,
     planner: StagePlanner,
-    intra_op: bool,
+    on_meshes: bool,
     check_batches: bool,
     init: str | os.PathLike[str] | None,
     mixed_precision: MixedPrecision | None,
     chosen: tuple[Program, StageChoice] | None = None,
 ) -> PipelineModel:
-    """A pipeline whose stages run an intra-op plan on the cluster's mesh without its first
-    axis (when that axis is the stages, or a solver, manual plan, pins, options, rules or
-    passes ask for a plan), or on meshes of their own (``Pipeline(stage_meshes=...)``), or
-    data-parallel replicas. ``chosen``: the micro-batch program and the stage DP's choice on
-    it, made already (``pipeline="auto"``): run that, without planning again."""
+    """A pipeline whose stages run an intra-op plan on meshes of their own (``on_meshes``:
+    ``Pipeline(stage_meshes=...)``, the cluster's mesh without its first axis when that axis
+    is the stages, or ``D / K`` of its ``D`` devices), or data-parallel replicas (``D / K`` of
+    them when the request leaves ``data_parallel`` at 1). ``chosen``: the micro-batch program
+    and the stage DP's choice on it, made already (``pipeline="auto"``): run that, without
+    planning again."""
     device = rank_device(cluster.device_type)  # where each rank's stage lives
     if pipeline.stage_meshes is not None and chosen is None:
         meshes = stage_meshes(pipeline, cluster)
@@ -507,13 +519,7 @@ def _compile_pipeline(
             check_batches=check_batches, init=init, mixed_precision=mixed_precision,
             device=device,
         )  # fmt: skip
-    stages_first = (
-        pipeline.stages != "auto"
-        and pipeline.data_parallel == 1
-        and cluster.ndim >= 2
-        and cluster.mesh_shape[0] == pipeline.num_stages
-    )
-    if intra_op or stages_first:
+    if on_meshes:
         choice = None
         program: Program | None = None
         if chosen is not None:
@@ -537,7 +543,7 @@ def _compile_pipeline(
                 stage_cluster = stage_meshes(pipeline, cluster)
             assert stage_cluster is not None
         else:
-            stage_cluster = stage_devices(cluster, pipeline.num_stages)
+            stage_cluster = _uniform_stage_cluster(cluster, pipeline)
         pipelined = PipelineModel(
             model, pipeline, example_inputs, loss_fn, example_targets=example_targets,
             optimizer=optimizer, stage_cluster=stage_cluster, planner=planner,
@@ -555,6 +561,13 @@ def _compile_pipeline(
         choice = plan_stages(program, cluster, pipeline, optimizer_states=optimizer.state_copies)
         pipeline = choice.pipeline
         logger.info("stages chosen by the stage DP:\n%s", choice.report())
+    elif (
+        pipeline.data_parallel == 1
+        and cluster.world_size != pipeline.world_size
+        and cluster.world_size % pipeline.num_stages == 0
+    ):  # left open by the request: every device of the cluster a replica of its stage
+        replicas = cluster.world_size // pipeline.num_stages
+        pipeline = dataclasses.replace(pipeline, data_parallel=replicas)
     if cluster.world_size != pipeline.world_size:
         raise DistributedError(
             f"{pipeline} runs on {pipeline.world_size} devices ({pipeline.num_stages} stages x "
@@ -569,6 +582,39 @@ def _compile_pipeline(
     )  # fmt: skip
     pipelined.stage_choice = choice
     return pipelined
+
+
+def _replicas_plan_nothing(pipeline: Pipeline, choosing: Sequence[str]) -> str:
+    """Why ``choosing`` (compile's arguments that make an intra-op plan) cannot apply to
+    ``pipeline``, whose stages run as data-parallel replicas."""
+    where = (
+        f"an intra-op plan inside {pipeline.num_stages} pipeline stages needs a cluster mesh "
+        f"of ({pipeline.num_stages}, *stage_mesh), whose first axis is the stages, or "
+        if pipeline.stages != "auto"
+        else ""
+    )
+    return (
+        f"{', '.join(choosing)} make the intra-op plan of a stage mesh, but {pipeline} runs "
+        f"its stages as data-parallel replicas on this cluster, which run no such plan: "
+        f"{where}Pipeline(stage_mode='meshes', ...) to plan each stage's mesh; or leave them "
+        "out"
+    )
+
+
+def _uniform_stage_cluster(cluster: Cluster, pipeline: Pipeline) -> Cluster:
+    """The mesh every one of ``pipeline``'s stages runs its plan on: the cluster's mesh
+    without its first axis where that axis is the stages, else ``D / K`` of its ``D``
+    devices, shaped as the stage DP would shape them."""
+    stages = pipeline.num_stages
+    if cluster.ndim >= 2 and cluster.mesh_shape[0] == stages:
+        return stage_devices(cluster, stages)
+    if cluster.world_size % stages:
+        raise DistributedError(
+            f"{pipeline} runs {stages} stages on meshes of one shape, which the cluster's "
+            f"{cluster.world_size} devices do not divide into: choose a number of stages that "
+            "divides them, or give stage_meshes"
+        )
+    return cluster.submesh(uniform_stage_mesh(cluster, cluster.world_size // stages))
 
 
 def _given_plan(

@@ -108,7 +108,9 @@ def test_a_plan_of_replicas_survives_save_and_load(tmp_path: Path) -> None:
     chosen = _replicas_plan()
     loaded = PipelinePlan.load(chosen.save(tmp_path / "p.json"))
     assert loaded == chosen and loaded.plans == {} and loaded.plan_of(1) is None
-    assert loaded.pipeline == Pipeline(stages=("blocks.1",), microbatches=4, data_parallel=2)
+    assert loaded.pipeline == Pipeline(
+        stages=("blocks.1",), microbatches=4, data_parallel=2, stage_mode="replicas"
+    )
     assert "data-parallel replicas in each stage; not priced" in loaded.report()
 
 

@@ -12,6 +12,9 @@ from fxpar.errors import FxparError
 ScheduleName = Literal["gpipe", "1f1b", "interleaved", "zb-h1", "zb-v"]
 SCHEDULES: tuple[ScheduleName, ...] = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
 """The schedules a pipeline runs."""
+StageModeRequest = Literal["auto", "meshes", "replicas"]
+STAGE_MODE_REQUESTS: tuple[StageModeRequest, ...] = ("auto", "meshes", "replicas")
+"""What :attr:`Pipeline.stage_mode` may ask for."""
 ZeroBubbleName = Literal["zb-h1", "zb-v"]
 ZERO_BUBBLE_SCHEDULES: tuple[ZeroBubbleName, ...] = ("zb-h1", "zb-v")
 """Schedules with the backward split into input and weight gradients
@@ -62,6 +65,17 @@ class Pipeline:
             ranks after those of stages ``0 .. s-1``. None: every stage has the same devices
             (``data_parallel``, or the stage mesh a cluster of mesh ``(K, *stage_mesh)``
             gives).
+        stage_mode: how a stage's devices share its work. ``"meshes"``: each stage runs an
+            intra-op plan on a mesh of its own (``stage_meshes``; else the stage mesh of a
+            cluster of mesh ``(K, *stage_mesh)``; else ``D / K`` of the cluster's ``D``
+            devices), made by the pass list :func:`fxpar.compile` is given (``solver``,
+            ``manual``, ``pins``, ``options``, ``rules``, ``passes``). ``"replicas"``: each of
+            a stage's ``data_parallel`` devices runs all of it on its share of every
+            micro-batch (``D / K`` of them when ``data_parallel`` is left at 1 on a cluster
+            of more than ``K`` devices). ``"auto"`` (the default) is decided by the request
+            and the cluster alone (:func:`resolved_stage_mode`): ``"meshes"`` where
+            ``stage_meshes`` is given or the cluster's mesh is ``(K, *stage_mesh)``, else
+            ``"replicas"``.
     """
 
     stages: int | tuple[str, ...] | Literal["auto"] = 2
@@ -71,6 +85,7 @@ class Pipeline:
     data_parallel: int = 1
     virtual_stages: int = 1
     stage_meshes: tuple[tuple[int, ...], ...] | None = None
+    stage_mode: StageModeRequest = "auto"
 
     def __post_init__(self) -> None:
         if self.stages == "auto":
@@ -92,6 +107,24 @@ class Pipeline:
             raise PipelineError(f"data_parallel must be >= 1, got {self.data_parallel}")
         self._check_interleaving()
         self._check_stage_meshes()
+        self._check_stage_mode()
+
+    def _check_stage_mode(self) -> None:
+        mode = self.stage_mode
+        if mode not in STAGE_MODE_REQUESTS:
+            raise PipelineError(f"stage_mode must be one of {STAGE_MODE_REQUESTS}, got {mode!r}")
+        if mode == "replicas" and self.stage_meshes is not None:
+            raise PipelineError(
+                f"stage_mode='replicas' runs no intra-op plan, but stage_meshes "
+                f"{self.stage_meshes} asks for one on each stage's mesh: choose one"
+            )
+        if mode == "meshes" and self.data_parallel != 1:
+            raise PipelineError(
+                f"stage_mode='meshes' runs an intra-op plan on each stage's mesh, which "
+                f"data_parallel={self.data_parallel} replicas do not: leave data_parallel at 1 "
+                "(the plan on a stage mesh can itself be data-parallel), or ask for "
+                "stage_mode='replicas'"
+            )
 
     def _check_stage_meshes(self) -> None:
         meshes = self.stage_meshes
@@ -186,6 +219,24 @@ class Pipeline:
                 f"{len(self.stages)} split points make {len(self.stages) + 1} chunks, which "
                 "do not divide into 2 per stage: give 2 K - 1 split points"
             )
+
+    def resolved_stage_mode(self, cluster_mesh: tuple[int, ...]) -> Literal["meshes", "replicas"]:
+        """The stage mode this request runs on a cluster of mesh ``cluster_mesh``:
+        :attr:`stage_mode` when it names one; for ``"auto"``, ``"meshes"`` where
+        ``stage_meshes`` is given or ``cluster_mesh`` is ``(K, *stage_mesh)`` with ``K`` the
+        request's stages (and ``data_parallel`` 1), else ``"replicas"``. Only the request and
+        the cluster decide, never the other arguments of :func:`fxpar.compile`."""
+        if self.stage_mode != "auto":
+            return self.stage_mode
+        if self.stage_meshes is not None:
+            return "meshes"
+        stages_first = (
+            self.stages != "auto"
+            and self.data_parallel == 1
+            and len(cluster_mesh) >= 2
+            and cluster_mesh[0] == self.num_stages
+        )
+        return "meshes" if stages_first else "replicas"
 
     @property
     def v_shaped(self) -> bool:

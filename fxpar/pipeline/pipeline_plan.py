@@ -161,6 +161,7 @@ class PipelinePlan:
             data_parallel=meshes[0][0] if replicas else 1,
             virtual_stages=self.virtual_stages,
             stage_meshes=None if replicas or len(meshes) == 1 else self.stages_meshes(),
+            stage_mode=self.stage_mode,
         )
 
     def stages_meshes(self) -> tuple[Shape, ...]:
