@@ -301,11 +301,14 @@ def compile(
             for pipelines.
         pipeline: run the step as a synchronous pipeline instead (see
             :class:`fxpar.pipeline.Pipeline` and docs/pipelines.md): returns a
-            :class:`~fxpar.pipeline.PipelineModel`. On a cluster of mesh ``(K, *stage_mesh)``
-            (``K`` stages first) each stage runs its share of an intra-op plan on its stage
-            mesh, chosen by ``solver`` (the ILP by default; ``pins``, ``options`` and
-            ``rules`` apply); otherwise each stage runs data-parallel on
-            ``pipeline.data_parallel`` devices. With ``stages="auto"`` and stage plans, the
+            :class:`~fxpar.pipeline.PipelineModel`. With ``stage_mode="meshes"`` (the
+            default's choice on a cluster of mesh ``(K, *stage_mesh)``, ``K`` stages first,
+            or with ``stage_meshes``) each stage runs its share of an intra-op plan on its
+            stage mesh, chosen by ``solver`` (the ILP by default; ``pins``, ``options`` and
+            ``rules`` apply); with ``"replicas"`` (the default's choice otherwise) each stage
+            runs data-parallel on ``pipeline.data_parallel`` devices (every device of the
+            cluster when left at 1), and arguments that make an intra-op plan are refused.
+            With ``stages="auto"`` and stage meshes, the
             step is captured once at one micro-batch's shapes, the stage DP prices every
             stage mesh under its plan of that program, and the pipeline runs those very
             plans (``pipelined.stage_choice.plans``). ``pipeline="auto"``: whether to
