@@ -435,6 +435,7 @@ def compile(
                     check_batches=check_batches, init=init, mixed_precision=mixed_precision,
                 )  # fmt: skip
                 replicated.stage_choice = best.choice
+                replicated.pipeline_plan = PipelinePlan.from_choice(best.choice, cluster)
                 return replicated
             assert best.program is not None
             return _compile_pipeline(
@@ -553,7 +554,7 @@ def _compile_pipeline(
             check_batches=check_batches, init=init, mixed_precision=mixed_precision,
             program=program, plans=choice.plans if choice is not None else None, device=device,
         )  # fmt: skip
-        pipelined.stage_choice = choice
+        _keep_choice(pipelined, choice, cluster)
         return pipelined
     choice = None
     if pipeline.stages == "auto":
@@ -583,8 +584,16 @@ def _compile_pipeline(
         optimizer=optimizer, check_batches=check_batches, init=init,
         mixed_precision=mixed_precision, device=device,
     )  # fmt: skip
-    pipelined.stage_choice = choice
+    _keep_choice(pipelined, choice, cluster)
     return pipelined
+
+
+def _keep_choice(pipelined: PipelineModel, choice: StageChoice | None, cluster: Cluster) -> None:
+    """Record the stage DP's ``choice`` on the pipeline built from it, and the
+    :class:`~fxpar.pipeline.PipelinePlan` it makes (to save and run again with ``plan=``)."""
+    pipelined.stage_choice = choice
+    if choice is not None:
+        pipelined.pipeline_plan = PipelinePlan.from_choice(choice, cluster)
 
 
 def _replicas_plan_nothing(pipeline: Pipeline, choosing: Sequence[str]) -> str:

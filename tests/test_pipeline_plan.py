@@ -285,3 +285,28 @@ def test_compile_runs_an_intra_op_plan_file_as_load_plan_applies_it(tmp_path: Pa
     )
     assert "(loaded)" in trained.plan.solution.solver
     assert plan_document(trained.plan)["strategies"] == plan_document(chosen)["strategies"]
+
+
+@pytest.mark.parametrize("stage_mode", ["replicas", "meshes"])
+def test_a_pipeline_the_stage_dp_chose_runs_again_from_its_saved_plan(
+    stage_mode: str, tmp_path: Path
+) -> None:
+    """One device: compile's choice (``stages="auto"``) is kept as a PipelinePlan, and
+    ``plan=`` its saved file runs that pipeline again, training alike."""
+    pipeline = Pipeline(stages="auto", microbatches=2, stage_mode=stage_mode)  # type: ignore[arg-type]
+    model, tokens, targets = _gpt(8)
+    common: dict[str, Any] = {"example_targets": (targets,)}
+    chose = fxpar.compile(
+        copy.deepcopy(model), fxpar.Cluster((1,)), (tokens,), gpt_loss,
+        optimizer=SGD(lr=LR), pipeline=pipeline, **common,
+    )  # fmt: skip
+    chosen = chose.pipeline_plan
+    assert chosen is not None and chosen.stage_mode == stage_mode
+    assert chosen.estimate == chose.stage_choice.step_time  # type: ignore[union-attr]
+    again = fxpar.compile(
+        copy.deepcopy(model), fxpar.Cluster((1,)), (tokens,), gpt_loss,
+        optimizer=SGD(lr=LR), plan=chosen.save(tmp_path / "p.json"), **common,
+    )  # fmt: skip
+    assert again.pipeline == chosen.pipeline
+    for _ in range(2):
+        torch.testing.assert_close(again.step(tokens, targets), chose.step(tokens, targets))

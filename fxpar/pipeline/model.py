@@ -135,7 +135,8 @@ class PipelineModel(Trainer):
         trace: the last step's instruction timings on this rank.
         stage_choice: the stage DP's choice, when ``fxpar.compile`` planned the stages.
         pipeline_plan: the :class:`~fxpar.pipeline.PipelinePlan` it runs, when
-            ``fxpar.compile`` was given one (``plan=``).
+            ``fxpar.compile`` was given one (``plan=``) or its stage DP chose it
+            (``stages="auto"``, ``pipeline="auto"``): save it to run the same again.
         semantics: how the micro-batches' losses make the step's, and the notes on where the
             step differs from training on the whole batch (empty when it does not).
         check_batches: whether each step checks that every rank got the same batch.
