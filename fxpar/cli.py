@@ -31,7 +31,7 @@ from fxpar import plans
 from fxpar.errors import FxparError
 from fxpar.ir.capture import batch_tensors
 from fxpar.ir.repeat import StampedLayers, capture_repeated
-from fxpar.joint import SEARCHED_SCHEDULES, Candidate, pipeline_wins, replica_search
+from fxpar.joint import SEARCHED_SCHEDULES, count_candidate, pipeline_wins
 from fxpar.models import GPT, GPTConfig, gpt_loss
 from fxpar.models.corpus import batches, corpus_tokens
 from fxpar.models.shapes import GPT2_SHAPES, GPT3_SHAPES, LLAMA_SHAPES, gpt3, llama_named
@@ -39,10 +39,10 @@ from fxpar.passes import PassManager, default_passes, plan_program
 from fxpar.pipeline import (
     PassPlanner,
     Pipeline,
+    PipelinePlan,
     StageChoice,
     capture_microbatch,
     microbatch_step,
-    search_pipelines,
 )
 from fxpar.pipeline.stage_choice import format_seconds
 from fxpar.planning.plan import Plan
@@ -323,6 +323,14 @@ def plan_command(args: argparse.Namespace) -> int:
         print(_verdict(plan, best))
         if plan is None and best is None:
             return 2
+    if args.save_pipeline:
+        if not counts:
+            raise FxparError("--save-pipeline writes the best pipeline: give --microbatches M")
+        if best is None:
+            print("\n--save-pipeline writes the best pipeline: none fits")
+        else:
+            chosen = PipelinePlan.from_choice(best, cluster)
+            print(f"\npipeline plan written to {chosen.save(args.save_pipeline)}")
     if plan is None:
         if args.save or args.plot:
             print("\n--save and --plot write the intra-op plan of the whole batch: none fits")
@@ -381,8 +389,9 @@ def _joint_plan(
     """Alpa's joint plan for ``count`` micro-batches: the step captured at one micro-batch's
     shapes, every stage mesh planned by ``passes``, and the stage DP choosing the stages,
     their meshes, and (``auto``) the schedule and remat; and stages of data-parallel replicas
-    priced on ``whole`` (:func:`fxpar.joint.replica_search`). Prints both; returns the
-    cheaper (the meshes' on a tie), None when neither runs."""
+    priced on ``whole``: ``pipeline="auto"``'s candidate of the count
+    (:func:`fxpar.joint.count_candidate`, which refuses a pipeline that would train another
+    step). Prints both; returns the cheaper (the meshes' on a tie), None when neither runs."""
     # On a tie the first wins: 1F1B keeps fewer micro-batches in flight, remat off computes less.
     schedules: tuple[str, ...] = SEARCHED_SCHEDULES if args.schedule == "auto" else (args.schedule,)
     remats = (False, True) if args.remat == "auto" else (args.remat == "on",)
@@ -399,23 +408,26 @@ def _joint_plan(
     )  # fmt: skip
     captured = time.perf_counter() - start
     _say_stamped(program)
-    search = search_pipelines(
-        program, cluster, pipelines, stage_planner=PassPlanner(passes), microbatch=True
-    )
+    candidate = count_candidate(  # pipeline="auto"'s candidate of this count
+        program, cluster, pipelines, stage_planner=PassPlanner(passes),
+        optimizer_states=PlanOptions().optimizer_states,  # as the stage meshes' plans count
+        whole=whole,
+    )  # fmt: skip
+    search = candidate.search
+    found = search.report() if search is not None else f"no pipeline: {candidate.reason}"
     print(
         f"\nas a pipeline of {count} micro-batches on {cluster} (stage DP over stage meshes, "
         f"each planned by {args.solver}; captured in {captured:.1f} s, chosen in "
-        f"{time.perf_counter() - start - captured:.1f} s):\n{search.report()}"
+        f"{time.perf_counter() - start - captured:.1f} s):\n{found}"
     )
-    if search.choice is not None:
+    if search is not None and search.choice is not None:
         print(_stage_plans(search.choice))
-    optimizer_states = PlanOptions().optimizer_states  # as the stage meshes' plans count them
-    replicas = replica_search(whole, cluster, pipelines, optimizer_states) if whole else None
-    if replicas is not None:
+    if candidate.replicas is not None:
         print(
-            f"\nas stages of data-parallel replicas (no plan inside a stage):\n{replicas.report()}"
+            "\nas stages of data-parallel replicas (no plan inside a stage):\n"
+            f"{candidate.replicas.report()}"
         )
-    return Candidate(count, search, program, replicas=replicas).choice  # pipeline="auto"'s rule
+    return candidate.choice
 
 
 def _stage_plans(choice: StageChoice) -> str:
@@ -558,6 +570,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     plan_parser.add_argument("--recompute", default="none", choices=("none", "all", "auto"),
                              help="activation checkpointing: PlanOptions(remat=...)")  # fmt: skip
     plan_parser.add_argument("--save", help="write the plan as JSON here")
+    plan_parser.add_argument("--save-pipeline",
+                             help="with --microbatches: write the best pipeline as JSON "
+                                  "here (fxpar.compile(..., plan=path) runs it)")  # fmt: skip
     plan_parser.add_argument("--plot", help="write a PNG of memory and communication here")
     plan_parser.set_defaults(run=plan_command)
 

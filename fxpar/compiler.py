@@ -19,9 +19,12 @@ chosen reaches the runtime: it sees per-rank programs and the specs of their inp
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Literal, overload
 
 import torch
@@ -36,13 +39,32 @@ from fxpar.ir.precision import MixedPrecision, check_policy
 from fxpar.ir.program import Program, named_state
 from fxpar.joint import JointChoice, pipeline_candidates
 from fxpar.optim import AdamW, Optimizer, check_optimizer
-from fxpar.passes import ManualPlan, PassManager, for_compile, passes_for, plan_program
-from fxpar.pipeline import Pipeline, PipelineModel, StageChoice, capture_microbatch, plan_stages
+from fxpar.passes import (
+    ApplyPlanFile,
+    ManualPlan,
+    PassManager,
+    for_compile,
+    passes_for,
+    plan_program,
+)
+from fxpar.pipeline import (
+    Pipeline,
+    PipelineError,
+    PipelineModel,
+    StageChoice,
+    capture_microbatch,
+    partition,
+    plan_stages,
+)
 from fxpar.pipeline.auto import StagePlanner
 from fxpar.pipeline.intra_op import stage_devices
-from fxpar.pipeline.meshes import StageMeshes, stage_meshes
+from fxpar.pipeline.meshes import StageMeshes, stage_meshes, uniform_stage_mesh
+from fxpar.pipeline.pipeline_plan import FORMAT as PIPELINE_PLAN_FORMAT
+from fxpar.pipeline.pipeline_plan import PipelinePlan, PipelinePlanError, SavedPlan
 from fxpar.pipeline.stage_programs import PassPlanner
 from fxpar.planning.plan import Plan
+from fxpar.planning.plan_file import FORMAT as PLAN_FORMAT
+from fxpar.planning.plan_file import PlanFileError, saved_cluster
 from fxpar.planning.problem import PlanOptions
 from fxpar.rules import RuleRegistry
 from fxpar.runtime.devices import check_device_type, rank_device
@@ -113,6 +135,7 @@ def compile(
     init: str | os.PathLike[str] | None = None,
     mixed_precision: MixedPrecision | None = None,
     max_kept_steps: int = 32,
+    plan: None = None,
 ) -> ParallelModel: ...
 
 
@@ -137,7 +160,58 @@ def compile(
     init: str | os.PathLike[str] | None = None,
     mixed_precision: None = None,
     max_kept_steps: int = 32,
+    plan: None = None,
 ) -> PipelineModel: ...
+
+
+@overload
+def compile(
+    model: nn.Module,
+    cluster: Cluster,
+    example_inputs: Sequence[Any] | Mapping[str, Any],
+    loss_fn: LossFn | None = None,
+    *,
+    example_targets: Sequence[torch.Tensor] = (),
+    optimizer: Optimizer | None = None,
+    passes: PassManager | None = None,
+    solver: None = None,
+    manual: None = None,
+    pins: None = None,
+    options: PlanOptions | None = None,
+    rules: RuleRegistry | None = None,
+    check_batches: bool = True,
+    batch: str = "global",
+    pipeline: None = None,
+    init: str | os.PathLike[str] | None = None,
+    mixed_precision: MixedPrecision | None = None,
+    max_kept_steps: int = 32,
+    plan: PipelinePlan,
+) -> PipelineModel: ...
+
+
+@overload
+def compile(
+    model: nn.Module,
+    cluster: Cluster,
+    example_inputs: Sequence[Any] | Mapping[str, Any],
+    loss_fn: LossFn | None = None,
+    *,
+    example_targets: Sequence[torch.Tensor] = (),
+    optimizer: Optimizer | None = None,
+    passes: PassManager | None = None,
+    solver: None = None,
+    manual: None = None,
+    pins: None = None,
+    options: PlanOptions | None = None,
+    rules: RuleRegistry | None = None,
+    check_batches: bool = True,
+    batch: str = "global",
+    pipeline: None = None,
+    init: str | os.PathLike[str] | None = None,
+    mixed_precision: MixedPrecision | None = None,
+    max_kept_steps: int = 32,
+    plan: str | os.PathLike[str],
+) -> ParallelModel | PipelineModel: ...
 
 
 @overload
@@ -161,6 +235,7 @@ def compile(
     init: str | os.PathLike[str] | None = None,
     mixed_precision: MixedPrecision | None = None,
     max_kept_steps: int = 32,
+    plan: None = None,
 ) -> ParallelModel | PipelineModel: ...
 
 
@@ -184,6 +259,7 @@ def compile(
     init: str | os.PathLike[str] | None = None,
     mixed_precision: MixedPrecision | None = None,
     max_kept_steps: int = 32,
+    plan: PipelinePlan | str | os.PathLike[str] | None = None,
 ) -> ParallelModel | PipelineModel:
     """Plan ``model``'s training step for ``cluster`` and build this process's share of it.
 
@@ -225,11 +301,14 @@ def compile(
             for pipelines.
         pipeline: run the step as a synchronous pipeline instead (see
             :class:`fxpar.pipeline.Pipeline` and docs/pipelines.md): returns a
-            :class:`~fxpar.pipeline.PipelineModel`. On a cluster of mesh ``(K, *stage_mesh)``
-            (``K`` stages first) each stage runs its share of an intra-op plan on its stage
-            mesh, chosen by ``solver`` (the ILP by default; ``pins``, ``options`` and
-            ``rules`` apply); otherwise each stage runs data-parallel on
-            ``pipeline.data_parallel`` devices. With ``stages="auto"`` and stage plans, the
+            :class:`~fxpar.pipeline.PipelineModel`. With ``stage_mode="meshes"`` (the
+            default's choice on a cluster of mesh ``(K, *stage_mesh)``, ``K`` stages first,
+            or with ``stage_meshes``) each stage runs its share of an intra-op plan on its
+            stage mesh, chosen by ``solver`` (the ILP by default; ``pins``, ``options`` and
+            ``rules`` apply); with ``"replicas"`` (the default's choice otherwise) each stage
+            runs data-parallel on ``pipeline.data_parallel`` devices (every device of the
+            cluster when left at 1), and arguments that make an intra-op plan are refused.
+            With ``stages="auto"`` and stage meshes, the
             step is captured once at one micro-batch's shapes, the stage DP prices every
             stage mesh under its plan of that program, and the pipeline runs those very
             plans (``pipelined.stage_choice.plans``). ``pipeline="auto"``: whether to
@@ -251,6 +330,18 @@ def compile(
             one compiled for; past it the one used least recently is dropped, and planned
             again if it comes back, so a long run over ever new shapes stays bounded (a
             pipeline keeps each of its steps).
+        plan: run this choice instead of making one: a
+            :class:`~fxpar.pipeline.PipelinePlan` (returns a ``PipelineModel`` of exactly
+            its stages, schedule and stage plans), or the path of a file that
+            :meth:`PipelinePlan.save <fxpar.pipeline.PipelinePlan.save>` (``fxpar plan
+            --microbatches M --save-pipeline``) or :meth:`fxpar.Plan.save` (``fxpar plan
+            --save``) wrote, which runs that pipeline, or that intra-op plan as
+            :func:`fxpar.passes.load_plan` applies it. ``passes``, ``options`` and ``rules``
+            still make the programs it runs (with the plan's choice in place of the
+            ``choose-strategies`` pass); ``solver``, ``manual``, ``pins`` and ``pipeline``,
+            which choose what the plan fixes, must be left out. A plan that does not fit the
+            model or cluster is refused (:class:`~fxpar.pipeline.PipelinePlanError`,
+            :class:`~fxpar.planning.plan_file.PlanFileError`).
     """
     if (
         isinstance(max_kept_steps, bool)
@@ -260,17 +351,52 @@ def compile(
         raise FxparError(f"max_kept_steps must be a whole number >= 0, got {max_kept_steps!r}")
     optimizer = check_optimizer(optimizer if optimizer is not None else AdamW())
     mixed_precision = check_policy(mixed_precision)
-    intra_op = any(value is not None for value in (passes, solver, manual, pins, options, rules))
+    chosen: PipelinePlan | None = None
+    if plan is not None:
+        fixed = [
+            name
+            for name, value in (
+                ("solver", solver), ("manual", manual), ("pins", pins), ("pipeline", pipeline),
+            )
+            if value is not None
+        ]  # fmt: skip
+        if fixed:
+            raise FxparError(
+                f"plan= is the choice to run, so {', '.join(fixed)} would choose it again: "
+                "leave them out, or leave plan= out to choose"
+            )
+        chosen, spmd_file = _given_plan(plan)
+        if spmd_file is not None:  # an intra-op plan: its choice in the pass list
+            passes = passes_for(passes, options=options, rules=rules)
+            passes = passes.replace("choose-strategies", ApplyPlanFile(spmd_file))
+            saved_cluster(spmd_file, cluster)  # refuses a plan of another mesh
+            options = rules = None
+    choosing = [
+        name
+        for name, value in (
+            ("passes", passes), ("solver", solver), ("manual", manual), ("pins", pins),
+            ("options", options), ("rules", rules),
+        )
+        if value is not None
+    ]  # fmt: skip
     passes = passes_for(
         passes, solver=solver, manual=manual, options=options, rules=rules, pins=pins
     )
     passes = for_compile(passes, optimizer_states=optimizer.state_copies)
-    if pipeline is None:
+    if pipeline is None and chosen is None:
         device_mesh = _device_mesh(cluster)
     check_sources(model, list(named_state(model)), init)
     if batch not in ("global", "local"):
         raise FxparError(f"batch must be 'global' or 'local', got {batch!r}")
     stage_planner = PassPlanner(passes)
+    if chosen is not None:
+        if batch != "global":
+            raise FxparError("batch='local' is for fxpar.compile without a pipeline plan")
+        return _compile_pipeline_plan(
+            model, cluster, example_inputs, loss_fn, example_targets, optimizer, chosen,
+            passes=passes, check_batches=check_batches, init=init,
+            mixed_precision=mixed_precision,
+        )  # fmt: skip
     if pipeline is not None:
         if pipeline != "auto" and not isinstance(pipeline, Pipeline):
             raise FxparError(f"pipeline must be a fxpar.Pipeline, 'auto' or None, got {pipeline!r}")
@@ -282,9 +408,12 @@ def compile(
         if pipeline == "auto":
             device_mesh = _device_mesh(cluster)
         else:
+            on_meshes = pipeline.resolved_stage_mode(cluster.mesh_shape) == "meshes"
+            if not on_meshes and choosing:
+                raise FxparError(_replicas_plan_nothing(pipeline, choosing))
             return _compile_pipeline(
                 model, cluster, example_inputs, loss_fn, example_targets, optimizer, pipeline,
-                planner=stage_planner, intra_op=intra_op, check_batches=check_batches,
+                planner=stage_planner, on_meshes=on_meshes, check_batches=check_batches,
                 init=init, mixed_precision=mixed_precision,
             )  # fmt: skip
     driver = Driver(
@@ -302,15 +431,16 @@ def compile(
             if best.runs_replicas:  # stages of data-parallel replicas: no plan inside them
                 replicated = _compile_pipeline(
                     model, cluster, example_inputs, loss_fn, example_targets, optimizer,
-                    best.choice.pipeline, planner=stage_planner, intra_op=False,
+                    best.choice.pipeline, planner=stage_planner, on_meshes=False,
                     check_batches=check_batches, init=init, mixed_precision=mixed_precision,
                 )  # fmt: skip
                 replicated.stage_choice = best.choice
+                replicated.pipeline_plan = PipelinePlan.from_choice(best.choice, cluster)
                 return replicated
             assert best.program is not None
             return _compile_pipeline(
                 model, cluster, example_inputs, loss_fn, example_targets, optimizer,
-                best.choice.pipeline, planner=stage_planner, intra_op=True,
+                best.choice.pipeline, planner=stage_planner, on_meshes=True,
                 check_batches=check_batches, init=init, mixed_precision=mixed_precision,
                 chosen=(best.program, best.choice),
             )  # fmt: skip
@@ -372,17 +502,18 @@ def _compile_pipeline(
     pipeline: Pipeline,
     *,
     planner: StagePlanner,
-    intra_op: bool,
+    on_meshes: bool,
     check_batches: bool,
     init: str | os.PathLike[str] | None,
     mixed_precision: MixedPrecision | None,
     chosen: tuple[Program, StageChoice] | None = None,
 ) -> PipelineModel:
-    """A pipeline whose stages run an intra-op plan on the cluster's mesh without its first
-    axis (when that axis is the stages, or a solver, manual plan, pins, options, rules or
-    passes ask for a plan), or on meshes of their own (``Pipeline(stage_meshes=...)``), or
-    data-parallel replicas. ``chosen``: the micro-batch program and the stage DP's choice on
-    it, made already (``pipeline="auto"``): run that, without planning again."""
+    """A pipeline whose stages run an intra-op plan on meshes of their own (``on_meshes``:
+    ``Pipeline(stage_meshes=...)``, the cluster's mesh without its first axis when that axis
+    is the stages, or ``D / K`` of its ``D`` devices), or data-parallel replicas (``D / K`` of
+    them when the request leaves ``data_parallel`` at 1). ``chosen``: the micro-batch program
+    and the stage DP's choice on it, made already (``pipeline="auto"``): run that, without
+    planning again."""
     device = rank_device(cluster.device_type)  # where each rank's stage lives
     if pipeline.stage_meshes is not None and chosen is None:
         meshes = stage_meshes(pipeline, cluster)
@@ -392,13 +523,7 @@ def _compile_pipeline(
             check_batches=check_batches, init=init, mixed_precision=mixed_precision,
             device=device,
         )  # fmt: skip
-    stages_first = (
-        pipeline.stages != "auto"
-        and pipeline.data_parallel == 1
-        and cluster.ndim >= 2
-        and cluster.mesh_shape[0] == pipeline.num_stages
-    )
-    if intra_op or stages_first:
+    if on_meshes:
         choice = None
         program: Program | None = None
         if chosen is not None:
@@ -422,14 +547,14 @@ def _compile_pipeline(
                 stage_cluster = stage_meshes(pipeline, cluster)
             assert stage_cluster is not None
         else:
-            stage_cluster = stage_devices(cluster, pipeline.num_stages)
+            stage_cluster = _uniform_stage_cluster(cluster, pipeline)
         pipelined = PipelineModel(
             model, pipeline, example_inputs, loss_fn, example_targets=example_targets,
             optimizer=optimizer, stage_cluster=stage_cluster, planner=planner,
             check_batches=check_batches, init=init, mixed_precision=mixed_precision,
             program=program, plans=choice.plans if choice is not None else None, device=device,
         )  # fmt: skip
-        pipelined.stage_choice = choice
+        _keep_choice(pipelined, choice, cluster)
         return pipelined
     choice = None
     if pipeline.stages == "auto":
@@ -440,6 +565,13 @@ def _compile_pipeline(
         choice = plan_stages(program, cluster, pipeline, optimizer_states=optimizer.state_copies)
         pipeline = choice.pipeline
         logger.info("stages chosen by the stage DP:\n%s", choice.report())
+    elif (
+        pipeline.data_parallel == 1
+        and cluster.world_size != pipeline.world_size
+        and cluster.world_size % pipeline.num_stages == 0
+    ):  # left open by the request: every device of the cluster a replica of its stage
+        replicas = cluster.world_size // pipeline.num_stages
+        pipeline = dataclasses.replace(pipeline, data_parallel=replicas)
     if cluster.world_size != pipeline.world_size:
         raise DistributedError(
             f"{pipeline} runs on {pipeline.world_size} devices ({pipeline.num_stages} stages x "
@@ -452,8 +584,149 @@ def _compile_pipeline(
         optimizer=optimizer, check_batches=check_batches, init=init,
         mixed_precision=mixed_precision, device=device,
     )  # fmt: skip
-    pipelined.stage_choice = choice
+    _keep_choice(pipelined, choice, cluster)
     return pipelined
+
+
+def _keep_choice(pipelined: PipelineModel, choice: StageChoice | None, cluster: Cluster) -> None:
+    """Record the stage DP's ``choice`` on the pipeline built from it, and the
+    :class:`~fxpar.pipeline.PipelinePlan` it makes (to save and run again with ``plan=``)."""
+    pipelined.stage_choice = choice
+    if choice is not None:
+        pipelined.pipeline_plan = PipelinePlan.from_choice(choice, cluster)
+
+
+def _replicas_plan_nothing(pipeline: Pipeline, choosing: Sequence[str]) -> str:
+    """Why ``choosing`` (compile's arguments that make an intra-op plan) cannot apply to
+    ``pipeline``, whose stages run as data-parallel replicas."""
+    where = (
+        f"an intra-op plan inside {pipeline.num_stages} pipeline stages needs a cluster mesh "
+        f"of ({pipeline.num_stages}, *stage_mesh), whose first axis is the stages, or "
+        if pipeline.stages != "auto"
+        else ""
+    )
+    return (
+        f"{', '.join(choosing)} make the intra-op plan of a stage mesh, but {pipeline} runs "
+        f"its stages as data-parallel replicas on this cluster, which run no such plan: "
+        f"{where}Pipeline(stage_mode='meshes', ...) to plan each stage's mesh; or leave them "
+        "out"
+    )
+
+
+def _uniform_stage_cluster(cluster: Cluster, pipeline: Pipeline) -> Cluster:
+    """The mesh every one of ``pipeline``'s stages runs its plan on: the cluster's mesh
+    without its first axis where that axis is the stages, else ``D / K`` of its ``D``
+    devices, shaped as the stage DP would shape them."""
+    stages = pipeline.num_stages
+    if cluster.ndim >= 2 and cluster.mesh_shape[0] == stages:
+        return stage_devices(cluster, stages)
+    if cluster.world_size % stages:
+        raise DistributedError(
+            f"{pipeline} runs {stages} stages on meshes of one shape, which the cluster's "
+            f"{cluster.world_size} devices do not divide into: choose a number of stages that "
+            "divides them, or give stage_meshes"
+        )
+    return cluster.submesh(uniform_stage_mesh(cluster, cluster.world_size // stages))
+
+
+def _given_plan(
+    plan: PipelinePlan | str | os.PathLike[str],
+) -> tuple[PipelinePlan | None, Path | None]:
+    """``compile``'s ``plan=``: the pipeline plan it is or names, or the path of an intra-op
+    plan file (told apart by the file's ``"format"``)."""
+    if isinstance(plan, PipelinePlan):
+        return plan, None
+    if not isinstance(plan, str | os.PathLike):
+        raise FxparError(
+            f"plan must be a fxpar.pipeline.PipelinePlan or the path of a plan file, got "
+            f"{type(plan).__name__}"
+        )
+    path = Path(plan)
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as error:
+        raise PipelinePlanError(f"cannot read the plan file {path}: {error}") from error
+    kind = document.get("format") if isinstance(document, dict) else None
+    if kind == PIPELINE_PLAN_FORMAT:
+        return PipelinePlan.load(path), None
+    if kind == PLAN_FORMAT:
+        return None, path
+    raise PipelinePlanError(
+        f"{path} is neither a pipeline plan file (format {PIPELINE_PLAN_FORMAT!r}) nor an "
+        f"intra-op plan file (format {PLAN_FORMAT!r}); write one with fxpar plan --save or "
+        "--save-pipeline"
+    )
+
+
+def _compile_pipeline_plan(
+    model: nn.Module,
+    cluster: Cluster,
+    example_inputs: Sequence[Any] | Mapping[str, Any],
+    loss_fn: LossFn | None,
+    example_targets: Sequence[torch.Tensor],
+    optimizer: Optimizer,
+    chosen: PipelinePlan,
+    *,
+    passes: PassManager,
+    check_batches: bool,
+    init: str | os.PathLike[str] | None,
+    mixed_precision: MixedPrecision | None,
+) -> PipelineModel:
+    """The pipeline ``chosen`` says, run as it says: its split, schedule and stages, each
+    stage mesh under its plan (applied, not solved, when read from a file)."""
+    chosen.check_cluster(cluster)
+    pipeline = chosen.pipeline
+    program = capture_microbatch(
+        model, pipeline, example_inputs, loss_fn, example_targets=example_targets,
+        mixed_precision=mixed_precision,
+    )  # fmt: skip
+    try:
+        partition(program, chosen.split_points)
+    except PipelineError as error:
+        raise PipelinePlanError(f"split_points {list(chosen.split_points)}: {error}") from error
+    planner = PassPlanner(passes)
+    device = rank_device(cluster.device_type)
+    stage_cluster: Cluster | StageMeshes | None = None
+    plans: dict[tuple[int, ...], Plan] | None = None
+    if chosen.stage_mode == "meshes":
+        if pipeline.stage_meshes is not None:
+            meshes = stage_meshes(pipeline, cluster)
+            stage_cluster = meshes
+            clusters = dict(zip(meshes.shapes, meshes.clusters, strict=True))
+        else:
+            stage_cluster = cluster.submesh(chosen.stages[0].mesh)
+            clusters = {stage_cluster.mesh_shape: stage_cluster}
+        plans = {
+            shape: _stage_plan(program, clusters[shape], chosen.plans[shape], passes, shape)
+            for shape in chosen.mesh_shapes
+        }
+    pipelined = PipelineModel(
+        model, pipeline, example_inputs, loss_fn, example_targets=example_targets,
+        optimizer=optimizer, stage_cluster=stage_cluster, planner=planner,
+        check_batches=check_batches, init=init, mixed_precision=mixed_precision,
+        program=program, plans=plans, device=device,
+    )  # fmt: skip
+    pipelined.pipeline_plan = chosen
+    return pipelined
+
+
+def _stage_plan(
+    program: Program,
+    mesh: Cluster,
+    plan: Plan | SavedPlan,
+    passes: PassManager,
+    shape: tuple[int, ...],
+) -> Plan:
+    """The plan a stage mesh of ``shape`` runs: ``plan`` itself when it was made in this
+    process, else the saved plan's choice applied to ``program`` (a copy) by ``passes``."""
+    if isinstance(plan, Plan):
+        return plan
+    where = f"the pipeline plan's plan for stage mesh {list(shape)}"
+    applying = passes.replace("choose-strategies", ApplyPlanFile(where, plan.document))
+    try:
+        return plan_program(program.copy(), mesh, passes=applying)
+    except PlanFileError as error:
+        raise PipelinePlanError(f"{where} does not fit this model's step: {error}") from error
 
 
 def _device_mesh(cluster: Cluster) -> Any:

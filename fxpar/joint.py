@@ -10,7 +10,9 @@ with ``stage_planner``). The faster estimate runs; on a tie the plan alone does 
 micro-batches in flight and runs one program a step). A pipeline whose step is not the whole
 batch's (:func:`fxpar.pipeline.pipeline_semantics` has notes, such as BatchNorm normalising each
 micro-batch by its own statistics) is never a candidate: the choice does not change what
-trains. ``fxpar plan --microbatches`` prints the same verdict (:func:`pipeline_wins`).
+trains. ``fxpar plan --microbatches`` prints the same verdict: it makes each count's candidate
+with the same function (:func:`count_candidate`, semantic check included) and weighs them by
+the same rule (:func:`pipeline_wins`).
 
 Each count also prices stages of data-parallel replicas (:func:`replica_search`: the stage DP
 without ``stage_planner``, on the whole batch's step), and the cheaper of the two is that
@@ -169,30 +171,59 @@ def pipeline_candidates(
     candidates = []
     for count in counts:
         pipelines = searched_pipelines(count)
-        search: PipelineSearch | None = None
-        program: Program | None = None
-        reason = ""
         try:
             captured = capture_microbatch(
                 model, pipelines[0], example_inputs, loss_fn, example_targets=example_targets,
                 mixed_precision=mixed_precision,
             )  # fmt: skip
-            notes = pipeline_semantics(captured).notes
-            if notes:
-                candidates.append(Candidate(count, None, None, f"{STEP_DIFFERS}: {notes[0]}"))
-                continue
-            search = search_pipelines(
-                captured, cluster, pipelines, optimizer_states=optimizer_states,
-                stage_planner=stage_planner, microbatch=True,
-            )  # fmt: skip
-            program = captured
-        except (BatchError, PipelineError, NoStagePlanError) as error:
-            reason = str(error)
-        replicas = None
-        if whole is not None:
-            replicas = replica_search(whole, cluster, pipelines, optimizer_states)
-        candidates.append(Candidate(count, search, program, reason, replicas))
+        except (BatchError, PipelineError) as error:
+            replicas = None
+            if whole is not None:
+                replicas = replica_search(whole, cluster, pipelines, optimizer_states)
+            candidates.append(Candidate(count, None, None, str(error), replicas))
+            continue
+        candidate = count_candidate(
+            captured, cluster, pipelines, stage_planner=stage_planner,
+            optimizer_states=optimizer_states, whole=whole,
+        )  # fmt: skip
+        candidates.append(candidate)
     return tuple(candidates)
+
+
+def count_candidate(
+    captured: Program,
+    cluster: Cluster,
+    pipelines: Sequence[Pipeline],
+    *,
+    stage_planner: StagePlanner,
+    optimizer_states: int,
+    whole: Program | None = None,
+) -> Candidate:
+    """The candidate of one micro-batch count (``pipelines``: its settings, one count), from
+    ``captured``, the step at one micro-batch's shapes: none where the pipelined step would
+    not be the whole batch's (:func:`~fxpar.pipeline.pipeline_semantics`), else the stage
+    DP's pipeline of stage meshes planned by ``stage_planner`` and, with ``whole``, of
+    data-parallel replicas (:func:`replica_search`). What ``pipeline="auto"`` and ``fxpar
+    plan --microbatches`` weigh, so that they weigh alike."""
+    count = pipelines[0].microbatches
+    notes = pipeline_semantics(captured).notes
+    if notes:
+        return Candidate(count, None, None, f"{STEP_DIFFERS}: {notes[0]}")
+    search: PipelineSearch | None = None
+    program: Program | None = None
+    reason = ""
+    try:
+        search = search_pipelines(
+            captured, cluster, pipelines, optimizer_states=optimizer_states,
+            stage_planner=stage_planner, microbatch=True,
+        )  # fmt: skip
+        program = captured
+    except (BatchError, PipelineError, NoStagePlanError) as error:
+        reason = str(error)
+    replicas = None
+    if whole is not None:
+        replicas = replica_search(whole, cluster, pipelines, optimizer_states)
+    return Candidate(count, search, program, reason, replicas)
 
 
 def searched_pipelines(count: int) -> list[Pipeline]:
@@ -227,6 +258,7 @@ __all__ = [
     "AUTO_MICROBATCHES",
     "Candidate",
     "JointChoice",
+    "count_candidate",
     "pipeline_candidates",
     "pipeline_wins",
     "replica_search",

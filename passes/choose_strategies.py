@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -475,14 +475,18 @@ class ApplyManualPlan(Pass):
 
 @dataclass(frozen=True)
 class ApplyPlanFile(Pass):
-    """Choose every node's strategy as the plan file at ``path`` says, without solving."""
+    """Choose every node's strategy as the plan file at ``path`` says, without solving.
+    ``document``: the plan file's content, already read (a stage mesh's plan inside a
+    pipeline plan file, :mod:`fxpar.pipeline.pipeline_plan`); ``path`` then only names it in
+    errors."""
 
     name = "choose-strategies"
     path: str | Path
+    document: Mapping[str, Any] | None = field(default=None, compare=False)
 
     def run(self, program: Program) -> Program:
         cluster = program.require_cluster(f"the {self.name!r} pass")
-        document = read_plan(self.path)
+        document = dict(self.document) if self.document is not None else read_plan(self.path)
         try:
             problem, solution, layout, options = apply_plan(program, cluster, document, self.path)
         except PlanFileError as error:

@@ -188,8 +188,8 @@ def test_compile_runs_the_priced_plan_without_planning_again() -> None:
     with mock.patch("fxpar.pipeline.model.plan_each", side_effect=AssertionError("planned")):
         pipelined = fxpar.compile(
             model, Cluster((1,)), (tokens,), gpt_loss, example_targets=(targets,),
-            optimizer=SGD(lr=LR), pipeline=Pipeline(stages="auto", microbatches=2),
-            manual=plans.tensor_parallel,
+            optimizer=SGD(lr=LR), manual=plans.tensor_parallel,
+            pipeline=Pipeline(stages="auto", microbatches=2, stage_mode="meshes"),
         )  # fmt: skip
     choice = pipelined.stage_choice
     assert choice is not None and set(choice.plans) == set(pipelined.plans) == {(1,)}
@@ -265,7 +265,7 @@ def _gpt_on_three(rank: int, world_size: int) -> dict[str, Any]:
     model, tokens, targets = _gpt()
     return _priced_pipeline(
         model, Cluster((3,), bandwidth=(1e8,)), (tokens,), gpt_loss, targets, 2,
-        pipeline=Pipeline(stages="auto", microbatches=MICROBATCHES),
+        pipeline=Pipeline(stages="auto", microbatches=MICROBATCHES, stage_mode="meshes"),
         manual=plans.data_parallel,
     )  # fmt: skip
 
@@ -275,7 +275,7 @@ def _gpt_uniform_on_four(rank: int, world_size: int) -> dict[str, Any]:
     model, tokens, targets = _gpt()
     return _priced_pipeline(
         model, Cluster((4,), bandwidth=(1e10,)), (tokens,), gpt_loss, targets, 2,
-        pipeline=Pipeline(stages="auto", microbatches=MICROBATCHES),
+        pipeline=Pipeline(stages="auto", microbatches=MICROBATCHES, stage_mode="meshes"),
         manual=plans.tensor_parallel,
     )  # fmt: skip
 
@@ -349,7 +349,8 @@ def _llama_on_four(rank: int, world_size: int) -> dict[str, Any]:
     model, tokens = _llama()
     return _priced_pipeline(
         model, LLAMA_CLUSTER, {"input_ids": tokens}, _logits_loss, tokens,
-        2, pipeline=Pipeline(stages="auto", microbatches=2), solver=fxpar.solvers.ILPSolver(),
+        2, pipeline=Pipeline(stages="auto", microbatches=2, stage_mode="meshes"),
+        solver=fxpar.solvers.ILPSolver(),
     )  # fmt: skip
 
 

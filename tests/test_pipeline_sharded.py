@@ -192,7 +192,8 @@ def test_auto_stages_with_a_solver_plan_the_stage_mesh() -> None:
     pipelined = fxpar.compile(
         copy.deepcopy(model), Cluster((1,)), (tokens,), gpt_loss,
         example_targets=(targets,), optimizer=SGD(lr=0.5),
-        pipeline=Pipeline(stages="auto", microbatches=2), manual=plans.tensor_parallel,
+        pipeline=Pipeline(stages="auto", microbatches=2, stage_mode="meshes"),
+        manual=plans.tensor_parallel,
     )  # fmt: skip
     choice = pipelined.stage_choice
     assert choice is not None and choice.stage_cluster is not None

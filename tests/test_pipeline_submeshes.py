@@ -309,7 +309,8 @@ def _auto_stages() -> tuple[Any, ...]:
     pipelined = fxpar.compile(
         model, Cluster((3,), bandwidth=(1e8,)), (tokens,), gpt_loss,
         example_targets=(targets,), optimizer=SGD(lr=LR),
-        pipeline=Pipeline(stages="auto", microbatches=4), manual=plans.data_parallel,
+        pipeline=Pipeline(stages="auto", microbatches=4, stage_mode="meshes"),
+        manual=plans.data_parallel,
     )  # fmt: skip
     losses = [pipelined.step(tokens, targets) for _ in range(2)]
     return pipelined.pipeline.stage_meshes, losses, pipelined.full_state_dict()

@@ -1,6 +1,8 @@
 """Pipeline parallelism: a captured step cut into stages, run by a static schedule per rank.
 
-- :class:`Pipeline` says how (stages, micro-batches, schedule, remat, devices per stage).
+- :class:`Pipeline` says how (stages, micro-batches, schedule, remat, devices per stage): the
+  request, which may leave choices open; :class:`PipelinePlan` is the answer, every choice
+  made, saved and loaded as JSON (:mod:`fxpar.pipeline.pipeline_plan`).
 - :func:`partition` and :func:`split_program` cut a Program into per-stage forward and backward
   programs (:class:`SplitProgram`).
 - :class:`Schedule` s (GPipe, 1F1B, interleaved 1F1B, ZB-H1, ZB-V) build an instruction list
@@ -41,6 +43,7 @@ from fxpar.pipeline.partition import (
     even_split_points,
     partition,
 )
+from fxpar.pipeline.pipeline_plan import PipelinePlan, PipelinePlanError, PipelineStage, SavedPlan
 from fxpar.pipeline.schedule import Instruction, Op, max_in_flight, modelled_bubble, simulate
 from fxpar.pipeline.schedules import (
     Schedule,
@@ -64,8 +67,12 @@ __all__ = [
     "Pipeline",
     "PipelineError",
     "PipelineModel",
+    "PipelinePlan",
+    "PipelinePlanError",
     "PipelineSearch",
     "PipelineSemantics",
+    "PipelineStage",
+    "SavedPlan",
     "Schedule",
     "ScheduleRegistry",
     "SplitProgram",

@@ -113,6 +113,7 @@ from fxpar.runtime.weights import Piece, initial_pieces
 from fxpar.sharding import Spec, assemble
 
 if TYPE_CHECKING:
+    from fxpar.pipeline.pipeline_plan import PipelinePlan
     from fxpar.pipeline.stage_choice import StageChoice
 
 logger = logging.getLogger(__name__)
@@ -133,6 +134,9 @@ class PipelineModel(Trainer):
             accumulated ones, the parameters' ``.grad``.
         trace: the last step's instruction timings on this rank.
         stage_choice: the stage DP's choice, when ``fxpar.compile`` planned the stages.
+        pipeline_plan: the :class:`~fxpar.pipeline.PipelinePlan` it runs, when
+            ``fxpar.compile`` was given one (``plan=``) or its stage DP chose it
+            (``stages="auto"``, ``pipeline="auto"``): save it to run the same again.
         semantics: how the micro-batches' losses make the step's, and the notes on where the
             step differs from training on the whole batch (empty when it does not).
         check_batches: whether each step checks that every rank got the same batch.
@@ -335,6 +339,7 @@ class PipelineModel(Trainer):
         self.trace: StageTrace | None = None
         self.stage_choice: StageChoice | None = None
         """The stage DP's choice when the stages were planned (``stages="auto"``)."""
+        self.pipeline_plan: PipelinePlan | None = None
         self.steps = 0
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

@@ -14,6 +14,10 @@ from fxpar.pipeline.schedules import Schedule, ScheduleRegistry, default_schedul
 
 __all__ = ["Pipeline", "PipelineError"]
 
+StageModeRequest = Literal["auto", "meshes", "replicas"]
+STAGE_MODE_REQUESTS: tuple[StageModeRequest, ...] = ("auto", "meshes", "replicas")
+"""What :attr:`Pipeline.stage_mode` may ask for."""
+
 
 @dataclass(frozen=True)
 class Pipeline:
@@ -57,6 +61,17 @@ class Pipeline:
         schedules: the registry ``schedule`` is looked up in (:func:`fxpar.pipeline.
             default_schedules`, or one with schedules of your own: docs/pipelines.md,
             "Adding a schedule").
+        stage_mode: how a stage's devices share its work. ``"meshes"``: each stage runs an
+            intra-op plan on a mesh of its own (``stage_meshes``; else the stage mesh of a
+            cluster of mesh ``(K, *stage_mesh)``; else ``D / K`` of the cluster's ``D``
+            devices), made by the pass list :func:`fxpar.compile` is given (``solver``,
+            ``manual``, ``pins``, ``options``, ``rules``, ``passes``). ``"replicas"``: each of
+            a stage's ``data_parallel`` devices runs all of it on its share of every
+            micro-batch (``D / K`` of them when ``data_parallel`` is left at 1 on a cluster
+            of more than ``K`` devices). ``"auto"`` (the default) is decided by the request
+            and the cluster alone (:func:`resolved_stage_mode`): ``"meshes"`` where
+            ``stage_meshes`` is given or the cluster's mesh is ``(K, *stage_mesh)``, else
+            ``"replicas"``.
     """
 
     stages: int | tuple[str, ...] | Literal["auto"] = 2
@@ -67,6 +82,7 @@ class Pipeline:
     virtual_stages: int = 1
     stage_meshes: tuple[tuple[int, ...], ...] | None = None
     schedules: ScheduleRegistry = field(default=default_schedules(), repr=False)
+    stage_mode: StageModeRequest = "auto"
 
     def __post_init__(self) -> None:
         if self.stages == "auto":
@@ -91,6 +107,24 @@ class Pipeline:
             raise PipelineError(f"data_parallel must be >= 1, got {self.data_parallel}")
         self._check_interleaving()
         self._check_stage_meshes()
+        self._check_stage_mode()
+
+    def _check_stage_mode(self) -> None:
+        mode = self.stage_mode
+        if mode not in STAGE_MODE_REQUESTS:
+            raise PipelineError(f"stage_mode must be one of {STAGE_MODE_REQUESTS}, got {mode!r}")
+        if mode == "replicas" and self.stage_meshes is not None:
+            raise PipelineError(
+                f"stage_mode='replicas' runs no intra-op plan, but stage_meshes "
+                f"{self.stage_meshes} asks for one on each stage's mesh: choose one"
+            )
+        if mode == "meshes" and self.data_parallel != 1:
+            raise PipelineError(
+                f"stage_mode='meshes' runs an intra-op plan on each stage's mesh, which "
+                f"data_parallel={self.data_parallel} replicas do not: leave data_parallel at 1 "
+                "(the plan on a stage mesh can itself be data-parallel), or ask for "
+                "stage_mode='replicas'"
+            )
 
     def _check_stage_meshes(self) -> None:
         meshes = self.stage_meshes
@@ -176,6 +210,24 @@ class Pipeline:
         """Every stage's instruction list for this pipeline's stages, micro-batches and
         chunks."""
         return self.named_schedule.build(self.num_stages, self.microbatches, self.virtual_stages)
+
+    def resolved_stage_mode(self, cluster_mesh: tuple[int, ...]) -> Literal["meshes", "replicas"]:
+        """The stage mode this request runs on a cluster of mesh ``cluster_mesh``:
+        :attr:`stage_mode` when it names one; for ``"auto"``, ``"meshes"`` where
+        ``stage_meshes`` is given or ``cluster_mesh`` is ``(K, *stage_mesh)`` with ``K`` the
+        request's stages (and ``data_parallel`` 1), else ``"replicas"``. Only the request and
+        the cluster decide, never the other arguments of :func:`fxpar.compile`."""
+        if self.stage_mode != "auto":
+            return self.stage_mode
+        if self.stage_meshes is not None:
+            return "meshes"
+        stages_first = (
+            self.stages != "auto"
+            and self.data_parallel == 1
+            and len(cluster_mesh) >= 2
+            and cluster_mesh[0] == self.num_stages
+        )
+        return "meshes" if stages_first else "replicas"
 
     @property
     def v_shaped(self) -> bool:
