@@ -64,14 +64,6 @@ def test_new_batch_shapes_train_like_one_device_in_one_process() -> None:
     _check(_train(0, 1, "ilp"), _single_device())
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("plan", ["ilp", "tensor_parallel", "data_parallel"])
-def test_new_batch_shapes_train_like_one_device_on_gloo(plan: str) -> None:
-    reference = _single_device()
-    for result in spawn(_train, 2, plan, timeout_s=180):
-        _check(result, reference)
-
-
 def _shape_dependent(program: Program, cluster: fxpar.Cluster) -> Program:
     """A manual plan that splits the weights only for small batches: its layouts differ by
     shape, which a trained model cannot follow."""
@@ -94,9 +86,35 @@ def _refused(rank: int, world_size: int) -> str:
     return "refused"
 
 
+PLANS = ("ilp", "tensor_parallel", "data_parallel")
+
+
+def _on_gloo(rank: int, world_size: int) -> dict[str, object]:
+    """Every gloo case of this file in one run of 2 processes (a spawn and each process's
+    first capture cost seconds): :func:`_train` under each of :data:`PLANS`, then
+    :func:`_refused`, each on a model and a ParallelModel of its own."""
+    trained: dict[str, object] = {plan: _train(rank, world_size, plan) for plan in PLANS}
+    return {"trained": trained, "refused": _refused(rank, world_size)}
+
+
+@pytest.fixture(scope="module")
+def on_gloo() -> list[dict[str, object]]:
+    return spawn(_on_gloo, 2, timeout_s=400)
+
+
 @pytest.mark.slow
-def test_a_plan_that_would_move_the_state_is_refused() -> None:
-    assert spawn(_refused, 2, timeout_s=120) == ["refused", "refused"]
+@pytest.mark.parametrize("plan", PLANS)
+def test_new_batch_shapes_train_like_one_device_on_gloo(
+    plan: str, on_gloo: list[dict[str, object]]
+) -> None:
+    reference = _single_device()
+    for result in on_gloo:
+        _check(result["trained"][plan], reference)  # type: ignore[index]
+
+
+@pytest.mark.slow
+def test_a_plan_that_would_move_the_state_is_refused(on_gloo: list[dict[str, object]]) -> None:
+    assert [result["refused"] for result in on_gloo] == ["refused", "refused"]
 
 
 def test_planning_a_new_shape_or_mode_says_so_once_with_its_time(

@@ -10,6 +10,7 @@ and two mesh axes). Both start from the same seed, so dropout draws the same num
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -172,27 +173,45 @@ def test_one_device_runs_the_script_like_eager() -> None:
     assert_same_results(_parallel(0, 1, "gpt", "ilp", (1,)), _eager("gpt"))
 
 
+Case = tuple[str, str, tuple[int, ...]]
+
+CASES: list[Case] = [
+    ("gpt", "data_parallel", (2,)),
+    ("gpt", "tensor_parallel", (2,)),
+    ("gpt", "fully_sharded", (2,)),
+    ("gpt", "ilp", (2,)),
+    ("gpt", "ilp", (2, 2)),
+    ("cnn", "ilp", (2,)),
+    ("cnn", "data_parallel", (2,)),
+    ("hf-gpt2", "ilp", (2,)),
+]
+
+
+def _parallel_cases(rank: int, world_size: int, cases: list[Case]) -> list[Any]:
+    """:func:`_parallel` for each of ``cases`` in turn, in one run of processes."""
+    return [_parallel(rank, world_size, name, plan, mesh) for name, plan, mesh in cases]
+
+
+@pytest.fixture(scope="module")
+def parallel_results() -> dict[Case, list[Any]]:
+    """Every rank's :func:`_parallel` results of each case of :data:`CASES`: the cases of a
+    world size share one spawn (a spawn and each process's first capture cost seconds)."""
+    results: dict[Case, list[Any]] = {}
+    for world_size in sorted({math.prod(mesh) for _, _, mesh in CASES}):
+        cases = [case for case in CASES if math.prod(case[2]) == world_size]
+        per_rank = spawn(_parallel_cases, world_size, cases)
+        for index, case in enumerate(cases):
+            results[case] = [rank_results[index] for rank_results in per_rank]
+    return results
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("name", "plan", "mesh"),
-    [
-        ("gpt", "data_parallel", (2,)),
-        ("gpt", "tensor_parallel", (2,)),
-        ("gpt", "fully_sharded", (2,)),
-        ("gpt", "ilp", (2,)),
-        ("gpt", "ilp", (2, 2)),
-        ("cnn", "ilp", (2,)),
-        ("cnn", "data_parallel", (2,)),
-        ("hf-gpt2", "ilp", (2,)),
-    ],
-)
-def test_eval_forward_and_loss_equal_eager(name: str, plan: str, mesh: tuple[int, ...]) -> None:
-    world_size = 1
-    for size in mesh:
-        world_size *= size
-    results = spawn(_parallel, world_size, name, plan, mesh)
+@pytest.mark.parametrize(("name", "plan", "mesh"), CASES)
+def test_eval_forward_and_loss_equal_eager(
+    name: str, plan: str, mesh: tuple[int, ...], parallel_results: dict[Case, list[Any]]
+) -> None:
     expected = _eager(name)
-    for found in results:
+    for found in parallel_results[name, plan, mesh]:
         assert_same_results(found, expected)
 
 

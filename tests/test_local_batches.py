@@ -8,6 +8,7 @@ or every rank's with ``rows="global"``; a scalar output (a loss) comes whole."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -86,22 +87,44 @@ def _train(rank: int, world_size: int, plan: str, mesh: tuple[int, ...], per_ran
     }  # fmt: skip
 
 
+CASES = [
+    ("data_parallel", (2,)),
+    ("tensor_parallel", (2,)),
+    ("fully_sharded", (2,)),
+    ("ilp", (2,)),
+    ("ilp", (2, 2)),
+]
+
+
+def _train_cases(
+    rank: int, world_size: int, cases: list[tuple[str, tuple[int, ...]]], per_rank: int
+) -> list[Any]:
+    """:func:`_train` for each of ``cases`` in turn, in one run of processes."""
+    return [_train(rank, world_size, plan, mesh, per_rank) for plan, mesh in cases]
+
+
+@pytest.fixture(scope="module")
+def trained() -> dict[tuple[str, tuple[int, ...]], list[Any]]:
+    """Every rank's :func:`_train` results of each case of :data:`CASES`: the cases of a world
+    size share one spawn (a spawn and each process's first capture cost seconds)."""
+    results: dict[tuple[str, tuple[int, ...]], list[Any]] = {}
+    for world_size in sorted({math.prod(mesh) for _, mesh in CASES}):
+        cases = [case for case in CASES if math.prod(case[1]) == world_size]
+        per_rank = spawn(_train_cases, world_size, cases, 8 // world_size)
+        for index, case in enumerate(cases):
+            results[case] = [rank_results[index] for rank_results in per_rank]
+    return results
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("plan", "mesh"),
-    [
-        ("data_parallel", (2,)),
-        ("tensor_parallel", (2,)),
-        ("fully_sharded", (2,)),
-        ("ilp", (2,)),
-        ("ilp", (2, 2)),
-    ],
-)
-def test_local_batches_train_like_one_device(plan: str, mesh: tuple[int, ...]) -> None:
-    world_size = mesh[0] * (mesh[1] if len(mesh) > 1 else 1)
+@pytest.mark.parametrize(("plan", "mesh"), CASES)
+def test_local_batches_train_like_one_device(
+    plan: str, mesh: tuple[int, ...], trained: dict[tuple[str, tuple[int, ...]], list[Any]]
+) -> None:
+    world_size = math.prod(mesh)
     per_rank = 8 // world_size
     expected = _single_device(world_size, per_rank)
-    for rank, found in enumerate(spawn(_train, world_size, plan, mesh, per_rank)):
+    for rank, found in enumerate(trained[plan, mesh]):
         assert found["losses"] == pytest.approx(expected["losses"], rel=1e-5)
         for name, value in expected["state"].items():
             torch.testing.assert_close(found["state"][name], value, rtol=1e-4, atol=1e-6)
