@@ -312,9 +312,9 @@ def plan_command(args: argparse.Namespace) -> int:
         )
         print(plan.report())
     best: StageChoice | None = None
-    # Stages of data-parallel replicas are priced on the whole batch's step: another capture,
-    # since planning rewrites the one planned.
-    whole = _capture(args, target, policy, say=False) if counts else None
+    # Stages of data-parallel replicas are priced on the whole batch's step: the one captured
+    # above, which planning left as it was.
+    whole = program if counts else None
     for count in counts:
         choice = _joint_plan(args, target, cluster, policy, passes, count, whole)
         if choice is not None and (best is None or choice.step_time < best.step_time):
@@ -346,8 +346,6 @@ def _capture(
     args: argparse.Namespace,
     target: Target,
     policy: fxpar.MixedPrecision | None,
-    *,
-    say: bool = True,
 ) -> fxpar.Program:
     """The whole batch's step, its repeated layers stamped unless ``--no-stamp-layers``."""
     capture = capture_repeated if args.stamp_layers else fxpar.capture
@@ -355,8 +353,7 @@ def _capture(
         target.model, target.example_inputs, target.loss_fn,
         example_targets=target.example_targets, mixed_precision=policy,
     )  # fmt: skip
-    if say:
-        _say_stamped(program)
+    _say_stamped(program)
     return program
 
 

@@ -469,13 +469,13 @@ def _joint_choice(
     """``pipeline="auto"``: the whole batch's intra-op step (None when no plan of it fits) and
     what it was weighed against (:mod:`fxpar.joint`)."""
     step: LoweredStep | None = None
+    # One capture of the whole batch's step: planned for the intra-op step, which leaves it
+    # as it was, and then the step data-parallel replicas' stages are priced on.
+    whole = driver.capture("train", model.training, driver.example_inputs, example_targets)
     try:
-        step = driver.training_step()
+        step = driver.training_step(whole)
     except InfeasiblePlanError as error:
         logger.info("no intra-op plan of the whole batch fits: %s", error)
-    # The whole batch's step again (planning rewrites the one planned): data-parallel
-    # replicas' stages are priced on it.
-    whole = driver.capture("train", model.training, driver.example_inputs, example_targets)
     candidates = pipeline_candidates(
         model, cluster, example_inputs, loss_fn, example_targets=example_targets,
         stage_planner=stage_planner, optimizer_states=optimizer.state_copies,

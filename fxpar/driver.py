@@ -123,11 +123,14 @@ class Driver:
 
     # -- the steps a compiled model asks for --------------------------------------------------
 
-    def training_step(self) -> LoweredStep:
+    def training_step(self, program: Program | None = None) -> LoweredStep:
         """The training step on the example, in the model's current mode: the step
-        :func:`fxpar.compile` was called for, whose plan fixes the state's layouts."""
+        :func:`fxpar.compile` was called for, whose plan fixes the state's layouts.
+        ``program``: that step captured already (:meth:`capture`), which planning leaves as
+        it was for the caller to plan again; captured here when None."""
         training = self.model.training
-        program = self.capture("train", training, self.example_inputs, self.example_targets)
+        if program is None:
+            program = self.capture("train", training, self.example_inputs, self.example_targets)
         step = self.lower(self.plan(program))
         names = step.signature.parameters + step.signature.buffers
         self._state = {name: step.specs[name] for name in names}

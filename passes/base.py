@@ -2,8 +2,12 @@
 
 A pass is a frozen dataclass: a ``name`` class attribute, its options as fields, and a
 :meth:`Pass.run` that takes a Program and returns a Program (the same object, edited, or a new
-one). A :class:`PassManager` runs an explicit tuple of passes in order; with ``verify=True`` it
-checks the IR's invariants after each one, which is how the tests run it. An unexpected
+one). A :class:`PassManager` runs an explicit tuple of passes in order on its own copy of the
+Program it is given (:meth:`~fxpar.ir.program.Program.copy`, made once per run), so that
+running a pass list never edits its input: the caller keeps the captured Program as it was and
+may plan it again, for another mesh or with other passes, while each pass stays free to edit
+what it is handed. With ``verify=True`` it checks the IR's invariants after each pass, which is
+how the tests run it. An unexpected
 exception in a pass, or a broken IR invariant (a missing annotation), becomes a
 :class:`~fxpar.errors.PassError` naming the pass and those before it: the pipeline is wrong.
 fxpar's typed errors about the input (an infeasible plan, symbolic shapes, a bad pin) keep their
@@ -19,6 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import ClassVar
 
+from fxpar.cluster import Cluster
 from fxpar.errors import AnnotationError, FxparError, PassError, VerificationError
 from fxpar.ir.program import Program
 from fxpar.ir.verify import verify as verify_program
@@ -28,7 +33,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Pass(abc.ABC):
-    """One compiler pass. Subclasses set ``name`` and implement :meth:`run`."""
+    """One compiler pass. Subclasses set ``name`` and implement :meth:`run`.
+
+    A pass may edit the Program it is handed and return it: inside a :class:`PassManager` that
+    Program is the manager's own copy. Called alone (``Canonicalize().run(program)``), a pass
+    edits ``program`` itself."""
 
     name: ClassVar[str]
 
@@ -42,7 +51,9 @@ class Pass(abc.ABC):
 
 @dataclass(frozen=True)
 class PassManager:
-    """Runs ``passes`` in order.
+    """Runs ``passes`` in order on a copy of the Program it is given, and returns the copy as
+    the last pass left it: the input Program (its graph, every node's annotations, its
+    program-level annotations and its cluster) is left exactly as it was.
 
     ``verify`` runs the IR verifier on the input and after every pass (debug mode: on in the
     tests, off by default since it walks the whole graph each time). A failure raises
@@ -66,9 +77,14 @@ class PassManager:
         """The pass called ``name``, or None when the pipeline has none."""
         return next((p for p in self.passes if p.name == name), None)
 
-    def run(self, program: Program) -> Program:
+    def run(self, program: Program, *, cluster: Cluster | None = None) -> Program:
+        """A new Program: ``program`` with every pass run on it, in order, for ``cluster``
+        (``program.cluster`` when None; the new Program's, the input's is left as it is)."""
         if self.verify:
             self._verify(program, after=None, completed=())
+        program = program.copy()
+        if cluster is not None:
+            program.cluster = cluster
         completed: list[str] = []
         for current in self.passes:
             start = time.perf_counter()

@@ -119,9 +119,9 @@ def prepare_for_planning(
     program: Program, cluster: Cluster, rules: RuleRegistry | None = None
 ) -> Program:
     """The default pipeline's steps before the choice (canonicalize, annotate cost, annotate
-    candidate strategies) on ``program`` for ``cluster``."""
-    program.cluster = cluster
-    return default_passes(rules=rules).through("annotate-strategies").run(program)
+    candidate strategies) on ``program`` for ``cluster``: a new Program, ``program`` is left as
+    it is."""
+    return default_passes(rules=rules).through("annotate-strategies").run(program, cluster=cluster)
 
 
 def passes_for(
@@ -229,6 +229,10 @@ def plan_program(
     """Run ``passes`` (the default pipeline when None; see :func:`passes_for` for the other
     arguments) on a captured ``program`` for ``cluster`` and read the choice as a Plan.
 
+    ``program`` is left exactly as it was (the passes run on their own copy, which
+    ``plan.program`` is), so one capture is planned for as many clusters or pass lists as
+    asked.
+
     A stamped ``program`` (:func:`fxpar.ir.repeat.capture_repeated`) whose passes choose alike
     on it and on its folded twin (:func:`plans_folded`) is prepared whole and its choice made
     by :class:`~fxpar.passes.SolveFolded`: solved folded (:mod:`fxpar.ir.fold`, the same
@@ -240,8 +244,7 @@ def plan_program(
         choose = passes.get("choose-strategies")
         assert isinstance(choose, SolveStrategies)
         passes = passes.replace("choose-strategies", SolveFolded(choose))
-    program.cluster = cluster
-    return Plan.of(passes.run(program))
+    return Plan.of(passes.run(program, cluster=cluster))
 
 
 def load_plan(

@@ -66,8 +66,7 @@ def prepare(program: Program, cluster: Cluster, rules: RuleRegistry | None = Non
         and all(ir.get(node, Strategies) is not None for node in program.placeholders().values())
     ):
         return program
-    program.cluster = cluster
-    return default_passes(rules=rules).through("annotate-strategies").run(program)
+    return default_passes(rules=rules).through("annotate-strategies").run(program, cluster=cluster)
 
 
 def replicated(program: Program, cluster: Cluster, rules: RuleRegistry | None = None) -> Program:

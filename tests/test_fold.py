@@ -283,7 +283,12 @@ def test_plan_program_solves_a_stamped_step_folded_and_gives_the_step_that_choic
         folded = plan_program(program, cluster)
     assert built and max(built) < sum(1 for _ in program.graph.nodes)
     unfolded = plan_program(whole, cluster)
-    assert folded.program is program
+    # The plan is of the step, not of its folded twin: the nodes of the step planned whole,
+    # on a copy of its own (planning leaves the step given as it was).
+    assert folded.program is not program
+    assert [n.name for n in folded.program.graph.nodes] == [
+        n.name for n in unfolded.program.graph.nodes
+    ]
     assert _shardings(folded.program) == _shardings(unfolded.program)
     assert folded.solution.objective == pytest.approx(unfolded.solution.objective, rel=1e-9)
     assert folded.stats == unfolded.stats

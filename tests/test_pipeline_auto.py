@@ -206,7 +206,8 @@ def test_every_micro_batch_pays_each_calls_overhead_in_full(remat: bool, field: 
     assert 0 < len(forward) < len(calls)
     nodes = [node for atom in range(start, stop) for node in atoms.nodes[atom]]
     read = {value for node in nodes for value in node.all_input_nodes}
-    trainable = [n for n in program.placeholders().values() if n in read and n in atoms.trainable]
+    placeholders = atoms.program.placeholders().values()  # the atoms' nodes: planning copies
+    trainable = [n for n in placeholders if n in read and n in atoms.trainable]
     # A step's calls, a quarter of each per micro-batch: SGD's update, the sums of the 4
     # micro-batches' gradients, and the gradients packed into the replicas' bucket and copied
     # back.

@@ -185,6 +185,10 @@ class Program:
         """The program-level annotation of type ``kind``, or None."""
         return self._annotations.get(kind)  # type: ignore[return-value]
 
+    def annotations(self) -> Mapping[type, object]:
+        """Every program-level annotation by its type, read-only (a copy)."""
+        return dict(self._annotations)
+
     def require(self, kind: type[A]) -> A:
         """The program-level annotation of type ``kind``; raises AnnotationError if missing."""
         found = self.get(kind)

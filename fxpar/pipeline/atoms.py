@@ -73,7 +73,7 @@ class Atoms:
 
     @staticmethod
     def build(program: Program, extra_points: Sequence[str]) -> Atoms:
-        _ensure_costs(program)
+        program = _with_costs(program)
         order = forward_order(program)
         forward = order.nodes
         units, riders = cut_candidates(order)
@@ -123,11 +123,12 @@ class Atoms:
         )
 
 
-def _ensure_costs(program: Program) -> None:
-    """The pipeline's steps up to the costs: means become sums (as every stage plan and every
-    split program has them) before the atoms take the graph's nodes, and every node is
-    priced. Both steps leave a Program they already ran on as it is."""
-    default_passes().through("annotate-cost").run(program)
+def _with_costs(program: Program) -> Program:
+    """``program`` after the pipeline's steps up to the costs (a new Program): means become
+    sums (as every stage plan and every split program has them) before the atoms take the
+    graph's nodes, and every node is priced. Both steps leave a Program they already ran on
+    as it was."""
+    return default_passes().through("annotate-cost").run(program)
 
 
 def region(node: fx.Node) -> ir.Region:

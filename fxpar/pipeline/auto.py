@@ -594,9 +594,9 @@ def _check_schedule(pipeline: Pipeline) -> None:
 
 
 class _KeptPlans:
-    """A stage planner that plans a copy of the program for each stage mesh (planning
-    annotates a graph in place, so one program cannot hold the plans of several meshes) and
-    keeps every plan by its mesh's shape, for the choice to carry."""
+    """A stage planner that keeps every plan it makes by its mesh's shape, for the choice to
+    carry (planning leaves the program as it was, so one program is planned for every
+    mesh)."""
 
     def __init__(self, planner: StagePlanner) -> None:
         self.planner = planner
@@ -604,7 +604,7 @@ class _KeptPlans:
         self._running: dict[Shape, Plan] = {}
 
     def __call__(self, program: Program, mesh: Cluster) -> Plan:
-        plan = self.planner(program.copy(), mesh)
+        plan = self.planner(program, mesh)
         self.plans[mesh.mesh_shape] = plan
         return plan
 
@@ -618,7 +618,7 @@ class _KeptPlans:
             assert isinstance(self.planner, PassPlanner)
             replay = self.planner.replaying(plan)
             mesh = plan.program.require_cluster("a stage plan")
-            self._running[shape] = replay(model.atoms.program.copy(), mesh)
+            self._running[shape] = replay(model.atoms.program, mesh)
         return self._running[shape]
 
 

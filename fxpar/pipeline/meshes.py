@@ -161,14 +161,10 @@ def meshes_of(
 def plan_each(
     program: Program, meshes: StageMeshes, plan: Callable[[Program, Cluster], T]
 ) -> dict[Shape, T]:
-    """``plan(program, cluster)`` for each stage mesh shape (a copy of ``program`` each, where
-    there are several: planning annotates the graph in place)."""
-    by_shape = meshes.by_shape()
-    several = len(by_shape) > 1
-    return {
-        shape: plan(program.copy() if several else program, cluster)
-        for shape, cluster in by_shape.items()
-    }
+    """``plan(program, cluster)`` for each stage mesh shape, all of the one ``program``: a
+    planner leaves the Program it plans as it was (as :func:`fxpar.passes.plan_program`
+    does)."""
+    return {shape: plan(program, cluster) for shape, cluster in meshes.by_shape().items()}
 
 
 def uniform_meshes(cluster: Cluster, num_stages: int) -> StageMeshes:

@@ -161,7 +161,8 @@ FRUGAL_TRIES = 3
 """How many times such a mesh is planned again with the memory the last refusal named."""
 
 StagePlanner = Callable[[Program, Cluster], "Plan"]
-"""Plans a captured step on a stage mesh, e.g. ``fxpar.passes.plan_program``."""
+"""Plans a captured step on a stage mesh, e.g. ``fxpar.passes.plan_program``, and leaves the
+step as it was (one step is planned for every mesh)."""
 
 
 @dataclass(frozen=True)
