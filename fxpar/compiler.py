@@ -425,6 +425,7 @@ def compile(
         step, joint = _joint_choice(
             driver, model, cluster, example_inputs, loss_fn, example_targets,
             stage_planner=stage_planner, optimizer=optimizer, mixed_precision=mixed_precision,
+            replicas=not choosing,
         )  # fmt: skip
         best = joint.best
         if joint.pipelined and best is not None and best.choice is not None:
@@ -465,9 +466,13 @@ def _joint_choice(
     stage_planner: StagePlanner,
     optimizer: Optimizer,
     mixed_precision: MixedPrecision | None,
+    replicas: bool,
 ) -> tuple[LoweredStep | None, JointChoice]:
     """``pipeline="auto"``: the whole batch's intra-op step (None when no plan of it fits) and
-    what it was weighed against (:mod:`fxpar.joint`)."""
+    what it was weighed against (:mod:`fxpar.joint`). ``replicas``: whether stages of
+    data-parallel replicas are among the candidates; not where the user gave compile a pass
+    list, solver, manual plan, pins, options or rules, which a replica (a stage run whole, no
+    plan inside it) would never run."""
     step: LoweredStep | None = None
     # One capture of the whole batch's step: planned for the intra-op step, which leaves it
     # as it was, and then the step data-parallel replicas' stages are priced on.
@@ -479,7 +484,7 @@ def _joint_choice(
     candidates = pipeline_candidates(
         model, cluster, example_inputs, loss_fn, example_targets=example_targets,
         stage_planner=stage_planner, optimizer_states=optimizer.state_copies,
-        mixed_precision=mixed_precision, whole=whole,
+        mixed_precision=mixed_precision, whole=whole if replicas else None,
     )  # fmt: skip
     joint = JointChoice(step.plan.estimate if step is not None else None, candidates)
     if step is None and joint.best is None:

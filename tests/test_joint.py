@@ -17,8 +17,9 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -40,7 +41,7 @@ from fxpar.joint import (
 )
 from fxpar.models import gpt_loss
 from fxpar.optim import SGD
-from fxpar.passes import passes_for
+from fxpar.passes import Pass, default_passes, passes_for
 from fxpar.pipeline import PassPlanner, PipelineModel, evaluate_split, search_pipelines
 from fxpar.planning.problem import PlanOptions
 from fxpar.runtime.launch import spawn
@@ -193,14 +194,32 @@ def test_bad_pipeline_values_are_refused() -> None:
 # ---- on gloo ranks
 
 
-def _compiled(rank: int, world: int, bandwidth: float) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class _CountRuns(Pass):
+    """Counts its runs in :data:`_RUNS` (one list per process), changing nothing."""
+
+    name: ClassVar[str] = "count-runs"
+
+    def run(self, program: fxpar.Program) -> fxpar.Program:
+        _RUNS.append(len(program.graph_module.graph.nodes))
+        return program
+
+
+_RUNS: list[int] = []
+
+
+def _compiled(rank: int, world: int, bandwidth: float, counted: bool = False) -> dict[str, Any]:
     """Compiled with ``pipeline="auto"`` on ``world`` ranks, its estimate, two SGD steps' losses
-    and the state after them."""
+    and the state after them. ``counted``: with a pass list holding :class:`_CountRuns`."""
     torch.set_num_threads(1)
     model, tokens, targets = _gpt()
+    passes = None
+    if counted:
+        passes = default_passes(options=PlanOptions(optimizer_states=0))
+        passes = passes.insert_before("choose-strategies", _CountRuns())
     trained = fxpar.compile(
         model, fxpar.Cluster((world,), bandwidth=(bandwidth,)), (tokens,), gpt_loss,
-        example_targets=(targets,), optimizer=SGD(lr=LR), pipeline="auto",
+        example_targets=(targets,), optimizer=SGD(lr=LR), pipeline="auto", passes=passes,
     )  # fmt: skip
     estimate = (
         trained.stage_choice.step_time
@@ -213,6 +232,10 @@ def _compiled(rank: int, world: int, bandwidth: float) -> dict[str, Any]:
         "estimate": estimate,
         "losses": [trained.step(tokens, targets).item() for _ in range(2)],
         "state": trained.full_state_dict(),
+        "runs_replicas": isinstance(trained, PipelineModel)
+        and trained.pipeline_plan is not None
+        and trained.pipeline_plan.stage_mode == "replicas",
+        "pass_runs": len(_RUNS),
     }
 
 
@@ -250,5 +273,24 @@ def test_stages_of_replicas_chosen_on_four_ranks_train_like_one_device() -> None
     for result in ranks:
         assert result["pipeline"] == best.choice.pipeline
         assert result["estimate"] == pytest.approx(best.choice.step_time)
+        assert result["losses"] == pytest.approx(losses, rel=1e-4)
+        torch.testing.assert_close(result["state"], state, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_users_passes_run_on_what_pipeline_auto_runs() -> None:
+    """Where stages of data-parallel replicas are the cheapest estimate, a user's pass list
+    keeps them out of ``pipeline="auto"``'s choice (a replica runs its stage whole, and the
+    passes would never run on it): the choice is the cheapest of the rest, the user's pass ran
+    on this rank, and the step trains like eager PyTorch."""
+    cluster = fxpar.Cluster((4,), bandwidth=(FAST,))
+    assert _joint(cluster).best.runs_replicas  # type: ignore[union-attr]  # without passes=
+    rest = JointChoice(_joint(cluster).alone, _candidates(cluster, replicas=False))
+    ranks = spawn(_compiled, 4, FAST, True)
+    losses, state = _eager_gpt(2)
+    for result in ranks:
+        assert not result["runs_replicas"]
+        assert result["pipelined"] is rest.pipelined
+        assert result["pass_runs"] >= 1
         assert result["losses"] == pytest.approx(losses, rel=1e-4)
         torch.testing.assert_close(result["state"], state, rtol=1e-4, atol=1e-5)
