@@ -371,7 +371,8 @@ def test_the_stage_dp_prices_zb_h1_and_picks_it_where_faster_and_it_fits() -> No
 # adds over all its weights, do not decide the stage meshes.
 MESH_DP_CLUSTER = fxpar.Cluster((4,), bandwidth=(2e8,), memory_bandwidth=1e11)
 MESH_DP_PIPELINES = [
-    Pipeline(stages="auto", microbatches=4, schedule=schedule) for schedule in ("1f1b", "zb-h1")
+    Pipeline(stages="auto", microbatches=4, schedule=schedule, stage_mode="meshes")
+    for schedule in ("1f1b", "zb-h1")
 ]
 TENSOR_PARALLEL = functools.partial(plan_program, manual=plans.tensor_parallel)
 
