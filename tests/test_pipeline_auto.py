@@ -348,12 +348,14 @@ def test_manual_split_inside_a_layer_is_scored() -> None:
     assert "blocks.1" in choice.stage_modules[0]
 
 
-def test_docs_section_runs() -> None:
-    """The example under "Choosing stages automatically" in docs/pipelines.md runs."""
+def test_docs_section_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The example under "Choosing stages automatically" in docs/pipelines.md runs (that
+    section's blocks alone, up to the next heading of its level, in a directory of its own)."""
     text = (Path(__file__).parent.parent / "docs" / "pipelines.md").read_text()
-    section = text.split("## Choosing stages automatically", 1)[1]
+    section = text.split("## Choosing stages automatically", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```python\n(.*?)```", section, flags=re.DOTALL)
     assert blocks
+    monkeypatch.chdir(tmp_path)
     for block in blocks:
         with contextlib.redirect_stdout(io.StringIO()):
             exec(block, {"__name__": "docs"})
