@@ -360,9 +360,10 @@ class _Solved:
 PEAK_ROUNDS = 3
 """How many times a plan whose walked peak is over the memory limit is solved again."""
 ROW_SHARE = 0.25
-"""A plan whose memory row is below this share of the limit is not walked: the row has been
-0.46 of the walked peak or more on every plan measured (benchmarks/cost_model.py), so such a
-plan's peak is under the limit."""
+"""A plan whose memory row is below this share of the limit is not walked: the ILP's memory
+row counts most of what the walk finds (the values alive at the peak, less the conversions'
+short-lived buffers), so a row this far under the limit leaves the walked peak under it too;
+benchmarks/cost_model.py compares the two."""
 RELAX_SHARE = 0.95
 """A plan under the limit whose row is at least this share of it was chosen with the row
 bound deciding: it is solved once more with the bound widened."""

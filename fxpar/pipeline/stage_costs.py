@@ -50,11 +50,11 @@ stage mesh shape); data-parallel replicas only read the shape's number of device
 (:func:`~fxpar.planning.cost.copy_seconds`), ``update`` the optimizer's update of the stage's
 parameters (:func:`~fxpar.planning.cost.update_seconds`, of ``optimizer_states``), ``add`` the
 runtime's sum of each micro-batch's gradients (:func:`~fxpar.planning.cost.accumulate_seconds`;
-on ViT's stage of 8 micro-batches 2.5 ms a step of 100). A plan's step adds, once, the
-all-reduce that sums a tied weight's gradient between the two stages holding it
-(:meth:`StageCostModel.tied_seconds`, of the bytes of a range's trainable parameters that atoms
-outside it read too: GPT's embedding, which its head reads, 6-11 ms a step of 125 on four gloo
-processes).
+``M - 1`` adds of every trainable parameter, which grows with the micro-batches while the
+compute does not). A plan's step adds, once, the all-reduce that sums a tied weight's gradient
+between the two stages holding it (:meth:`StageCostModel.tied_seconds`, of the bytes of a
+range's trainable parameters that atoms outside it read too, such as GPT's embedding, which its
+head reads).
 
 **Zero-bubble** (``schedule="zb-h1"``). ``T_w`` is the part of ``T_bwd`` only weight
 gradients need: backward nodes no gradient sent back across an atom boundary depends on, found
