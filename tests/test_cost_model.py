@@ -22,6 +22,7 @@ from fxpar import ir, plans
 from fxpar.cluster import Cluster
 from fxpar.ir import NumberedLayer, numbered_layer
 from fxpar.models import GPT, GPTConfig, gpt_loss
+from fxpar.passes import default_passes
 from fxpar.pipeline import Pipeline, evaluate_split
 from fxpar.pipeline.atoms import output_bytes
 from fxpar.planning.cost import (
@@ -134,9 +135,12 @@ def test_stage_dp_compute_and_activations_are_the_shared_roofline_and_saved_valu
     write 20 bytes per byte of weights), and its memory the weights with gradients and
     optimizer state plus the saved values of the shared rule (the batch included)."""
     model, capture = gpt()
-    program = fxpar.capture(model, capture["example_inputs"], gpt_loss,
-                            example_targets=capture["example_targets"])  # fmt: skip
+    captured = fxpar.capture(model, capture["example_inputs"], gpt_loss,
+                             example_targets=capture["example_targets"])  # fmt: skip
     cluster = Cluster((1,))
+    # Planning leaves its input as it was: the costs priced are those of the step prepared
+    # (canonicalized, costed) as the stage DP prepares it.
+    program = default_passes().through("annotate-cost").run(captured, cluster=cluster)
     choice = evaluate_split(program, cluster, Pipeline(stages=(), microbatches=1),
                             optimizer_states=2)  # fmt: skip
     (stage,) = choice.plan.stages
